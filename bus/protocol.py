@@ -1,0 +1,331 @@
+"""Wire types of rollout-bus.
+
+Every message is a ``msgspec.Struct`` (tagged, array-like, defaults omitted).
+On the wire a message is the multipart frame list::
+
+    [routing ids…][kind: 1 byte][msgpack body][raw buffers…]
+
+The kind byte names the Struct (``KIND_OF``/``TYPE_OF``); large payloads
+(prompt token ids as int32, logprobs as float32, weight buckets) travel as raw
+frames after the body, never inside it.
+
+Compatibility rule: add fields only at the END of a Struct, always with a
+default. Removing or reordering fields is a protocol-version bump.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """Base of every wire message."""
+
+
+class _Part(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Base of nested (non-message) parts."""
+
+
+# ---------------------------------------------------------------- data plane
+
+
+class SamplingParams(_Part):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None  # sample i of a request uses seed + i
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: bool = False  # return the chosen token's logprob per token
+
+
+class Generate(_Msg, tag="gen"):
+    """Frames after the body: [prompt token ids, int32 little-endian]."""
+
+    request_id: str
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    num_samples: int = 1
+    session_id: str | None = None
+    lora: str | None = None
+    stream: bool = True
+    # Client deadline in seconds from submission; a request held past it (paused
+    # engine, no healthy engine) ends with Error(code="timeout").
+    timeout_s: float | None = None
+    # Resumption: the last `resume_len` prompt tokens are output generated
+    # earlier (by a parked or failed-over request). They count against
+    # max_tokens and are not re-sent to the client.
+    resume_len: int = 0
+    # Sample indexes of this request start here (a resumed single sample of a
+    # multi-sample request keeps its index).
+    sample_offset: int = 0
+
+
+class Cancel(_Msg, tag="cancel"):
+    request_id: str
+
+
+class Chunk(_Msg, tag="chunk"):
+    """New tokens of one sample. Frames: [token ids int32][logprobs float32, if asked].
+
+    `weight_version` stamps the first token; `version_changes` lists
+    [token offset, version] for every change inside the chunk (only an
+    aggregated, non-streamed chunk spans versions).
+    """
+
+    request_id: str
+    sample_index: int = 0
+    weight_version: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" on the last chunk
+    version_changes: list[list[int]] = []
+    emitted_at: float = 0.0  # engine wall clock when the tokens were produced
+    num_prompt_tokens: int = 0  # set on the final chunk
+
+
+class Error(_Msg, tag="error"):
+    request_id: str
+    code: str  # see bus.errors.ErrorCode
+    message: str
+    field: str | None = None
+
+
+# ------------------------------------------------------------- control ops
+
+
+class Ping(_Msg, tag="ping"):
+    pass
+
+
+class Pause(_Msg, tag="pause"):
+    mode: str = "abort"  # "abort" | "keep" | "wait"
+    lora: str | None = None
+    timeout_s: float = 60.0  # wait mode: drain deadline
+
+
+class Resume(_Msg, tag="resume"):
+    lora: str | None = None
+
+
+class IsPaused(_Msg, tag="is_paused"):
+    lora: str | None = None
+
+
+class Sleep(_Msg, tag="sleep"):
+    level: int = 1
+
+
+class WakeUp(_Msg, tag="wake_up"):
+    tags: list[str] | None = None
+
+
+class ResetPrefixCache(_Msg, tag="reset_prefix_cache"):
+    pass
+
+
+class TensorMeta(_Part):
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix
+    shape: list[int]
+    bucket: int  # index of the bucket holding it
+    offset: int  # byte offset inside the bucket
+    nbytes: int
+
+
+class BeginWeightUpdate(_Msg, tag="begin_weights"):
+    update_id: str
+    transport: str  # "zmq" | "cuda_ipc" | "nccl"
+    tensors: list[TensorMeta]
+    bucket_sizes: list[int]  # bytes per bucket
+    # "model" or "lora:NAME" (stage a LoRA adapter's tensors).
+    target: str = "model"
+    transport_args: dict[str, Any] = {}
+
+
+class ReceiveWeights(_Msg, tag="receive_weights"):
+    """GPU transports: pull the buckets (NCCL broadcast / IPC handles) now."""
+
+    update_id: str
+    handles: list[Any] = []  # cuda_ipc: one handle per bucket (per engine device)
+
+
+class FinishWeightUpdate(_Msg, tag="finish_weights"):
+    update_id: str
+
+
+class AbortWeightUpdate(_Msg, tag="abort_weights"):
+    update_id: str
+
+
+class LoadLora(_Msg, tag="load_lora"):
+    name: str
+    path: str | None = None  # a PEFT adapter folder, or…
+    update_id: str | None = None  # …tensors staged by a BeginWeightUpdate(target="lora:NAME")
+    config: dict[str, Any] = {}  # r, lora_alpha, target_modules (when staged)
+
+
+class UnloadLora(_Msg, tag="unload_lora"):
+    name: str
+
+
+class Stats(_Msg, tag="stats"):
+    pass
+
+
+Op = Union[
+    Ping,
+    Pause,
+    Resume,
+    IsPaused,
+    Sleep,
+    WakeUp,
+    ResetPrefixCache,
+    BeginWeightUpdate,
+    ReceiveWeights,
+    FinishWeightUpdate,
+    AbortWeightUpdate,
+    LoadLora,
+    UnloadLora,
+    Stats,
+]
+
+
+class Command(_Msg, tag="cmd"):
+    """Head → engines over the control PUB. Idempotent by seq: a republished
+    command is acked again from the engine's ack cache, never re-run."""
+
+    seq: int
+    op: Op
+    targets: list[str] | None = None  # None: every engine
+
+
+class Ack(_Msg, tag="ack"):
+    seq: int
+    engine_id: str
+    ok: bool = True
+    result: dict[str, Any] = {}
+    error: str | None = None
+    code: str | None = None
+
+
+# --------------------------------------------------- client ↔ head control
+
+
+class Control(_Msg, tag="ctl"):
+    request_id: str
+    op: Op
+    targets: list[str] | None = None
+    timeout_s: float = 60.0
+
+
+class ControlReply(_Msg, tag="ctl_reply"):
+    request_id: str
+    results: dict[str, dict[str, Any]] = {}  # engine id -> result (ok engines)
+    errors: dict[str, str] = {}  # engine id -> error message
+    missing: list[str] = []  # targeted engines that did not ack in time
+
+
+class Query(_Msg, tag="query"):
+    request_id: str
+    what: str  # "health" | "engines"
+
+
+class QueryReply(_Msg, tag="query_reply"):
+    request_id: str
+    body: dict[str, Any] = {}
+
+
+class EndSession(_Msg, tag="end_session"):
+    request_id: str
+    session_id: str
+
+
+# ------------------------------------------------------------------ events
+
+
+class Register(_Msg, tag="register"):
+    engine_id: str
+    data_address: str
+    weight_address: str
+    backend: str
+    model: str
+    protocol_version: int
+    incarnation: str  # changes when the process restarts
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    capacity: int = 64  # sequences it batches at once
+    vocab_size: int = 0
+    pid: int = 0
+    weight_version: int = 0
+    loras: list[str] = []
+    host: str = ""
+
+
+class RegisterReply(_Msg, tag="register_reply"):
+    ok: bool
+    error: str | None = None
+    heartbeat_interval_s: float = 0.5
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    engine_id: str
+    incarnation: str
+    running: int = 0
+    waiting: int = 0
+    held: int = 0  # behind the submission gate
+    parked: int = 0  # aborted by a pause, re-submitted on resume
+    kv_usage: float = 0.0
+    weight_version: int = 0
+    paused: list[str] = []  # "*" for all, else LoRA names
+    steps: int = 0
+    loras: list[str] = []
+    sleeping: int = 0  # sleep level, 0 awake
+    tokens_out: int = 0
+
+
+# ------------------------------------------------------ weight socket (zmq)
+
+
+class WeightBucket(_Msg, tag="wbucket"):
+    """Frames: [bucket bytes]."""
+
+    update_id: str
+    bucket: int
+
+
+class WeightBucketAck(_Msg, tag="wbucket_ack"):
+    update_id: str
+    bucket: int
+    ok: bool = True
+    error: str | None = None
+
+
+# ------------------------------------------------------------ kind table
+
+# One byte per message type. Never reuse a code.
+KIND_OF: dict[type, bytes] = {
+    Generate: b"G",
+    Cancel: b"X",
+    Chunk: b"C",
+    Error: b"E",
+    Command: b"M",
+    Ack: b"A",
+    Control: b"K",
+    ControlReply: b"k",
+    Query: b"Q",
+    QueryReply: b"q",
+    EndSession: b"S",
+    Register: b"R",
+    RegisterReply: b"r",
+    Heartbeat: b"H",
+    WeightBucket: b"W",
+    WeightBucketAck: b"w",
+}
+TYPE_OF: dict[bytes, type] = {v: k for k, v in KIND_OF.items()}
+assert len(TYPE_OF) == len(KIND_OF), "duplicate kind byte"
+
+OP_NAMES: dict[type, str] = {t: t.__struct_config__.tag for t in Op.__args__}  # type: ignore[attr-defined]

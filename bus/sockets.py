@@ -1,0 +1,102 @@
+"""Socket helpers: every option that matters is set explicitly.
+
+Ownership: a socket belongs to the one thread (or asyncio loop) that made it.
+Close with linger=0 before the context is terminated.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+
+import zmq
+
+# Hard cap enforced by libzmq: a larger message makes libzmq drop the
+# connection (no reply is possible), so it sits well above the application
+# limits (max prompt tokens, weight bucket size), which do get a typed Error.
+MAX_MSG_BYTES = 2 << 30
+# Data-plane HWM 0 = unbounded: a chunk must never be dropped or block the
+# loop; memory is bounded by the engines' batch capacity instead.
+DATA_HWM = 0
+CONTROL_HWM = 100_000
+
+
+def make_socket(
+    ctx: zmq.Context,
+    kind: int,
+    *,
+    bind: str | None = None,
+    connect: str | None = None,
+    hwm: int = DATA_HWM,
+    maxmsgsize: int = MAX_MSG_BYTES,
+    router_mandatory: bool = True,
+    identity: bytes | None = None,
+    subscribe: list[bytes] | None = None,
+    curve: "CurveKeys | None" = None,
+    curve_server: bool = False,
+) -> zmq.Socket:
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, hwm)
+    s.setsockopt(zmq.RCVHWM, hwm)
+    s.setsockopt(zmq.MAXMSGSIZE, maxmsgsize)
+    if kind == zmq.ROUTER and router_mandatory:
+        # Sending to an unknown/gone peer raises EHOSTUNREACH instead of
+        # silently dropping: the caller decides (usually: the client left).
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if identity is not None:
+        s.setsockopt(zmq.IDENTITY, identity)
+    if curve is not None:
+        curve.apply(s, server=curve_server)
+    for topic in subscribe or ():
+        s.setsockopt(zmq.SUBSCRIBE, topic)
+    if bind:
+        s.bind(bind)
+    if connect:
+        s.connect(connect)
+    return s
+
+
+class CurveKeys:
+    """CURVE keys for TCP sockets (made by launch.py, read from a key dir)."""
+
+    def __init__(self, server_public: bytes, public: bytes, secret: bytes) -> None:
+        self.server_public = server_public
+        self.public = public
+        self.secret = secret
+
+    def apply(self, s: zmq.Socket, *, server: bool) -> None:
+        s.curve_secretkey = self.secret
+        s.curve_publickey = self.public
+        if server:
+            s.curve_server = True
+        else:
+            s.curve_serverkey = self.server_public
+
+    @classmethod
+    def load(cls, key_dir: str) -> "CurveKeys":
+        import zmq.auth
+
+        pub, sec = zmq.auth.load_certificate(os.path.join(key_dir, "rollout-bus.key_secret"))
+        return cls(server_public=pub, public=pub, secret=sec)
+
+    @staticmethod
+    def generate(key_dir: str) -> str:
+        import zmq.auth
+
+        os.makedirs(key_dir, exist_ok=True)
+        zmq.auth.create_certificates(key_dir, "rollout-bus")
+        return key_dir
+
+
+def ipc_dir() -> str:
+    """A private folder for this run's IPC endpoints (paths must stay short)."""
+    d = os.path.join(tempfile.gettempdir(), f"rbus-{uuid.uuid4().hex[:8]}")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def bound_address(s: zmq.Socket) -> str:
+    """The concrete endpoint after binding `tcp://host:*` (port resolved)."""
+    return s.getsockopt_string(zmq.LAST_ENDPOINT)

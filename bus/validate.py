@@ -1,0 +1,74 @@
+"""Validation of a Generate request, shared by the router and the engine node.
+
+Raises BadRequest naming the offending field. The engine node checks again
+what only it knows (the LoRA adapters it has, its max model length).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from bus.errors import BadRequest
+from bus.protocol import Generate
+
+MAX_NUM_SAMPLES = 1024
+
+
+def prompt_from_frames(msg: Generate, buffers: list[Any], *, max_prompt_tokens: int) -> np.ndarray:
+    """The prompt as an int32 array (a view of the frame, no copy)."""
+    rid = msg.request_id
+    if not buffers:
+        raise BadRequest("missing prompt frame (int32 token ids after the body)", request_id=rid, field="prompt_token_ids")
+    raw = buffers[0]
+    n = len(raw)
+    if n == 0:
+        raise BadRequest("empty prompt", request_id=rid, field="prompt_token_ids")
+    if n % 4:
+        raise BadRequest(f"prompt frame is {n} bytes, not a multiple of 4 (int32)", request_id=rid, field="prompt_token_ids")
+    if n // 4 > max_prompt_tokens:
+        raise BadRequest(
+            f"prompt has {n // 4} tokens, more than max_prompt_tokens={max_prompt_tokens}",
+            request_id=rid,
+            field="prompt_token_ids",
+        )
+    return np.frombuffer(raw, dtype="<i4")
+
+
+def check_generate(msg: Generate, prompt: np.ndarray, *, vocab_size: int = 0) -> None:
+    rid = msg.request_id
+    p = msg.params
+
+    def bad(field: str, why: str) -> BadRequest:
+        return BadRequest(why, request_id=rid, field=field)
+
+    if not rid:
+        raise bad("request_id", "request_id must be a non-empty string")
+    if p.max_tokens <= 0:
+        raise bad("params.max_tokens", f"max_tokens must be >= 1, got {p.max_tokens}")
+    if p.temperature < 0:
+        raise bad("params.temperature", f"temperature must be >= 0, got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        raise bad("params.top_p", f"top_p must be in (0, 1], got {p.top_p}")
+    if p.top_k < -1:
+        raise bad("params.top_k", f"top_k must be >= -1 (0 or -1: off), got {p.top_k}")
+    if not 1 <= msg.num_samples <= MAX_NUM_SAMPLES:
+        raise bad("num_samples", f"num_samples must be in [1, {MAX_NUM_SAMPLES}], got {msg.num_samples}")
+    if msg.timeout_s is not None and msg.timeout_s <= 0:
+        raise bad("timeout_s", f"timeout_s must be > 0, got {msg.timeout_s}")
+    if not 0 <= msg.resume_len < len(prompt) or msg.resume_len >= p.max_tokens:
+        if msg.resume_len:
+            raise bad("resume_len", f"resume_len={msg.resume_len} must be < the prompt length and < max_tokens")
+    if msg.resume_len and msg.num_samples != 1:
+        raise bad("resume_len", "a resumed request carries exactly one sample")
+    lo = int(prompt.min())
+    if lo < 0:
+        raise bad("prompt_token_ids", f"token id {lo} is negative")
+    if vocab_size:
+        hi = int(prompt.max())
+        if hi >= vocab_size:
+            raise bad("prompt_token_ids", f"token id {hi} is outside the vocabulary (size {vocab_size})")
+        for t in p.stop_token_ids:
+            if not 0 <= t < vocab_size:
+                raise bad("params.stop_token_ids", f"stop token id {t} is outside the vocabulary (size {vocab_size})")

@@ -1,0 +1,1 @@
+"""Engine node: one process per inference engine (see node.py)."""

@@ -1,0 +1,63 @@
+"""Engine node configuration (flags of `python -m engine_node`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+from typing import Any
+
+
+@dataclasses.dataclass
+class EngineNodeConfig:
+    engine_id: str
+    head_events: str  # the head's events ROUTER (register, heartbeats, acks)
+    head_control: str  # the head's control PUB
+    data_address: str  # bind: requests from the router / direct clients
+    weight_address: str  # bind: zmq weight buckets
+    backend: str = "torch"
+    model: str = ""
+    backend_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    heartbeat_interval_s: float = 0.5
+    max_prompt_tokens: int = 32768
+    drain_timeout_s: float = 5.0  # SIGTERM: how long running requests may finish
+    register_timeout_s: float = 120.0  # give up when the head never answers
+    advertise_host: str = ""  # how other nodes reach tcp://*:port binds
+    curve_dir: str | None = None
+
+
+def parse_args(argv: list[str] | None = None) -> EngineNodeConfig:
+    ap = argparse.ArgumentParser("engine_node", description="One rollout-bus engine node.")
+    ap.add_argument("--engine-id", required=True)
+    ap.add_argument("--head-events", required=True)
+    ap.add_argument("--head-control", required=True)
+    ap.add_argument("--data-address", required=True)
+    ap.add_argument("--weight-address", required=True)
+    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--model", default="")
+    ap.add_argument("--backend-options", default="{}", help="JSON object passed to the backend factory")
+    ap.add_argument("--heartbeat-interval-s", type=float, default=0.5)
+    ap.add_argument("--max-prompt-tokens", type=int, default=32768)
+    ap.add_argument("--drain-timeout-s", type=float, default=5.0)
+    ap.add_argument("--register-timeout-s", type=float, default=120.0)
+    ap.add_argument("--advertise-host", default=os.environ.get("ROLLOUT_BUS_HOST", socket.gethostname()))
+    ap.add_argument("--curve-dir", default=None)
+    a = ap.parse_args(argv)
+    return EngineNodeConfig(
+        engine_id=a.engine_id,
+        head_events=a.head_events,
+        head_control=a.head_control,
+        data_address=a.data_address,
+        weight_address=a.weight_address,
+        backend=a.backend,
+        model=a.model,
+        backend_options=json.loads(a.backend_options),
+        heartbeat_interval_s=a.heartbeat_interval_s,
+        max_prompt_tokens=a.max_prompt_tokens,
+        drain_timeout_s=a.drain_timeout_s,
+        register_timeout_s=a.register_timeout_s,
+        advertise_host=a.advertise_host,
+        curve_dir=a.curve_dir,
+    )

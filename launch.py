@@ -1,0 +1,387 @@
+"""One command that launches rollout-bus: a head and engine nodes.
+
+    python launch.py                       # local default: head + 2 engines
+    python launch.py --demo                # … and run a short client session
+    python launch.py --head --engines 0    # multi-node: the head on this node
+    python launch.py --join tcp://HEAD:5555 --engines 4   # engines on another node
+
+Backend: `auto` picks vLLM when it is installed and a GPU is visible, else the
+torch backend on a tiny random-weight model built into a cache dir (no hub).
+
+The launcher supervises its children with psutil: a crashed engine is
+restarted (bounded by --max-restarts), a dead head stops everything, and
+Ctrl-C / SIGTERM sends SIGTERM to the whole tree, waits --grace-s, then
+SIGKILLs what is left. Children also die with the launcher (PDEATHSIG), so
+no process outlives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import psutil
+import structlog
+
+log = structlog.get_logger("launch")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class State(enum.Enum):
+    RUNNING = "running"
+    STOPPING = "stopping"
+
+
+@dataclasses.dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=HERE)
+        self.started_at = time.monotonic()
+
+
+class Supervisor:
+    def __init__(self, max_restarts: int, grace_s: float) -> None:
+        self.children: dict[str, Child] = {}
+        self.max_restarts = max_restarts
+        self.grace_s = grace_s
+        self.state = State.RUNNING
+        self.exit_code = 0
+
+    def request_stop(self, *_: Any) -> None:
+        """Signal handler: only flips the state; `watch` does the work."""
+        self.state = State.STOPPING
+
+    def add(self, child: Child) -> Child:
+        self.children[child.name] = child
+        child.start()
+        return child
+
+    def check(self) -> None:
+        """Restart crashed engines (bounded); a dead head is fatal."""
+        for c in self.children.values():
+            rc = c.proc.poll() if c.proc else None
+            if rc is None or self.state is State.STOPPING:
+                continue
+            if c.name == "head":
+                log.error("head_died", rc=rc)
+                self.exit_code = 1
+                self.state = State.STOPPING
+                return
+            if c.restarts >= self.max_restarts:
+                log.error("engine_gave_up", engine=c.name, rc=rc, max_restarts=self.max_restarts)
+                c.proc = None
+                continue
+            c.restarts += 1
+            log.warning("engine_restart", engine=c.name, rc=rc, restart=c.restarts)
+            c.start()
+
+    def alive(self) -> list[psutil.Process]:
+        procs: list[psutil.Process] = []
+        for c in self.children.values():
+            if c.proc is None:
+                continue
+            try:
+                p = psutil.Process(c.proc.pid)
+                procs.append(p)
+                procs.extend(p.children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+        return procs
+
+    def shutdown(self) -> None:
+        """SIGTERM the whole tree, wait grace_s, SIGKILL the rest."""
+        procs = self.alive()
+        # Engines first so they stop producing; then the head answers what's left.
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        gone, left = psutil.wait_procs(procs, timeout=self.grace_s)
+        for p in left:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(left, timeout=5)
+        for c in self.children.values():
+            if c.proc is not None:
+                try:
+                    c.proc.wait(timeout=1)
+                except subprocess.TimeoutExpired:
+                    pass
+        if left:
+            log.warning("killed_after_grace", pids=[p.pid for p in left], grace_s=self.grace_s)
+
+
+def pick_backend(name: str) -> str:
+    if name != "auto":
+        return name
+    if importlib.util.find_spec("vllm") is not None:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return "vllm"
+        except Exception:
+            pass
+    return "torch"
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser("launch.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", type=int, default=None, help="engine nodes on this machine (default: 2, or GPUs // tp with vLLM)")
+    ap.add_argument("--backend", default="auto", choices=["auto", "torch", "vllm", "null"])
+    ap.add_argument("--model", default=None, help="model folder (default: a tiny random model built into the cache)")
+    ap.add_argument("--host", default="127.0.0.1", help="address the head binds (0.0.0.0 for multi-node)")
+    ap.add_argument("--port", type=int, default=5555, help="frontend port; events = port+1, control = port+2; 0: any free")
+    ap.add_argument("--advertise-host", default=None, help="how other nodes reach this one (default: hostname for multi-node)")
+    ap.add_argument("--policy", default="least_loaded", choices=["least_loaded", "random"])
+    ap.add_argument("--head", action="store_true", help="multi-node: run the head here (engines here: --engines, default 0)")
+    ap.add_argument("--join", default=None, metavar="tcp://HEAD:PORT", help="multi-node: run engines here for that head")
+    ap.add_argument("--engine-id-prefix", default=None, help="engine ids are PREFIX0, PREFIX1… (default: host name when joining)")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--gpus", default=None, help="comma-separated GPU ids for vLLM engines (default: all visible)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--backend-options", default="{}", help="extra JSON options for the backend factory")
+    ap.add_argument("--heartbeat-interval-s", type=float, default=0.5)
+    ap.add_argument("--curve", action="store_true", help="secure TCP sockets with CURVE (keys in --curve-dir)")
+    ap.add_argument("--curve-dir", default=None, help="key folder: made here when missing; copy it to joining nodes")
+    ap.add_argument("--max-restarts", type=int, default=3)
+    ap.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM → SIGKILL grace on shutdown")
+    ap.add_argument("--ready-timeout-s", type=float, default=300.0)
+    ap.add_argument("--demo", action="store_true", help="run a short client session once the cluster is ready")
+    ap.add_argument("--once", action="store_true", help="exit after readiness (and the demo) instead of serving until Ctrl-C")
+    ap.add_argument("--log-level", default="INFO")
+    return ap.parse_args(argv)
+
+
+def engine_backend_options(a: argparse.Namespace, backend: str) -> dict[str, Any]:
+    opts = json.loads(a.backend_options)
+    if backend == "vllm":
+        opts.setdefault("tp", a.tp)
+        opts.setdefault("gpu_memory_utilization", a.gpu_memory_utilization)
+    if a.max_model_len:
+        opts.setdefault("max_model_len", a.max_model_len)
+    return opts
+
+
+def gpu_groups(a: argparse.Namespace, backend: str, n_engines: int | None) -> list[str | None]:
+    if backend != "vllm":
+        return [None] * (2 if n_engines is None else n_engines)
+    if a.gpus:
+        gpus = a.gpus.split(",")
+    else:
+        import torch
+
+        gpus = [str(i) for i in range(torch.cuda.device_count())]
+    n = len(gpus) // a.tp if n_engines is None else n_engines
+    if n * a.tp > len(gpus):
+        raise SystemExit(f"{n} engine(s) × tp={a.tp} needs {n * a.tp} GPUs, have {gpus}")
+    return [",".join(gpus[i * a.tp : (i + 1) * a.tp]) for i in range(n)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    from bus.runtime import configure_logging, set_title
+
+    configure_logging(a.log_level)
+    set_title("rollout-bus launch")
+    sup = Supervisor(a.max_restarts, a.grace_s)
+    signal.signal(signal.SIGINT, sup.request_stop)
+    signal.signal(signal.SIGTERM, sup.request_stop)
+    run_dir = tempfile.mkdtemp(prefix="rbus-")
+    try:
+        return _run(a, sup, run_dir)
+    finally:
+        sup.shutdown()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        log.info("launch_stopped", leftover=len(sup.alive()))
+
+
+def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = HERE + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    multi_node = a.head or a.join is not None
+    curve_dir = None
+    if a.curve:
+        from bus.sockets import CurveKeys
+
+        curve_dir = a.curve_dir or os.path.join(os.path.expanduser("~"), ".cache", "rollout-bus", "curve")
+        if not os.path.exists(os.path.join(curve_dir, "rollout-bus.key_secret")):
+            if a.join:
+                raise SystemExit(f"--curve: no keys in {curve_dir}; copy the head's key folder here")
+            CurveKeys.generate(curve_dir)
+    backend = pick_backend(a.backend)
+    model = a.model
+    if backend == "torch" and not model:
+        from engine_node.tiny_model import ensure_tiny_model
+
+        model = ensure_tiny_model()
+    elif backend == "null":
+        model = model or "null"
+    elif not model:
+        raise SystemExit(f"--model is required with the {backend} backend")
+
+    # ---- the head
+    if a.join:
+        head_host, head_port = a.join.removeprefix("tcp://").rsplit(":", 1)
+        front = a.join
+        events, control = f"tcp://{head_host}:{int(head_port) + 1}", f"tcp://{head_host}:{int(head_port) + 2}"
+    else:
+        port = a.port or free_port(a.host)
+        ev_port, ctl_port = (port + 1, port + 2) if a.port else (free_port(a.host), free_port(a.host))
+        front = f"tcp://{a.host}:{port}"
+        events, control = f"tcp://{a.host}:{ev_port}", f"tcp://{a.host}:{ctl_port}"
+        ready_file = os.path.join(run_dir, "head.json")
+        head_argv = [
+            sys.executable, "-m", "router_node",
+            "--frontend", front, "--events", events, "--control", control,
+            "--policy", a.policy, "--heartbeat-interval-s", str(a.heartbeat_interval_s),
+            "--ready-file", ready_file,
+        ]  # fmt: skip
+        if curve_dir:
+            head_argv += ["--curve-dir", curve_dir]
+        sup.add(Child("head", head_argv, env))
+        deadline = time.monotonic() + 30
+        while not os.path.exists(ready_file):
+            sup.check()
+            if sup.state is State.STOPPING or time.monotonic() > deadline:
+                log.error("head_not_ready", timeout_s=30)
+                return 1
+            time.sleep(0.05)
+        if a.host == "0.0.0.0":
+            adv = a.advertise_host or socket.gethostname()
+            events, control = events.replace("0.0.0.0", adv), control.replace("0.0.0.0", adv)
+            front = front.replace("0.0.0.0", adv)
+
+    # ---- the engines
+    n_engines = a.engines if a.engines is not None else (0 if a.head else None)
+    groups = gpu_groups(a, backend, n_engines)
+    prefix = a.engine_id_prefix or (f"{socket.gethostname()}-e" if a.join else "e")
+    opts = json.dumps(engine_backend_options(a, backend))
+    for i, gpus in enumerate(groups):
+        eid = f"{prefix}{i}"
+        if multi_node:
+            data, weights = "tcp://0.0.0.0:*", "tcp://0.0.0.0:*"
+        else:
+            data, weights = f"ipc://{run_dir}/{eid}.data", f"ipc://{run_dir}/{eid}.weights"
+        eargv = [
+            sys.executable, "-m", "engine_node", "--engine-id", eid,
+            "--head-events", events, "--head-control", control,
+            "--data-address", data, "--weight-address", weights,
+            "--backend", backend, "--model", model, "--backend-options", opts,
+            "--heartbeat-interval-s", str(a.heartbeat_interval_s),
+        ]  # fmt: skip
+        if a.advertise_host:
+            eargv += ["--advertise-host", a.advertise_host]
+        if curve_dir:
+            eargv += ["--curve-dir", curve_dir]
+        eenv = dict(env)
+        if gpus is not None:
+            eenv["CUDA_VISIBLE_DEVICES"] = gpus
+        sup.add(Child(eid, eargv, eenv))
+
+    # ---- readiness
+    from trainer_bridge import Client
+
+    client = Client(front, timeout_s=120, control_timeout_s=30, curve_dir=curve_dir)
+    try:
+        want = len(groups) if not a.head else max(len(groups), 0)
+        deadline = time.monotonic() + a.ready_timeout_s
+        while sup.state is State.RUNNING:
+            sup.check()
+            try:
+                h = client._call(client._aclient.health(), 5)
+            except Exception:
+                h = None
+            mine = [e for e in (h or {}).get("engines", {}).values() if e["engine_id"].startswith(prefix)]
+            if h and sum(e["healthy"] for e in mine) >= want:
+                break
+            if time.monotonic() > deadline:
+                log.error("cluster_not_ready", ready_timeout_s=a.ready_timeout_s, health=h)
+                return 1
+            time.sleep(0.2)
+        if sup.state is not State.RUNNING:
+            return sup.exit_code
+        print_table(client.engines(), front, backend)
+        if a.demo:
+            run_demo(client)
+        if a.once:
+            return 0
+        print("serving; Ctrl-C to stop", flush=True)
+        while sup.state is State.RUNNING:
+            sup.check()
+            time.sleep(0.2)
+        return sup.exit_code
+    finally:
+        client.close()
+
+
+def print_table(engines: list[dict[str, Any]], front: str, backend: str) -> None:
+    rows = [("engine", "address", "backend", "model", "state")]
+    for e in sorted(engines, key=lambda e: e["engine_id"]):
+        model = e["model"] if len(e["model"]) <= 48 else "…" + e["model"][-47:]
+        rows.append((e["engine_id"], e["data_address"], e["backend"], model, e["state"]))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(5)]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))  # noqa: E731
+    print(line(rows[0]), flush=False)
+    print("  ".join("-" * w for w in widths))
+    for r in rows[1:]:
+        print(line(r))
+    print(f"\ntrainer connects to: {front}   (trainer_bridge.Client({front!r}))", flush=True)
+
+
+def run_demo(client: Any) -> None:
+    import random
+
+    rng = random.Random(0)
+    vocab = min(e["vocab_size"] for e in client.engines())
+    before = {e["engine_id"]: e["tokens_out"] for e in client.health()["engines"].values()}
+    prompts = [[rng.randrange(4, vocab) for _ in range(rng.randint(4, 16))] for _ in range(32)]
+    t0 = time.perf_counter()
+    results = client.generate(prompts, {"max_tokens": 16, "temperature": 0.8, "seed": 1})
+    dt = time.perf_counter() - t0
+    ntok = sum(len(r.token_ids) for r in results)
+    print(f"\ndemo: {len(prompts)} requests, {ntok} tokens in {dt:.2f}s = {ntok / dt:.0f} tokens/s")
+    chunks = list(client.stream(prompts[0], {"max_tokens": 8, "temperature": 0}))
+    print(f"demo: streamed {len(chunks)} chunks: {[c.token_ids[0] for c in chunks if c.token_ids]}")
+    s = client.sample(prompts[1], 4, {"max_tokens": 8, "temperature": 1.0, "seed": 7})
+    print(f"demo: sample(num_samples=4) stop reasons {[q.stop_reason for q in s.sequences]}")
+    paused = client.pause("abort")
+    client.resume()
+    print(f"demo: pause(abort)/resume on {sorted(paused)}")
+    time.sleep(1.2)  # one heartbeat brings the token counters
+    after = {e["engine_id"]: e["tokens_out"] for e in client.health()["engines"].values()}
+    spread = {k: after[k] - before.get(k, 0) for k in sorted(after)}
+    print(f"demo: tokens per engine {spread}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

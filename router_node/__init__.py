@@ -1,0 +1,1 @@
+"""The head process: registry, health, routing, forwarding, control fan-out."""

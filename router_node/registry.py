@@ -1,0 +1,106 @@
+"""Engine registry and health, owned by the router loop thread.
+
+Health means something: an engine is healthy only when it has joined (acked
+a publication), its heartbeats are fresh, and — when it has runnable work —
+its step counter moves. A paused engine with frozen work is not "stalled".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any
+
+import zmq
+
+from bus import protocol as P
+
+
+class EngineState(enum.Enum):
+    JOINING = "joining"  # registered, join ping not acked yet
+    HEALTHY = "healthy"
+    STALLED = "stalled"  # heartbeats arrive, steps do not move while it has work
+    SILENT = "silent"  # missed heartbeats: presumed dead
+
+
+@dataclasses.dataclass(eq=False)
+class EngineEntry:
+    reg: P.Register
+    sock: zmq.Socket  # router-side DEALER connected to the engine's data socket
+    registered_at: float
+    state: EngineState = EngineState.JOINING
+    reason: str = "waiting for the join ping ack"
+    last_seen: float = 0.0
+    hb: P.Heartbeat | None = None
+    steps_changed_at: float = 0.0
+    outstanding: int = 0  # sequences the router has in flight there
+    loras: set[str] = dataclasses.field(default_factory=set)
+    weight_version: int = 0
+    silent_since: float | None = None
+
+    @property
+    def engine_id(self) -> str:
+        return self.reg.engine_id
+
+    @property
+    def healthy(self) -> bool:
+        return self.state is EngineState.HEALTHY
+
+    def on_heartbeat(self, hb: P.Heartbeat, now: float) -> None:
+        if self.hb is None or hb.steps != self.hb.steps:
+            self.steps_changed_at = now
+        self.hb = hb
+        self.last_seen = now
+        self.loras = set(hb.loras)
+        self.weight_version = hb.weight_version
+
+    def evaluate(self, now: float, *, deadline_s: float, stall_timeout_s: float) -> tuple[EngineState, str]:
+        """The state this engine should be in now (JOINING is left by the join ack)."""
+        if self.state is EngineState.JOINING:
+            return self.state, self.reason
+        if now - self.last_seen > deadline_s:
+            return EngineState.SILENT, f"no heartbeat for {now - self.last_seen:.1f}s (> {deadline_s:.1f}s)"
+        hb = self.hb
+        if hb is not None and hb.running > 0 and now - self.steps_changed_at > stall_timeout_s:
+            return EngineState.STALLED, f"step counter stuck at {hb.steps} for {now - self.steps_changed_at:.1f}s with {hb.running} running (stall_timeout_s={stall_timeout_s})"
+        return EngineState.HEALTHY, "ok"
+
+    def describe(self, now: float) -> dict[str, Any]:
+        hb = self.hb
+        r = self.reg
+        return {
+            "engine_id": r.engine_id,
+            "healthy": self.healthy,
+            "state": self.state.value,
+            "reason": self.reason,
+            "data_address": r.data_address,
+            "weight_address": r.weight_address,
+            "backend": r.backend,
+            "model": r.model,
+            "host": r.host,
+            "pid": r.pid,
+            "tp": r.tp,
+            "pp": r.pp,
+            "dp": r.dp,
+            "capacity": r.capacity,
+            "vocab_size": r.vocab_size,
+            "incarnation": r.incarnation,
+            "outstanding": self.outstanding,
+            "heartbeat_age_s": round(now - self.last_seen, 3) if self.last_seen else None,
+            "running": hb.running if hb else 0,
+            "waiting": hb.waiting if hb else 0,
+            "held": hb.held if hb else 0,
+            "parked": hb.parked if hb else 0,
+            "kv_usage": hb.kv_usage if hb else 0.0,
+            "weight_version": self.weight_version,
+            "paused": list(hb.paused) if hb else [],
+            "sleeping": hb.sleeping if hb else 0,
+            "steps": hb.steps if hb else 0,
+            "tokens_out": hb.tokens_out if hb else 0,
+            "loras": sorted(self.loras),
+        }
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,34 @@
+"""What a trainer imports: the rollout-bus client and its result types."""
+
+from bus.errors import (
+    BadRequest,
+    ClosedByUs,
+    ControlError,
+    EngineDead,
+    NoHealthyEngine,
+    ProtocolError,
+    RequestTimeout,
+    RolloutBusError,
+)
+from bus.protocol import SamplingParams
+from trainer_bridge.client import AsyncClient, Client
+from trainer_bridge.types import GenerationResult, SampledSequence, SampleOutput, SampleResponse, StreamChunk
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "SamplingParams",
+    "GenerationResult",
+    "SampleOutput",
+    "StreamChunk",
+    "SampleResponse",
+    "SampledSequence",
+    "RolloutBusError",
+    "BadRequest",
+    "ClosedByUs",
+    "ControlError",
+    "EngineDead",
+    "NoHealthyEngine",
+    "ProtocolError",
+    "RequestTimeout",
+]

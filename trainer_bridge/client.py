@@ -1,0 +1,574 @@
+"""The trainer's client: generation, streaming, Tinker-style sampling and the
+RL control plane (pause/resume, weights, sleep, LoRA), over one DEALER socket.
+
+`AsyncClient` is the implementation; its socket belongs to the asyncio loop
+that first used it. `Client` is the synchronous face: it runs an AsyncClient
+on a private loop thread, so it is safe to call from any thread.
+
+Every wait has a deadline; a timeout names the knob (`timeout_s`,
+`control_timeout_s`). Errors are typed and carry the request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import queue
+import threading
+import time
+import weakref
+from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from bus import protocol as P
+from bus.codec import Codec
+from bus.errors import BadRequest, ClosedByUs, ControlError, ProtocolError, RequestTimeout, exception_from_wire
+from bus.sockets import CurveKeys, make_socket
+from trainer_bridge.types import GenerationResult, SampledSequence, SampleOutput, SampleResponse, StreamChunk
+
+_END = object()
+_GRACE_S = 2.0  # the servers' own deadline errors should reach us before ours fires
+
+
+def _params(params: P.SamplingParams | dict[str, Any] | None, **overrides: Any) -> P.SamplingParams:
+    if params is None:
+        params = P.SamplingParams()
+    elif isinstance(params, dict):
+        unknown = set(params) - set(P.SamplingParams.__struct_fields__)
+        if unknown:
+            raise BadRequest(f"unknown sampling parameter(s) {sorted(unknown)}", field="params")
+        params = P.SamplingParams(**params)
+    if overrides:
+        params = msgspec.structs.replace(params, **overrides)
+    return params
+
+
+def _is_batch(prompt: Any) -> bool:
+    if isinstance(prompt, np.ndarray):
+        return prompt.ndim == 2
+    return bool(prompt) and isinstance(prompt[0], (list, tuple, np.ndarray))
+
+
+class AsyncClient:
+    def __init__(
+        self,
+        address: str = "tcp://127.0.0.1:5555",
+        *,
+        timeout_s: float = 600.0,
+        control_timeout_s: float = 120.0,
+        curve_dir: str | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.control_timeout_s = control_timeout_s
+        self._curve = CurveKeys.load(curve_dir) if curve_dir else None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._codec = Codec()
+        self._reader: asyncio.Task | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._replies: dict[str, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._prefix = os.urandom(4).hex()
+        self._closed = False
+
+    # ------------------------------------------------------------ plumbing
+
+    def _new_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+    def _socket(self) -> zmq.asyncio.Socket:
+        if self._closed:
+            raise ClosedByUs("the client was closed")
+        if self._sock is None:
+            self._ctx = zmq.asyncio.Context()
+            tcp = self.address.startswith("tcp://")
+            self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.address, curve=self._curve if tcp else None)
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        return self._sock
+
+    async def _read_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                msg, buffers = self._codec.decode(frames)
+            except Exception:
+                continue  # a garbled reply cannot be routed to anyone
+            rid = msg.request_id
+            q = self._streams.get(rid)
+            if q is not None:
+                q.put_nowait((msg, buffers))
+                continue
+            fut = self._replies.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    def _send(self, msg: Any, buffers: Sequence[Any] = ()) -> None:
+        self._socket().send_multipart(self._codec.encode(msg, buffers))
+
+    async def _request(self, msg: Any, timeout_s: float, knob: str) -> Any:
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[msg.request_id] = fut
+        self._send(msg)
+        try:
+            reply = await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(
+                f"no reply from the head at {self.address} within {knob}={timeout_s}", request_id=msg.request_id, field=knob
+            ) from None
+        finally:
+            self._replies.pop(msg.request_id, None)
+        if isinstance(reply, P.Error):
+            raise exception_from_wire(reply.code, reply.message, reply.request_id, reply.field)
+        return reply
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        for q in self._streams.values():
+            q.put_nowait((_END, None))
+        for f in self._replies.values():
+            if not f.done():
+                f.set_exception(ClosedByUs("the client was closed while waiting"))
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # ------------------------------------------------------------ generation
+
+    async def stream(
+        self,
+        prompt_ids: Sequence[int],
+        params: P.SamplingParams | dict[str, Any] | None = None,
+        *,
+        num_samples: int = 1,
+        session_id: str | None = None,
+        lora: str | None = None,
+        timeout_s: float | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[StreamChunk]:
+        """Chunks as the engine produces them (per step, per sample). Ends
+        after every sample's final chunk; raises a typed error instead."""
+        async for ch, _ in self._chunks(
+            prompt_ids, params, num_samples=num_samples, session_id=session_id, lora=lora, timeout_s=timeout_s, request_id=request_id
+        ):
+            yield ch
+
+    async def _chunks(
+        self,
+        prompt_ids: Sequence[int],
+        params: Any,
+        *,
+        num_samples: int = 1,
+        session_id: str | None = None,
+        lora: str | None = None,
+        timeout_s: float | None = None,
+        request_id: str | None = None,
+        _stream: bool = True,
+    ) -> AsyncIterator[tuple[StreamChunk, list[list[int]]]]:
+        rid = request_id or self._new_id()
+        timeout = timeout_s or self.timeout_s
+        sp = _params(params)
+        msg = P.Generate(
+            request_id=rid,
+            params=sp,
+            num_samples=num_samples,
+            session_id=session_id,
+            lora=lora,
+            stream=_stream,
+            timeout_s=timeout,
+        )
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = q
+        deadline = time.monotonic() + timeout + _GRACE_S
+        open_samples = num_samples
+        try:
+            self._send(msg, [np.asarray(prompt_ids, dtype="<i4").tobytes()])
+            while open_samples:
+                left = deadline - time.monotonic()
+                try:
+                    item, buffers = await asyncio.wait_for(q.get(), max(left, 0))
+                except asyncio.TimeoutError:
+                    self._send(P.Cancel(request_id=rid))
+                    raise RequestTimeout(f"request did not finish within timeout_s={timeout}", request_id=rid, field="timeout_s") from None
+                if item is _END:
+                    raise ClosedByUs("the client was closed while streaming", request_id=rid)
+                if isinstance(item, P.Error):
+                    raise exception_from_wire(item.code, item.message, rid, item.field)
+                if not isinstance(item, P.Chunk):
+                    raise ProtocolError(f"unexpected {type(item).__name__} for a generate request", request_id=rid)
+                toks = np.frombuffer(buffers[0], dtype="<i4").tolist() if buffers else []
+                lps = np.frombuffer(buffers[1], dtype="<f4").tolist() if len(buffers) > 1 else None
+                if item.finish_reason is not None:
+                    open_samples -= 1
+                yield StreamChunk(
+                    request_id=rid,
+                    sample_index=item.sample_index,
+                    token_ids=toks,
+                    logprobs=lps,
+                    weight_version=item.weight_version,
+                    finish_reason=item.finish_reason,
+                    emitted_at=item.emitted_at,
+                    received_at=time.time(),
+                ), item.version_changes
+        finally:
+            self._streams.pop(rid, None)
+
+    async def _collect(self, prompt_ids: Sequence[int], params: Any, num_samples: int, **kw: Any) -> GenerationResult:
+        samples: dict[int, SampleOutput] = {}
+        rid = kw.pop("request_id", None) or self._new_id()
+        async for ch, changes in self._chunks(prompt_ids, params, num_samples=num_samples, request_id=rid, _stream=False, **kw):
+            s = samples.get(ch.sample_index)
+            if s is None:
+                s = samples[ch.sample_index] = SampleOutput(ch.sample_index, [], [] if ch.logprobs is not None else None, "", [])
+            s.token_ids.extend(ch.token_ids)
+            if ch.logprobs is not None and s.logprobs is not None:
+                s.logprobs.extend(ch.logprobs)
+            s.token_versions.extend(_versions(ch.weight_version, changes, len(ch.token_ids)))
+            if ch.finish_reason is not None:
+                s.finish_reason = ch.finish_reason
+        return GenerationResult(request_id=rid, samples=[samples[i] for i in sorted(samples)])
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int] | Sequence[Sequence[int]],
+        params: P.SamplingParams | dict[str, Any] | None = None,
+        *,
+        num_samples: int = 1,
+        session_id: str | None = None,
+        lora: str | None = None,
+        timeout_s: float | None = None,
+    ) -> GenerationResult | list[GenerationResult]:
+        """One prompt → a GenerationResult; a batch → a list in input order."""
+        kw = dict(num_samples=num_samples, session_id=session_id, lora=lora, timeout_s=timeout_s)
+        if _is_batch(prompt_ids):
+            return list(await asyncio.gather(*(self._collect(p, params, **kw) for p in prompt_ids)))  # type: ignore[arg-type]
+        return await self._collect(prompt_ids, params, **kw)  # type: ignore[arg-type]
+
+    async def sample(
+        self,
+        prompt_ids: Sequence[int],
+        num_samples: int,
+        params: P.SamplingParams | dict[str, Any] | None = None,
+        *,
+        lora: str | None = None,
+        timeout_s: float | None = None,
+    ) -> SampleResponse:
+        """Tinker semantics: num_samples sequences, each with tokens, logprobs
+        and stop_reason "stop" or "length" (all samples share one engine)."""
+        sp = _params(params, logprobs=True)
+        res = await self._collect(prompt_ids, sp, num_samples, lora=lora, timeout_s=timeout_s)
+        seqs = []
+        for s in res.samples:
+            if s.finish_reason not in ("stop", "length"):
+                raise ProtocolError(f"sample {s.index} ended with {s.finish_reason!r}", request_id=res.request_id)
+            seqs.append(SampledSequence(tokens=s.token_ids, logprobs=s.logprobs, stop_reason=s.finish_reason))
+        return SampleResponse(sequences=seqs)
+
+    async def cancel(self, request_id: str) -> None:
+        """Ask for the request's end: its stream finishes with "cancelled"."""
+        self._send(P.Cancel(request_id=request_id))
+
+    async def end_session(self, session_id: str) -> bool:
+        rep = await self._request(P.EndSession(request_id=self._new_id(), session_id=session_id), self.control_timeout_s, "control_timeout_s")
+        return bool(rep.body.get("ended"))
+
+    # ------------------------------------------------------------ queries
+
+    async def _query(self, what: str) -> dict[str, Any]:
+        rep = await self._request(P.Query(request_id=self._new_id(), what=what), self.control_timeout_s, "control_timeout_s")
+        return dict(rep.body)
+
+    async def health(self) -> dict[str, Any]:
+        """{"healthy": bool, "engines": {engine_id: detail}}."""
+        return await self._query("health")
+
+    async def engines(self) -> list[dict[str, Any]]:
+        return list((await self._query("engines"))["engines"])
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._query("stats")
+
+    async def wait_ready(self, num_engines: int = 1, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Wait until `num_engines` engines are healthy (deadline: timeout_s)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            h = await self.health()
+            if sum(1 for e in h["engines"].values() if e["healthy"]) >= num_engines:
+                return h
+            if time.monotonic() > deadline:
+                raise RequestTimeout(f"fewer than {num_engines} healthy engine(s) after timeout_s={timeout_s}: {h}", field="timeout_s")
+            await asyncio.sleep(0.1)
+
+    # ------------------------------------------------------------ control plane
+
+    async def control(
+        self, op: Any, *, targets: list[str] | None = None, timeout_s: float | None = None, strict: bool = True
+    ) -> dict[str, dict[str, Any]]:
+        """Fan `op` out to the engines; returns {engine_id: result}. With
+        strict, any engine error or missing ack raises ControlError (which
+        carries results/errors/missing)."""
+        t = timeout_s or self.control_timeout_s
+        msg = P.Control(request_id=self._new_id(), op=op, targets=targets, timeout_s=t)
+        rep: P.ControlReply = await self._request(msg, t + _GRACE_S, "control_timeout_s")
+        if strict and (rep.errors or rep.missing):
+            parts = [f"{eid}: {err}" for eid, err in sorted(rep.errors.items())]
+            if rep.missing:
+                parts.append(f"no ack within timeout_s={t} from {rep.missing}")
+            raise ControlError(
+                f"{P.OP_NAMES[type(op)]} failed on some engines: " + "; ".join(parts),
+                results=dict(rep.results),
+                errors=dict(rep.errors),
+                missing=list(rep.missing),
+                request_id=msg.request_id,
+            )
+        return {eid: dict(r) for eid, r in rep.results.items()}
+
+    async def pause(self, mode: str = "abort", *, lora: str | None = None, timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
+        """Returns once every engine is quiescent for the scope; per engine:
+        parked / frozen / held counts."""
+        t = timeout_s or self.control_timeout_s
+        return await self.control(P.Pause(mode=mode, lora=lora, timeout_s=t), timeout_s=t)
+
+    async def resume(self, *, lora: str | None = None) -> dict[str, dict[str, Any]]:
+        return await self.control(P.Resume(lora=lora))
+
+    async def is_paused(self, *, lora: str | None = None) -> bool:
+        res = await self.control(P.IsPaused(lora=lora))
+        return bool(res) and all(r["paused"] for r in res.values())
+
+    @contextlib.asynccontextmanager
+    async def paused(self, mode: str = "abort", *, lora: str | None = None):
+        """`async with client.paused("abort"): await client.update_weights(...)`;
+        resumes even when the body raises."""
+        await self.pause(mode, lora=lora)
+        try:
+            yield self
+        finally:
+            await self.resume(lora=lora)
+
+    async def sleep(self, level: int = 1) -> dict[str, dict[str, Any]]:
+        return await self.control(P.Sleep(level=level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> dict[str, dict[str, Any]]:
+        return await self.control(P.WakeUp(tags=tags))
+
+    async def reset_prefix_cache(self) -> dict[str, dict[str, Any]]:
+        return await self.control(P.ResetPrefixCache())
+
+    async def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        *,
+        transport: str = "zmq",
+        bucket_bytes: int | None = None,
+        targets: list[str] | None = None,
+        timeout_s: float | None = None,
+        **transport_options: Any,
+    ) -> dict[str, dict[str, Any]]:
+        """Push new weights into every engine: begin → buckets → finish.
+        All-or-nothing per engine: on any failure every engine keeps its old
+        weights and version, and the error names the engine and tensor."""
+        from trainer_bridge.weights import push_weights
+
+        return await push_weights(
+            self,
+            list(named_tensors),
+            transport=transport,
+            bucket_bytes=bucket_bytes,
+            targets=targets,
+            timeout_s=timeout_s or self.control_timeout_s,
+            options=transport_options,
+        )
+
+    async def load_lora(
+        self,
+        name: str,
+        *,
+        path: str | None = None,
+        tensors: Iterable[tuple[str, Any]] | None = None,
+        config: dict[str, Any] | None = None,
+        targets: list[str] | None = None,
+    ) -> dict[str, dict[str, Any]]:
+        """Load (or replace in place) adapter `name` from a PEFT folder `path`
+        or from `tensors` (PEFT names) + `config` (r, lora_alpha, target_modules)."""
+        if (path is None) == (tensors is None):
+            raise ValueError("load_lora takes exactly one of path= or tensors=")
+        if path is not None:
+            return await self.control(P.LoadLora(name=name, path=path, config=config or {}), targets=targets)
+        from trainer_bridge.weights import push_weights
+
+        return await push_weights(
+            self,
+            list(tensors or ()),
+            transport="zmq",
+            bucket_bytes=None,
+            targets=targets,
+            timeout_s=self.control_timeout_s,
+            options={},
+            target=f"lora:{name}",
+            extra_args={"lora_config": dict(config or {})},
+        )
+
+    async def unload_lora(self, name: str) -> dict[str, dict[str, Any]]:
+        return await self.control(P.UnloadLora(name=name))
+
+
+def _versions(first: int, changes: list[list[int]], n: int) -> list[int]:
+    out = [first] * n
+    for off, v in changes:
+        for i in range(off, n):
+            out[i] = v
+    return out
+
+
+# ---------------------------------------------------------------- sync face
+
+
+class Client:
+    """Synchronous client. Runs an AsyncClient on a private event-loop thread."""
+
+    def __init__(self, address: str = "tcp://127.0.0.1:5555", **options: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-bus-client", daemon=True)
+        self._thread.start()
+        self._aclient = AsyncClient(address, **options)
+        self._finalizer = weakref.finalize(self, _close_loop, self._loop, self._thread, self._aclient)
+
+    @property
+    def address(self) -> str:
+        return self._aclient.address
+
+    def _call(self, coro: Any, timeout_s: float | None = None) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        # The coroutine has its own deadline; this outer one only guards a wedged loop.
+        limit = (timeout_s or max(self._aclient.timeout_s, self._aclient.control_timeout_s)) + 30
+        try:
+            return fut.result(limit)
+        except TimeoutError:
+            fut.cancel()
+            raise RequestTimeout(f"client call did not return within {limit}s (timeout_s + 30)", field="timeout_s") from None
+
+    def generate(self, prompt_ids: Any, params: Any = None, **kw: Any) -> Any:
+        return self._call(self._aclient.generate(prompt_ids, params, **kw), kw.get("timeout_s"))
+
+    def sample(self, prompt_ids: Sequence[int], num_samples: int, params: Any = None, **kw: Any) -> SampleResponse:
+        return self._call(self._aclient.sample(prompt_ids, num_samples, params, **kw), kw.get("timeout_s"))
+
+    def stream(self, prompt_ids: Sequence[int], params: Any = None, **kw: Any) -> Iterator[StreamChunk]:
+        """Iterator of StreamChunks; raises the request's typed error."""
+        q: queue.Queue = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for ch in self._aclient.stream(prompt_ids, params, **kw):
+                    q.put(ch)
+                q.put(_END)
+            except BaseException as e:  # handed to the consumer thread
+                q.put(e)
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        limit = (kw.get("timeout_s") or self._aclient.timeout_s) + 30
+        try:
+            while True:
+                item = q.get(timeout=limit)
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        except queue.Empty:
+            raise RequestTimeout(f"stream stalled for {limit}s (timeout_s + 30)", field="timeout_s") from None
+        finally:
+            if not fut.done():
+                fut.cancel()
+
+    def cancel(self, request_id: str) -> None:
+        self._call(self._aclient.cancel(request_id))
+
+    def end_session(self, session_id: str) -> bool:
+        return self._call(self._aclient.end_session(session_id))
+
+    def health(self) -> dict[str, Any]:
+        return self._call(self._aclient.health())
+
+    def engines(self) -> list[dict[str, Any]]:
+        return self._call(self._aclient.engines())
+
+    def stats(self) -> dict[str, Any]:
+        return self._call(self._aclient.stats())
+
+    def wait_ready(self, num_engines: int = 1, timeout_s: float = 120.0) -> dict[str, Any]:
+        return self._call(self._aclient.wait_ready(num_engines, timeout_s), timeout_s)
+
+    def control(self, op: Any, **kw: Any) -> dict[str, dict[str, Any]]:
+        return self._call(self._aclient.control(op, **kw), kw.get("timeout_s"))
+
+    def pause(self, mode: str = "abort", **kw: Any) -> dict[str, dict[str, Any]]:
+        return self._call(self._aclient.pause(mode, **kw), kw.get("timeout_s"))
+
+    def resume(self, **kw: Any) -> dict[str, dict[str, Any]]:
+        return self._call(self._aclient.resume(**kw))
+
+    def is_paused(self, **kw: Any) -> bool:
+        return self._call(self._aclient.is_paused(**kw))
+
+    @contextlib.contextmanager
+    def paused(self, mode: str = "abort", *, lora: str | None = None):
+        """`with client.paused("abort"): client.update_weights(...)` — resumes
+        even when the body raises."""
+        self.pause(mode, lora=lora)
+        try:
+            yield self
+        finally:
+            self.resume(lora=lora)
+
+    def sleep(self, level: int = 1) -> dict[str, dict[str, Any]]:
+        return self._call(self._aclient.sleep(level))
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, dict[str, Any]]:
+        return self._call(self._aclient.wake_up(tags))
+
+    def reset_prefix_cache(self) -> dict[str, dict[str, Any]]:
+        return self._call(self._aclient.reset_prefix_cache())
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], **kw: Any) -> dict[str, dict[str, Any]]:
+        return self._call(self._aclient.update_weights(named_tensors, **kw), kw.get("timeout_s"))
+
+    def load_lora(self, name: str, **kw: Any) -> dict[str, dict[str, Any]]:
+        return self._call(self._aclient.load_lora(name, **kw))
+
+    def unload_lora(self, name: str) -> dict[str, dict[str, Any]]:
+        return self._call(self._aclient.unload_lora(name))
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread, aclient: AsyncClient) -> None:
+    if loop.is_closed():
+        return
+    try:
+        asyncio.run_coroutine_threadsafe(aclient.close(), loop).result(5)
+    except Exception:
+        pass
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=5)
+    loop.close()

@@ -1,0 +1,67 @@
+"""Results handed to the trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class SampleOutput:
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    token_versions: list[int]  # weight version that produced each token
+
+    @property
+    def stop_reason(self) -> str:
+        return self.finish_reason
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    request_id: str
+    samples: list[SampleOutput]
+    num_prompt_tokens: int = 0
+
+    # Convenience for the common num_samples == 1 case.
+    @property
+    def token_ids(self) -> list[int]:
+        return self.samples[0].token_ids
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self.samples[0].logprobs
+
+    @property
+    def finish_reason(self) -> str:
+        return self.samples[0].finish_reason
+
+    @property
+    def token_versions(self) -> list[int]:
+        return self.samples[0].token_versions
+
+
+@dataclasses.dataclass
+class StreamChunk:
+    request_id: str
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float] | None
+    weight_version: int
+    finish_reason: str | None
+    emitted_at: float  # engine clock (time.time()) when produced
+    received_at: float  # client clock (time.time()) when received
+
+
+# Tinker-style sampling results: stop reason is only ever "stop" or "length".
+@dataclasses.dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float] | None
+    stop_reason: str
+
+
+@dataclasses.dataclass
+class SampleResponse:
+    sequences: list[SampledSequence]

@@ -1,0 +1,116 @@
+"""Weight transfer, trainer side: begin → buckets → finish.
+
+zmq transport (CPU, across machines, CI): tensors are packed into flat
+buckets (bus.tensors) and sent as raw frames, zero-copy, to each engine's
+weight socket; each bucket is acked per engine before the next is sent, so
+memory stays bounded at one bucket and a failure is seen at the bucket it
+happened. GPU transports (cuda_ipc, nccl) live in trainer_bridge.gpu_transports.
+
+Transaction: engines stage what they receive and apply it only at finish; any
+failure before finish aborts the update everywhere (old weights, old version)
+and the raised ControlError names the engine and the tensor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from bus import protocol as P
+from bus.codec import Codec
+from bus.errors import ControlError, RequestTimeout
+from bus.sockets import make_socket
+from bus.tensors import DEFAULT_BUCKET_BYTES, pack_bucket, plan_buckets
+
+if TYPE_CHECKING:
+    from trainer_bridge.client import AsyncClient
+
+GPU_TRANSPORTS = ("cuda_ipc", "nccl")
+
+
+async def push_weights(
+    client: "AsyncClient",
+    named: list[tuple[str, Any]],
+    *,
+    transport: str,
+    bucket_bytes: int | None,
+    targets: list[str] | None,
+    timeout_s: float,
+    options: dict[str, Any],
+    target: str = "model",
+    extra_args: dict[str, Any] | None = None,
+) -> dict[str, dict[str, Any]]:
+    if transport not in ("zmq", *GPU_TRANSPORTS):
+        raise ValueError(f"unknown transport {transport!r} (zmq, cuda_ipc, nccl)")
+    engines = [e for e in await client.engines() if e["healthy"] and (targets is None or e["engine_id"] in targets)]
+    if not engines:
+        raise ControlError("no healthy engine to update", missing=list(targets or []))
+    eids = [e["engine_id"] for e in engines]
+    named = [(n, t.detach()) for n, t in named]
+    metas, sizes, tensors = plan_buckets(named, bucket_bytes or DEFAULT_BUCKET_BYTES)
+    update_id = uuid.uuid4().hex[:16]
+    args = dict(extra_args or {})
+    if transport in GPU_TRANSPORTS:
+        from trainer_bridge import gpu_transports
+
+        sender = gpu_transports.make_sender(transport, metas, sizes, tensors, engines, options)
+        args.update(sender.transport_args())
+    begin = P.BeginWeightUpdate(update_id, transport, metas, sizes, target=target, transport_args=args)
+    try:
+        await client.control(begin, targets=eids, timeout_s=timeout_s)
+        if transport == "zmq":
+            await _send_buckets_zmq(engines, update_id, metas, sizes, tensors, timeout_s)
+        else:
+            await sender.send(client, update_id, eids, timeout_s)  # type: ignore[possibly-undefined]
+        return await client.control(P.FinishWeightUpdate(update_id), targets=eids, timeout_s=timeout_s)
+    except BaseException:
+        # Every engine drops what it staged; none changes weights or version.
+        try:
+            await client.control(P.AbortWeightUpdate(update_id), targets=eids, timeout_s=min(timeout_s, 10.0), strict=False)
+        except Exception:
+            pass
+        raise
+
+
+async def _send_buckets_zmq(
+    engines: list[dict[str, Any]],
+    update_id: str,
+    metas: list[P.TensorMeta],
+    sizes: list[int],
+    tensors: list[Any],
+    timeout_s: float,
+) -> None:
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    codec = Codec()
+    socks = {e["engine_id"]: make_socket(ctx, zmq.DEALER, connect=e["weight_address"]) for e in engines}
+    try:
+        for b in range(len(sizes)):
+            buf = pack_bucket(b, metas, sizes, tensors)
+            frame = memoryview(buf.numpy())
+            for s in socks.values():
+                s.send_multipart(codec.encode(P.WeightBucket(update_id, b), [frame]), copy=False)
+            await asyncio.gather(*(_bucket_ack(eid, s, codec, update_id, b, metas, timeout_s) for eid, s in socks.items()))
+    finally:
+        for s in socks.values():
+            s.close(linger=0)
+        ctx.term()
+
+
+async def _bucket_ack(eid: str, sock: Any, codec: Codec, update_id: str, bucket: int, metas: list[P.TensorMeta], timeout_s: float) -> None:
+    try:
+        frames = await asyncio.wait_for(sock.recv_multipart(), timeout_s)
+    except asyncio.TimeoutError:
+        names = [m.name for m in metas if m.bucket == bucket]
+        raise RequestTimeout(
+            f"engine {eid} did not ack weight bucket {bucket} ({len(names)} tensors from {names[:1]}) within timeout_s={timeout_s}",
+            field="timeout_s",
+        ) from None
+    ack, _ = codec.decode(frames)
+    if not isinstance(ack, P.WeightBucketAck) or not ack.ok:
+        err = getattr(ack, "error", None) or f"unexpected {type(ack).__name__}"
+        raise ControlError(f"weight bucket {bucket} refused by {eid}: {err}", errors={eid: err})
