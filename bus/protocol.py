@@ -84,6 +84,7 @@ class Chunk(_Msg, tag="chunk"):
     version_changes: list[list[int]] = []
     emitted_at: float = 0.0  # engine wall clock when the tokens were produced
     num_prompt_tokens: int = 0  # set on the final chunk
+    engine_id: str = ""  # set on the final chunk: the engine that finished the sample
 
 
 class Error(_Msg, tag="error"):

@@ -466,6 +466,7 @@ class EngineNode:
             version_changes=marks[1:] if (not req.msg.stream and len(marks) > 1) else [],
             emitted_at=time.time(),
             num_prompt_tokens=len(req.base_prompt) if finish else 0,
+            engine_id=self.engine_id if finish else "",
         )
         s.sent = len(s.tokens)
         self._send(self.data, req.client, chunk, buffers)

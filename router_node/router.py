@@ -465,6 +465,7 @@ class Router:
                 version_changes=marks[1:],
                 emitted_at=ch.emitted_at,
                 num_prompt_tokens=len(fl.prompt) // 4 - skip,
+                engine_id=ch.engine_id,
             )
             bufs = [bytes(tr.tokens[4 * skip :])]
             if fl.msg.params.logprobs:

@@ -221,12 +221,15 @@ class AsyncClient:
                     finish_reason=item.finish_reason,
                     emitted_at=item.emitted_at,
                     received_at=time.time(),
+                    engine_id=item.engine_id,
+                    num_prompt_tokens=item.num_prompt_tokens,
                 ), item.version_changes
         finally:
             self._streams.pop(rid, None)
 
     async def _collect(self, prompt_ids: Sequence[int], params: Any, num_samples: int, **kw: Any) -> GenerationResult:
         samples: dict[int, SampleOutput] = {}
+        n_prompt = 0
         rid = kw.pop("request_id", None) or self._new_id()
         async for ch, changes in self._chunks(prompt_ids, params, num_samples=num_samples, request_id=rid, _stream=False, **kw):
             s = samples.get(ch.sample_index)
@@ -238,7 +241,9 @@ class AsyncClient:
             s.token_versions.extend(_versions(ch.weight_version, changes, len(ch.token_ids)))
             if ch.finish_reason is not None:
                 s.finish_reason = ch.finish_reason
-        return GenerationResult(request_id=rid, samples=[samples[i] for i in sorted(samples)])
+                s.engine_id = ch.engine_id
+                n_prompt = ch.num_prompt_tokens
+        return GenerationResult(request_id=rid, samples=[samples[i] for i in sorted(samples)], num_prompt_tokens=n_prompt)
 
     async def generate(
         self,

@@ -12,6 +12,7 @@ class SampleOutput:
     logprobs: list[float] | None
     finish_reason: str  # "stop" | "length" | "cancelled"
     token_versions: list[int]  # weight version that produced each token
+    engine_id: str = ""  # the engine that finished it
 
     @property
     def stop_reason(self) -> str:
@@ -41,6 +42,10 @@ class GenerationResult:
     def token_versions(self) -> list[int]:
         return self.samples[0].token_versions
 
+    @property
+    def engine_id(self) -> str:
+        return self.samples[0].engine_id
+
 
 @dataclasses.dataclass
 class StreamChunk:
@@ -52,6 +57,8 @@ class StreamChunk:
     finish_reason: str | None
     emitted_at: float  # engine clock (time.time()) when produced
     received_at: float  # client clock (time.time()) when received
+    engine_id: str = ""  # on the final chunk
+    num_prompt_tokens: int = 0  # on the final chunk
 
 
 # Tinker-style sampling results: stop reason is only ever "stop" or "length".

@@ -1,0 +1,167 @@
+"""Test harness: a real head and real engine nodes as subprocesses.
+
+Every process is started here and killed here (SIGTERM, then SIGKILL of the
+whole tree); `assert_no_leaks` fails a test that leaves one behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import psutil
+
+from trainer_bridge import Client
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("ROLLOUT_BUS_LOG_LEVEL", "WARNING")
+    env.update(extra)
+    return env
+
+
+class Cluster:
+    """A head plus `n_engines` engine nodes on IPC sockets in a private folder."""
+
+    def __init__(
+        self,
+        n_engines: int = 2,
+        *,
+        backend: str = "torch",
+        model: str = "null",
+        router_args: list[str] | None = None,
+        engine_args: list[str] | None = None,
+        backend_options: dict[str, Any] | None = None,
+        heartbeat_interval_s: float = 0.2,
+    ) -> None:
+        self.dir = tempfile.mkdtemp(prefix="rbt-")
+        self.backend = backend
+        self.model = model
+        self.engine_args = list(engine_args or [])
+        self.backend_options = backend_options or {}
+        self.hb = heartbeat_interval_s
+        self.frontend = f"ipc://{self.dir}/front"
+        self.events = f"ipc://{self.dir}/events"
+        self.control = f"ipc://{self.dir}/control"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.clients: list[Client] = []
+        self.head = self._spawn(
+            "head",
+            [
+                "-m", "router_node", "--frontend", self.frontend, "--events", self.events,
+                "--control", self.control, "--heartbeat-interval-s", str(self.hb), *(router_args or []),
+            ],
+        )  # fmt: skip
+        for i in range(n_engines):
+            self.start_engine(f"e{i}")
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(os.path.join(self.dir, f"{name}.log"), "ab")
+        p = subprocess.Popen([sys.executable, *args], env=child_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.procs[name] = p
+        return p
+
+    def data_address(self, eid: str) -> str:
+        return f"ipc://{self.dir}/{eid}.data"
+
+    def start_engine(self, eid: str, *, extra: list[str] | None = None) -> subprocess.Popen:
+        return self._spawn(
+            eid,
+            [
+                "-m", "engine_node", "--engine-id", eid, "--head-events", self.events,
+                "--head-control", self.control, "--data-address", self.data_address(eid),
+                "--weight-address", f"ipc://{self.dir}/{eid}.weights", "--backend", self.backend,
+                "--model", self.model, "--backend-options", json.dumps(self.backend_options),
+                "--heartbeat-interval-s", str(self.hb), *self.engine_args, *(extra or []),
+            ],
+        )  # fmt: skip
+
+    def client(self, address: str | None = None, **kw: Any) -> Client:
+        kw.setdefault("timeout_s", 60)
+        kw.setdefault("control_timeout_s", 30)
+        c = Client(address or self.frontend, **kw)
+        self.clients.append(c)
+        return c
+
+    def wait_ready(self, n: int | None = None, timeout_s: float = 90) -> dict[str, Any]:
+        n = n if n is not None else sum(1 for k in self.procs if k != "head")
+        c = self.client()
+        return c.wait_ready(n, timeout_s)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        p = self.procs[name]
+        p.send_signal(sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            p.wait(timeout=30)
+
+    def log(self, name: str) -> str:
+        with open(os.path.join(self.dir, f"{name}.log"), errors="replace") as f:
+            return f.read()
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        self.clients.clear()
+        procs = []
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    pp = psutil.Process(p.pid)
+                    procs.extend([pp, *pp.children(recursive=True)])
+                    if pp.status() == psutil.STATUS_STOPPED:
+                        pp.send_signal(signal.SIGCONT)
+                    pp.terminate()
+                except psutil.NoSuchProcess:
+                    pass
+        _, left = psutil.wait_procs(procs, timeout=10)
+        for p in left:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(left, timeout=5)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def live_children() -> list[psutil.Process]:
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_until(pred, timeout_s: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval)

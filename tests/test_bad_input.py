@@ -1,0 +1,119 @@
+"""Bad input gets a typed Error naming the field; the node keeps serving."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from bus import protocol as P
+from bus.codec import Codec
+
+GOOD_PROMPT = np.asarray([5, 6, 7], dtype="<i4").tobytes()
+
+
+@pytest.fixture(params=["head", "engine"])
+def raw(request, torch_cluster):
+    """A raw DEALER socket to the head's frontend or straight to an engine."""
+    addr = torch_cluster.frontend if request.param == "head" else torch_cluster.data_address("e0")
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 20_000)
+    s.connect(addr)
+    yield s
+    s.close(linger=0)
+    ctx.term()
+
+
+def ask(sock: zmq.Socket, frames: list[bytes]):
+    sock.send_multipart(frames)
+    return Codec().decode(sock.recv_multipart())
+
+
+def gen(rid: str, **kw) -> bytes:
+    params = kw.pop("params", P.SamplingParams(max_tokens=2))
+    return msgspec.msgpack.encode(P.Generate(request_id=rid, params=params, **kw))
+
+
+def assert_still_serving(sock: zmq.Socket) -> None:
+    msg, bufs = ask(sock, [b"G", gen("after"), GOOD_PROMPT])
+    assert isinstance(msg, P.Chunk), msg
+    while msg.finish_reason is None:
+        msg, bufs = Codec().decode(sock.recv_multipart())
+    assert msg.request_id == "after"
+
+
+CASES = {
+    "malformed body": ([b"G", b"\xc1\xc1 not msgpack"], "protocol", "body"),
+    "unknown kind": ([b"?", gen("r")], "protocol", "kind"),
+    "missing body": ([b"G"], "protocol", "frames"),
+    "wrong field type": (
+        [b"G", msgspec.msgpack.encode(["gen", "r-type", [-1.5, "hot"]]), GOOD_PROMPT],
+        "bad_request",
+        "params.max_tokens",
+    ),
+    "wrong request id type": ([b"G", msgspec.msgpack.encode(["gen", 17]), GOOD_PROMPT], "bad_request", "request_id"),
+    "empty prompt": ([b"G", gen("r-empty"), b""], "bad_request", "prompt_token_ids"),
+    "no prompt frame": ([b"G", gen("r-noframe")], "bad_request", "prompt_token_ids"),
+    "ragged prompt": ([b"G", gen("r-ragged"), b"\x01\x02\x03"], "bad_request", "prompt_token_ids"),
+    "max_tokens zero": (
+        [b"G", gen("r-max0", params=P.SamplingParams(max_tokens=0)), GOOD_PROMPT],
+        "bad_request",
+        "params.max_tokens",
+    ),
+    "max_tokens negative": (
+        [b"G", gen("r-maxneg", params=P.SamplingParams(max_tokens=-3)), GOOD_PROMPT],
+        "bad_request",
+        "params.max_tokens",
+    ),
+    "token outside vocabulary": (
+        [b"G", gen("r-vocab"), np.asarray([5, 10**6], dtype="<i4").tobytes()],
+        "bad_request",
+        "prompt_token_ids",
+    ),
+    "negative token": ([b"G", gen("r-neg"), np.asarray([-4], dtype="<i4").tobytes()], "bad_request", "prompt_token_ids"),
+    "too large message": (
+        [b"G", gen("r-huge"), np.zeros(40_000, dtype="<i4").tobytes()],
+        "bad_request",
+        "prompt_token_ids",
+    ),
+    "bad temperature": (
+        [b"G", gen("r-temp", params=P.SamplingParams(temperature=-1.0)), GOOD_PROMPT],
+        "bad_request",
+        "params.temperature",
+    ),
+    "zero samples": ([b"G", gen("r-n0", num_samples=0), GOOD_PROMPT], "bad_request", "num_samples"),
+    "unknown lora": ([b"G", gen("r-lora", lora="nope"), GOOD_PROMPT], "bad_request", "lora"),
+    "not a request": ([b"C", msgspec.msgpack.encode(P.Chunk(request_id="x"))], "protocol", "kind"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_gets_a_typed_error_and_the_node_keeps_serving(raw, case):
+    frames, code, field = CASES[case]
+    msg, _ = ask(raw, frames)
+    assert isinstance(msg, P.Error), msg
+    assert (msg.code, msg.field) == (code, field), msg
+    assert msg.message
+    assert_still_serving(raw)
+
+
+def test_error_carries_the_request_id(raw):
+    msg, _ = ask(raw, [b"G", gen("named-rid", params=P.SamplingParams(max_tokens=0)), GOOD_PROMPT])
+    assert msg.request_id == "named-rid"
+
+
+def test_duplicate_request_id_in_flight_is_refused(raw):
+    p = P.SamplingParams(max_tokens=200, ignore_eos=True)
+    raw.send_multipart([b"G", gen("dup", params=p), GOOD_PROMPT])
+    raw.send_multipart([b"G", gen("dup", params=p), GOOD_PROMPT])
+    errors, finals = [], 0
+    while finals < 1:
+        msg, _ = Codec().decode(raw.recv_multipart())
+        if isinstance(msg, P.Error):
+            errors.append(msg)
+        elif msg.finish_reason is not None:
+            finals += 1
+    assert [(e.code, e.field) for e in errors] == [("bad_request", "request_id")]

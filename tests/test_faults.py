@@ -1,0 +1,108 @@
+"""Faults: engines die or hang; every accepted request still ends in exactly
+one final chunk or one error, and never hangs."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from bus.errors import EngineDead, NoHealthyEngine
+from tests.cluster import wait_until
+
+LONG = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+
+
+def _stream_in_thread(c, prompt, params, out: dict, **kw):
+    def run():
+        try:
+            out["chunks"] = []
+            for ch in c.stream(prompt, params, **kw):
+                out["chunks"].append(ch)
+        except Exception as e:  # handed to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_killed_engine_gives_engine_dead_within_the_heartbeat_deadline(cluster_factory):
+    cl = cluster_factory(1, router_args=["--no-failover"])
+    cl.wait_ready(1)
+    c = cl.client()
+    out: dict = {}
+    t = _stream_in_thread(c, [5, 6, 7], LONG, out)
+    wait_until(lambda: len(out.get("chunks", [])) >= 3, 30, "first tokens")
+    t0 = time.monotonic()
+    cl.kill("e0")
+    t.join(30)
+    took = time.monotonic() - t0
+    assert isinstance(out.get("error"), EngineDead), out
+    assert out["error"].request_id
+    # 3 missed heartbeats of 0.2 s, plus the router's 50 ms tick: well under 5 s
+    assert took < 5, took
+
+
+def test_no_healthy_engine_answers_at_once(cluster_factory):
+    cl = cluster_factory(1)
+    cl.wait_ready(1)
+    cl.kill("e0")
+    c = cl.client()
+    wait_until(lambda: not c.health()["healthy"], 10, "the head to see the dead engine")
+    t0 = time.monotonic()
+    with pytest.raises(NoHealthyEngine) as e:
+        c.generate([1, 2, 3], {"max_tokens": 2})
+    assert time.monotonic() - t0 < 2
+    assert e.value.request_id
+    h = c.health()
+    assert h["healthy"] is False and h["engines"]["e0"]["state"] == "silent"
+
+
+def test_failover_resubmits_tokens_so_far_and_the_stream_is_unbroken(cluster_factory):
+    cl = cluster_factory(2)
+    cl.wait_ready(2)
+    c = cl.client()
+    prompt = [9, 8, 7, 6]
+    params = {**LONG, "max_tokens": 120, "logprobs": True}
+    reference = c.generate(prompt, params).token_ids  # greedy: failover must not change it
+    out: dict = {}
+    t = _stream_in_thread(c, prompt, params, out, session_id="pin")
+    wait_until(lambda: len(out.get("chunks", [])) >= 5, 30, "first tokens")
+    victim = c.generate([1], {"max_tokens": 1}, session_id="pin").engine_id
+    cl.kill(victim)
+    t.join(60)
+    assert "error" not in out, out.get("error")
+    chunks = out["chunks"]
+    tokens = [x for ch in chunks for x in ch.token_ids]
+    assert tokens == reference
+    assert chunks[-1].finish_reason == "length"
+    assert chunks[-1].engine_id != victim
+    assert sum(1 for ch in chunks if ch.finish_reason) == 1
+    assert c.stats()["counters"]["failovers"] >= 1
+
+
+def test_session_is_replaced_when_its_engine_dies(cluster_factory):
+    cl = cluster_factory(2)
+    cl.wait_ready(2)
+    c = cl.client()
+    first = c.generate([3, 4], {"max_tokens": 2}, session_id="s").engine_id
+    cl.kill(first)
+    wait_until(lambda: not c.health()["engines"][first]["healthy"], 10, "the head to mark the engine")
+    again = c.generate([3, 4], {"max_tokens": 2}, session_id="s").engine_id
+    assert again != first
+    assert c.generate([3, 4], {"max_tokens": 2}, session_id="s").engine_id == again
+
+
+def test_hung_engine_is_unhealthy_and_gets_no_traffic(cluster_factory):
+    cl = cluster_factory(2)
+    cl.wait_ready(2)
+    c = cl.client()
+    cl.kill("e1", signal.SIGSTOP)  # frozen process: no heartbeats, no steps
+    wait_until(lambda: c.health()["engines"]["e1"]["state"] == "silent", 10, "e1 to be marked silent")
+    results = c.generate([[i + 4, 5] for i in range(10)], {"max_tokens": 3})
+    assert {r.engine_id for r in results} == {"e0"}
+    cl.kill("e1", signal.SIGCONT)
+    wait_until(lambda: c.health()["engines"]["e1"]["healthy"], 10, "e1 to recover")

@@ -1,0 +1,98 @@
+"""launch.py: starts, serves, and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.cluster import ROOT, child_env, wait_until
+from trainer_bridge import Client
+
+
+def _launch(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "launch.py", "--port", "0", "--grace-s", "5", *args],
+        cwd=ROOT,
+        env=child_env(ROLLOUT_BUS_LOG_LEVEL="WARNING"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _tree(p: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return psutil.Process(p.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_demo_runs_and_exits_cleanly():
+    p = _launch("--demo", "--once")
+    out, _ = p.communicate(timeout=150)
+    assert p.returncode == 0, out
+    assert re.search(r"^e0\s+ipc://\S+\s+torch\s+\S+\s+healthy", out, re.M), out
+    assert re.search(r"^e1\s+", out, re.M)
+    assert "trainer connects to: tcp://127.0.0.1:" in out
+    assert "demo: 32 requests" in out and "tokens/s" in out
+    assert "demo: tokens per engine" in out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_the_whole_tree(sig):
+    p = _launch("--engines", "2")
+    addr = None
+    deadline = time.monotonic() + 120
+    lines = []
+    while addr is None and time.monotonic() < deadline:
+        line = p.stdout.readline()
+        lines.append(line)
+        m = re.search(r"trainer connects to: (tcp://\S+)", line)
+        if m:
+            addr = m.group(1)
+        if not line and p.poll() is not None:
+            break
+    assert addr, "".join(lines)
+    tree = _tree(p)
+    assert len(tree) >= 3  # head + 2 engines
+    with Client(addr, timeout_s=30) as c:
+        assert len(c.generate([[4, 5], [6, 7]], {"max_tokens": 3})) == 2
+    p.send_signal(sig)
+    p.communicate(timeout=60)
+    assert p.returncode == 0
+    gone, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive, [(x.pid, x.cmdline()) for x in alive]
+
+
+def test_crashed_engine_is_restarted():
+    p = _launch("--engines", "1", "--max-restarts", "2")
+    try:
+        addr = None
+        deadline = time.monotonic() + 120
+        while addr is None and time.monotonic() < deadline:
+            m = re.search(r"trainer connects to: (tcp://\S+)", p.stdout.readline())
+            addr = m.group(1) if m else None
+        assert addr
+        with Client(addr, timeout_s=30) as c:
+            inc0 = c.engines()[0]["incarnation"]
+            pid0 = c.engines()[0]["pid"]
+            os.kill(pid0, signal.SIGKILL)
+
+            def restarted():
+                es = c.engines()
+                return es and es[0]["incarnation"] != inc0 and es[0]["healthy"]
+
+            wait_until(restarted, 60, "the supervisor to restart e0", interval=0.2)
+            assert c.generate([4, 5, 6], {"max_tokens": 2}).token_ids
+    finally:
+        tree = _tree(p)
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+        psutil.wait_procs(tree, timeout=10)

@@ -1,0 +1,179 @@
+"""Trainer-side senders for the GPU weight transports (`cuda_ipc`, `nccl`).
+
+Both pack the trainer's named tensors into flat uint8 buckets with the same
+plan as the zmq transport (`bus.tensors.plan_buckets`, 256-byte aligned
+offsets), so the `BeginWeightUpdate` is identical for every transport.
+The engine side is `engine_node.backends.vllm_backend` + `vllm_worker_ext`
+(every engine worker receives the full tensors; vLLM's load_weights shards them).
+
+Call sequence (what `Client.update_weights` does; "cmd" = a control Command to
+all targeted engines, gathered as {engine_id: ack}):
+
+cuda_ipc (trainer and engines on the same GPU(s)):
+    s = CudaIpcSender(bucket_bytes)
+    metas, sizes, handles = s.prepare(named_tensors)     # packs buckets on the GPU, syncs
+    cmd BeginWeightUpdate(update_id, "cuda_ipc", metas, sizes)
+    cmd ReceiveWeights(update_id, handles)                # engines map + copy every bucket, then ack
+    s.release()                                           # after the receive acks (or on any error)
+    cmd FinishWeightUpdate(update_id)                     # load_weights, prefix cache reset, version += 1
+    on error: cmd AbortWeightUpdate(update_id); s.release()
+  handles: one `bytes` per bucket (pickled reduce_tensor tuple + the GPU's uuid:
+  the engine maps the physical GPU to its own device numbering).
+
+nccl (trainer on another GPU / node; trainer = rank 0):
+    s = NcclSender(world_size=1 + sum(engine.tp for engine in engines), host=<trainer ip>)
+                                                          # keep it for the trainer's lifetime
+    metas, sizes, tensors = s.plan(named_tensors)
+    cmd BeginWeightUpdate(update_id, "nccl", metas, sizes, transport_args=s.transport_args(sizes))
+    publish ReceiveWeights(update_id) WITHOUT waiting for its acks (the engines block in it
+        until every bucket has arrived; the first time they also join the NCCL group)
+    s.send(metas, sizes, tensors)                         # connect() on first use, broadcast each bucket
+    gather the ReceiveWeights acks
+    cmd FinishWeightUpdate(update_id)
+  transport_args: host, port (the sender's TCPStore), world_size, group_id,
+  bucket_sizes, timeout_s; engines take ranks 1.. from a counter in that store
+  (or `rank_offset` when the bridge sets one per engine). If a broadcast fails
+  midway, send AbortWeightUpdate and make a new NcclSender (the group is broken).
+
+torch is imported lazily; the NCCL sender needs vLLM importable in the trainer
+process (it uses vLLM's PyNcclCommunicator, the same NCCL library the engines use).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+import uuid
+from datetime import timedelta
+from typing import Any, Iterable
+
+from bus.tensors import DEFAULT_BUCKET_BYTES, pack_bucket, plan_buckets
+
+
+def _device_of(tensors: list[Any], device: Any) -> Any:
+    import torch
+
+    if device is not None:
+        return torch.device(device)
+    for t in tensors:
+        if t.is_cuda:
+            return t.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class CudaIpcSender:
+    """Share buckets of GPU tensors with engines on the same GPU via CUDA IPC."""
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: Any = None) -> None:
+        self.bucket_bytes = int(bucket_bytes)
+        self.device = device
+        self._buffers: list[Any] = []
+        self.last_pack_seconds = 0.0
+
+    def plan(self, named: Iterable[tuple[str, Any]]):
+        return plan_buckets(list(named), self.bucket_bytes)
+
+    def prepare(self, named: Iterable[tuple[str, Any]]) -> tuple[list[Any], list[int], list[bytes]]:
+        """Pack every bucket on the GPU; returns (metas, bucket_sizes, handles).
+        The buckets stay alive (and GPU memory stays used) until release()."""
+        import torch
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self.release()
+        metas, sizes, tensors = self.plan(named)
+        dev = _device_of(tensors, self.device)
+        t0 = time.perf_counter()
+        bufs = [pack_bucket(i, metas, sizes, tensors, device=str(dev)) for i in range(len(sizes))]
+        torch.cuda.synchronize(dev)
+        self.last_pack_seconds = time.perf_counter() - t0
+        uid = str(torch.cuda.get_device_properties(dev).uuid)
+        handles = []
+        for b in bufs:
+            fn, args = reduce_tensor(b)
+            handles.append(pickle.dumps((fn, args, uid)))
+        self._buffers = bufs
+        return metas, sizes, handles
+
+    def release(self) -> None:
+        self._buffers = []
+
+    def close(self) -> None:
+        self.release()
+
+
+class NcclSender:
+    """Rank 0 of a NCCL group with every engine worker; broadcasts each bucket."""
+
+    def __init__(
+        self,
+        world_size: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        device: Any = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 300.0,
+    ) -> None:
+        import torch
+        from torch.distributed import TCPStore
+
+        if world_size < 2:
+            raise ValueError("world_size counts the trainer plus every engine worker (>= 2)")
+        self.world_size = int(world_size)
+        self.host = host
+        self.bucket_bytes = int(bucket_bytes)
+        self.timeout_s = float(timeout_s)
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.group_id = uuid.uuid4().hex[:16]
+        # The store is up at once (engines reserve ranks in it); the NCCL
+        # communicator is made on first send() / connect(), together with the engines.
+        self.store = TCPStore(host, int(port), is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=self.timeout_s), use_libuv=False)
+        self.port = int(self.store.port)
+        self.comm = None
+        self.last_send_seconds = 0.0
+
+    def transport_args(self, bucket_sizes: list[int] | None = None) -> dict[str, Any]:
+        a: dict[str, Any] = {"host": self.host, "port": self.port, "world_size": self.world_size,
+                             "group_id": self.group_id, "timeout_s": self.timeout_s}
+        if bucket_sizes is not None:
+            a["bucket_sizes"] = [int(s) for s in bucket_sizes]
+        return a
+
+    def connect(self) -> None:
+        """Collective with every engine worker (they join inside ReceiveWeights)."""
+        if self.comm is not None:
+            return
+        try:
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+            from vllm.distributed.utils import StatelessProcessGroup
+        except ImportError as e:  # pragma: no cover
+            raise RuntimeError("the nccl transport needs vllm importable in the trainer process") from e
+        pg = StatelessProcessGroup(rank=0, world_size=self.world_size, store=self.store)
+        self.comm = PyNcclCommunicator(pg, device=self.device)
+
+    def plan(self, named: Iterable[tuple[str, Any]]):
+        return plan_buckets(list(named), self.bucket_bytes)
+
+    def send(self, metas: list[Any], sizes: list[int], tensors: list[Any]) -> dict[str, Any]:
+        import torch
+
+        self.connect()
+        t0 = time.perf_counter()
+        with torch.cuda.device(self.device):
+            for i in range(len(sizes)):
+                buf = pack_bucket(i, metas, sizes, tensors, device=str(self.device))
+                self.comm.broadcast(buf, src=0)
+            torch.cuda.synchronize(self.device)
+        self.last_send_seconds = time.perf_counter() - t0
+        nbytes = int(sum(sizes))
+        return {"bytes": nbytes, "seconds": self.last_send_seconds,
+                "GBps": nbytes / self.last_send_seconds / 1e9 if self.last_send_seconds > 0 else None}
+
+    def close(self) -> None:
+        if self.comm is not None:
+            try:
+                self.comm.destroy()
+            except Exception:  # noqa: BLE001
+                pass
+            self.comm = None
+        self.store = None
