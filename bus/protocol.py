@@ -264,6 +264,7 @@ class Register(_Msg, tag="register"):
     weight_version: int = 0
     loras: list[str] = []
     host: str = ""
+    dtype: str = ""  # weight dtype the engine expects in updates
 
 
 class RegisterReply(_Msg, tag="register_reply"):
@@ -286,6 +287,9 @@ class Heartbeat(_Msg, tag="heartbeat"):
     loras: list[str] = []
     sleeping: int = 0  # sleep level, 0 awake
     tokens_out: int = 0
+    # Bumped by every weight/LoRA change. Acks carry it too, so the head never
+    # lets an older heartbeat overwrite what a newer ack told it.
+    config_epoch: int = 0
 
 
 # ------------------------------------------------------ weight socket (zmq)

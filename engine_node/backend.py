@@ -48,6 +48,7 @@ class BackendInfo:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    dtype: str = ""  # weight dtype ("float32", "bfloat16"…): the bridge casts to it
 
 
 @runtime_checkable

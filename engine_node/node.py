@@ -113,6 +113,8 @@ class EngineNode:
         self.steps = 0
         self.tokens_out = 0
         self.sleep_level = 0
+        self.config_epoch = 0
+        self._weights_discarded = False
         self._seq_counter = 0
 
         # -- control state
@@ -265,6 +267,7 @@ class EngineNode:
             weight_version=self.weight_version,
             loras=self.backend.loras(),
             host=self.cfg.advertise_host,
+            dtype=getattr(self.info, "dtype", ""),
         )
         self.events.send_multipart(self.codec.encode(reg))
 
@@ -311,6 +314,7 @@ class EngineNode:
             loras=self.backend.loras(),
             sleeping=self.sleep_level,
             tokens_out=self.tokens_out,
+            config_epoch=self.config_epoch,
         )
 
     def _heartbeat_loop(self) -> None:
@@ -692,12 +696,22 @@ class EngineNode:
         t0 = time.perf_counter()
         res = dict(self.backend.sleep(op.level) or {})
         self.sleep_level = op.level
+        self._weights_discarded = res.get("weights") == "discarded"
         res.update(parked=parked, seconds=round(time.perf_counter() - t0, 4), level=op.level)
         return res
 
     def _op_wake_up(self, op: P.WakeUp) -> dict:
         t0 = time.perf_counter()
         res = dict(self.backend.wake_up(op.tags) or {})
+        if self._weights_discarded and (op.tags is None or "weights" in op.tags):
+            # Level 2 dropped the weights; the checkpoint came back. That is a
+            # different weight state from any pushed version: tokens from now
+            # on carry a new version, never the old one.
+            self._weights_discarded = False
+            self.weight_version += 1
+            self.config_epoch += 1
+            res["weights_reloaded_from_checkpoint"] = True
+            res.update(self._config_result())
         if op.tags is None or {"weights", "kv_cache"} <= set(op.tags):
             self.sleep_level = 0
             self.pauses.pop(SLEEP_SCOPE, None)
@@ -782,7 +796,11 @@ class EngineNode:
             self._abort_update("finish failed")
             raise
         self._update = None
-        return {"weight_version": self.weight_version, "bytes": up.bytes, "seconds": round(time.perf_counter() - t0, 4)}
+        self.config_epoch += 1
+        return {**self._config_result(), "bytes": up.bytes, "seconds": round(time.perf_counter() - t0, 4)}
+
+    def _config_result(self) -> dict[str, Any]:
+        return {"weight_version": self.weight_version, "loras": self.backend.loras(), "epoch": self.config_epoch}
 
     def _op_abort_weights(self, op: P.AbortWeightUpdate) -> dict:
         if self._update is not None and self._update.begin.update_id == op.update_id:
@@ -804,11 +822,13 @@ class EngineNode:
         if op.path is None:
             raise BadRequest("load_lora needs a path (tensors travel as a staged update)", field="path")
         self.backend.load_lora(op.name, path=op.path, config=dict(op.config) or None)
-        return {"loras": self.backend.loras()}
+        self.config_epoch += 1
+        return self._config_result()
 
     def _op_unload_lora(self, op: P.UnloadLora) -> dict:
         self.backend.unload_lora(op.name)
-        return {"loras": self.backend.loras()}
+        self.config_epoch += 1
+        return self._config_result()
 
     def _op_stats(self, op: P.Stats) -> dict:
         hb = self._make_heartbeat()

@@ -37,6 +37,7 @@ class EngineEntry:
     outstanding: int = 0  # sequences the router has in flight there
     loras: set[str] = dataclasses.field(default_factory=set)
     weight_version: int = 0
+    epoch: int = 0  # config epoch of what loras/weight_version say
     silent_since: float | None = None
 
     @property
@@ -52,8 +53,14 @@ class EngineEntry:
             self.steps_changed_at = now
         self.hb = hb
         self.last_seen = now
-        self.loras = set(hb.loras)
-        self.weight_version = hb.weight_version
+        self.apply_config(hb.config_epoch, hb.weight_version, hb.loras)
+
+    def apply_config(self, epoch: int, weight_version: int, loras: list[str]) -> None:
+        """Heartbeats and acks race (different sockets): the newer epoch wins."""
+        if epoch >= self.epoch:
+            self.epoch = epoch
+            self.weight_version = weight_version
+            self.loras = set(loras)
 
     def evaluate(self, now: float, *, deadline_s: float, stall_timeout_s: float) -> tuple[EngineState, str]:
         """The state this engine should be in now (JOINING is left by the join ack)."""
@@ -78,6 +85,7 @@ class EngineEntry:
             "weight_address": r.weight_address,
             "backend": r.backend,
             "model": r.model,
+            "dtype": r.dtype,
             "host": r.host,
             "pid": r.pid,
             "tp": r.tp,

@@ -280,11 +280,9 @@ class Router:
 
     def _on_ack(self, _: bytes, ack: P.Ack) -> None:
         e = self.engines.get(ack.engine_id)
-        if e is not None and ack.ok:
-            if "loras" in ack.result:
-                e.loras = set(ack.result["loras"])
-            if "weight_version" in ack.result:
-                e.weight_version = int(ack.result["weight_version"])
+        r = ack.result
+        if e is not None and ack.ok and "epoch" in r:
+            e.apply_config(int(r["epoch"]), int(r["weight_version"]), list(r["loras"]))
         self.bus.on_ack(ack)
 
     # ------------------------------------------------------------ frontend

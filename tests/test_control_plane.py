@@ -347,3 +347,25 @@ def test_sleep_wake_up_gives_identical_generation(fresh):
     c.wake_up()
     assert c.generate(p, params).token_ids == before.token_ids
     c.reset_prefix_cache()
+
+
+def test_an_engine_dying_during_an_update_leaves_every_engine_on_old_weights(fresh, tiny_model):
+    import signal
+
+    c = fresh.client()
+    p = [61, 62, 63]
+    params = {**GREEDY, "max_tokens": 10}
+    before = c.generate(p, params).token_ids
+    new = _perturbed(tiny_model, seed=5)
+    named = list(new.named_parameters())
+    fresh.kill("e1", signal.SIGSTOP)  # hung now; the head still thinks it healthy for ~0.6 s
+    try:
+        with pytest.raises(ControlError) as e:
+            c.update_weights(named)
+        assert "e1" in str(e.value)
+    finally:
+        fresh.kill("e1", signal.SIGCONT)
+    wait_until(lambda: c.health()["engines"]["e1"]["healthy"], 10, "e1 to come back")
+    assert {x["engine_id"]: x["weight_version"] for x in c.engines()} == {"e0": 0, "e1": 0}
+    for _ in range(4):  # both engines still serve the old weights
+        assert c.generate(p, params).token_ids == before

@@ -142,3 +142,26 @@ def test_unknown_sampling_parameter_is_refused_locally(torch_cluster):
     with pytest.raises(BadRequest) as e:
         c.generate(PROMPTS[0], {"max_token": 3})
     assert e.value.field == "params"
+
+
+def test_async_client_streams_and_generates_concurrently(torch_cluster):
+    import asyncio
+
+    from trainer_bridge import AsyncClient
+
+    async def main():
+        c = AsyncClient(torch_cluster.frontend, timeout_s=60)
+        try:
+            greedy = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+            whole = await asyncio.gather(*(c.generate(p, greedy) for p in PROMPTS))
+            streamed = []
+            for p in PROMPTS:
+                streamed.append([t async for ch in c.stream(p, greedy) for t in ch.token_ids])
+            h = await c.health()
+            return [r.token_ids for r in whole], streamed, h
+        finally:
+            await c.close()
+
+    whole, streamed, h = asyncio.run(main())
+    assert whole == streamed
+    assert h["healthy"] and set(h["engines"]) == {"e0", "e1"}

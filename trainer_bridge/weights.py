@@ -50,6 +50,8 @@ async def push_weights(
         raise ControlError("no healthy engine to update", missing=list(targets or []))
     eids = [e["engine_id"] for e in engines]
     named = [(n, t.detach()) for n, t in named]
+    if target == "model":
+        named = _cast_to_engine_dtype(named, engines)
     metas, sizes, tensors = plan_buckets(named, bucket_bytes or DEFAULT_BUCKET_BYTES)
     update_id = uuid.uuid4().hex[:16]
     args = dict(extra_args or {})
@@ -73,6 +75,20 @@ async def push_weights(
         except Exception:
             pass
         raise
+
+
+def _cast_to_engine_dtype(named: list[tuple[str, Any]], engines: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """A bf16 engine fed by an fp32 trainer (or the reverse): cast floating
+    tensors to the dtype the engines registered, when they agree on one."""
+    import torch
+
+    dtypes = {e.get("dtype", "") for e in engines}
+    if len(dtypes) != 1 or "" in dtypes:
+        return named
+    dt = getattr(torch, dtypes.pop(), None)
+    if not isinstance(dt, torch.dtype):
+        return named
+    return [(n, t.to(dt) if t.is_floating_point() and t.dtype != dt else t) for n, t in named]
 
 
 async def _send_buckets_zmq(

@@ -1,0 +1,1 @@
+"""Backends of the engine node (see engine_node.backend.BACKENDS)."""

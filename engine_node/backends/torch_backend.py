@@ -1,0 +1,592 @@
+"""The `torch` backend: a Hugging Face transformers causal LM, on CPU or one GPU.
+
+A small *reference* engine (correctness over speed) behind the Backend protocol
+of engine_node/backend.py:
+
+- Continuous batching, exactly: sequences join (add) and leave (finish, abort)
+  between steps. Each step runs one forward per runnable sequence, each with its
+  own `DynamicCache`; a new sequence's whole prompt is prefilled in one forward
+  that also yields its first token. No padding, no batch-shape-dependent
+  kernels, so greedy output equals `model.generate(do_sample=False)` and
+  logprobs equal the model's own log-softmax (fp32). At most `capacity`
+  sequences are stepped per step (oldest first); the rest wait their turn.
+- Sampling (per sequence, on CPU in fp32): temperature (< 1e-5: greedy argmax,
+  the first maximal index as in HF), then top-k, then top-p, then a draw from
+  the sequence's own `torch.Generator` (seeded from SeqRequest.seed; unseeded
+  sequences get a seed from the backend's generator).
+- Logprobs are log_softmax of the fp32 logits *before* temperature, top-k and
+  top-p: the model's raw distribution, i.e. what a trainer recomputes.
+- Stops: a token in stop_token_ids, or in eos_token_ids unless ignore_eos,
+  ends the sequence with "stop" and IS part of the output (as vLLM keeps eos
+  ids in output_token_ids); max_new_tokens ends it with "length".
+- Weight updates over the `zmq` transport: begin (validate every name, dtype,
+  shape) → stage (clone) → finish (copy everything at once). Nothing touches
+  the model before finish, and finish validates before its first copy.
+- LoRA without peft (engine_node.lora_local): forward hooks apply the adapter
+  of whichever sequence is being stepped.
+- sleep(1): drop KV caches; on a GPU also move the weights to a CPU copy (on CPU
+  they stay). sleep(2): also discard the weights; wake_up reloads them from the
+  checkpoint, so level 2 DISCARDS weight updates (as vLLM's level 2 does) — the
+  node owns weight versions and must re-send weights or reset its version.
+  Sleeping with sequences held is refused (the node parks them first), and
+  add() is refused until every tag is awake again.
+- num_running() counts every sequence held (stepping, waiting for a slot, or
+  frozen); has_work() only the unfrozen ones.
+- threads (option): torch's intra-op thread count is process-global and the
+  node process hosts one backend, so the backend sets it: by default 1 for a
+  small model on CPU (per-op work is too small to split), else untouched.
+
+Ownership: the engine node's loop thread calls every method; nothing here
+starts threads. Outputs are produced synchronously inside step(), so abort()
+never has unreturned tokens and wake_fd() is None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Iterable
+from typing import Any
+
+import structlog
+import torch
+
+from engine_node.backend import BackendError, BackendInfo, SeqRequest, StepOutput
+from engine_node.lora_local import LoraHooks, build_adapter, read_peft_folder
+from engine_node.tiny_model import hf_quiet
+
+log = structlog.get_logger(__name__)
+
+_GREEDY_EPS = 1e-5  # vLLM's threshold: temperature below it means greedy
+_SEED_MASK = (1 << 63) - 1
+_TAGS = ("weights", "kv_cache")
+_OPTIONS = ("device", "dtype", "capacity", "max_model_len", "seed", "threads")
+# Below this many parameters a CPU forward is a few hundred tiny ops: intra-op
+# threads only add synchronisation (measured on the 64-hidden tiny model, 2
+# busy cores: 8 ms per forward with 2 threads, 1.3 ms with 1).
+_SMALL_MODEL_PARAMS = 20_000_000
+
+
+class WeightUpdateError(BackendError, ValueError):
+    """A weight transaction was refused (bad name / dtype / shape, missing
+    tensor). Also a ValueError, as backend.begin_weight_update documents."""
+
+
+# ------------------------------------------------------------------ sampling
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
+    """One token id from fp32 CPU `logits` [vocab]: greedy when temperature is
+    ~0, else temperature → top-k → top-p → multinomial draw from `gen`."""
+    if temperature < _GREEDY_EPS:
+        return int(torch.argmax(logits))
+    scaled = logits / temperature
+    if 0 < top_k < scaled.numel():
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always).
+        drop = (sorted_p.cumsum(0) - sorted_p) >= top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+# ------------------------------------------------------------------ sequences
+
+
+@dataclasses.dataclass
+class _Seq:
+    req: SeqRequest
+    stop_ids: frozenset[int]
+    gen: torch.Generator
+    # Token ids not yet in `cache`: the whole prompt before prefill, then the
+    # last sampled token.
+    pending: list[int]
+    cache: Any = None  # transformers DynamicCache, created by the first forward
+    num_tokens: int = 0  # tokens in the cache
+    generated: int = 0
+    frozen: bool = False
+
+
+def _cache_bytes(cache: Any) -> int:
+    """Bytes held by a DynamicCache's key/value tensors (0 if unknown)."""
+    total = 0
+    for layer in getattr(cache, "layers", ()) or ():
+        for attr in ("keys", "values"):
+            t = getattr(layer, attr, None)
+            if isinstance(t, torch.Tensor):
+                total += t.nbytes
+    return total
+
+
+def _as_tensor(value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.as_tensor(value)
+
+
+def _meta(m: Any) -> tuple[str, str, tuple[int, ...]]:
+    """(name, dtype, shape) of a TensorMeta (msgspec Struct or plain dict)."""
+    get = m.get if isinstance(m, dict) else (lambda k: getattr(m, k))
+    dtype = str(get("dtype")).removeprefix("torch.")
+    return str(get("name")), dtype, tuple(int(x) for x in get("shape"))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _parse_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise BackendError(f"unknown dtype {name!r} (e.g. float32, bfloat16, float16)")
+    return dt
+
+
+def _eos_ids(model: Any) -> list[int]:
+    """eos ids from the generation config and the model config (either may be
+    an int, a list or None)."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        v = getattr(src, "eos_token_id", None) if src is not None else None
+        if v is None:
+            continue
+        ids.update([int(v)] if isinstance(v, int) else (int(x) for x in v))
+    return sorted(ids)
+
+
+# ------------------------------------------------------------------ backend
+
+
+class TorchBackend:
+    freeze_granularity = "seq"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        capacity: int = 64,
+        max_model_len: int = 4096,
+        seed: int = 0,
+        threads: int | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if capacity < 1:
+            raise BackendError(f"capacity must be >= 1, got {capacity}")
+        self.path = model
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise BackendError(f"device {device!r} requested but CUDA is not available")
+        self.dtype = _parse_dtype(dtype)
+        with hf_quiet():
+            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype)
+        self.model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.eos_token_ids = _eos_ids(self.model)
+        # A rope model runs past max_position_embeddings but its output there is
+        # meaningless; clamp like vLLM's derived max_model_len.
+        max_pos = getattr(cfg, "max_position_embeddings", None) or max_model_len
+        self.max_model_len = int(min(max_model_len, max_pos))
+        self.capacity = int(capacity)
+        self._rng = torch.Generator().manual_seed(seed & _SEED_MASK)
+        # Every name a weight update may address: state_dict keys, which include
+        # tied aliases (lm_head.weight ↔ model.embed_tokens.weight) that
+        # named_parameters() deduplicates. Specs are kept apart from the tensors
+        # because sleep(2) empties the tensors.
+        self._targets: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+        self._specs = {n: (_dtype_name(t.dtype), tuple(t.shape)) for n, t in self._targets.items()}
+        self._num_params = sum(p.numel() for p in self.model.parameters())
+        self._set_threads(threads)
+        self._seqs: dict[str, _Seq] = {}  # insertion order = admission order
+        self._lora = LoraHooks(self.model)
+        self._announced: dict[str, tuple[str, tuple[int, ...]]] | None = None  # open weight update
+        self._staged: dict[str, torch.Tensor] = {}
+        self._sleeping: set[str] = set()  # tags put to sleep and not woken yet
+        self._weights_where = "device"  # "device" | "host" (offloaded) | "discarded"
+        self._closed = False
+        self._steps = 0
+        log.debug("torch backend ready", model=model, device=str(self.device), dtype=dtype)
+
+    def _set_threads(self, threads: int | None) -> None:
+        """torch's intra-op thread count is process-global: the engine node
+        process hosts one backend, so the backend owns it. None = auto: 1 for a
+        small model on CPU, else torch's default."""
+        if threads is None and self.device.type == "cpu" and self._num_params < _SMALL_MODEL_PARAMS:
+            threads = 1
+        if threads is not None:
+            if threads < 1:
+                raise BackendError(f"threads must be >= 1, got {threads}")
+            torch.set_num_threads(threads)
+
+    # ------------------------------------------------------------ info
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(
+            backend="torch",
+            model=self.path,
+            vocab_size=self.vocab_size,
+            eos_token_ids=list(self.eos_token_ids),
+            capacity=self.capacity,
+            max_model_len=self.max_model_len,
+            tp=1,
+            dtype=_dtype_name(self.dtype),
+        )
+
+    # ------------------------------------------------------------ requests
+
+    def add(self, seq: SeqRequest) -> None:
+        self._check_open()
+        if self._sleeping:
+            raise BackendError(f"backend is sleeping ({sorted(self._sleeping)}); wake_up first")
+        self._validate(seq)
+        seed = seq.seed if seq.seed is not None else int(torch.randint(0, _SEED_MASK, (1,), generator=self._rng))
+        stop = set(seq.params.stop_token_ids or ())
+        if not seq.params.ignore_eos:
+            stop.update(self.eos_token_ids)
+        self._seqs[seq.seq_id] = _Seq(
+            req=seq,
+            stop_ids=frozenset(stop),
+            gen=torch.Generator().manual_seed(seed & _SEED_MASK),
+            pending=list(seq.prompt),
+        )
+
+    def _validate(self, seq: SeqRequest) -> None:
+        p = seq.params
+        if seq.seq_id in self._seqs:
+            raise BackendError(f"seq_id {seq.seq_id!r} is already running")
+        if not seq.prompt:
+            raise BackendError("prompt_token_ids is empty")
+        if seq.max_new_tokens < 1:
+            raise BackendError(f"max_tokens must be >= 1, got {seq.max_new_tokens}")
+        bad = next((t for t in seq.prompt if not 0 <= int(t) < self.vocab_size), None)
+        if bad is not None:
+            raise BackendError(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})")
+        if len(seq.prompt) + seq.max_new_tokens > self.max_model_len:
+            raise BackendError(
+                f"max_tokens: prompt ({len(seq.prompt)} tokens) + max_tokens ({seq.max_new_tokens}) "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        if p.temperature < 0:
+            raise BackendError(f"temperature must be >= 0, got {p.temperature}")
+        if not 0.0 < p.top_p <= 1.0:
+            raise BackendError(f"top_p must be in (0, 1], got {p.top_p}")
+        if p.top_k < -1:
+            raise BackendError(f"top_k must be -1, 0 (disabled) or > 0, got {p.top_k}")
+        if seq.lora is not None and seq.lora not in self._lora.adapters:
+            raise BackendError(f"lora {seq.lora!r} is not loaded (loaded: {sorted(self._lora.adapters)})")
+
+    def abort(self, seq_ids: Iterable[str]) -> list[StepOutput]:
+        # step() returns every token it makes, so there is never anything unreturned.
+        for sid in seq_ids:
+            self._seqs.pop(sid, None)
+        return []
+
+    def step(self) -> list[StepOutput]:
+        self._check_open()
+        runnable = [s for s in self._seqs.values() if not s.frozen][: self.capacity]
+        if not runnable:
+            return []
+        if self._sleeping:
+            raise BackendError(f"backend is sleeping ({sorted(self._sleeping)}); wake_up first")
+        outs = [self._advance(s) for s in runnable]
+        for o in outs:
+            if o.finish_reason is not None:
+                del self._seqs[o.seq_id]
+        self._steps += 1
+        return outs
+
+    def _advance(self, s: _Seq) -> StepOutput:
+        """One forward of `s` (its prefill the first time), one sampled token."""
+        logits = self._forward(s)
+        p = s.req.params
+        tok = sample_token(logits, p.temperature, p.top_k, p.top_p, s.gen)
+        lp = float(torch.log_softmax(logits, dim=-1)[tok]) if p.logprobs else None
+        s.generated += 1
+        s.pending = [tok]
+        finish = None
+        if tok in s.stop_ids:
+            finish = "stop"
+        elif s.generated >= s.req.max_new_tokens:
+            finish = "length"
+        return StepOutput(s.req.seq_id, [tok], [lp] if lp is not None else None, finish)
+
+    def _forward(self, s: _Seq) -> torch.Tensor:
+        """Feed `s.pending` through the model on top of its cache; return the
+        fp32 CPU logits of the last position. The cache is created here and
+        grows in place (a forward that raises midway leaves it unusable)."""
+        from transformers import DynamicCache
+
+        if s.cache is None:
+            s.cache = DynamicCache(config=self.model.config)
+        ids = torch.tensor([s.pending], dtype=torch.long, device=self.device)
+        with torch.inference_mode(), self._lora.active(s.req.lora):
+            out = self.model(input_ids=ids, past_key_values=s.cache, use_cache=True, logits_to_keep=1)
+        s.num_tokens += len(s.pending)
+        return out.logits[0, -1].to(device="cpu", dtype=torch.float32)
+
+    def has_work(self) -> bool:
+        return any(not s.frozen for s in self._seqs.values())
+
+    def num_running(self) -> int:
+        """Every sequence held: stepping, waiting for a slot, or frozen."""
+        return len(self._seqs)
+
+    def freeze(self, seq_ids: Iterable[str]) -> None:
+        for sid in seq_ids:
+            if sid in self._seqs:
+                self._seqs[sid].frozen = True
+
+    def thaw(self, seq_ids: Iterable[str]) -> None:
+        for sid in seq_ids:
+            if sid in self._seqs:
+                self._seqs[sid].frozen = False
+
+    # ------------------------------------------------------------ memory
+
+    def _weight_bytes(self) -> int:
+        return sum(p.nbytes for p in self.model.parameters())
+
+    def _kv_bytes(self) -> int:
+        return sum(_cache_bytes(s.cache) for s in self._seqs.values() if s.cache is not None)
+
+    def _release_device_memory(self) -> None:
+        # On CPU refcounting already freed what we dropped; a full gc.collect()
+        # costs ~0.4 s with transformers loaded, so only pay it where it returns
+        # memory to the device (cycles holding CUDA tensors, then the caching
+        # allocator's free blocks).
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def sleep(self, level: int) -> dict[str, Any]:
+        """Release memory. The node parks every sequence first; sleeping with
+        sequences held is refused rather than silently dropping them."""
+        self._check_open()
+        if level not in (1, 2):
+            raise BackendError(f"sleep level must be 1 or 2, got {level}")
+        if self._seqs:
+            raise BackendError(f"cannot sleep with {len(self._seqs)} sequences held; abort them first")
+        kv = self._kv_bytes()  # 0 here: no sequences, so no caches
+        freed, weights = kv, "kept"
+        if level == 2 and self._weights_where != "discarded":
+            freed += self._weight_bytes()
+            self._discard_weights()
+            weights = "discarded"
+        elif level == 1 and self.device.type != "cpu" and self._weights_where == "device":
+            freed += self._weight_bytes()
+            self.model.to("cpu")
+            self._weights_where, weights = "host", "offloaded"
+        elif self._weights_where != "device":
+            weights = self._weights_where
+        self._sleeping.update(_TAGS)
+        self._release_device_memory()
+        return {"level": level, "freed_bytes": freed, "kv_bytes": kv, "weights": weights, "device": str(self.device)}
+
+    def _discard_weights(self) -> None:
+        # Replace each Parameter's storage, keeping the Parameter objects: tied
+        # aliases, LoRA hooks and self._targets keep pointing at them.
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._weights_where = "discarded"
+
+    def wake_up(self, tags: list[str] | None) -> dict[str, Any]:
+        self._check_open()
+        wanted = set(_TAGS if tags is None else tags)
+        unknown = wanted - set(_TAGS)
+        if unknown:
+            raise BackendError(f"unknown wake_up tags {sorted(unknown)}; choose from {list(_TAGS)}")
+        restored = 0
+        if "weights" in wanted and self._weights_where != "device":
+            restored += self._restore_weights()
+        # KV caches are allocated per sequence on demand: nothing to restore.
+        self._sleeping -= wanted
+        return {"restored_bytes": restored, "woken": sorted(wanted), "sleeping": sorted(self._sleeping)}
+
+    def _restore_weights(self) -> int:
+        if self._weights_where == "host":
+            self.model.to(self.device)
+        else:
+            self._reload_checkpoint()
+        self._weights_where = "device"
+        return self._weight_bytes()
+
+    def _reload_checkpoint(self) -> None:
+        """Refill the discarded Parameters from the checkpoint on disk. Loading
+        through from_pretrained (not raw safetensors) keeps transformers' own
+        key conversions and tied-weight handling."""
+        from transformers import AutoModelForCausalLM
+
+        with hf_quiet():
+            fresh = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype)
+        src = dict(fresh.named_parameters())
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.data = src[name].data.to(self.device)
+        del fresh, src
+        self._release_device_memory()
+
+    def reset_prefix_cache(self) -> None:
+        """No prefix cache: every sequence has its own KV cache."""
+
+    # ------------------------------------------------------------ weights
+
+    def begin_weight_update(self, transport: str, tensors: list[Any], args: dict[str, Any]) -> None:
+        """Open a transaction for `tensors` (TensorMeta). A begin while another
+        is open replaces it: a trainer that died mid-transfer must not block
+        the next update."""
+        self._check_open()
+        if transport != "zmq":
+            raise BackendError(f"transport {transport!r} not supported by torch backend (zmq only)")
+        if self._weights_where == "discarded":
+            raise BackendError("weights were discarded by sleep(2); wake_up(['weights']) before a weight update")
+        announced: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for m in tensors:
+            name, dtype, shape = _meta(m)
+            self._check_spec(name, dtype, shape)
+            if name in announced:
+                raise WeightUpdateError(f"tensor {name!r} announced twice")
+            announced[name] = (dtype, shape)
+        if not announced:
+            raise WeightUpdateError("weight update announces no tensors")
+        self._announced, self._staged = announced, {}
+
+    def _check_spec(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+        spec = self._specs.get(name)
+        if spec is None:
+            raise WeightUpdateError(f"tensor {name!r}: no such parameter in the model")
+        if dtype != spec[0]:
+            raise WeightUpdateError(f"tensor {name!r}: dtype {dtype} does not match the model's {spec[0]}")
+        if shape != spec[1]:
+            raise WeightUpdateError(f"tensor {name!r}: shape {list(shape)} does not match the model's {list(spec[1])}")
+
+    def stage_weights(self, named: list[tuple[str, Any]]) -> None:
+        if self._announced is None:
+            raise BackendError("stage_weights without begin_weight_update")
+        for name, value in named:
+            if name not in self._announced:
+                raise WeightUpdateError(f"tensor {name!r} was not announced by begin_weight_update")
+            t = _as_tensor(value)
+            dtype, shape = self._announced[name]
+            if _dtype_name(t.dtype) != dtype or tuple(t.shape) != shape:
+                raise WeightUpdateError(
+                    f"tensor {name!r}: got {_dtype_name(t.dtype)}{list(t.shape)}, announced {dtype}{list(shape)}"
+                )
+            # Clone: `value` may view a receive buffer the node reuses after we return.
+            self._staged[name] = t.detach().to("cpu", copy=True)
+
+    def receive_weights(self, update_id: str, handles: list[Any]) -> dict[str, Any]:
+        raise BackendError("receive_weights (cuda_ipc / nccl) not supported by torch backend (zmq only)")
+
+    def finish_weight_update(self) -> None:
+        """All or nothing: every check happens before the first copy."""
+        if self._announced is None:
+            raise BackendError("finish_weight_update without begin_weight_update")
+        missing = sorted(set(self._announced) - set(self._staged))
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise WeightUpdateError(f"weight update incomplete: missing tensors {missing[:5]}{more}")
+        if self._weights_where == "discarded":
+            raise BackendError("weights were discarded by sleep(2) during the update; wake_up first")
+        with torch.no_grad():
+            for name, t in self._staged.items():
+                self._targets[name].copy_(t)
+        n = len(self._staged)
+        self._announced, self._staged = None, {}
+        self.reset_prefix_cache()
+        # Running sequences keep KV computed by the old weights (like vLLM's
+        # keep-mode pause); the node parks them when it wants fresh KV.
+        log.debug("weights updated", tensors=n)
+
+    def abort_weight_update(self) -> None:
+        self._announced, self._staged = None, {}
+
+    # ------------------------------------------------------------ LoRA
+
+    def load_lora(
+        self,
+        name: str,
+        *,
+        path: str | None = None,
+        tensors: list[tuple[str, Any]] | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        """Load or replace adapter `name`. A replacement is built and checked
+        completely before it swaps in; running sequences of `name` use it from
+        their next step (their KV so far stays)."""
+        self._check_open()
+        if (path is None) == (tensors is None):
+            raise BackendError(f"load_lora {name!r}: give exactly one of path or tensors")
+        if path is not None:
+            tensors, file_config = read_peft_folder(path)
+            config = {**file_config, **(config or {})}
+        assert tensors is not None
+        self._lora.put(build_adapter(name, tensors, config, self.model))
+
+    def unload_lora(self, name: str) -> None:
+        if name not in self._lora.adapters:
+            raise BackendError(f"lora {name!r} is not loaded")
+        users = sum(1 for s in self._seqs.values() if s.req.lora == name)
+        if users:
+            raise BackendError(f"lora {name!r} is used by {users} running sequences; abort or finish them first")
+        self._lora.remove(name)
+
+    def loras(self) -> list[str]:
+        return sorted(self._lora.adapters)
+
+    # ------------------------------------------------------------ misc
+
+    def stats(self) -> dict[str, Any]:
+        kv_tokens = sum(s.num_tokens for s in self._seqs.values())
+        return {
+            "kv_usage": min(1.0, kv_tokens / (self.capacity * self.max_model_len)),
+            "kv_tokens": kv_tokens,
+            "kv_bytes": self._kv_bytes(),
+            "running": sum(1 for s in self._seqs.values() if not s.frozen),
+            "frozen": sum(1 for s in self._seqs.values() if s.frozen),
+            "steps": self._steps,
+            "device": str(self.device),
+            "dtype": _dtype_name(self.dtype),
+            "params": self._num_params,
+            "threads": torch.get_num_threads(),
+            "weights": self._weights_where,
+            "sleeping": sorted(self._sleeping),
+            "loras": self.loras(),
+        }
+
+    def wake_fd(self) -> int | None:
+        return None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._seqs.clear()
+        self._staged.clear()
+        self._announced = None
+        self._lora.clear()
+        self._targets.clear()
+        del self.model
+        self._release_device_memory()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError("torch backend is closed")
+
+
+def make_backend(model: str, **options: Any) -> TorchBackend:
+    """Factory named in engine_node.backend.BACKENDS. Options: device="cpu",
+    dtype="float32", capacity=64, max_model_len=4096, seed=0, threads=None
+    (torch intra-op threads; None: 1 for a small model on CPU, else torch's default)."""
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise BackendError(f"torch backend: unknown option(s) {unknown}; accepted: {list(_OPTIONS)}")
+    return TorchBackend(model, **options)

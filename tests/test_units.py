@@ -1,0 +1,153 @@
+"""Pure units: framing, field paths, weight buckets, policies, sessions, control bus."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bus import protocol as P
+from bus.codec import Codec
+from bus.errors import BadRequest, ProtocolError
+from bus.tensors import pack_bucket, plan_buckets, unpack_bucket
+from router_node.policies import Sessions, pick_least_loaded, pick_least_loaded_exact
+
+
+def test_every_message_round_trips():
+    c = Codec()
+    msgs = [
+        P.Generate("r", P.SamplingParams(max_tokens=3, stop_token_ids=[1, 2]), num_samples=2, session_id="s", lora="l"),
+        P.Cancel("r"),
+        P.Chunk("r", 1, 3, "stop", [[2, 4]], 1.5, 7, "e0"),
+        P.Error("r", "bad_request", "m", "f"),
+        P.Command(1, P.Pause(mode="keep", lora="x"), ["e0"]),
+        P.Ack(1, "e0", True, {"a": 1}),
+        P.Control("r", P.BeginWeightUpdate("u", "zmq", [P.TensorMeta("w", "float32", [2], 0, 0, 8)], [256])),
+        P.ControlReply("r", {"e0": {}}, {"e1": "x"}, ["e2"]),
+        P.Query("r", "health"),
+        P.QueryReply("r", {"k": [1]}),
+        P.EndSession("r", "s"),
+        P.Register("e0", "ipc://d", "ipc://w", "torch", "m", 1, "inc"),
+        P.RegisterReply(True),
+        P.Heartbeat("e0", "inc", running=3, paused=["*"]),
+        P.WeightBucket("u", 0),
+        P.WeightBucketAck("u", 0, False, "e"),
+    ]
+    assert {type(m) for m in msgs} == set(P.KIND_OF)
+    for m in msgs:
+        frames = c.encode(m, [b"raw"])
+        back, bufs = c.decode(frames)
+        assert back == m and bufs == [b"raw"]
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        (["gen", "r", [1, "hot"]], "params.temperature"),
+        (["gen", "r", [1, 1.0, 1.0, 0, "seed"]], "params.seed"),
+        (["gen", "r", [1], "two"], "num_samples"),
+        (["nope", "r"], "<tag>"),
+    ],
+)
+def test_validation_errors_name_the_field(body, field):
+    with pytest.raises(BadRequest) as e:
+        Codec().decode([b"G", msgspec.msgpack.encode(body)])
+    assert e.value.field == field
+
+
+def test_unknown_kind_and_garbage_are_protocol_errors():
+    with pytest.raises(ProtocolError) as e:
+        Codec().decode([b"\x00", b"\x90"])
+    assert e.value.field == "kind"
+    with pytest.raises(ProtocolError) as e:
+        Codec().decode([b"G", b"\xc1"])
+    assert e.value.field == "body"
+
+
+_dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8])
+_shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(_dtypes, _shapes), min_size=1, max_size=8), st.integers(1, 600))
+def test_buckets_round_trip_any_tensors(specs, bucket_bytes):
+    g = torch.Generator().manual_seed(0)
+    named = [(f"t{i}", (torch.randn(shape, generator=g) * 50).to(dt)) for i, (dt, shape) in enumerate(specs)]
+    metas, sizes, tensors = plan_buckets(named, bucket_bytes)
+    assert len(metas) == len(named)
+    got = {}
+    for b in range(len(sizes)):
+        buf = pack_bucket(b, metas, sizes, tensors)
+        assert buf.numel() == sizes[b]
+        assert sizes[b] <= max(bucket_bytes, max(m.nbytes for m in metas if m.bucket == b)) + 256 * len(metas)
+        got.update(unpack_bucket(b, metas, bytes(buf.numpy())))
+    for name, t in named:
+        assert torch.equal(got[name], t) and got[name].dtype == t.dtype
+
+
+def test_unpack_refuses_a_short_bucket():
+    metas, sizes, tensors = plan_buckets([("w", torch.zeros(10))], 1 << 20)
+    with pytest.raises(ValueError, match="w needs"):
+        unpack_bucket(0, metas, b"\x00" * 8)
+
+
+class _E:
+    def __init__(self, eid: str, outstanding: int, capacity: int = 64) -> None:
+        self.engine_id = eid
+        self.outstanding = outstanding
+        self.reg = P.Register(eid, "", "", "t", "m", 1, "i", capacity=capacity)
+
+
+def test_power_of_two_choices_never_picks_the_most_loaded_of_its_pair():
+    rng = random.Random(0)
+    es = [_E("a", 0), _E("b", 50), _E("c", 10)]
+    picks = [pick_least_loaded(es, rng).engine_id for _ in range(300)]
+    assert "b" not in picks and {"a", "c"} == set(picks)
+    assert pick_least_loaded_exact(es, rng).engine_id == "a"
+
+
+def test_sessions_ttl_and_end():
+    s = Sessions(ttl_s=10)
+    s.bind("x", "e0", now=0)
+    assert s.engine_for("x", now=5) == "e0"
+    s.bind("x", "e0", now=5)  # use refreshes the TTL
+    assert s.engine_for("x", now=14) == "e0"
+    assert s.engine_for("x", now=30) is None  # expired: re-placed by least load
+    s.bind("y", "e1", now=0)
+    assert s.expire(now=100) == 1 and s.count() == 0
+    s.bind("z", "e1", now=0)
+    assert s.end("z") and not s.end("z")
+
+
+def test_control_bus_republishes_until_acked_and_reports_missing():
+    from bus.control_bus import ControlBus
+
+    sent = []
+
+    class Pub:
+        def send_multipart(self, frames):
+            sent.append(frames)
+
+    done = []
+    bus = ControlBus(Pub(), Codec(), republish_s=0.0)
+    pc = bus.publish(P.Ping(), ["e0", "e1"], 5.0, done.append)
+    bus.tick(now=pc.published_at + 0.01)  # no acks yet: published again
+    assert len(sent) == 2
+    bus.on_ack(P.Ack(pc.seq, "e0"))
+    bus.on_ack(P.Ack(pc.seq, "e0"))  # duplicate ack ignored
+    bus.tick(now=pc.published_at + 0.02)
+    assert Codec().decode(sent[-1][1:])[0].targets == ["e1"]  # only the laggard
+    bus.tick(now=pc.deadline + 1)
+    assert done == [pc] and pc.missing == ["e1"] and set(pc.acks) == {"e0"}
+
+
+def test_np_prompt_frames_are_little_endian_int32():
+    from bus.validate import prompt_from_frames
+
+    arr = prompt_from_frames(P.Generate("r"), [np.asarray([1, 2, 3], dtype="<i4").tobytes()], max_prompt_tokens=8)
+    assert arr.tolist() == [1, 2, 3]
