@@ -129,6 +129,9 @@ class Router:
             "stats": lambda: {"counters": dict(self.counters), "in_flight": len(self.flights), "sessions": self.sessions.count()},
         }
         self._last_tick = 0.0
+        # Cluster-wide pauses in force (scope -> Pause op): an engine that joins
+        # or restarts meanwhile is paused the same way before it gets traffic.
+        self.cluster_pauses: dict[str, P.Pause] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -259,19 +262,27 @@ class Router:
         self._send(self.events, ident, P.RegisterReply(ok=True, heartbeat_interval_s=self.cfg.heartbeat_interval_s))
         log.info("engine_registered", engine_id=reg.engine_id, data=reg.data_address, backend=reg.backend)
 
-        def joined(pc: PendingCommand, e: EngineEntry = e) -> None:
+        # Join: ack a ping (so PUB/SUB is connected), then apply every
+        # cluster-wide pause in force, one acked command at a time; only then
+        # is the engine healthy and routable.
+        steps: list[Any] = [P.Ping(), *self.cluster_pauses.values()]
+
+        def next_step(pc: PendingCommand | None, e: EngineEntry = e) -> None:
             if self.engines.get(e.engine_id) is not e:
                 return
-            if e.engine_id in pc.acks:
-                e.state = EngineState.HEALTHY
-                e.reason = "ok"
-                e.last_seen = e.steps_changed_at = time.monotonic()
-                log.info("engine_joined", engine_id=e.engine_id)
-            else:
+            if pc is not None and e.engine_id not in pc.acks:
                 log.warning("engine_never_joined", engine_id=e.engine_id, join_timeout_s=self.cfg.join_timeout_s)
                 self._forget(e)
+                return
+            if steps:
+                self.bus.publish(steps.pop(0), [e.engine_id], self.cfg.join_timeout_s, next_step)
+                return
+            e.state = EngineState.HEALTHY
+            e.reason = "ok"
+            e.last_seen = e.steps_changed_at = time.monotonic()
+            log.info("engine_joined", engine_id=e.engine_id, paused=sorted(self.cluster_pauses))
 
-        self.bus.publish(P.Ping(), [reg.engine_id], self.cfg.join_timeout_s, joined)
+        next_step(None)
 
     def _on_heartbeat(self, _: bytes, hb: P.Heartbeat) -> None:
         e = self.engines.get(hb.engine_id)
@@ -404,6 +415,8 @@ class Router:
                 raise BadRequest(f"unknown engine(s) {unknown}", request_id=msg.request_id, field="targets")
             targets = list(msg.targets)
         silent = [t for t in targets if self.engines[t].state is EngineState.SILENT]
+        if msg.targets is None:
+            self._track_cluster_pause(msg.op)
 
         def done(pc: PendingCommand) -> None:
             results = {eid: dict(a.result) for eid, a in pc.acks.items() if a.ok}
@@ -415,6 +428,15 @@ class Router:
         if silent and not pc.done:
             pc.targets.update(silent)
             pc.gone.update(silent)
+
+    def _track_cluster_pause(self, op: Any) -> None:
+        if isinstance(op, P.Pause):
+            self.cluster_pauses[op.lora or "*"] = op
+        elif isinstance(op, P.Resume):
+            if op.lora is None:
+                self.cluster_pauses.clear()
+            else:
+                self.cluster_pauses.pop(op.lora, None)
 
     # ------------------------------------------------------------ engine replies
 

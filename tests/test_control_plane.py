@@ -369,3 +369,34 @@ def test_an_engine_dying_during_an_update_leaves_every_engine_on_old_weights(fre
     assert {x["engine_id"]: x["weight_version"] for x in c.engines()} == {"e0": 0, "e1": 0}
     for _ in range(4):  # both engines still serve the old weights
         assert c.generate(p, params).token_ids == before
+
+
+def test_an_engine_joining_a_paused_cluster_comes_up_paused(cluster_factory):
+    cl = cluster_factory(1)
+    cl.wait_ready(1)
+    c = cl.client()
+    c.pause("abort")
+    cl.start_engine("e1")
+    wait_until(lambda: c.health()["engines"].get("e1", {}).get("healthy"), 60, "e1 to join")
+    wait_until(lambda: c.health()["engines"]["e1"]["paused"] == ["*"], 5, "e1's heartbeat to show the pause")
+    assert c.is_paused()
+    held = Streams(c, [[4, 5, 6]] * 4, {**GREEDY, "max_tokens": 4})
+    time.sleep(0.4)
+    assert held.counts() == [0, 0, 0, 0]  # nobody serves while the cluster is paused
+    c.resume()
+    held.join()
+    assert not c.is_paused()
+
+
+def test_wait_mode_past_its_deadline_names_the_knob(torch_cluster):
+    c = torch_cluster.client()
+    s = Streams(c, [[4, 5, 6]], {**GREEDY, "max_tokens": 1800})
+    wait_until(lambda: s.counts()[0] >= 2, 30, "the stream to start")
+    try:
+        with pytest.raises(ControlError) as e:
+            c.pause("wait", timeout_s=0.3)
+        assert "timeout_s" in str(e.value)
+    finally:
+        c.resume()
+    s.join()
+    assert len(s.tokens(0)) == 1800
