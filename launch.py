@@ -147,6 +147,14 @@ def pick_backend(name: str) -> str:
     return "torch"
 
 
+def advertise_host(a: argparse.Namespace) -> str:
+    """How other nodes reach this one: --advertise-host, else the bind host
+    unless it is a wildcard, else the host name."""
+    if a.advertise_host:
+        return a.advertise_host
+    return a.host if a.host not in ("0.0.0.0", "*") else socket.gethostname()
+
+
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -158,7 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engines", type=int, default=None, help="engine nodes on this machine (default: 2, or GPUs // tp with vLLM)")
     ap.add_argument("--backend", default="auto", choices=["auto", "torch", "vllm", "null"])
     ap.add_argument("--model", default=None, help="model folder (default: a tiny random model built into the cache)")
-    ap.add_argument("--host", default="127.0.0.1", help="address the head binds (0.0.0.0 for multi-node)")
+    ap.add_argument("--host", default="127.0.0.1", help="address this node binds (0.0.0.0 for multi-node: loopback only by default)")
     ap.add_argument("--port", type=int, default=5555, help="frontend port; events = port+1, control = port+2; 0: any free")
     ap.add_argument("--advertise-host", default=None, help="how other nodes reach this one (default: hostname for multi-node)")
     ap.add_argument("--policy", default="least_loaded", choices=["least_loaded", "random"])
@@ -173,6 +181,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heartbeat-interval-s", type=float, default=0.5)
     ap.add_argument("--curve", action="store_true", help="secure TCP sockets with CURVE (keys in --curve-dir)")
     ap.add_argument("--curve-dir", default=None, help="key folder: made here when missing; copy it to joining nodes")
+    ap.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics of the head (-1: off)")
     ap.add_argument("--max-restarts", type=int, default=3)
     ap.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM → SIGKILL grace on shutdown")
     ap.add_argument("--ready-timeout-s", type=float, default=300.0)
@@ -264,7 +273,7 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
             sys.executable, "-m", "router_node",
             "--frontend", front, "--events", events, "--control", control,
             "--policy", a.policy, "--heartbeat-interval-s", str(a.heartbeat_interval_s),
-            "--ready-file", ready_file,
+            "--ready-file", ready_file, "--metrics-port", str(a.metrics_port), "--metrics-host", a.host,
         ]  # fmt: skip
         if curve_dir:
             head_argv += ["--curve-dir", curve_dir]
@@ -276,8 +285,8 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
                 log.error("head_not_ready", timeout_s=30)
                 return 1
             time.sleep(0.05)
-        if a.host == "0.0.0.0":
-            adv = a.advertise_host or socket.gethostname()
+        if a.host == "0.0.0.0":  # engines and trainers reach the head by a name
+            adv = advertise_host(a)
             events, control = events.replace("0.0.0.0", adv), control.replace("0.0.0.0", adv)
             front = front.replace("0.0.0.0", adv)
 
@@ -288,8 +297,8 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
     opts = json.dumps(engine_backend_options(a, backend))
     for i, gpus in enumerate(groups):
         eid = f"{prefix}{i}"
-        if multi_node:
-            data, weights = "tcp://0.0.0.0:*", "tcp://0.0.0.0:*"
+        if multi_node:  # reachable from other nodes: TCP on --host, any free port
+            data, weights = f"tcp://{a.host}:*", f"tcp://{a.host}:*"
         else:
             data, weights = f"ipc://{run_dir}/{eid}.data", f"ipc://{run_dir}/{eid}.weights"
         eargv = [
@@ -299,8 +308,8 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
             "--backend", backend, "--model", model, "--backend-options", opts,
             "--heartbeat-interval-s", str(a.heartbeat_interval_s),
         ]  # fmt: skip
-        if a.advertise_host:
-            eargv += ["--advertise-host", a.advertise_host]
+        if multi_node:
+            eargv += ["--advertise-host", advertise_host(a)]
         if curve_dir:
             eargv += ["--curve-dir", curve_dir]
         eenv = dict(env)

@@ -42,7 +42,11 @@ def parse_args(argv: list[str] | None = None) -> EngineNodeConfig:
     ap.add_argument("--max-prompt-tokens", type=int, default=32768)
     ap.add_argument("--drain-timeout-s", type=float, default=5.0)
     ap.add_argument("--register-timeout-s", type=float, default=120.0)
-    ap.add_argument("--advertise-host", default=os.environ.get("ROLLOUT_BUS_HOST", socket.gethostname()))
+    ap.add_argument(
+        "--advertise-host",
+        default=os.environ.get("ROLLOUT_BUS_HOST", ""),
+        help="host name the head should use for this node's TCP sockets (default: as bound; host name for 0.0.0.0)",
+    )
     ap.add_argument("--curve-dir", default=None)
     a = ap.parse_args(argv)
     return EngineNodeConfig(

@@ -19,6 +19,7 @@ import collections
 import enum
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -150,8 +151,13 @@ class EngineNode:
     # ------------------------------------------------------------ lifecycle
 
     def _advertised(self, endpoint: str) -> str:
-        if endpoint.startswith("tcp://0.0.0.0:") and self.cfg.advertise_host:
-            return f"tcp://{self.cfg.advertise_host}:{endpoint.rsplit(':', 1)[1]}"
+        if not endpoint.startswith("tcp://"):
+            return endpoint
+        host, port = endpoint[len("tcp://") :].rsplit(":", 1)
+        if self.cfg.advertise_host:
+            return f"tcp://{self.cfg.advertise_host}:{port}"
+        if host in ("0.0.0.0", "*", "[::]"):
+            return f"tcp://{socket.gethostname()}:{port}"
         return endpoint
 
     def request_stop(self, *_: Any) -> None:

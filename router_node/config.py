@@ -23,6 +23,8 @@ class RouterConfig:
     join_timeout_s: float = 30.0  # an engine that never acks the join ping is dropped
     seed: int = 0
     curve_dir: str | None = None
+    metrics_port: int = -1  # Prometheus /metrics: -1 off, 0 any free port
+    metrics_host: str = "127.0.0.1"
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:

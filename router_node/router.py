@@ -590,6 +590,10 @@ def run_router_node(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     become_child_process("rollout-bus router_node")
     router = Router(cfg)
+    if cfg.metrics_port >= 0:
+        from router_node.metrics import serve_metrics
+
+        router.addresses["metrics"] = f"http://{cfg.metrics_host}:{serve_metrics(router, cfg.metrics_port, cfg.metrics_host)}/metrics"
     signal.signal(signal.SIGTERM, router.request_stop)
     signal.signal(signal.SIGINT, router.request_stop)
     ready = getattr(cfg, "ready_file", None)

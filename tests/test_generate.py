@@ -165,3 +165,20 @@ def test_async_client_streams_and_generates_concurrently(torch_cluster):
     whole, streamed, h = asyncio.run(main())
     assert whole == streamed
     assert h["healthy"] and set(h["engines"]) == {"e0", "e1"}
+
+
+def test_prometheus_metrics_of_the_head(cluster_factory, tmp_path):
+    import json
+    import urllib.request
+
+    ready = tmp_path / "head.json"
+    cl = cluster_factory(1, router_args=["--metrics-port", "0", "--ready-file", str(ready)])
+    cl.wait_ready(1)
+    c = cl.client()
+    c.generate([[4, 5], [6, 7], [8, 9]], {"max_tokens": 2})
+    url = json.loads(ready.read_text())["metrics"]
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    assert "rollout_bus_requests_total 3.0" in text
+    assert 'rollout_bus_engine_healthy{engine="e0"} 1.0' in text
+    assert 'rollout_bus_engine_weight_version{engine="e0"} 0.0' in text

@@ -96,3 +96,72 @@ def test_crashed_engine_is_restarted():
         p.send_signal(signal.SIGTERM)
         p.communicate(timeout=60)
         psutil.wait_procs(tree, timeout=10)
+
+
+def _read_address(p: subprocess.Popen, timeout_s: float = 120) -> str:
+    deadline = time.monotonic() + timeout_s
+    seen = []
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        seen.append(line)
+        m = re.search(r"trainer connects to: (tcp://\S+)", line)
+        if m:
+            return m.group(1)
+        if not line and p.poll() is not None:
+            break
+    raise AssertionError("no address printed:\n" + "".join(seen))
+
+
+def test_multi_node_head_and_join_on_loopback():
+    import socket as _s
+
+    with _s.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    head = subprocess.Popen(
+        [sys.executable, "launch.py", "--head", "--port", str(port), "--grace-s", "5"],
+        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    procs = [head]
+    try:
+        addr = _read_address(head)
+        assert addr == f"tcp://127.0.0.1:{port}"
+        worker = subprocess.Popen(
+            [sys.executable, "launch.py", "--join", addr, "--engines", "2", "--engine-id-prefix", "nodeB-", "--grace-s", "5"],
+            cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        procs.append(worker)
+        _read_address(worker)
+        with Client(addr, timeout_s=30) as c:
+            es = {e["engine_id"]: e for e in c.engines()}
+            assert set(es) == {"nodeB-0", "nodeB-1"}
+            assert all(e["data_address"].startswith("tcp://127.0.0.1:") for e in es.values())
+            rs = c.generate([[4, 5, 6]] * 6, {"max_tokens": 3})
+            assert {r.engine_id for r in rs} <= set(es)
+    finally:
+        trees = [_tree(p) for p in procs]
+        for p in reversed(procs):
+            p.send_signal(signal.SIGTERM)
+            p.communicate(timeout=60)
+        for t in trees:
+            psutil.wait_procs(t, timeout=10)
+
+
+def test_curve_secured_cluster(tmp_path):
+    from bus.errors import RequestTimeout
+
+    keys = str(tmp_path / "keys")
+    p = _launch("--curve", "--curve-dir", keys)
+    tree = []
+    try:
+        addr = _read_address(p)
+        tree = _tree(p)
+        with Client(addr, timeout_s=30, curve_dir=keys) as c:
+            assert c.generate([4, 5, 6], {"max_tokens": 3}).token_ids
+        with Client(addr, timeout_s=2, control_timeout_s=2) as stranger:  # no keys: no handshake, no answer
+            with pytest.raises(RequestTimeout):
+                stranger.health()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+        psutil.wait_procs(tree, timeout=10)

@@ -1,0 +1,16 @@
+"""rollout-bus benchmarks (not tests).
+
+Each benchmark runs as ``python -m bench.<name>``, prints a table, and writes
+``bench/results/<name>.json`` and ``bench/results/<name>.png``. Shared pieces:
+
+- ``bench.harness``: timing (warm-up, repetitions, percentiles, medians and
+  spread, paired ratios), tables, JSON/PNG output, and process supervision
+  (every process tree started is killed on exit, loopback addresses only).
+- ``bench.http_peer``: a minimal OpenAI-compatible HTTP server that returns
+  ``max_tokens`` tokens at once (the HTTP twin of the ``null`` backend).
+- ``bench.peer_side``: the HTTP side of the comparisons: http_peer servers,
+  ``vllm-router`` in front of them, and an aiohttp load driver.
+
+The ``null`` backend (engine_node/backends/null_backend.py) has no model; it
+exists for these benchmarks and for tests only.
+"""

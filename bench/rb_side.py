@@ -1,0 +1,335 @@
+"""The rollout-bus side of the comparisons: a head (router_node) and K engine
+nodes started as real processes, and load drivers over trainer_bridge.
+
+How this side is driven: one asyncio process using
+``trainer_bridge.AsyncClient`` (one zmq DEALER, the product's own client; every
+chunk decoded into a StreamChunk), C worker tasks pulling from one queue of N
+requests — the same shape as the aiohttp driver of ``bench.peer_side``.
+"Direct" means the same client connected straight to one engine node's data
+socket (no head on the path); "router" means connected to the head's frontend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bench import harness as H
+
+
+@dataclass
+class Cluster:
+    frontend: str
+    engines: dict[str, str]  # engine id -> data address
+    router_pid: int
+    engine_pids: dict[str, int]
+    procs: H.Procs
+
+
+def start_cluster(
+    procs: H.Procs,
+    k: int,
+    *,
+    backend: str = "null",
+    model: str = "null",
+    backend_options: dict[str, Any] | None = None,
+    policy: str = "least_loaded",
+    tag: str = "rb",
+    startup_s: float = 120.0,
+    router_args: list[str] | None = None,
+    heartbeat_interval_s: float = 0.5,
+    log_level: str = "WARNING",
+) -> Cluster:
+    """Head + k engine nodes on loopback TCP; returns once all k are healthy."""
+    env = {"ROLLOUT_BUS_LOG_LEVEL": log_level}
+    fe, ev, ctl = H.free_ports(3)
+    ready = procs.log_dir / f"{tag}_router_ready.json"
+    procs.log_dir.mkdir(parents=True, exist_ok=True)
+    ready.unlink(missing_ok=True)
+    router = procs.start(f"{tag}_router", [
+        sys.executable, "-m", "router_node",
+        "--frontend", f"tcp://{H.LOOPBACK}:{fe}",
+        "--events", f"tcp://{H.LOOPBACK}:{ev}",
+        "--control", f"tcp://{H.LOOPBACK}:{ctl}",
+        "--policy", policy,
+        "--heartbeat-interval-s", str(heartbeat_interval_s),
+        "--ready-file", str(ready),
+        *(router_args or []),
+    ], env=env)
+    H.wait_port(fe, 60, proc=router)
+    data_ports = H.free_ports(2 * k)
+    engines: dict[str, str] = {}
+    pids: dict[str, int] = {}
+    for i in range(k):
+        eid = f"{tag}-e{i}"
+        data = f"tcp://{H.LOOPBACK}:{data_ports[2 * i]}"
+        p = procs.start(f"{tag}_engine{i}", [
+            sys.executable, "-m", "engine_node",
+            "--engine-id", eid,
+            "--head-events", f"tcp://{H.LOOPBACK}:{ev}",
+            "--head-control", f"tcp://{H.LOOPBACK}:{ctl}",
+            "--data-address", data,
+            "--weight-address", f"tcp://{H.LOOPBACK}:{data_ports[2 * i + 1]}",
+            "--backend", backend,
+            "--model", model,
+            "--backend-options", json.dumps(backend_options or {}),
+            "--heartbeat-interval-s", str(heartbeat_interval_s),
+            "--advertise-host", H.LOOPBACK,
+        ], env=env)
+        engines[eid] = data
+        pids[eid] = p.pid
+    return Cluster(f"tcp://{H.LOOPBACK}:{fe}", engines, router.pid, pids, procs)
+
+
+async def wait_healthy(client: Any, k: int, timeout_s: float, procs: H.Procs | None = None) -> dict[str, Any]:
+    end = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < end:
+        try:
+            h = await asyncio.wait_for(client.health(), 5)
+            last = h
+            if sum(1 for e in h["engines"].values() if e.get("healthy")) >= k:
+                return h
+        except Exception as e:  # noqa: BLE001
+            last = e
+        if procs is not None:
+            dead = [n for n, p in procs.procs if p.poll() is not None]
+            if dead:
+                logs = "\n".join(procs.log_tail(n, 15) for n in dead)
+                raise RuntimeError(f"process(es) exited during startup: {dead}\n{logs}")
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"fewer than {k} healthy engines after {timeout_s}s: {last}")
+
+
+def make_client(address: str, timeout_s: float = 120.0) -> Any:
+    from trainer_bridge import AsyncClient
+
+    return AsyncClient(address, timeout_s=timeout_s, control_timeout_s=60.0)
+
+
+@dataclass
+class RbLoad:
+    n: int
+    concurrency: int
+    max_tokens: int
+    stream: bool
+    prompt: list[int]
+    sessions: int = 0  # >0: session_id = "traj-{i % sessions}"
+    per_request_timeout_s: float = 60.0
+    record_stream_lag: bool = False  # keep received_at - emitted_at per chunk
+
+
+async def rb_load(client: Any, spec: RbLoad) -> H.RunResult:
+    """N requests at concurrency C through `client`; latency = send → final chunk."""
+    from bus.protocol import SamplingParams
+
+    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
+    lat: list[float] = []
+    ttft: list[float] = []
+    lags: list[float] = []
+    errors = 0
+    tokens = 0
+    err_sample: list[str] = []
+    next_i = 0
+
+    async def one(i: int) -> None:
+        nonlocal errors, tokens
+        sid = f"traj-{i % spec.sessions}" if spec.sessions else None
+        t0 = time.perf_counter()
+        first = None
+        got = 0
+        finish = None
+        try:
+            if spec.stream:
+                async for ch in client.stream(spec.prompt, params, session_id=sid, timeout_s=spec.per_request_timeout_s):
+                    if ch.token_ids and first is None:
+                        first = time.perf_counter()
+                    got += len(ch.token_ids)
+                    if spec.record_stream_lag and ch.token_ids:
+                        lags.append(ch.received_at - ch.emitted_at)
+                    if ch.finish_reason is not None:
+                        finish = ch.finish_reason
+            else:
+                res = await client.generate(spec.prompt, params, session_id=sid, timeout_s=spec.per_request_timeout_s)
+                got = len(res.token_ids)
+                finish = res.finish_reason
+                first = time.perf_counter()
+            t1 = time.perf_counter()
+            if finish is None or got != spec.max_tokens:
+                raise RuntimeError(f"incomplete: {got}/{spec.max_tokens} tokens, finish={finish}")
+            lat.append(t1 - t0)
+            if first is not None:
+                ttft.append(first - t0)
+            tokens += got
+        except Exception as e:  # noqa: BLE001 - counted, a sample kept
+            errors += 1
+            if len(err_sample) < 3:
+                err_sample.append(repr(e)[:300])
+
+    async def worker() -> None:
+        nonlocal next_i
+        while next_i < spec.n:
+            i = next_i
+            next_i += 1
+            await asyncio.wait_for(one(i), spec.per_request_timeout_s + 5)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(spec.concurrency, spec.n))))
+    wall = time.perf_counter() - t0
+    extra: dict[str, Any] = {}
+    if spec.stream and ttft:
+        extra["ttft_p50_ms"] = H.percentile(ttft, 50) * 1e3
+        extra["ttft_p99_ms"] = H.percentile(ttft, 99) * 1e3
+    if spec.record_stream_lag:
+        extra["lags_s"] = lags
+    if err_sample:
+        extra["error_sample"] = err_sample
+    return H.RunResult(lat, wall, errors=errors, tokens=tokens, extra=extra)
+
+
+# ------------------------------------------------------- raw zmq driver
+
+
+class RawDriver:
+    """A minimal wire-protocol client owned by the benchmark: one plain zmq
+    DEALER read through ``loop.add_reader`` on its FD (drained without
+    per-message futures), Generate frames built with ``bus.codec``, every
+    Chunk/Error decoded with msgspec and its token frame counted. It exists to
+    measure the router and engine without trainer_bridge's own per-chunk cost
+    (the rollout-bus twin of a lean HTTP client). Not a product API."""
+
+    def __init__(self, address: str) -> None:
+        import zmq
+
+        from bus.codec import Codec
+        from bus.sockets import make_socket
+
+        self._zmq = zmq
+        self.ctx = zmq.Context()
+        self.sock = make_socket(self.ctx, zmq.DEALER, connect=address)
+        self.codec = Codec()
+        self.pending: dict[str, list[Any]] = {}  # rid -> [future, tokens, t_first, finish]
+        self._ids = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.lags: list[float] | None = None  # set to [] to record time.time() - Chunk.emitted_at
+
+    def _ensure_reader(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._loop.add_reader(self.sock.getsockopt(self._zmq.FD), self._drain)
+
+    def _drain(self) -> None:
+        zmq = self._zmq
+        from bus import protocol as P
+
+        sock = self.sock
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            msg, bufs = self.codec.decode(frames)
+            st = self.pending.get(msg.request_id)
+            if st is None:
+                continue
+            if isinstance(msg, P.Chunk):
+                n = len(bufs[0]) // 4 if bufs else 0
+                if n and st[2] is None:
+                    st[2] = time.perf_counter()
+                st[1] += n
+                if self.lags is not None and n:
+                    self.lags.append(time.time() - msg.emitted_at)
+                if msg.finish_reason is not None:
+                    st[3] = msg.finish_reason
+                    del self.pending[msg.request_id]
+                    if not st[0].done():
+                        st[0].set_result(None)
+            elif isinstance(msg, P.Error):
+                del self.pending[msg.request_id]
+                if not st[0].done():
+                    st[0].set_exception(RuntimeError(f"{msg.code}: {msg.message}"))
+
+    async def generate(self, prompt_bytes: bytes, params: Any, *, stream: bool, session_id: str | None,
+                       timeout_s: float) -> tuple[int, float | None, str | None]:
+        from bus import protocol as P
+
+        self._ensure_reader()
+        self._ids += 1
+        rid = f"raw-{self._ids}"
+        fut = self._loop.create_future()  # type: ignore[union-attr]
+        st = [fut, 0, None, None]
+        self.pending[rid] = st
+        msg = P.Generate(request_id=rid, params=params, session_id=session_id, stream=stream, timeout_s=timeout_s)
+        self.sock.send_multipart(self.codec.encode(msg, [prompt_bytes]))
+        self._loop.call_soon(self._drain)  # type: ignore[union-attr]  # sending may eat the FD edge
+        try:
+            await asyncio.wait_for(fut, timeout_s + 2)
+        finally:
+            self.pending.pop(rid, None)
+        return st[1], st[2], st[3]
+
+    async def close(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self.sock.getsockopt(self._zmq.FD))
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+async def raw_load(driver: RawDriver, spec: RbLoad) -> H.RunResult:
+    """Same shape as rb_load, through RawDriver."""
+    import numpy as np
+
+    from bus.protocol import SamplingParams
+
+    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
+    prompt = np.asarray(spec.prompt, dtype="<i4").tobytes()
+    driver.lags = [] if spec.record_stream_lag else None
+    lat: list[float] = []
+    ttft: list[float] = []
+    errors = 0
+    tokens = 0
+    err_sample: list[str] = []
+    next_i = 0
+
+    async def one(i: int) -> None:
+        nonlocal errors, tokens
+        sid = f"traj-{i % spec.sessions}" if spec.sessions else None
+        t0 = time.perf_counter()
+        try:
+            got, first, finish = await driver.generate(prompt, params, stream=spec.stream, session_id=sid,
+                                                       timeout_s=spec.per_request_timeout_s)
+            t1 = time.perf_counter()
+            if finish is None or got != spec.max_tokens:
+                raise RuntimeError(f"incomplete: {got}/{spec.max_tokens} tokens, finish={finish}")
+            lat.append(t1 - t0)
+            if first is not None:
+                ttft.append(first - t0)
+            tokens += got
+        except Exception as e:  # noqa: BLE001
+            errors += 1
+            if len(err_sample) < 3:
+                err_sample.append(repr(e)[:300])
+
+    async def worker() -> None:
+        nonlocal next_i
+        while next_i < spec.n:
+            i = next_i
+            next_i += 1
+            await one(i)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(spec.concurrency, spec.n))))
+    wall = time.perf_counter() - t0
+    extra: dict[str, Any] = {}
+    if spec.stream and ttft:
+        extra["ttft_p50_ms"] = H.percentile(ttft, 50) * 1e3
+        extra["ttft_p99_ms"] = H.percentile(ttft, 99) * 1e3
+    if spec.record_stream_lag:
+        extra["lags_s"], driver.lags = driver.lags or [], None
+    if err_sample:
+        extra["error_sample"] = err_sample
+    return H.RunResult(lat, wall, errors=errors, tokens=tokens, extra=extra)
