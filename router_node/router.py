@@ -362,7 +362,9 @@ class Router:
         whole = len(indices) == msg.num_samples and all(not fl.samples[i].tokens for i in indices)
         groups = [indices] if whole else [[i] for i in indices]
         for group in groups:
-            rid = f"{next(self._rid):x}"
+            # Fast path: the engine leg keeps the client's request id when no
+            # other flight uses it there, so its chunks go out as they came.
+            rid = msg.request_id if whole and msg.request_id not in self.parts else self._fresh_rid()
             if whole:
                 fwd = msgspec.structs.replace(msg, request_id=rid, stream=True)
                 prompt = fl.prompt
@@ -385,6 +387,12 @@ class Router:
             fl.parts.add(rid)
             e.outstanding += len(group)
             e.sock.send_multipart(self.codec.encode(fwd, [prompt]))
+
+    def _fresh_rid(self) -> str:
+        rid = f"~{next(self._rid):x}"
+        while rid in self.parts:
+            rid = f"~{next(self._rid):x}"
+        return rid
 
     def _on_cancel(self, client: bytes, msg: P.Cancel, _: list[Any]) -> None:
         fl = self.flights.get((client, msg.request_id))
@@ -450,11 +458,11 @@ class Router:
         if part is None or part.engine_id != e.engine_id:
             return  # a request we already failed over or ended
         if isinstance(msg, P.Chunk):
-            self._on_chunk(e, part, msg, buffers)
+            self._on_chunk(e, part, msg, buffers, frames)
         else:
             self._fail_flight(part.flight, ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL, msg.message, msg.field)
 
-    def _on_chunk(self, e: EngineEntry, part: Part, ch: P.Chunk, buffers: list[Any]) -> None:
+    def _on_chunk(self, e: EngineEntry, part: Part, ch: P.Chunk, buffers: list[Any], frames: list[Any]) -> None:
         fl = part.flight
         tr = fl.samples.get(ch.sample_index)
         if tr is None or tr.done:
@@ -467,10 +475,13 @@ class Router:
         tr.logprobs += lps
         final = ch.finish_reason is not None
         if fl.msg.stream:
-            out = msgspec.structs.replace(ch, request_id=fl.msg.request_id)
-            if final:
-                out.num_prompt_tokens = len(fl.prompt) // 4 - fl.msg.resume_len
-            self._send(self.frontend, fl.client, out, [toks, lps] if lps else [toks])
+            if part.rid == fl.msg.request_id and len(part.indices) == len(fl.samples):
+                self._send_raw(fl.client, frames)  # the engine's frames, untouched
+            else:
+                out = msgspec.structs.replace(ch, request_id=fl.msg.request_id)
+                if final:
+                    out.num_prompt_tokens = len(fl.prompt) // 4 - fl.msg.resume_len
+                self._send(self.frontend, fl.client, out, [toks, lps] if lps else [toks])
         if not final:
             return
         tr.done = True
@@ -553,9 +564,12 @@ class Router:
         log.info("request_error", request_id=rid, code=code.value, field=field, error=message)
         self._send(self.frontend, client, P.Error(request_id=rid, code=code.value, message=message, field=field))
 
-    def _send(self, sock: zmq.Socket, peer: bytes, msg: Any, buffers: list[Any] = ()) -> None:  # type: ignore[assignment]
+    def _send_raw(self, client: bytes, frames: list[Any]) -> None:
+        self._send(self.frontend, client, None, frames=[client, *frames])
+
+    def _send(self, sock: zmq.Socket, peer: bytes, msg: Any, buffers: list[Any] = (), frames: list[Any] | None = None) -> None:  # type: ignore[assignment]
         try:
-            sock.send_multipart([peer, *self.codec.encode(msg, buffers)])
+            sock.send_multipart(frames if frames is not None else [peer, *self.codec.encode(msg, buffers)])
         except zmq.ZMQError as err:
             if err.errno != zmq.EHOSTUNREACH:
                 raise

@@ -2,7 +2,9 @@
 RL control plane (pause/resume, weights, sleep, LoRA), over one DEALER socket.
 
 `AsyncClient` is the implementation; its socket belongs to the asyncio loop
-that first used it. `Client` is the synchronous face: it runs an AsyncClient
+that first used it. It is a plain zmq socket drained from `loop.add_reader`
+(no future per message) — zmq's FD is edge-triggered, so every send also
+schedules a drain. Each request has one deadline timer, not one per chunk. `Client` is the synchronous face: it runs an AsyncClient
 on a private loop thread, so it is safe to call from any thread.
 
 Every wait has a deadline; a timeout names the knob (`timeout_s`,
@@ -24,7 +26,6 @@ from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 import msgspec
 import numpy as np
 import zmq
-import zmq.asyncio
 
 from bus import protocol as P
 from bus.codec import Codec
@@ -33,6 +34,7 @@ from bus.sockets import CurveKeys, make_socket
 from trainer_bridge.types import GenerationResult, SampledSequence, SampleOutput, SampleResponse, StreamChunk
 
 _END = object()
+_TIMED_OUT = object()
 _GRACE_S = 2.0  # the servers' own deadline errors should reach us before ours fires
 
 
@@ -68,10 +70,11 @@ class AsyncClient:
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
         self._curve = CurveKeys.load(curve_dir) if curve_dir else None
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._codec = Codec()
-        self._reader: asyncio.Task | None = None
+        self._drain_scheduled = False
         self._streams: dict[str, asyncio.Queue] = {}
         self._replies: dict[str, asyncio.Future] = {}
         self._ids = itertools.count(1)
@@ -83,20 +86,28 @@ class AsyncClient:
     def _new_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
 
-    def _socket(self) -> zmq.asyncio.Socket:
+    def _socket(self) -> zmq.Socket:
         if self._closed:
             raise ClosedByUs("the client was closed")
         if self._sock is None:
-            self._ctx = zmq.asyncio.Context()
+            self._loop = asyncio.get_running_loop()
+            self._ctx = zmq.Context()
             tcp = self.address.startswith("tcp://")
             self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.address, curve=self._curve if tcp else None)
-            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+            self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
         return self._sock
 
-    async def _read_loop(self) -> None:
-        assert self._sock is not None
+    def _drain(self) -> None:
+        """Read every message that is ready and hand it to its waiter."""
+        self._drain_scheduled = False
+        sock = self._sock
+        if sock is None:
+            return
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
             try:
                 msg, buffers = self._codec.decode(frames)
             except Exception:
@@ -104,7 +115,7 @@ class AsyncClient:
             rid = msg.request_id
             q = self._streams.get(rid)
             if q is not None:
-                q.put_nowait((msg, buffers))
+                q.put_nowait((msg, [b.buffer for b in buffers]))
                 continue
             fut = self._replies.pop(rid, None)
             if fut is not None and not fut.done():
@@ -112,6 +123,12 @@ class AsyncClient:
 
     def _send(self, msg: Any, buffers: Sequence[Any] = ()) -> None:
         self._socket().send_multipart(self._codec.encode(msg, buffers))
+        # Edge-triggered FD: a send can swallow the readable edge of replies
+        # that already arrived, so look once more on the next loop turn.
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            assert self._loop is not None
+            self._loop.call_soon(self._drain)
 
     async def _request(self, msg: Any, timeout_s: float, knob: str) -> Any:
         fut = asyncio.get_running_loop().create_future()
@@ -131,10 +148,9 @@ class AsyncClient:
 
     async def close(self) -> None:
         self._closed = True
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
+        if self._sock is not None and self._loop is not None and not self._loop.is_closed():
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
         for q in self._streams.values():
             q.put_nowait((_END, None))
         for f in self._replies.values():
@@ -191,17 +207,15 @@ class AsyncClient:
         )
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
-        deadline = time.monotonic() + timeout + _GRACE_S
+        timer = asyncio.get_running_loop().call_later(timeout + _GRACE_S, q.put_nowait, (_TIMED_OUT, None))
         open_samples = num_samples
         try:
             self._send(msg, [np.asarray(prompt_ids, dtype="<i4").tobytes()])
             while open_samples:
-                left = deadline - time.monotonic()
-                try:
-                    item, buffers = await asyncio.wait_for(q.get(), max(left, 0))
-                except asyncio.TimeoutError:
+                item, buffers = await q.get()
+                if item is _TIMED_OUT:
                     self._send(P.Cancel(request_id=rid))
-                    raise RequestTimeout(f"request did not finish within timeout_s={timeout}", request_id=rid, field="timeout_s") from None
+                    raise RequestTimeout(f"request did not finish within timeout_s={timeout}", request_id=rid, field="timeout_s")
                 if item is _END:
                     raise ClosedByUs("the client was closed while streaming", request_id=rid)
                 if isinstance(item, P.Error):
@@ -225,6 +239,7 @@ class AsyncClient:
                     num_prompt_tokens=item.num_prompt_tokens,
                 ), item.version_changes
         finally:
+            timer.cancel()
             self._streams.pop(rid, None)
 
     async def _collect(self, prompt_ids: Sequence[int], params: Any, num_samples: int, **kw: Any) -> GenerationResult:
