@@ -440,6 +440,13 @@ class EngineNode:
         s.state = SampleState.RUNNING
         s.submissions += 1
         self.seqs[seq_id] = (req, s)
+        self._work_appeared()
+
+    def _work_appeared(self) -> None:
+        """The heartbeat must show work before the loop enters a step that may
+        hang: a stale `running=0` would hide the stall from the head."""
+        if self._snapshot.running == 0:
+            self._snapshot = self._make_heartbeat()
 
     def _emit(self, outs: list[StepOutput]) -> None:
         for out in outs:
@@ -684,6 +691,7 @@ class EngineNode:
             self.backend.thaw(thaw)
             for sid in thaw:
                 self.seqs[sid][1].state = SampleState.RUNNING
+            self._work_appeared()
         waiting = sum(1 for r, _ in self.pending if not self._gated(r.lora))
         self._admit_dirty = True
         # wait-mode pauses whose scope was resumed are moot

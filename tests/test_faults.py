@@ -106,3 +106,50 @@ def test_hung_engine_is_unhealthy_and_gets_no_traffic(cluster_factory):
     assert {r.engine_id for r in results} == {"e0"}
     cl.kill("e1", signal.SIGCONT)
     wait_until(lambda: c.health()["engines"]["e1"]["healthy"], 10, "e1 to recover")
+
+
+def test_stalled_engine_loop_is_unhealthy_and_its_requests_fail_over(cluster_factory):
+    """The null backend (no model; fault injection) sleeps 8 s inside each
+    step on e1: its heartbeat thread keeps beating, its step counter stops."""
+    import json
+
+    cl = cluster_factory(
+        1,
+        backend="null",
+        router_args=["--stall-timeout-s", "1.0"],
+        backend_options={"tokens_per_step": 1},
+    )
+    cl.start_engine("e1", extra=["--backend-options", json.dumps({"tokens_per_step": 1, "step_delay_s": 8})])
+    cl.wait_ready(2)
+    c = cl.client()
+    t0 = time.monotonic()
+    results = c.generate([[4 + i, 5, 6] for i in range(6)], {"max_tokens": 20, "ignore_eos": True})
+    assert time.monotonic() - t0 < 6  # stall seen after 1 s, then served by e0
+    assert all(len(r.token_ids) == 20 and r.engine_id == "e0" for r in results)
+    h = c.health()["engines"]["e1"]
+    assert h["state"] == "stalled" and "stall_timeout_s" in h["reason"]
+    assert h["heartbeat_age_s"] < 1.0  # alive, just hung
+    assert c.stats()["counters"]["failovers"] >= 1
+
+
+def test_protocol_version_mismatch_is_refused_with_a_clear_error(torch_cluster):
+    import zmq
+
+    from bus import protocol as P
+    from bus.codec import Codec
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 10_000)
+    try:
+        s.connect(torch_cluster.events)
+        reg = P.Register("old", "ipc:///nowhere", "ipc:///nowhere", "torch", "m", P.PROTOCOL_VERSION + 7, "inc")
+        s.send_multipart(Codec().encode(reg))
+        reply, _ = Codec().decode(s.recv_multipart())
+        assert isinstance(reply, P.RegisterReply) and reply.ok is False
+        assert "protocol version" in reply.error
+        assert "old" not in torch_cluster.client().health()["engines"]
+    finally:
+        s.close(linger=0)
+        ctx.term()
