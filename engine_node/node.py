@@ -45,6 +45,8 @@ ALL = "*"
 SLEEP_SCOPE = "__sleep__"  # the gate scope sleep() closes
 _DEFERRED = object()  # an op handler's "ack later" (pause(wait))
 _MAX_BATCH_RECV = 256  # messages read per socket per loop turn (fairness)
+_CLIENT_FINISH = frozenset({"stop", "length"})  # "cancelled" comes from the node itself
+_MAX_RESUBMITS = 64  # a sample the backend keeps aborting on its own ends in an Error
 
 
 class Lifecycle(enum.Enum):
@@ -461,12 +463,30 @@ class EngineNode:
                 if out.logprobs is not None:
                     s.logprobs.extend(out.logprobs)
                 self.tokens_out += len(out.token_ids)
-            if out.finish_reason is not None:
+            if out.finish_reason in _CLIENT_FINISH:
                 del self.seqs[out.seq_id]
                 self._finish_sample(req, s, out.finish_reason)
                 self._admit_dirty = True
+            elif out.finish_reason is not None:
+                self._backend_ended(req, s, out)
             elif req.msg.stream and len(s.tokens) > s.sent:
                 self._send_chunk(req, s, None)
+
+    def _backend_ended(self, req: NodeRequest, s: Sample, out: StepOutput) -> None:
+        """The backend ended a sequence on its own with a reason no client
+        should see ("abort": e.g. preempted; "error"). Abort: re-submit prompt
+        + tokens so far (bounded); anything else: one Error for the request."""
+        del self.seqs[out.seq_id]
+        s.seq_id = None
+        s.state = SampleState.PENDING
+        natural = self._natural_finish(req, s)
+        if natural is not None:
+            self._finish_sample(req, s, natural)
+        elif out.finish_reason == "abort" and s.submissions < _MAX_RESUBMITS:
+            self.pending.append((req, s))
+            self._admit_dirty = True
+        else:
+            self._fail(req, ErrorCode.INTERNAL, f"backend on {self.engine_id} ended sample {s.index} with {out.finish_reason!r}")
 
     def _send_chunk(self, req: NodeRequest, s: Sample, finish: str | None) -> None:
         new = s.tokens[s.sent :]
@@ -741,7 +761,9 @@ class EngineNode:
         if self._update is not None:
             self._abort_update("superseded by update " + op.update_id)
         if op.target == "model":
-            self.backend.begin_weight_update(op.transport, list(op.tensors), dict(op.transport_args))
+            args = dict(op.transport_args)
+            args.setdefault("bucket_sizes", list(op.bucket_sizes))
+            self.backend.begin_weight_update(op.transport, list(op.tensors), args)
         elif not op.target.startswith("lora:"):
             raise BadRequest(f"unknown weight target {op.target!r} (model, lora:NAME)", field="target")
         elif op.transport != "zmq":

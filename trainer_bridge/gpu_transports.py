@@ -74,13 +74,17 @@ class CudaIpcSender:
         return plan_buckets(list(named), self.bucket_bytes)
 
     def prepare(self, named: Iterable[tuple[str, Any]]) -> tuple[list[Any], list[int], list[bytes]]:
-        """Pack every bucket on the GPU; returns (metas, bucket_sizes, handles).
+        """Plan and pack every bucket on the GPU; returns (metas, bucket_sizes, handles).
         The buckets stay alive (and GPU memory stays used) until release()."""
+        metas, sizes, tensors = self.plan(named)
+        return metas, sizes, self.share(metas, sizes, tensors)
+
+    def share(self, metas: list[Any], sizes: list[int], tensors: list[Any]) -> list[bytes]:
+        """Pack the buckets of an existing plan on the GPU; one IPC handle (bytes) per bucket."""
         import torch
         from torch.multiprocessing.reductions import reduce_tensor
 
         self.release()
-        metas, sizes, tensors = self.plan(named)
         dev = _device_of(tensors, self.device)
         t0 = time.perf_counter()
         bufs = [pack_bucket(i, metas, sizes, tensors, device=str(dev)) for i in range(len(sizes))]
@@ -92,7 +96,7 @@ class CudaIpcSender:
             fn, args = reduce_tensor(b)
             handles.append(pickle.dumps((fn, args, uid)))
         self._buffers = bufs
-        return metas, sizes, handles
+        return handles
 
     def release(self) -> None:
         self._buffers = []
@@ -126,6 +130,12 @@ class NcclSender:
         self.group_id = uuid.uuid4().hex[:16]
         # The store is up at once (engines reserve ranks in it); the NCCL
         # communicator is made on first send() / connect(), together with the engines.
+        if not port:  # a free port on that interface
+            import socket
+
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sk:
+                sk.bind((host, 0))
+                port = sk.getsockname()[1]
         self.store = TCPStore(host, int(port), is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=self.timeout_s), use_libuv=False)
         self.port = int(self.store.port)
@@ -177,3 +187,86 @@ class NcclSender:
                 pass
             self.comm = None
         self.store = None
+
+
+# ---------------------------------------------------------------- bridge adapter
+# trainer_bridge.weights.push_weights calls make_sender(...) for a GPU transport,
+# puts sender.transport_args() into the BeginWeightUpdate, and after the begin
+# acks awaits sender.send(client, update_id, engine_ids, timeout_s).
+
+_NCCL_SENDERS: dict[tuple[Any, ...], NcclSender] = {}
+
+
+def make_sender(transport: str, metas: list[Any], sizes: list[int], tensors: list[Any],
+                engines: list[dict[str, Any]], options: dict[str, Any]) -> Any:
+    """options (update_weights(**transport_options)): device, nccl_host, nccl_port, nccl_timeout_s."""
+    if transport == "cuda_ipc":
+        return _IpcBridgeSender(metas, sizes, tensors, options)
+    if transport == "nccl":
+        return _NcclBridgeSender(metas, sizes, tensors, engines, options)
+    raise ValueError(f"no GPU sender for transport {transport!r}")
+
+
+class _IpcBridgeSender:
+    def __init__(self, metas: list[Any], sizes: list[int], tensors: list[Any], options: dict[str, Any]) -> None:
+        self.metas, self.sizes, self.tensors = metas, sizes, tensors
+        self.sender = CudaIpcSender(device=options.get("device"))
+
+    def transport_args(self) -> dict[str, Any]:
+        return {"bucket_sizes": [int(x) for x in self.sizes]}
+
+    async def send(self, client: Any, update_id: str, engine_ids: list[str], timeout_s: float) -> dict[str, Any]:
+        from bus import protocol as P
+
+        handles = self.sender.share(self.metas, self.sizes, self.tensors)
+        try:
+            # engines map and copy every bucket before they ack
+            return await client.control(P.ReceiveWeights(update_id, handles), targets=engine_ids, timeout_s=timeout_s)
+        finally:
+            self.sender.release()
+
+
+class _NcclBridgeSender:
+    def __init__(self, metas: list[Any], sizes: list[int], tensors: list[Any], engines: list[dict[str, Any]],
+                 options: dict[str, Any]) -> None:
+        import torch
+
+        self.metas, self.sizes, self.tensors = metas, sizes, tensors
+        world = 1 + sum(int(e.get("tp", 1) or 1) * int(e.get("pp", 1) or 1) for e in engines)
+        dev = options.get("device")
+        dev = str(torch.device(dev) if dev is not None else _device_of(tensors, None))
+        host = options.get("nccl_host", "127.0.0.1")
+        key = (world, dev, host, tuple(sorted(e["engine_id"] for e in engines)))
+        s = _NCCL_SENDERS.get(key)
+        if s is None:
+            for k in list(_NCCL_SENDERS):  # another engine set: that group is done
+                _NCCL_SENDERS.pop(k).close()
+            s = NcclSender(world, host=host, port=int(options.get("nccl_port", 0)), device=dev,
+                           timeout_s=float(options.get("nccl_timeout_s", 300.0)))
+            _NCCL_SENDERS[key] = s
+        self.key, self.sender = key, s
+
+    def transport_args(self) -> dict[str, Any]:
+        return self.sender.transport_args(self.sizes)
+
+    async def send(self, client: Any, update_id: str, engine_ids: list[str], timeout_s: float) -> dict[str, Any]:
+        import asyncio
+
+        from bus import protocol as P
+
+        # The engines block inside ReceiveWeights until every bucket arrived: publish
+        # it, broadcast meanwhile (on a thread: NCCL calls block), then gather the acks.
+        acks = asyncio.ensure_future(
+            client.control(P.ReceiveWeights(update_id), targets=engine_ids, timeout_s=timeout_s))
+        try:
+            await asyncio.sleep(0)
+            await asyncio.to_thread(self.sender.send, self.metas, self.sizes, self.tensors)
+        except BaseException:
+            _NCCL_SENDERS.pop(self.key, None)  # the group may be broken: the next update makes a new one
+            self.sender.close()
+            try:
+                await asyncio.wait_for(acks, timeout_s)
+            except BaseException:  # noqa: BLE001
+                pass
+            raise
+        return await acks
