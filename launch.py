@@ -294,7 +294,12 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
     n_engines = a.engines if a.engines is not None else (0 if a.head else None)
     groups = gpu_groups(a, backend, n_engines)
     prefix = a.engine_id_prefix or (f"{socket.gethostname()}-e" if a.join else "e")
-    opts = json.dumps(engine_backend_options(a, backend))
+    opts_d = engine_backend_options(a, backend)
+    if backend == "torch" and groups:
+        # torch's OpenMP threads spin-wait: engines sharing the cores must
+        # split them, or N engines × all cores thrash (seconds per step).
+        opts_d.setdefault("threads", max(1, (os.cpu_count() or 1) // len(groups)))
+    opts = json.dumps(opts_d)
     for i, gpus in enumerate(groups):
         eid = f"{prefix}{i}"
         if multi_node:  # reachable from other nodes: TCP on --host, any free port

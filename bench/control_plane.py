@@ -66,7 +66,10 @@ async def _one_rep(client: Any, n_streams: int, vocab: int) -> dict[str, float]:
 
 async def _bench_n(n: int, model: str, reps: int, named: list, nbytes: int) -> dict[str, Any]:
     with H.Procs() as procs:
-        cl = RB.start_cluster(procs, n, backend="torch", model=model, tag=f"cp{n}")
+        import os
+
+        threads = max(1, (os.cpu_count() or 1) // n)  # as launch.py does: split the cores
+        cl = RB.start_cluster(procs, n, backend="torch", model=model, tag=f"cp{n}", backend_options={"threads": threads})
         client = RB.make_client(cl.frontend)
         try:
             await RB.wait_healthy(client, n, 300, procs)
