@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import zmq
 
@@ -50,12 +50,19 @@ class ControlBus:
         self._seq = itertools.count(int(time.time() * 1000) % 1_000_000_000)
 
     def publish(
-        self, op: Any, targets: list[str], timeout_s: float, on_done: Callable[[PendingCommand], None]
+        self,
+        op: Any,
+        targets: list[str],
+        timeout_s: float,
+        on_done: Callable[[PendingCommand], None],
+        *,
+        gone: Iterable[str] = (),
     ) -> PendingCommand:
+        """`gone`: targets known dead — reported missing at once, not waited on."""
         now = time.monotonic()
-        pc = PendingCommand(next(self._seq), op, set(targets), now + timeout_s, on_done)
+        pc = PendingCommand(next(self._seq), op, set(targets), now + timeout_s, on_done, gone=set(gone))
         self.pending[pc.seq] = pc
-        if not pc.targets:
+        if not pc.targets - pc.gone:
             self._complete(pc)
             return pc
         self._send(pc, now)

@@ -432,10 +432,8 @@ class Router:
             reply = P.ControlReply(request_id=msg.request_id, results=results, errors=errors, missing=pc.missing)
             self._send(self.frontend, client, reply)
 
-        pc = self.bus.publish(msg.op, [t for t in targets if t not in silent], msg.timeout_s, done)
-        if silent and not pc.done:
-            pc.targets.update(silent)
-            pc.gone.update(silent)
+        # Silent (presumed dead) targets are reported missing, never waited on.
+        self.bus.publish(msg.op, targets, msg.timeout_s, done, gone=silent)
 
     def _track_cluster_pause(self, op: Any) -> None:
         if isinstance(op, P.Pause):

@@ -19,9 +19,14 @@ def tiny_model() -> str:
 @pytest.fixture(scope="module")
 def torch_cluster(tiny_model):
     """Two torch engines behind a head, shared by a module's read-only tests."""
+    before = {p.pid for p in live_children()}
     with Cluster(2, backend="torch", model=tiny_model) as c:
         c.wait_ready(2)
         yield c
+    leaked = [p for p in live_children() if p.pid not in before]
+    for p in leaked:
+        p.kill()
+    assert not leaked, f"the module's cluster leaked processes: {[p.pid for p in leaked]}"
 
 
 @pytest.fixture

@@ -151,3 +151,15 @@ def test_np_prompt_frames_are_little_endian_int32():
 
     arr = prompt_from_frames(P.Generate("r"), [np.asarray([1, 2, 3], dtype="<i4").tobytes()], max_prompt_tokens=8)
     assert arr.tolist() == [1, 2, 3]
+
+
+def test_control_bus_reports_dead_targets_at_once():
+    from bus.control_bus import ControlBus
+
+    class Pub:
+        def send_multipart(self, frames):
+            raise AssertionError("nothing to publish to dead engines only")
+
+    done = []
+    pc = ControlBus(Pub(), Codec()).publish(P.Ping(), ["e0", "e1"], 30.0, done.append, gone=["e0", "e1"])
+    assert done == [pc] and pc.missing == ["e0", "e1"]
