@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import harness as H
+from bus.codec import split_chunks
 
 
 @dataclass
@@ -224,34 +225,38 @@ class RawDriver:
 
     def _drain(self) -> None:
         zmq = self._zmq
-        from bus import protocol as P
-
         sock = self.sock
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
-            msg, bufs = self.codec.decode(frames)
-            st = self.pending.get(msg.request_id)
-            if st is None:
-                continue
-            if isinstance(msg, P.Chunk):
-                n = len(bufs[0]) // 4 if bufs else 0
-                if n and st[2] is None:
-                    st[2] = time.perf_counter()
-                st[1] += n
-                if self.lags is not None and n:
-                    self.lags.append(time.time() - msg.emitted_at)
-                if msg.finish_reason is not None:
-                    st[3] = msg.finish_reason
-                    del self.pending[msg.request_id]
-                    if not st[0].done():
-                        st[0].set_result(None)
-            elif isinstance(msg, P.Error):
+            whole, whole_bufs = self.codec.decode(frames)
+            for msg, bufs in split_chunks(whole, whole_bufs):  # a Chunk or a ChunkBatch
+                self._on_msg(msg, bufs)
+
+    def _on_msg(self, msg: Any, bufs: list[Any]) -> None:
+        from bus import protocol as P
+
+        st = self.pending.get(msg.request_id)
+        if st is None:
+            return
+        if isinstance(msg, P.Chunk):
+            n = len(bufs[0]) // 4 if bufs else 0
+            if n and st[2] is None:
+                st[2] = time.perf_counter()
+            st[1] += n
+            if self.lags is not None and n:
+                self.lags.append(time.time() - msg.emitted_at)
+            if msg.finish_reason is not None:
+                st[3] = msg.finish_reason
                 del self.pending[msg.request_id]
                 if not st[0].done():
-                    st[0].set_exception(RuntimeError(f"{msg.code}: {msg.message}"))
+                    st[0].set_result(None)
+        elif isinstance(msg, P.Error):
+            del self.pending[msg.request_id]
+            if not st[0].done():
+                st[0].set_exception(RuntimeError(f"{msg.code}: {msg.message}"))
 
     async def generate(self, prompt_bytes: bytes, params: Any, *, stream: bool, session_id: str | None,
                        timeout_s: float) -> tuple[int, float | None, str | None]:

@@ -79,6 +79,38 @@ class Codec:
         return msg, list(frames[2:])
 
 
+def split_chunks(msg: Any, buffers: list[Any]) -> list[tuple[Any, list[Any]]]:
+    """[(Chunk, its buffers)] of a Chunk or a ChunkBatch."""
+    if not isinstance(msg, P.ChunkBatch):
+        return [(msg, buffers)]
+    out, i = [], 0
+    for ch, n in zip(msg.chunks, msg.nbufs):
+        out.append((ch, buffers[i : i + n]))
+        i += n
+    return out
+
+
+class Outbox:
+    """Chunks waiting to be sent, grouped by peer; `flush` sends one message
+    per peer (a Chunk alone, or a ChunkBatch). Owned by one loop thread."""
+
+    def __init__(self) -> None:
+        self.by_peer: dict[bytes, list[tuple[Any, list[Any]]]] = {}
+
+    def add(self, peer: bytes, chunk: Any, buffers: list[Any]) -> None:
+        self.by_peer.setdefault(peer, []).append((chunk, buffers))
+
+    def messages(self):
+        """Yield (peer, msg, buffers) and empty the box."""
+        box, self.by_peer = self.by_peer, {}
+        for peer, items in box.items():
+            if len(items) == 1:
+                yield peer, items[0][0], items[0][1]
+            else:
+                bufs = [b for _, bs in items for b in bs]
+                yield peer, P.ChunkBatch([c for c, _ in items], [len(bs) for _, bs in items]), bufs
+
+
 def request_id_of(frames: Sequence[Any]) -> str:
     """Best effort: the request id of an undecodable request, for the error reply."""
     try:

@@ -87,6 +87,16 @@ class Chunk(_Msg, tag="chunk"):
     engine_id: str = ""  # set on the final chunk: the engine that finished the sample
 
 
+class ChunkBatch(_Msg, tag="chunks"):
+    """Several Chunks in one message: what one engine step produced for one
+    peer (engine → router, router → client). Frames: every chunk's buffers in
+    order; `nbufs[i]` says how many belong to chunk i. Read it with
+    `bus.codec.split_chunks`, which also accepts a plain Chunk."""
+
+    chunks: list[Chunk]
+    nbufs: list[int]
+
+
 class Error(_Msg, tag="error"):
     request_id: str
     code: str  # see bus.errors.ErrorCode
@@ -316,6 +326,7 @@ KIND_OF: dict[type, bytes] = {
     Generate: b"G",
     Cancel: b"X",
     Chunk: b"C",
+    ChunkBatch: b"B",
     Error: b"E",
     Command: b"M",
     Ack: b"A",

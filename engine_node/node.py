@@ -30,7 +30,7 @@ import structlog
 import zmq
 
 from bus import protocol as P
-from bus.codec import Codec, request_id_of
+from bus.codec import Codec, Outbox, request_id_of
 from bus.errors import BadRequest, ErrorCode, ProtocolError, RolloutBusError
 from bus.sockets import CONTROL_HWM, CurveKeys, bound_address, make_socket
 from bus.tensors import unpack_bucket
@@ -110,6 +110,9 @@ class EngineNode:
         self.requests: dict[tuple[bytes, str], NodeRequest] = {}
         self.seqs: dict[str, tuple[NodeRequest, Sample]] = {}
         self.pending: collections.deque[tuple[NodeRequest, Sample]] = collections.deque()
+        # Chunks of this loop turn, one message per peer at the turn's end
+        # (a ChunkBatch when a step produced several for the same peer).
+        self.outbox = Outbox()
         self._admit_dirty = False
         self.pauses: dict[str, str] = {}  # scope ("*", LoRA name, SLEEP_SCOPE) -> mode
         self.weight_version = 0
@@ -214,6 +217,12 @@ class EngineNode:
             self.steps += 1
         if now - self._snapshot_at > 0.05:
             self._tick(now)
+        if self.outbox.by_peer:
+            self._flush()
+
+    def _flush(self) -> None:
+        for peer, msg, buffers in self.outbox.messages():
+            self._send(self.data, peer, msg, buffers)
 
     def _tick(self, now: float) -> None:
         self._snapshot = self._make_heartbeat()
@@ -506,7 +515,7 @@ class EngineNode:
             engine_id=self.engine_id if finish else "",
         )
         s.sent = len(s.tokens)
-        self._send(self.data, req.client, chunk, buffers)
+        self.outbox.add(req.client, chunk, buffers)
 
     def _finish_sample(self, req: NodeRequest, s: Sample, reason: str) -> None:
         if s.seq_id is not None:
@@ -540,6 +549,7 @@ class EngineNode:
         self._admit_dirty = True
 
     def _send_error(self, client: bytes, rid: str, code: str, message: str, field: str | None) -> None:
+        self._flush()  # chunks produced before the error go out before it
         structlog.get_logger("engine_node").info(
             "request_error", engine_id=self.engine_id, request_id=rid, code=code, field=field, error=message
         )

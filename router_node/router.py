@@ -24,7 +24,7 @@ import structlog
 import zmq
 
 from bus import protocol as P
-from bus.codec import Codec, request_id_of
+from bus.codec import Codec, Outbox, request_id_of, split_chunks
 from bus.control_bus import ControlBus, PendingCommand
 from bus.errors import BadRequest, ErrorCode, ProtocolError, RolloutBusError
 from bus.sockets import CONTROL_HWM, CurveKeys, bound_address, make_socket
@@ -106,6 +106,7 @@ class Router:
         self._by_sock: dict[zmq.Socket, EngineEntry] = {}
         self.flights: dict[tuple[bytes, str], Flight] = {}
         self.parts: dict[str, Part] = {}
+        self.outbox = Outbox()  # chunks for clients, flushed per engine message
         self.sessions = Sessions(cfg.session_ttl_s)
         self.rng = random.Random(cfg.seed)
         self.pick = POLICIES[cfg.policy]
@@ -452,15 +453,26 @@ class Router:
         except RolloutBusError as err:
             log.warning("bad_engine_frame", engine_id=e.engine_id, error=str(err))
             return
-        part = self.parts.get(msg.request_id) if isinstance(msg, (P.Chunk, P.Error)) else None
-        if part is None or part.engine_id != e.engine_id:
-            return  # a request we already failed over or ended
-        if isinstance(msg, P.Chunk):
-            self._on_chunk(e, part, msg, buffers, frames)
-        else:
-            self._fail_flight(part.flight, ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL, msg.message, msg.field)
+        if isinstance(msg, P.Error):
+            part = self.parts.get(msg.request_id)
+            if part is not None and part.engine_id == e.engine_id:
+                code = ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL
+                self._fail_flight(part.flight, code, msg.message, msg.field)
+            return
+        if not isinstance(msg, (P.Chunk, P.ChunkBatch)):
+            return
+        single = isinstance(msg, P.Chunk)
+        for ch, bufs in split_chunks(msg, buffers):
+            part = self.parts.get(ch.request_id)
+            if part is not None and part.engine_id == e.engine_id:  # else: failed over or ended
+                self._on_chunk(e, part, ch, bufs, frames if single else None)
+        self._flush()
 
-    def _on_chunk(self, e: EngineEntry, part: Part, ch: P.Chunk, buffers: list[Any], frames: list[Any]) -> None:
+    def _flush(self) -> None:
+        for client, out, bufs in self.outbox.messages():
+            self._send(self.frontend, client, out, bufs)
+
+    def _on_chunk(self, e: EngineEntry, part: Part, ch: P.Chunk, buffers: list[Any], frames: list[Any] | None) -> None:
         fl = part.flight
         tr = fl.samples.get(ch.sample_index)
         if tr is None or tr.done:
@@ -473,13 +485,13 @@ class Router:
         tr.logprobs += lps
         final = ch.finish_reason is not None
         if fl.msg.stream:
-            if part.rid == fl.msg.request_id and len(part.indices) == len(fl.samples):
-                self._send_raw(fl.client, frames)  # the engine's frames, untouched
+            if frames is not None and part.rid == fl.msg.request_id and len(part.indices) == len(fl.samples):
+                self._send_raw(fl.client, frames)  # a lone chunk: the engine's frames, untouched
             else:
-                out = msgspec.structs.replace(ch, request_id=fl.msg.request_id)
-                if final:
+                out = ch if part.rid == fl.msg.request_id else msgspec.structs.replace(ch, request_id=fl.msg.request_id)
+                if final and len(part.indices) != len(fl.samples):
                     out.num_prompt_tokens = len(fl.prompt) // 4 - fl.msg.resume_len
-                self._send(self.frontend, fl.client, out, [toks, lps] if lps else [toks])
+                self.outbox.add(fl.client, out, buffers)
         if not final:
             return
         tr.done = True
@@ -499,7 +511,7 @@ class Router:
             bufs = [bytes(tr.tokens[4 * skip :])]
             if fl.msg.params.logprobs:
                 bufs.append(bytes(tr.logprobs[4 * skip :]))
-            self._send(self.frontend, fl.client, out, bufs)
+            self.outbox.add(fl.client, out, bufs)
         part.open -= 1
         e.outstanding -= 1
         if part.open == 0:
@@ -558,6 +570,7 @@ class Router:
     # ------------------------------------------------------------ sending
 
     def _reply_error(self, client: bytes, rid: str, code: ErrorCode, message: str, field: str | None) -> None:
+        self._flush()  # chunks already produced go out before the error
         self.counters["errors"] += 1
         log.info("request_error", request_id=rid, code=code.value, field=field, error=message)
         self._send(self.frontend, client, P.Error(request_id=rid, code=code.value, message=message, field=field))

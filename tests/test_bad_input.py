@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from bus import protocol as P
-from bus.codec import Codec
+from bus.codec import Codec, split_chunks
 
 GOOD_PROMPT = np.asarray([5, 6, 7], dtype="<i4").tobytes()
 
@@ -111,9 +111,10 @@ def test_duplicate_request_id_in_flight_is_refused(raw):
     raw.send_multipart([b"G", gen("dup", params=p), GOOD_PROMPT])
     errors, finals = [], 0
     while finals < 1:
-        msg, _ = Codec().decode(raw.recv_multipart())
-        if isinstance(msg, P.Error):
-            errors.append(msg)
-        elif msg.finish_reason is not None:
-            finals += 1
+        whole, bufs = Codec().decode(raw.recv_multipart())
+        for msg, _ in split_chunks(whole, bufs):
+            if isinstance(msg, P.Error):
+                errors.append(msg)
+            elif msg.finish_reason is not None:
+                finals += 1
     assert [(e.code, e.field) for e in errors] == [("bad_request", "request_id")]

@@ -24,6 +24,7 @@ def test_every_message_round_trips():
         P.Generate("r", P.SamplingParams(max_tokens=3, stop_token_ids=[1, 2]), num_samples=2, session_id="s", lora="l"),
         P.Cancel("r"),
         P.Chunk("r", 1, 3, "stop", [[2, 4]], 1.5, 7, "e0"),
+        P.ChunkBatch([P.Chunk("a"), P.Chunk("b", finish_reason="length")], [1, 2]),
         P.Error("r", "bad_request", "m", "f"),
         P.Command(1, P.Pause(mode="keep", lora="x"), ["e0"]),
         P.Ack(1, "e0", True, {"a": 1}),
@@ -163,3 +164,23 @@ def test_control_bus_reports_dead_targets_at_once():
     done = []
     pc = ControlBus(Pub(), Codec()).publish(P.Ping(), ["e0", "e1"], 30.0, done.append, gone=["e0", "e1"])
     assert done == [pc] and pc.missing == ["e0", "e1"]
+
+
+def test_outbox_batches_per_peer_and_split_chunks_restores_buffers():
+    from bus.codec import Outbox, split_chunks
+
+    box = Outbox()
+    box.add(b"p1", P.Chunk("a"), [b"ta"])
+    box.add(b"p2", P.Chunk("x"), [b"tx", b"lx"])
+    box.add(b"p1", P.Chunk("b", finish_reason="stop"), [b"tb", b"lb"])
+    sent = list(box.messages())
+    assert not box.by_peer
+    by_peer = {peer: (msg, bufs) for peer, msg, bufs in sent}
+    assert isinstance(by_peer[b"p2"][0], P.Chunk)  # a lone chunk stays a Chunk
+    batch, bufs = by_peer[b"p1"]
+    assert isinstance(batch, P.ChunkBatch)
+    c = Codec()
+    msg, back = c.decode(c.encode(batch, bufs))
+    parts = split_chunks(msg, back)
+    assert [(ch.request_id, b) for ch, b in parts] == [("a", [b"ta"]), ("b", [b"tb", b"lb"])]
+    assert split_chunks(P.Chunk("z"), [b"t"]) == [(P.Chunk("z"), [b"t"])]

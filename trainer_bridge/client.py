@@ -28,7 +28,7 @@ import numpy as np
 import zmq
 
 from bus import protocol as P
-from bus.codec import Codec
+from bus.codec import Codec, split_chunks
 from bus.errors import BadRequest, ClosedByUs, ControlError, ProtocolError, RequestTimeout, exception_from_wire
 from bus.sockets import CurveKeys, make_socket
 from trainer_bridge.types import GenerationResult, SampledSequence, SampleOutput, SampleResponse, StreamChunk
@@ -112,6 +112,12 @@ class AsyncClient:
                 msg, buffers = self._codec.decode(frames)
             except Exception:
                 continue  # a garbled reply cannot be routed to anyone
+            if isinstance(msg, P.ChunkBatch):
+                for ch, bufs in split_chunks(msg, buffers):
+                    q = self._streams.get(ch.request_id)
+                    if q is not None:
+                        q.put_nowait((ch, [b.buffer for b in bufs]))
+                continue
             rid = msg.request_id
             q = self._streams.get(rid)
             if q is not None:
