@@ -327,12 +327,12 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
 
     client = Client(front, timeout_s=120, control_timeout_s=30, curve_dir=curve_dir)
     try:
-        want = len(groups) if not a.head else max(len(groups), 0)
+        want = len(groups)  # the engines this launcher started (0 for a bare head)
         deadline = time.monotonic() + a.ready_timeout_s
         while sup.state is State.RUNNING:
             sup.check()
             try:
-                h = client._call(client._aclient.health(), 5)
+                h = client.health(timeout_s=5)
             except Exception:
                 h = None
             mine = [e for e in (h or {}).get("engines", {}).values() if e["engine_id"].startswith(prefix)]

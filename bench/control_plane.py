@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--engines", default=None, help="comma list, default 1,2,4 (quick: 1,2)")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--max-seconds", type=float, default=1800, help="skip engine counts not started by then")
     a = ap.parse_args(argv)
+    t_start = time.monotonic()
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -123,7 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     named = [(k, v.detach().clone()) for k, v in m.named_parameters()]
     params = sum(t.numel() for _, t in named)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    rows = [asyncio.run(_bench_n(n, model, reps, named, nbytes)) for n in counts]
+    rows = []
+    for n in counts:
+        if time.monotonic() - t_start > 0.6 * a.max_seconds:
+            print(f"skipping {n} engine(s): over 60% of --max-seconds={a.max_seconds}", flush=True)
+            continue
+        rows.append(asyncio.run(_bench_n(n, model, reps, named, nbytes)))
     cols = [c for c in rows[0] if not c.startswith("_")]
     title = f"control plane: torch backend, {params / 1e6:.1f}M params ({nbytes / 1e6:.0f} MB fp32), medians of {reps} reps"
     H.print_table(rows, cols, title=title)

@@ -312,13 +312,14 @@ class AsyncClient:
 
     # ------------------------------------------------------------ queries
 
-    async def _query(self, what: str) -> dict[str, Any]:
-        rep = await self._request(P.Query(request_id=self._new_id(), what=what), self.control_timeout_s, "control_timeout_s")
+    async def _query(self, what: str, timeout_s: float | None = None) -> dict[str, Any]:
+        t = timeout_s or self.control_timeout_s
+        rep = await self._request(P.Query(request_id=self._new_id(), what=what), t, "control_timeout_s")
         return dict(rep.body)
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self, timeout_s: float | None = None) -> dict[str, Any]:
         """{"healthy": bool, "engines": {engine_id: detail}}."""
-        return await self._query("health")
+        return await self._query("health", timeout_s)
 
     async def engines(self) -> list[dict[str, Any]]:
         return list((await self._query("engines"))["engines"])
@@ -526,8 +527,8 @@ class Client:
     def end_session(self, session_id: str) -> bool:
         return self._call(self._aclient.end_session(session_id))
 
-    def health(self) -> dict[str, Any]:
-        return self._call(self._aclient.health())
+    def health(self, timeout_s: float | None = None) -> dict[str, Any]:
+        return self._call(self._aclient.health(timeout_s), timeout_s)
 
     def engines(self) -> list[dict[str, Any]]:
         return self._call(self._aclient.engines())
