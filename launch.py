@@ -164,7 +164,7 @@ def free_port(host: str) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser("launch.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", type=int, default=None, help="engine nodes on this machine (default: 2, or GPUs // tp with vLLM)")
-    ap.add_argument("--backend", default="auto", choices=["auto", "torch", "vllm", "null"])
+    ap.add_argument("--backend", default="auto", help="auto | torch | vllm | module:factory of an out-of-tree backend")
     ap.add_argument("--model", default=None, help="model folder (default: a tiny random model built into the cache)")
     ap.add_argument("--host", default="127.0.0.1", help="address this node binds (0.0.0.0 for multi-node: loopback only by default)")
     ap.add_argument("--port", type=int, default=5555, help="frontend port; events = port+1, control = port+2; 0: any free")
@@ -253,8 +253,8 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
         from engine_node.tiny_model import ensure_tiny_model
 
         model = ensure_tiny_model()
-    elif backend == "null":
-        model = model or "null"
+    elif ":" in backend:
+        model = model or ""
     elif not model:
         raise SystemExit(f"--model is required with the {backend} backend")
 

@@ -35,7 +35,7 @@ def start_cluster(
     procs: H.Procs,
     k: int,
     *,
-    backend: str = "null",
+    backend: str = "bench.null_backend:make_backend",
     model: str = "null",
     backend_options: dict[str, Any] | None = None,
     policy: str = "least_loaded",

@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from bench import harness as H
+from bench.null_backend import NULL_BACKEND
 from bench import peer_side as PS
 from bench import rb_side as RB
 
@@ -56,7 +57,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         vr = {VR_CH: PS.start_vllm_router(procs, peers, "consistent_hash"),
               VR_P2: PS.start_vllm_router(procs, peers, "power_of_two")}
         # -- rollout-bus side
-        cl = RB.start_cluster(procs, args.engines, backend="null", backend_options={"tokens_per_step": 1})
+        cl = RB.start_cluster(procs, args.engines, backend=NULL_BACKEND, backend_options={"tokens_per_step": 1})
         rb_router = RB.make_client(cl.frontend)
         rb_direct = RB.make_client(next(iter(cl.engines.values())))
         raw_router = RB.RawDriver(cl.frontend)

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from bench import harness as H
+from bench.null_backend import NULL_BACKEND
 from bench import peer_side as PS
 from bench import rb_side as RB
 
@@ -44,7 +45,7 @@ async def one_k(args: argparse.Namespace, k: int, deadline: H.Deadline) -> dict[
     res: dict[str, Any] = {"engines": k}
     with H.Procs() as procs:
         t0 = time.monotonic()
-        cl = RB.start_cluster(procs, k, backend="null", tag=f"scale{k}")
+        cl = RB.start_cluster(procs, k, backend=NULL_BACKEND, tag=f"scale{k}")
         client = RB.make_client(cl.frontend)
         raw = RB.RawDriver(cl.frontend)
         try:

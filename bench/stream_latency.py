@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from bench import harness as H
+from bench.null_backend import NULL_BACKEND
 from bench import peer_side as PS
 from bench import rb_side as RB
 
@@ -41,7 +42,7 @@ async def run_delay(args: argparse.Namespace, delay_ms: float, deadline: H.Deadl
         peers = PS.start_http_peers(procs, args.engines, tokens_per_event=1, tag=f"peer_d{delay_ms:g}_",
                                     extra=["--step-delay-ms", str(delay_ms)])
         vr_url, _ = PS.start_vllm_router(procs, peers, "power_of_two", tag=f"vr_d{delay_ms:g}")
-        cl = RB.start_cluster(procs, args.engines, backend="null", tag=f"rb_d{delay_ms:g}",
+        cl = RB.start_cluster(procs, args.engines, backend=NULL_BACKEND, tag=f"rb_d{delay_ms:g}",
                               backend_options={"tokens_per_step": 1, "step_delay_s": delay_ms / 1e3})
         rb_router = RB.make_client(cl.frontend)
         rb_direct = RB.make_client(next(iter(cl.engines.values())))

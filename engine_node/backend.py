@@ -150,16 +150,16 @@ BACKENDS: dict[str, str] = {
     # name -> "module:factory"; factory(model: str, **options) -> Backend
     "torch": "engine_node.backends.torch_backend:make_backend",
     "vllm": "engine_node.backends.vllm_backend:make_backend",
-    "null": "engine_node.backends.null_backend:make_backend",
 }
 
 
 def load_backend(name: str, model: str, **options: Any) -> Backend:
+    """A registered backend by name, or any importable "module:factory"
+    (out-of-tree backends; the benchmarks' model-less `bench.null_backend`)."""
     import importlib
 
-    try:
-        target = BACKENDS[name]
-    except KeyError:
-        raise BackendError(f"unknown backend {name!r}; choose from {sorted(BACKENDS)}") from None
-    mod, fn = target.split(":")
+    target = BACKENDS.get(name, name if ":" in name else None)
+    if target is None:
+        raise BackendError(f"unknown backend {name!r}; choose from {sorted(BACKENDS)} or give module:factory")
+    mod, fn = target.split(":", 1)
     return getattr(importlib.import_module(mod), fn)(model, **options)

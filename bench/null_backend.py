@@ -345,5 +345,9 @@ class NullBackend:
         self._runnable = 0
 
 
+# What an engine node's --backend takes to load this one.
+NULL_BACKEND = "bench.null_backend:make_backend"
+
+
 def make_backend(model: str = "null", **options: Any) -> NullBackend:
     return NullBackend(model, **options)
