@@ -142,6 +142,67 @@ class RunResult:
         return d
 
 
+async def run_load(
+    n: int,
+    concurrency: int,
+    request: Callable[[int], Awaitable[tuple[int, float | None, bool]]],
+    *,
+    expected_tokens: int,
+    timeout_s: float,
+    stream: bool,
+    lags: list[float] | None = None,
+) -> RunResult:
+    """N requests through `concurrency` workers pulling from one counter; the
+    shape every driver (HTTP, trainer_bridge, raw zmq) shares.
+
+    `request(i)` sends request i and returns (tokens received, perf_counter of
+    the first token or None, finished). Latency is send → last byte; a request
+    that fails, times out (`timeout_s` + 5) or comes back short is counted as
+    an error, with a few samples kept."""
+    lat: list[float] = []
+    ttft: list[float] = []
+    errors = tokens = next_i = 0
+    err_sample: list[str] = []
+
+    async def one(i: int) -> None:
+        nonlocal errors, tokens
+        t0 = time.perf_counter()
+        try:
+            got, first, finished = await asyncio.wait_for(request(i), timeout_s + 5)
+            t1 = time.perf_counter()
+            if not finished or got != expected_tokens:
+                raise RuntimeError(f"incomplete: {got}/{expected_tokens} tokens, finished={finished}")
+        except Exception as e:  # noqa: BLE001 - counted, a sample kept
+            errors += 1
+            if len(err_sample) < 3:
+                err_sample.append(repr(e)[:300])
+            return
+        lat.append(t1 - t0)
+        if first is not None:
+            ttft.append(first - t0)
+        tokens += got
+
+    async def worker() -> None:
+        nonlocal next_i
+        while next_i < n:
+            i = next_i
+            next_i += 1
+            await one(i)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
+    wall = time.perf_counter() - t0
+    extra: dict[str, Any] = {}
+    if stream and ttft:
+        extra["ttft_p50_ms"] = percentile(ttft, 50) * 1e3
+        extra["ttft_p99_ms"] = percentile(ttft, 99) * 1e3
+    if lags is not None:
+        extra["lags_s"] = lags
+    if err_sample:
+        extra["error_sample"] = err_sample
+    return RunResult(lat, wall, errors=errors, tokens=tokens, extra=extra)
+
+
 def summarize_reps(runs: Sequence[RunResult]) -> dict[str, Any]:
     """Median + spread across repetitions of p50, p99, req/s (and tokens/s)."""
     sums = [r.summary() for r in runs]
@@ -345,13 +406,18 @@ def plot_lines(
         ax.set_ylabel(panel.get("ylabel", ""))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    for ax in list(axes.flat)[n:]:
+    return _finish_figure(plt, fig, list(axes.flat)[n:], name, suptitle, note, top=0.96)
+
+
+def _finish_figure(plt: Any, fig: Any, unused_axes: list[Any], name: str, suptitle: str | None, note: str | None, *, top: float) -> Path:
+    """Hide unused panels, title, footnote, save as bench/results/<name>.png."""
+    for ax in unused_axes:
         ax.axis("off")
     if suptitle:
         fig.suptitle(suptitle, fontsize=11)
     if note:
         fig.text(0.01, 0.005, note, fontsize=7, color="dimgray")
-    fig.tight_layout(rect=(0, 0.03 if note else 0, 1, 0.96 if suptitle else 1))
+    fig.tight_layout(rect=(0, 0.03 if note else 0, 1, top if suptitle else 1))
     path = png_path(name)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -391,14 +457,7 @@ def plot_bars(
         ax.set_title(title, fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    if note:
-        fig.text(0.01, 0.005, note, fontsize=7, color="dimgray")
-    fig.tight_layout(rect=(0, 0.03 if note else 0, 1, 1))
-    path = png_path(name)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path.relative_to(REPO_ROOT)}", flush=True)
-    return path
+    return _finish_figure(plt, fig, [], name, None, note, top=1.0)
 
 
 # --------------------------------------------------------------- processes
@@ -656,15 +715,4 @@ def plot_bar_panels(name: str, panels: Sequence[dict[str, Any]], *, suptitle: st
         ax.set_title(p.get("title", ""), fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
-    if suptitle:
-        fig.suptitle(suptitle, fontsize=11)
-    if note:
-        fig.text(0.01, 0.005, note, fontsize=7, color="dimgray")
-    fig.tight_layout(rect=(0, 0.03 if note else 0, 1, 0.95 if suptitle else 1))
-    path = png_path(name)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path.relative_to(REPO_ROOT)}", flush=True)
-    return path
+    return _finish_figure(plt, fig, list(axes.flat)[n:], name, suptitle, note, top=0.95)

@@ -141,80 +141,40 @@ async def http_load(session: Any, spec: HttpLoad) -> H.RunResult:
     body = msgspec.json.encode(base)
     url = spec.url + "/v1/completions"
     hdr = {"content-type": "application/json"}
-    lat: list[float] = []
-    ttft: list[float] = []
-    errors = 0
-    tokens = 0
-    err_sample: list[str] = []
     lags: list[float] = []
     rec = spec.record_stream_lag
-    next_i = 0
 
-    async def one(i: int) -> None:
-        nonlocal errors, tokens
+    async def request(i: int) -> tuple[int, float | None, bool]:
         h = hdr if not spec.sessions else {**hdr, "X-Session-ID": f"traj-{i % spec.sessions}"}
-        t0 = time.perf_counter()
-        first = None
-        got = 0
-        finished = False
-        try:
-            async with session.post(url, data=body, headers=h) as r:
-                if r.status != 200:
-                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
-                if spec.stream:
-                    async for line in r.content:
-                        if not line.startswith(b"data: "):
-                            continue
-                        data = line[6:].strip()
-                        if data == b"[DONE]":
-                            break
-                        ev = _dec.decode(data)
-                        if rec and "emitted_at" in ev:
-                            lags.append(time.time() - ev["emitted_at"])
-                        for ch in ev.get("choices", ()):
-                            n = len(ch.get("token_ids") or ())
-                            if n and first is None:
-                                first = time.perf_counter()
-                            got += n
-                            if ch.get("finish_reason"):
-                                finished = True
-                else:
-                    doc = _dec.decode(await r.read())
-                    ch = doc["choices"][0]
-                    got = len(ch["token_ids"])
-                    finished = ch.get("finish_reason") is not None
-                    first = time.perf_counter()
-            t1 = time.perf_counter()
-            if not finished or got != spec.max_tokens:
-                raise RuntimeError(f"incomplete response: {got}/{spec.max_tokens} tokens, finished={finished}")
-            lat.append(t1 - t0)
-            if first is not None:
-                ttft.append(first - t0)
-            tokens += got
-        except Exception as e:  # noqa: BLE001 - counted, a sample kept
-            errors += 1
-            if len(err_sample) < 3:
-                err_sample.append(repr(e)[:300])
+        first, got, finished = None, 0, False
+        async with session.post(url, data=body, headers=h) as r:
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+            if not spec.stream:
+                ch = _dec.decode(await r.read())["choices"][0]
+                return len(ch["token_ids"]), time.perf_counter(), ch.get("finish_reason") is not None
+            async for line in r.content:
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    break
+                ev = _dec.decode(data)
+                if rec and "emitted_at" in ev:
+                    lags.append(time.time() - ev["emitted_at"])
+                for ch in ev.get("choices", ()):
+                    n = len(ch.get("token_ids") or ())
+                    if n and first is None:
+                        first = time.perf_counter()
+                    got += n
+                    if ch.get("finish_reason"):
+                        finished = True
+        return got, first, finished
 
-    async def worker() -> None:
-        nonlocal next_i
-        while next_i < spec.n:
-            i = next_i
-            next_i += 1
-            await asyncio.wait_for(one(i), spec.per_request_timeout_s)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(min(spec.concurrency, spec.n))))
-    wall = time.perf_counter() - t0
-    extra: dict[str, Any] = {}
-    if spec.stream and ttft:
-        extra["ttft_p50_ms"] = H.percentile(ttft, 50) * 1e3
-        extra["ttft_p99_ms"] = H.percentile(ttft, 99) * 1e3
-    if rec:
-        extra["lags_s"] = lags
-    if err_sample:
-        extra["error_sample"] = err_sample
-    return H.RunResult(lat, wall, errors=errors, tokens=tokens, extra=extra)
+    return await H.run_load(
+        spec.n, spec.concurrency, request, expected_tokens=spec.max_tokens, timeout_s=spec.per_request_timeout_s,
+        stream=spec.stream, lags=lags if rec else None,
+    )  # fmt: skip
 
 
 # -------------------------------------------------------------- standalone

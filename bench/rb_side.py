@@ -125,71 +125,31 @@ class RbLoad:
 
 
 async def rb_load(client: Any, spec: RbLoad) -> H.RunResult:
-    """N requests at concurrency C through `client`; latency = send → final chunk."""
+    """N requests at concurrency C through `client` (trainer_bridge.AsyncClient)."""
     from bus.protocol import SamplingParams
 
     params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
-    lat: list[float] = []
-    ttft: list[float] = []
     lags: list[float] = []
-    errors = 0
-    tokens = 0
-    err_sample: list[str] = []
-    next_i = 0
 
-    async def one(i: int) -> None:
-        nonlocal errors, tokens
+    async def request(i: int) -> tuple[int, float | None, bool]:
         sid = f"traj-{i % spec.sessions}" if spec.sessions else None
-        t0 = time.perf_counter()
-        first = None
-        got = 0
-        finish = None
-        try:
-            if spec.stream:
-                async for ch in client.stream(spec.prompt, params, session_id=sid, timeout_s=spec.per_request_timeout_s):
-                    if ch.token_ids and first is None:
-                        first = time.perf_counter()
-                    got += len(ch.token_ids)
-                    if spec.record_stream_lag and ch.token_ids:
-                        lags.append(ch.received_at - ch.emitted_at)
-                    if ch.finish_reason is not None:
-                        finish = ch.finish_reason
-            else:
-                res = await client.generate(spec.prompt, params, session_id=sid, timeout_s=spec.per_request_timeout_s)
-                got = len(res.token_ids)
-                finish = res.finish_reason
+        if not spec.stream:
+            res = await client.generate(spec.prompt, params, session_id=sid, timeout_s=spec.per_request_timeout_s)
+            return len(res.token_ids), time.perf_counter(), bool(res.finish_reason)
+        got, first, finished = 0, None, False
+        async for ch in client.stream(spec.prompt, params, session_id=sid, timeout_s=spec.per_request_timeout_s):
+            if ch.token_ids and first is None:
                 first = time.perf_counter()
-            t1 = time.perf_counter()
-            if finish is None or got != spec.max_tokens:
-                raise RuntimeError(f"incomplete: {got}/{spec.max_tokens} tokens, finish={finish}")
-            lat.append(t1 - t0)
-            if first is not None:
-                ttft.append(first - t0)
-            tokens += got
-        except Exception as e:  # noqa: BLE001 - counted, a sample kept
-            errors += 1
-            if len(err_sample) < 3:
-                err_sample.append(repr(e)[:300])
+            got += len(ch.token_ids)
+            if spec.record_stream_lag and ch.token_ids:
+                lags.append(ch.received_at - ch.emitted_at)
+            finished = finished or ch.finish_reason is not None
+        return got, first, finished
 
-    async def worker() -> None:
-        nonlocal next_i
-        while next_i < spec.n:
-            i = next_i
-            next_i += 1
-            await asyncio.wait_for(one(i), spec.per_request_timeout_s + 5)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(min(spec.concurrency, spec.n))))
-    wall = time.perf_counter() - t0
-    extra: dict[str, Any] = {}
-    if spec.stream and ttft:
-        extra["ttft_p50_ms"] = H.percentile(ttft, 50) * 1e3
-        extra["ttft_p99_ms"] = H.percentile(ttft, 99) * 1e3
-    if spec.record_stream_lag:
-        extra["lags_s"] = lags
-    if err_sample:
-        extra["error_sample"] = err_sample
-    return H.RunResult(lat, wall, errors=errors, tokens=tokens, extra=extra)
+    return await H.run_load(
+        spec.n, spec.concurrency, request, expected_tokens=spec.max_tokens, timeout_s=spec.per_request_timeout_s,
+        stream=spec.stream, lags=lags if spec.record_stream_lag else None,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------- raw zmq driver
@@ -293,48 +253,17 @@ async def raw_load(driver: RawDriver, spec: RbLoad) -> H.RunResult:
     params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
     prompt = np.asarray(spec.prompt, dtype="<i4").tobytes()
     driver.lags = [] if spec.record_stream_lag else None
-    lat: list[float] = []
-    ttft: list[float] = []
-    errors = 0
-    tokens = 0
-    err_sample: list[str] = []
-    next_i = 0
 
-    async def one(i: int) -> None:
-        nonlocal errors, tokens
+    async def request(i: int) -> tuple[int, float | None, bool]:
         sid = f"traj-{i % spec.sessions}" if spec.sessions else None
-        t0 = time.perf_counter()
-        try:
-            got, first, finish = await driver.generate(prompt, params, stream=spec.stream, session_id=sid,
-                                                       timeout_s=spec.per_request_timeout_s)
-            t1 = time.perf_counter()
-            if finish is None or got != spec.max_tokens:
-                raise RuntimeError(f"incomplete: {got}/{spec.max_tokens} tokens, finish={finish}")
-            lat.append(t1 - t0)
-            if first is not None:
-                ttft.append(first - t0)
-            tokens += got
-        except Exception as e:  # noqa: BLE001
-            errors += 1
-            if len(err_sample) < 3:
-                err_sample.append(repr(e)[:300])
+        got, first, finish = await driver.generate(
+            prompt, params, stream=spec.stream, session_id=sid, timeout_s=spec.per_request_timeout_s
+        )
+        return got, first, finish is not None
 
-    async def worker() -> None:
-        nonlocal next_i
-        while next_i < spec.n:
-            i = next_i
-            next_i += 1
-            await one(i)
+    return await H.run_load(
+        spec.n, spec.concurrency, request, expected_tokens=spec.max_tokens, timeout_s=spec.per_request_timeout_s,
+        stream=spec.stream, lags=driver.lags,
+    )  # fmt: skip
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(min(spec.concurrency, spec.n))))
-    wall = time.perf_counter() - t0
-    extra: dict[str, Any] = {}
-    if spec.stream and ttft:
-        extra["ttft_p50_ms"] = H.percentile(ttft, 50) * 1e3
-        extra["ttft_p99_ms"] = H.percentile(ttft, 99) * 1e3
-    if spec.record_stream_lag:
-        extra["lags_s"], driver.lags = driver.lags or [], None
-    if err_sample:
-        extra["error_sample"] = err_sample
-    return H.RunResult(lat, wall, errors=errors, tokens=tokens, extra=extra)
+
