@@ -76,6 +76,11 @@ class Codec:
             raise BadRequest(f"invalid {cls.__name__}: {at[0]}", field=field) from None
         except msgspec.DecodeError as e:
             raise ProtocolError(f"undecodable {cls.__name__} body: {e}", field="body") from None
+        except (UnicodeDecodeError, RecursionError, MemoryError, ValueError, TypeError, OverflowError) as e:
+            # Hostile bodies reach these, not ValidationError: a string that is
+            # not UTF-8, thousands of nested arrays inside an `Any` field. The
+            # decoder must be total: every frame becomes a message or a typed error.
+            raise ProtocolError(f"undecodable {cls.__name__} body: {type(e).__name__}", field="body") from None
         return msg, list(frames[2:])
 
 

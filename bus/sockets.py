@@ -7,10 +7,13 @@ Close with linger=0 before the context is terminated.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import uuid
 
 import zmq
+
+from bus.errors import BadRequest
 
 # Hard cap enforced by libzmq: a larger message makes libzmq drop the
 # connection (no reply is possible), so it sits well above the application
@@ -85,9 +88,31 @@ class CurveKeys:
     def generate(key_dir: str) -> str:
         import zmq.auth
 
-        os.makedirs(key_dir, exist_ok=True)
-        zmq.auth.create_certificates(key_dir, "rollout-bus")
+        os.makedirs(key_dir, mode=0o700, exist_ok=True)
+        _pub, secret = zmq.auth.create_certificates(key_dir, "rollout-bus")
+        # pyzmq writes both files with the process umask (often 0644): a
+        # world-readable secret key lets anyone on the host join the cluster.
+        os.chmod(secret, 0o600)
+        os.chmod(key_dir, 0o700)
         return key_dir
+
+
+_TCP_ENDPOINT = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+_IPC_ENDPOINT = re.compile(r"^ipc://[^\x00]{1,200}$")
+
+
+def check_endpoint(address: str, *, field: str) -> str:
+    """A peer-supplied address we are about to connect to: `tcp://host:port`
+    or `ipc://path`, nothing else (no wildcard, no inproc). zmq would accept
+    some junk lazily and fail later, or raise inside the caller's loop."""
+    m = _TCP_ENDPOINT.match(address)
+    if m is not None:
+        if m.group(1) in ("*", "0.0.0.0", "[::]") or not 0 < int(m.group(2)) < 65536:
+            raise BadRequest(f"{address!r} is not an address a peer can connect to", field=field)
+        return address
+    if _IPC_ENDPOINT.match(address):
+        return address
+    raise BadRequest(f"{address!r} is not a tcp://host:port or ipc://path endpoint", field=field)
 
 
 def ipc_dir() -> str:

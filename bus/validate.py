@@ -6,6 +6,7 @@ what only it knows (the LoRA adapters it has, its max model length).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -47,15 +48,19 @@ def check_generate(msg: Generate, prompt: np.ndarray, *, vocab_size: int = 0) ->
         raise bad("request_id", "request_id must be a non-empty string")
     if p.max_tokens <= 0:
         raise bad("params.max_tokens", f"max_tokens must be >= 1, got {p.max_tokens}")
-    if p.temperature < 0:
-        raise bad("params.temperature", f"temperature must be >= 0, got {p.temperature}")
-    if not 0 < p.top_p <= 1:
+    # NaN compares false with everything: test finiteness first, or a NaN
+    # temperature reaches the model and fails every request in its step.
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        raise bad("params.temperature", f"temperature must be a finite number >= 0, got {p.temperature}")
+    if not math.isfinite(p.top_p) or not 0 < p.top_p <= 1:
         raise bad("params.top_p", f"top_p must be in (0, 1], got {p.top_p}")
     if p.top_k < -1:
         raise bad("params.top_k", f"top_k must be >= -1 (0 or -1: off), got {p.top_k}")
+    if p.seed is not None and not 0 <= p.seed < 1 << 63:
+        raise bad("params.seed", f"seed must be in [0, 2**63), got {p.seed}")
     if not 1 <= msg.num_samples <= MAX_NUM_SAMPLES:
         raise bad("num_samples", f"num_samples must be in [1, {MAX_NUM_SAMPLES}], got {msg.num_samples}")
-    if msg.timeout_s is not None and msg.timeout_s <= 0:
+    if msg.timeout_s is not None and (not math.isfinite(msg.timeout_s) or msg.timeout_s <= 0):
         raise bad("timeout_s", f"timeout_s must be > 0, got {msg.timeout_s}")
     if not 0 <= msg.resume_len < len(prompt) or msg.resume_len >= p.max_tokens:
         if msg.resume_len:

@@ -27,7 +27,7 @@ from bus import protocol as P
 from bus.codec import Codec, Outbox, request_id_of, split_chunks
 from bus.control_bus import ControlBus, PendingCommand
 from bus.errors import BadRequest, ErrorCode, ProtocolError, RolloutBusError
-from bus.sockets import CONTROL_HWM, CurveKeys, bound_address, make_socket
+from bus.sockets import CONTROL_HWM, CurveKeys, bound_address, check_endpoint, make_socket
 from bus.validate import check_generate, prompt_from_frames
 from router_node.config import RouterConfig
 from router_node.policies import POLICIES, Sessions
@@ -171,7 +171,10 @@ class Router:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            handler(frames)
+            try:
+                handler(frames)
+            except Exception:  # a frame our handlers did not foresee: the head outlives it
+                log.exception("frame_handler_crashed", frames=len(frames))
 
     def _shutdown(self) -> None:
         # Every accepted request gets its one error: nobody waits on a dead head.
@@ -243,6 +246,16 @@ class Router:
             log.error("register_refused", engine_id=reg.engine_id, error=err)
             self._send(self.events, ident, P.RegisterReply(ok=False, error=err))
             return
+        try:
+            check_endpoint(reg.data_address, field="data_address")
+            if reg.weight_address:
+                check_endpoint(reg.weight_address, field="weight_address")
+            if not reg.engine_id or len(reg.engine_id) > 128:
+                raise BadRequest("engine_id must be 1-128 characters", field="engine_id")
+        except BadRequest as err:
+            log.warning("register_refused", engine_id=reg.engine_id[:128], error=str(err))
+            self._send(self.events, ident, P.RegisterReply(ok=False, error=str(err)))
+            return
         now = time.monotonic()
         old = self.engines.get(reg.engine_id)
         if old is not None and old.reg.incarnation == reg.incarnation:
@@ -294,7 +307,14 @@ class Router:
         e = self.engines.get(ack.engine_id)
         r = ack.result
         if e is not None and ack.ok and "epoch" in r:
-            e.apply_config(int(r["epoch"]), int(r["weight_version"]), list(r["loras"]))
+            try:
+                epoch, version, loras = int(r["epoch"]), int(r["weight_version"]), [str(x) for x in r["loras"]]
+            except (KeyError, TypeError, ValueError) as err:
+                # Ack.result is still a free dict (typed results are the protocol
+                # issue's work): a malformed one is dropped, never a crash.
+                log.warning("bad_ack_result", engine_id=ack.engine_id, seq=ack.seq, error=repr(err))
+                return
+            e.apply_config(epoch, version, loras)
         self.bus.on_ack(ack)
 
     # ------------------------------------------------------------ frontend

@@ -1,0 +1,138 @@
+"""Single hostile frames that used to kill or wedge a process (issue 13).
+
+Each is sent alone over a raw socket to a real head / engine; afterwards the
+cluster must still serve a request end to end and every process must be alive.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import msgspec
+import pytest
+import zmq
+
+from bus import protocol as P
+from bus.codec import Codec
+from bus.errors import BadRequest
+from bus.sockets import CurveKeys, check_endpoint
+
+pytestmark = pytest.mark.timeout(90)
+
+_ENC = msgspec.msgpack.encode
+_DEEP = b"\x91" * 5000 + b"\xc0"  # 5,000 nested one-element arrays
+
+
+def _raw_ack(result_body: bytes) -> bytes:
+    """An Ack body [tag, seq, engine_id, ok, result] with a hand-made result."""
+    return b"\x95" + _ENC("ack") + _ENC(1) + _ENC("e0") + _ENC(True) + result_body
+
+
+def _bad_utf8_heartbeat() -> bytes:
+    return _ENC(["heartbeat", "e0", "inc"]).replace(b"e0", b"\xff\xfe", 1)
+
+
+HEAD_EVENT_FRAMES = {
+    "heartbeat engine_id not UTF-8": [b"H", _bad_utf8_heartbeat()],
+    "ack result without weight_version": [b"A", _raw_ack(_ENC({"epoch": 99, "loras": []}))],
+    "ack result 5000 deep": [b"A", _raw_ack(b"\x81" + _ENC("epoch") + _DEEP)],
+    "ack loras not a list": [b"A", _raw_ack(_ENC({"epoch": 99, "weight_version": "x", "loras": 3}))],
+    "register data_address ABORT": [
+        b"R",
+        _ENC(P.Register(engine_id="evil", data_address="ABORT", weight_address="", backend="x", model="x",
+                        protocol_version=P.PROTOCOL_VERSION, incarnation="i")),
+    ],
+    "random bytes": [b"R", os.urandom(64)],
+    "unknown kind": [b"\x00", b"\x90"],
+    "one frame": [b"H"],
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model):
+    from tests.cluster import Cluster, live_children
+
+    before = {p.pid for p in live_children()}
+    with Cluster(1, backend="torch", model=tiny_model) as c:
+        c.wait_ready(1)
+        yield c
+    leaked = [p for p in live_children() if p.pid not in before]
+    for p in leaked:
+        p.kill()
+    assert not leaked, leaked
+
+
+def _serves(cl) -> None:
+    c = cl.client()
+    r = c.generate([1, 2, 3], {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True})
+    assert len(r.token_ids) == 4
+    assert all(p.poll() is None for p in cl.procs.values()), {k: p.poll() for k, p in cl.procs.items()}
+
+
+@pytest.mark.parametrize("name", list(HEAD_EVENT_FRAMES))
+def test_head_outlives_a_hostile_event_frame(cluster, name):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(cluster.events)
+        s.send_multipart(HEAD_EVENT_FRAMES[name])
+        if name.startswith("register"):
+            assert s.poll(10_000), "the head must answer a bad Register with a refusal"
+            kind, body = s.recv_multipart()[:2]
+            reply = Codec().decode([kind, body])[0]
+            assert isinstance(reply, P.RegisterReply) and not reply.ok and "data_address" in (reply.error or "")
+    finally:
+        s.close(linger=0)
+    _serves(cluster)
+    assert "evil" not in cluster.client().health()["engines"]
+
+
+def test_engine_outlives_a_weight_bucket_with_a_non_utf8_update_id(cluster):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(f"ipc://{cluster.dir}/e0.weights")
+        body = _ENC(["wbucket", "u1", 0]).replace(b"u1", b"\xc3\x28", 1)
+        s.send_multipart([b"W", body, b"\x00" * 64])
+        assert s.poll(10_000), "the engine must answer a bad bucket with a typed ack"
+        kind, body = s.recv_multipart()[:2]
+        ack = Codec().decode([kind, body])[0]
+        assert isinstance(ack, P.WeightBucketAck) and not ack.ok
+    finally:
+        s.close(linger=0)
+    _serves(cluster)
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"temperature": float("nan")}, "params.temperature"),
+        ({"temperature": float("inf")}, "params.temperature"),
+        ({"top_p": float("nan")}, "params.top_p"),
+        ({"seed": -1}, "params.seed"),
+    ],
+)
+def test_non_finite_sampling_params_are_refused_naming_the_field(cluster, params, field):
+    c = cluster.client()
+    with pytest.raises(BadRequest) as ei:
+        c.generate([1, 2, 3], {"max_tokens": 2, **params})
+    assert ei.value.field == field
+
+
+def test_endpoint_check_names_the_field():
+    assert check_endpoint("tcp://10.0.0.1:5555", field="f") == "tcp://10.0.0.1:5555"
+    assert check_endpoint("ipc:///tmp/a/b", field="f") == "ipc:///tmp/a/b"
+    for bad in ("ABORT", "tcp://*:1", "tcp://h:0", "tcp://h:70000", "inproc://x", ""):
+        with pytest.raises(BadRequest) as ei:
+            check_endpoint(bad, field="data_address")
+        assert ei.value.field == "data_address"
+
+
+def test_curve_secret_key_is_private(tmp_path):
+    d = CurveKeys.generate(str(tmp_path / "keys"))
+    secret = os.path.join(d, "rollout-bus.key_secret")
+    assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
