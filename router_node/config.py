@@ -16,6 +16,10 @@ class RouterConfig:
     missed_heartbeats: int = 3  # this many intervals without one: unhealthy
     stall_timeout_s: float = 30.0  # steps frozen while having work: unhealthy
     session_ttl_s: float = 600.0
+    # New sessions go to the engine with the fewest open sessions + outstanding
+    # requests ("open_sessions"), or by outstanding requests alone
+    # ("outstanding": the pre-0.2 behaviour, kept for side-by-side benchmarks).
+    session_placement: str = "open_sessions"
     failover: bool = True  # re-submit prompt + tokens so far to another engine
     max_failovers: int = 2  # per request
     max_prompt_tokens: int = 32768

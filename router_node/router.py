@@ -30,7 +30,7 @@ from bus.errors import BadRequest, ErrorCode, ProtocolError, RolloutBusError
 from bus.sockets import CONTROL_HWM, CurveKeys, bound_address, check_endpoint, make_socket
 from bus.validate import check_generate, prompt_from_frames
 from router_node.config import RouterConfig
-from router_node.policies import POLICIES, Sessions
+from router_node.policies import POLICIES, SESSION_PLACEMENTS, Sessions
 from router_node.registry import EngineEntry, EngineState
 
 log = structlog.get_logger("router_node")
@@ -108,6 +108,9 @@ class Router:
         self.parts: dict[str, Part] = {}
         self.outbox = Outbox()  # chunks for clients, flushed per engine message
         self.sessions = Sessions(cfg.session_ttl_s)
+        if cfg.session_placement not in SESSION_PLACEMENTS:
+            raise ValueError(f"--session-placement must be one of {sorted(SESSION_PLACEMENTS)}, got {cfg.session_placement!r}")
+        self.place_session = SESSION_PLACEMENTS[cfg.session_placement]
         self.rng = random.Random(cfg.seed)
         self.pick = POLICIES[cfg.policy]
         self._rid = itertools.count(1)
@@ -224,7 +227,7 @@ class Router:
 
     def health(self) -> dict[str, Any]:
         now = time.monotonic()
-        engines = {eid: e.describe(now) for eid, e in self.engines.items()}
+        engines = {eid: {**e.describe(now), "sessions": self.sessions.count(eid)} for eid, e in self.engines.items()}
         return {"healthy": any(e.healthy for e in self.engines.values()), "engines": engines}
 
     # ------------------------------------------------------------ events
@@ -371,7 +374,7 @@ class Router:
             eid = self.sessions.engine_for(msg.session_id, now)
             e = self.engines.get(eid) if eid else None
             if e is None or e not in cands:
-                e = _least_loaded_exact(cands, self.rng)  # new or re-placed session
+                e = self.place_session(cands, self.sessions, self.rng)  # new or re-placed session
             self.sessions.bind(msg.session_id, e.engine_id, now)
             return e
         return self.pick(cands, self.rng)
@@ -613,12 +616,6 @@ class Router:
                         if e is not None and part is not None:
                             e.outstanding -= part.open
                             e.sock.send_multipart(self.codec.encode(P.Cancel(request_id=rid)))
-
-
-def _least_loaded_exact(cands: list[EngineEntry], rng: random.Random) -> EngineEntry:
-    from router_node.policies import pick_least_loaded_exact
-
-    return pick_least_loaded_exact(cands, rng)
 
 
 def _err(code: ErrorCode, message: str, rid: str) -> RolloutBusError:
