@@ -79,8 +79,8 @@ def _logprobs(v: Any) -> bool:
     )
 
 
-def _no_stop_strings(_v: Any, all_params: Mapping[str, Any]) -> bool:
-    return not all_params.get("stop")
+def _with_stop(_v: Any, _all: Mapping[str, Any]) -> bool:
+    return True  # it only qualifies `stop`, which is refused itself while non-empty
 
 
 # One line per parameter. `server(...)` lines are the follow-up's to-do list:
@@ -98,7 +98,7 @@ PARAMS: dict[str, _Rule] = {
     "skip_special_tokens": client(conv=bool),
     # ---- NEEDS SERVER SUPPORT (issue 10, server-side) -------------------
     "stop": server(None, [], ()),  # stop strings, matched on detokenized text
-    "include_stop_str_in_output": server(when=_no_stop_strings),  # meaningless without stop strings
+    "include_stop_str_in_output": server(when=_with_stop),  # goes to wire() together with "stop"
     "min_tokens": server(None, 0),
     "min_p": server(None, 0, 0.0),
     "repetition_penalty": server(None, 1, 1.0),
