@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import pickle
 
 import pytest
 
@@ -236,7 +237,7 @@ def test_pause_keep_and_abort_with_weight_updates_mid_run(engine, loop, tiny_mod
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     prompts = [[5, 17, 42, 9], [100, 3, 77], [8, 8, 8], [250, 1]]
-    n = 160
+    n = 400  # long enough that both pauses land mid-run (heartbeats, which the poll reads, lag by 0.2 s)
 
     async def scenario():
         task = asyncio.ensure_future(
@@ -255,7 +256,6 @@ def test_pause_keep_and_abort_with_weight_updates_mid_run(engine, loop, tiny_mod
         await engine.init_weight_update_communicator(object())  # no SkyRL init info: the zmq transport
         await engine.update_named_weights({k: v.clone() for k, v in model.named_parameters()})
         await engine.resume_generation()
-        await asyncio.sleep(0.2)
         res = await engine.abort_generation()
         assert not task.done()
         await engine.update_named_weights(list(model.named_parameters()))
@@ -285,3 +285,17 @@ def test_teardown_closes_an_owned_client(torch_cluster, loop):
     run(loop, eng.teardown())
     with pytest.raises(ClosedByUs):
         run(loop, eng.refresh())
+
+
+def test_owned_client_survives_new_event_loops_and_pickling(torch_cluster, tiny_model):
+    # SkyRL runs `asyncio.run` more than once and hands its client to Ray workers (pickled).
+    eng = RolloutBusEngine(torch_cluster.frontend, tokenizer=tiny_model)
+    batch = {"prompt_token_ids": [[5, 6]], "sampling_params": {"max_tokens": 3, "ignore_eos": True}}
+    assert len(asyncio.run(eng.generate(batch))["response_ids"][0]) == 3
+    assert len(asyncio.run(eng.generate(batch))["response_ids"][0]) == 3  # a new loop: a fresh connection
+    copy = pickle.loads(pickle.dumps(eng))
+    assert len(asyncio.run(copy.generate(batch))["response_ids"][0]) == 3
+    eng.increment_weight_version()
+    assert (eng.weight_version, copy.weight_version) == (1, 0)
+    for e in (eng, copy):
+        asyncio.run(e.teardown())

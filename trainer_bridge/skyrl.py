@@ -78,13 +78,50 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         the engines' model folder). `sampling_params`: used when a batch has
         none. `engines`: the cluster's engine list (`connect` fetches it)."""
         self._owns_client = isinstance(client, str)
-        self.client = AsyncClient(client, tokenizer=tokenizer) if isinstance(client, str) else client
+        self._client = AsyncClient(client) if isinstance(client, str) else client
         self._text: Text | None = load_text(tokenizer) if tokenizer is not None else None
         self._model_name = model_name
         self.default_sampling_params = dict(sampling_params or {})
         self._engines = engines
         self._transport = "zmq"
         self._transport_options: dict[str, Any] = {}
+        self._weight_version = 0
+
+    @property
+    def client(self) -> AsyncClient:
+        """The AsyncClient. An owned one whose event loop has closed (SkyRL
+        calls `asyncio.run` more than once) is replaced by a fresh one."""
+        loop = self._client._loop
+        if self._owns_client and loop is not None and loop.is_closed():
+            old = self._client
+            self._client = AsyncClient(old.address, timeout_s=old.timeout_s, control_timeout_s=old.control_timeout_s)
+            old._closed = True
+            if old._sock is not None:
+                old._sock.close(linger=0)
+                old._ctx.term()  # type: ignore[union-attr]
+        return self._client
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles by address (SkyRL hands its client to Ray workers): the copy
+        opens its own connection."""
+        state = dict(self.__dict__)
+        c = state.pop("_client")
+        state["_address"] = (c.address, c.timeout_s, c.control_timeout_s)
+        state["_owns_client"] = True
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        address, timeout_s, control_timeout_s = state.pop("_address")
+        self.__dict__.update(state)
+        self._client = AsyncClient(address, timeout_s=timeout_s, control_timeout_s=control_timeout_s)
+
+    @property
+    def weight_version(self) -> int:
+        """SkyRL's policy version counter (it keys prefix-cache salts on it)."""
+        return self._weight_version
+
+    def increment_weight_version(self) -> None:
+        self._weight_version += 1
 
     @classmethod
     async def connect(cls, client: AsyncClient | str, *, num_engines: int = 1, timeout_s: float = 120.0, **kw: Any) -> "RolloutBusEngine":
