@@ -164,10 +164,11 @@ def test_generate_chat_prompts_equal_their_template_ids(engine, loop):
 
 
 def test_sample_tinker_semantics(engine, loop):
-    out = run(loop, engine.sample([5, 17, 42], 3, params(seed=11)))
+    out = run(loop, engine.sample([5, 17, 42], 3, params(seed=11, logprobs=None)))
     assert len(out["response_ids"]) == 3 and set(out["stop_reasons"]) <= {"stop", "length"}
+    assert [len(x) for x in out["response_logprobs"]] == [len(r) for r in out["response_ids"]]  # always, as Tinker
     assert len({tuple(r) for r in out["response_ids"]}) > 1  # independent samples
-    assert out == run(loop, engine.sample([5, 17, 42], 3, params(seed=11)))  # seeded: reproducible
+    assert out == run(loop, engine.sample([5, 17, 42], 3, params(seed=11, logprobs=None)))  # seeded: reproducible
 
 
 def test_multi_turn_with_session_ids_stays_and_is_released(engine, loop):

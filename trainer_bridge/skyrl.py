@@ -30,10 +30,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from typing import Any, Hashable, Iterable, Mapping, Sequence
 
-from bus.errors import BadRequest, Unsupported
+import msgspec
+
+from bus.errors import BadRequest, ProtocolError, Unsupported
 from trainer_bridge.client import AsyncClient
 from trainer_bridge.sampling import Translated, translate
 from trainer_bridge.text import Text, load_text
@@ -60,6 +61,8 @@ OPENAI_KEYS: dict[str, str | None] = {
     "user": None,
     "max_completion_tokens": "max_tokens",
     "top_logprobs": None,  # folded into logprobs below
+    "chat_template_kwargs": None,  # used by the chat template
+    "add_generation_prompt": None,
 }
 
 
@@ -230,11 +233,10 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
             raise BadRequest("sampling_params.n disagrees with num_samples", field="sampling_params.n")
         tr = self._translate(sp)
         tr.num_samples = num_samples
+        tr.params = msgspec.structs.replace(tr.params, logprobs=True)  # Tinker: every sequence has logprobs
         res = await self._one(list(prompt_token_ids), tr, None, None)
         for s in res.samples:
             if s.finish_reason not in ("stop", "length"):
-                from bus.errors import ProtocolError
-
                 raise ProtocolError(f"sample {s.index} ended with {s.finish_reason!r}", request_id=res.request_id)
         return self._output(res.samples, await self._tok(), tr)
 
@@ -270,7 +272,9 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         session_id, body = self._body(request_payload)
         tr = self._openai_params(body, chat=True)
         text = await self._tok()
-        ids = text.chat(body.get("messages") or [])
+        ids = text.chat(
+            body.get("messages") or [], add_generation_prompt=body.get("add_generation_prompt", True), **(body.get("chat_template_kwargs") or {})
+        )
         res = await self._one(ids, tr, session_id, self._lora(body.get("model")))
         choices = []
         for s in res.samples:
@@ -315,7 +319,9 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         """Apply the chat template and tokenize, without generating."""
         _, body = self._body(request_payload)
         text = await self._tok()
-        ids = text.chat(body.get("messages") or [], add_generation_prompt=body.get("add_generation_prompt", True))
+        ids = text.chat(
+            body.get("messages") or [], add_generation_prompt=body.get("add_generation_prompt", True), **(body.get("chat_template_kwargs") or {})
+        )
         return {"token_ids": ids, "prompt": text.decode(ids, skip_special_tokens=False), "features": None}
 
     def _openai_reply(self, kind: str, body: Mapping[str, Any], res: Any, prompt_ids: list[int], choices: list[dict]) -> dict[str, Any]:
@@ -414,6 +420,3 @@ def _named_tensors(request: Any) -> list[tuple[str, Any]]:
         field="request",
     )
 
-
-def new_session_id() -> str:
-    return uuid.uuid4().hex

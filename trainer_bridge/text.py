@@ -91,6 +91,8 @@ def is_text_batch(prompt: Any) -> bool:
 
 def to_ids(text: Text, prompt: Any) -> Any:
     """One prompt or a batch, in any accepted form → token ids (same shape)."""
+    if isinstance(prompt, np.ndarray):
+        return prompt
     if is_text_batch(prompt) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (list, tuple, np.ndarray))):
         return [text.prompt_ids(p) for p in prompt]
     return text.prompt_ids(prompt)
