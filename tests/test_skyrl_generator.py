@@ -65,6 +65,14 @@ def test_skyrl_gym_generator_runs_multi_turn_over_rollout_bus(torch_cluster, tin
     async def scenario():
         client = AsyncClient(torch_cluster.frontend, timeout_s=60, control_timeout_s=30)
         engine = await RolloutBusEngine.connect(client, num_engines=2, tokenizer=tok)
+        released: list[tuple[str, int]] = []  # (session id, live sessions at release time)
+        finish = engine.finish_session
+
+        async def recording_finish(session_id):
+            released.append((session_id, (await client.stats())["sessions"]))
+            await finish(session_id)
+
+        engine.finish_session = recording_finish
         gen = SkyRLGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), engine, tok)
         batch = {"prompts": prompts, "env_classes": ["rollout_bus_counting"] * 2, "env_extras": [{}, {}], "sampling_params": sp}
         # TODO(issue 10, server-side): SkyRL's defaults carry min_tokens=1, which needs
@@ -76,9 +84,10 @@ def test_skyrl_gym_generator_runs_multi_turn_over_rollout_bus(torch_cluster, tin
         out = await gen.generate({**batch, "sampling_params": {k: v for k, v in sp.items() if k != "min_tokens"}}, disable_tqdm=True)
         sessions_after = (await client.stats())["sessions"]
         await client.close()
-        return out, sessions_before, sessions_after
+        return out, sessions_before, sessions_after, released
 
-    out, before, after = asyncio.run(asyncio.wait_for(scenario(), 90))
+    out, before, after, released = asyncio.run(asyncio.wait_for(scenario(), 90))
+    assert len({sid for sid, _ in released}) == 2 and all(live > before for _, live in released)
     assert len(out["response_ids"]) == 2 and out["rewards"] is not None
     for ids, mask, lps in zip(out["response_ids"], out["loss_masks"], out["rollout_logprobs"]):
         assert len(ids) == len(mask) == len(lps) and 0 < sum(mask) <= TURNS * (6 + 1)  # (+ an appended EOS per turn)
