@@ -97,7 +97,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         loop = self._client._loop
         if self._owns_client and loop is not None and loop.is_closed():
             old = self._client
-            self._client = AsyncClient(old.address, timeout_s=old.timeout_s, control_timeout_s=old.control_timeout_s)
+            self._client = _fresh(_options(old))
             old._closed = True
             if old._sock is not None:
                 old._sock.close(linger=0)
@@ -108,15 +108,13 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         """Pickles by address (SkyRL hands its client to Ray workers): the copy
         opens its own connection."""
         state = dict(self.__dict__)
-        c = state.pop("_client")
-        state["_address"] = (c.address, c.timeout_s, c.control_timeout_s)
+        state["_client"] = _options(state["_client"])
         state["_owns_client"] = True
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        address, timeout_s, control_timeout_s = state.pop("_address")
         self.__dict__.update(state)
-        self._client = AsyncClient(address, timeout_s=timeout_s, control_timeout_s=control_timeout_s)
+        self._client = _fresh(state["_client"])
 
     @property
     def weight_version(self) -> int:
@@ -405,6 +403,19 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
     async def teardown(self) -> None:
         if self._owns_client:
             await self.client.close()
+
+
+def _options(c: AsyncClient) -> dict[str, Any]:
+    """What it takes to open the same connection again (CURVE keys included)."""
+    return {"address": c.address, "timeout_s": c.timeout_s, "control_timeout_s": c.control_timeout_s, "curve": c._curve}
+
+
+def _fresh(options: dict[str, Any]) -> AsyncClient:
+    o = dict(options)
+    curve = o.pop("curve")
+    c = AsyncClient(o.pop("address"), **o)
+    c._curve = curve
+    return c
 
 
 def _named_tensors(request: Any) -> list[tuple[str, Any]]:
