@@ -300,3 +300,25 @@ def test_owned_client_survives_new_event_loops_and_pickling(torch_cluster, tiny_
     assert (eng.weight_version, copy.weight_version) == (1, 0)
     for e in (eng, copy):
         asyncio.run(e.teardown())
+
+
+def test_skyrl_weight_sync_strategy_sends_chunks(engine, loop, tiny_model):
+    import types
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer_bridge.skyrl_weights import get_transfer_strategy_cls
+
+    strategy = get_transfer_strategy_cls("nccl", colocate_all=False)
+    assert strategy.create_init_info(types.SimpleNamespace(weight_sync_backend="nccl")).transport == "nccl"
+    assert get_transfer_strategy_cls("nccl", True).create_init_info(types.SimpleNamespace(weight_sync_backend="nccl")).transport == "cuda_ipc"
+    info = strategy.create_init_info(types.SimpleNamespace(weight_sync_backend="gloo"), inference_world_size=2)
+    assert info.transport == "zmq"  # CPU engines here
+    sender = strategy.create_sender(info, engine)
+    params = list(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).named_parameters())
+    chunks = [types.SimpleNamespace(names=[n for n, _ in params[i : i + 5]], tensors=[t for _, t in params[i : i + 5]]) for i in range(0, len(params), 5)]
+    before = {e["weight_version"] for e in run(loop, engine.client.engines())}
+    res = run(loop, sender.send_chunks(iter(chunks)))
+    assert {r["weight_version"] for r in res.values()} == {max(before) + 1} and len(res) == 2
+    sender.teardown()

@@ -384,7 +384,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         """Pick the transport from SkyRL's init info (NCCL broadcast → "nccl",
         CUDA IPC → "cuda_ipc", anything else → "zmq"); rollout-bus sets the
         transport up itself on the first update."""
-        self._transport = TRANSPORT_OF_INIT_INFO.get(type(init_info).__name__, "zmq")
+        self._transport = getattr(init_info, "transport", None) or TRANSPORT_OF_INIT_INFO.get(type(init_info).__name__, "zmq")
         if isinstance(init_info, Mapping):
             self._transport = init_info.get("transport", self._transport)
             self._transport_options = dict(init_info.get("options", {}))
