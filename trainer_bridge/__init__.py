@@ -12,11 +12,15 @@ from bus.errors import (
 )
 from bus.protocol import SamplingParams
 from trainer_bridge.client import AsyncClient, Client
+from trainer_bridge.sampling import UnsupportedParameter
+from trainer_bridge.session import AsyncSession, Session
 from trainer_bridge.types import GenerationResult, SampledSequence, SampleOutput, SampleResponse, StreamChunk
 
 __all__ = [
     "AsyncClient",
     "Client",
+    "Session",
+    "AsyncSession",
     "SamplingParams",
     "GenerationResult",
     "SampleOutput",
@@ -31,4 +35,5 @@ __all__ = [
     "NoHealthyEngine",
     "ProtocolError",
     "RequestTimeout",
+    "UnsupportedParameter",
 ]

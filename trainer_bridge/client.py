@@ -65,8 +65,13 @@ class AsyncClient:
         timeout_s: float = 600.0,
         control_timeout_s: float = 120.0,
         curve_dir: str | None = None,
+        tokenizer: Any = None,
     ) -> None:
+        """`tokenizer`: a Hugging Face tokenizer or a local model folder; without
+        one, text/chat prompts load the tokenizer of the engines' model folder."""
         self.address = address
+        self._tokenizer_spec = tokenizer
+        self._text: Any = None  # trainer_bridge.text.Text, loaded on first use
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
         self._curve = CurveKeys.load(curve_dir) if curve_dir else None
@@ -276,11 +281,20 @@ class AsyncClient:
         lora: str | None = None,
         timeout_s: float | None = None,
     ) -> GenerationResult | list[GenerationResult]:
-        """One prompt → a GenerationResult; a batch → a list in input order."""
+        """One prompt → a GenerationResult; a batch → a list in input order.
+        A prompt is token ids, a string or a chat (a list of messages: the
+        model's chat template); with a tokenizer, samples carry `text`."""
         kw = dict(num_samples=num_samples, session_id=session_id, lora=lora, timeout_s=timeout_s)
+        text = await self._text_for(prompt_ids)
+        if text is not None:
+            from trainer_bridge.text import attach_text, to_ids
+
+            prompt_ids = to_ids(text, prompt_ids)
         if _is_batch(prompt_ids):
-            return list(await asyncio.gather(*(self._collect(p, params, **kw) for p in prompt_ids)))  # type: ignore[arg-type]
-        return await self._collect(prompt_ids, params, **kw)  # type: ignore[arg-type]
+            out: Any = list(await asyncio.gather(*(self._collect(p, params, **kw) for p in prompt_ids)))  # type: ignore[arg-type]
+        else:
+            out = await self._collect(prompt_ids, params, **kw)  # type: ignore[arg-type]
+        return attach_text(out, text) if text is not None else out
 
     async def sample(
         self,
@@ -301,6 +315,38 @@ class AsyncClient:
                 raise ProtocolError(f"sample {s.index} ended with {s.finish_reason!r}", request_id=res.request_id)
             seqs.append(SampledSequence(tokens=s.token_ids, logprobs=s.logprobs, stop_reason=s.finish_reason))
         return SampleResponse(sequences=seqs)
+
+    # ------------------------------------------------------------ text
+
+    async def text(self) -> Any:
+        """The client's `trainer_bridge.text.Text` (tokenizer + chat template):
+        the one given to the constructor, else the engines' model folder's."""
+        if self._text is None:
+            from trainer_bridge.text import load_text
+
+            spec = self._tokenizer_spec
+            if spec is None:
+                models = [e["model"] for e in await self.engines() if os.path.isdir(e["model"])]
+                if not models:
+                    raise BadRequest("no tokenizer given and no engine serves a local model folder", field="tokenizer")
+                spec = models[0]
+            self._text = load_text(spec)
+        return self._text
+
+    async def _text_for(self, prompt: Any) -> Any:
+        from trainer_bridge.text import is_text_prompt
+
+        if self._tokenizer_spec is None and self._text is None and not is_text_prompt(prompt):
+            return None  # token-only traffic pays nothing
+        return await self.text()
+
+    async def tokenize(self, prompt: Any, *, add_special_tokens: bool = True) -> list[int]:
+        """Text → ids (`add_special_tokens` as the tokenizer's), or a chat → its template's ids."""
+        t = await self.text()
+        return t.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) else t.prompt_ids(prompt)
+
+    async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return (await self.text()).decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     async def cancel(self, request_id: str) -> None:
         """Ask for the request's end: its stream finishes with "cancelled"."""
@@ -523,6 +569,15 @@ class Client:
 
     def cancel(self, request_id: str) -> None:
         self._call(self._aclient.cancel(request_id))
+
+    def text(self) -> Any:
+        return self._call(self._aclient.text())
+
+    def tokenize(self, prompt: Any, **kw: Any) -> list[int]:
+        return self._call(self._aclient.tokenize(prompt, **kw))
+
+    def detokenize(self, token_ids: Sequence[int], **kw: Any) -> str:
+        return self._call(self._aclient.detokenize(token_ids, **kw))
 
     def end_session(self, session_id: str) -> bool:
         return self._call(self._aclient.end_session(session_id))

@@ -13,6 +13,7 @@ class SampleOutput:
     finish_reason: str  # "stop" | "length" | "cancelled"
     token_versions: list[int]  # weight version that produced each token
     engine_id: str = ""  # the engine that finished it
+    text: str | None = None  # decoded token_ids, when the client has a tokenizer
 
     @property
     def stop_reason(self) -> str:
@@ -45,6 +46,10 @@ class GenerationResult:
     @property
     def engine_id(self) -> str:
         return self.samples[0].engine_id
+
+    @property
+    def text(self) -> str | None:
+        return self.samples[0].text
 
 
 @dataclasses.dataclass

@@ -1,0 +1,172 @@
+"""vLLM-style sampling dicts (what SkyRL, OpenAI-shaped requests and most RL
+trainers send) → rollout-bus `SamplingParams`, in one table.
+
+Each key has one rule:
+
+- `wire(...)`: the engine honours it; the value goes into `SamplingParams`
+  (optionally converted).
+- `client(...)`: exact on the client side (`n` → samples of one request,
+  `skip_special_tokens` → at detokenization).
+- `server(neutral=...)`: NEEDS SERVER SUPPORT (issue 10, server-side part).
+  Only the value(s) that mean "off" are accepted now, because dropping them
+  is then exact; any other value raises `UnsupportedParameter` naming the
+  key. When the engine gains the field, its line becomes `wire(...)`.
+
+A key not in the table raises `BadRequest` naming it: nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Mapping
+
+import msgspec
+
+from bus import protocol as P
+from bus.errors import BadRequest, Unsupported
+
+
+class UnsupportedParameter(Unsupported, BadRequest):
+    """A known sampling parameter the engines cannot honour yet (`field` names it).
+    Also a BadRequest, so `except BadRequest` catches every refused parameter."""
+
+
+@dataclasses.dataclass
+class Translated:
+    params: P.SamplingParams
+    num_samples: int = 1
+    skip_special_tokens: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    kind: str  # "wire" | "client" | "server"
+    target: str | None = None  # wire field / Translated field (default: the key)
+    conv: Callable[[Any], Any] | None = None
+    neutral: Callable[[Any, Mapping[str, Any]], bool] | None = None  # "server": what is exact to drop
+
+
+def wire(target: str | None = None, conv: Callable[[Any], Any] | None = None) -> _Rule:
+    return _Rule("wire", target, conv)
+
+
+def client(target: str | None = None, conv: Callable[[Any], Any] | None = None) -> _Rule:
+    return _Rule("client", target, conv)
+
+
+def server(*off: Any, when: Callable[[Any, Mapping[str, Any]], bool] | None = None) -> _Rule:
+    """Needs engine support; accepted now only when the value is one of `off`
+    (or `when(value, all_params)` holds)."""
+    return _Rule("server", neutral=when or (lambda v, _all: not isinstance(v, bool) and v in off))
+
+
+def _top_k(v: Any) -> int:
+    return 0 if v == -1 else int(v)  # vLLM: -1 = off; the wire: 0 (or -1) = off
+
+
+def _logprobs(v: Any) -> bool:
+    # vLLM: None = none; k >= 0 = the chosen token's logprob (+ top-k). The wire
+    # returns the chosen token's logprob, which is exactly what 0 / 1 / True ask
+    # for when only the chosen token's value is read (SkyRL, Tinker).
+    if v is None or v is False:
+        return False
+    if v is True or v in (0, 1):
+        return True
+    raise UnsupportedParameter(
+        f"logprobs={v!r} (top-{v} per token) needs engine support (issue 10, server-side); 0/1/True give the chosen token's logprob",
+        field="logprobs",
+    )
+
+
+def _with_stop(_v: Any, _all: Mapping[str, Any]) -> bool:
+    return True  # it only qualifies `stop`, which is refused itself while non-empty
+
+
+# One line per parameter. `server(...)` lines are the follow-up's to-do list:
+# once the engine honours the field, replace the line with `wire(...)`.
+PARAMS: dict[str, _Rule] = {
+    "max_tokens": wire(),
+    "temperature": wire(conv=float),
+    "top_p": wire(conv=float),
+    "top_k": wire(conv=_top_k),
+    "seed": wire(),
+    "stop_token_ids": wire(conv=lambda v: [int(t) for t in v or ()]),
+    "ignore_eos": wire(conv=bool),
+    "logprobs": wire(conv=_logprobs),  # int k > 1 (top-k): needs server
+    "n": client("num_samples", conv=int),
+    "skip_special_tokens": client(conv=bool),
+    # ---- NEEDS SERVER SUPPORT (issue 10, server-side) -------------------
+    "stop": server(None, [], ()),  # stop strings, matched on detokenized text
+    "include_stop_str_in_output": server(when=_with_stop),  # goes to wire() together with "stop"
+    "min_tokens": server(None, 0),
+    "min_p": server(None, 0, 0.0),
+    "repetition_penalty": server(None, 1, 1.0),
+    "presence_penalty": server(None, 0, 0.0),
+    "frequency_penalty": server(None, 0, 0.0),
+    "prompt_logprobs": server(None),
+}
+
+# Keys of vLLM's SamplingParams with no effect on the tokens or logprobs the
+# client returns: `output_kind` (streaming granularity) and `detokenize` (the
+# client detokenizes itself).
+IGNORED = frozenset({"output_kind", "detokenize"})
+
+
+def translate(sp: Mapping[str, Any] | P.SamplingParams | None, *, prefix: str = "") -> Translated:
+    """Map a vLLM-style dict to wire params + client-side options. Raises
+    BadRequest (unknown key or bad value) or UnsupportedParameter (needs the
+    engine), each with `field` = `prefix + key`."""
+    if isinstance(sp, P.SamplingParams):
+        return Translated(sp)
+    wire_kw: dict[str, Any] = {}
+    out = Translated(P.SamplingParams())
+    for key, value in (sp or {}).items():
+        field = prefix + key
+        rule = PARAMS.get(key)
+        if rule is None:
+            if key in IGNORED:
+                continue
+            raise BadRequest(f"unknown sampling parameter {key!r}", field=field)
+        if rule.kind == "server":
+            if not rule.neutral(value, sp):  # type: ignore[misc,arg-type]
+                raise UnsupportedParameter(
+                    f"{key}={value!r} needs engine support that is not there yet (issue 10, server-side)", field=field
+                )
+            continue
+        if value is None:
+            continue  # vLLM's None = its default, which ours matches
+        try:
+            v = rule.conv(value) if rule.conv else value
+        except UnsupportedParameter as e:
+            e.field = field
+            raise
+        except (TypeError, ValueError) as e:
+            raise BadRequest(f"bad value {value!r} for {key}: {e}", field=field) from None
+        if rule.kind == "wire":
+            wire_kw[rule.target or key] = v
+        else:
+            setattr(out, rule.target or key, v)
+    out.params = _to_wire(wire_kw, prefix)
+    if out.num_samples < 1:
+        raise BadRequest(f"n must be >= 1, got {out.num_samples}", field=prefix + "n")
+    return out
+
+
+_WIRE_FIELDS = P.SamplingParams.__struct_fields__
+
+
+def _to_wire(kw: dict[str, Any], prefix: str) -> P.SamplingParams:
+    """Type-checked construction (SamplingParams is array_like on the wire)."""
+    row = [kw.get(f, getattr(P.SamplingParams(), f)) for f in _WIRE_FIELDS]
+    try:
+        return msgspec.convert(row, P.SamplingParams)
+    except msgspec.ValidationError as e:
+        m = re.search(r"\$\[(\d+)\]", str(e))  # "Expected `int`, got `str` - at `$[0]`"
+        name = _WIRE_FIELDS[int(m.group(1))] if m else "params"
+        raise BadRequest(f"bad value for {name}: {e}", field=prefix + name) from None
+
+
+def needs_server() -> list[str]:
+    """The parameters still waiting for engine support."""
+    return [k for k, r in PARAMS.items() if r.kind == "server"]
