@@ -101,7 +101,7 @@ def unpack_bucket(index: int, metas: list[Any], buffer: Any) -> list[tuple[str, 
         if nbytes != want:
             raise ValueError(f"tensor {name}: nbytes {nbytes} != {want} for shape {shape} x {dtype}")
         if offset < 0 or offset + nbytes > size:
-            raise ValueError(f"tensor {name}: bytes [{offset}, {offset + nbytes}) outside bucket {index} of {size} bytes")
+            raise ValueError(f"tensor {name} needs bytes [{offset}, {offset + nbytes}) of bucket {index}, which is {size} bytes")
         raw = flat[offset : offset + nbytes]
         if offset % itemsize:
             raw = raw.clone()  # a dtype view needs an aligned storage offset
