@@ -29,7 +29,6 @@ without vLLM (the CPU tests import it).
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import pickle
@@ -43,20 +42,32 @@ import torch
 from bus.tensors import unpack_bucket
 
 NODE_PID_ENV = "ROLLOUT_BUS_NODE_PID"
-_PR_SET_PDEATHSIG = 1
 
 
-def arm_parent_death() -> str:
-    """Make this process die with the engine node (whose pid the backend puts
-    in the environment before vLLM spawns anything).
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
-    - Parent is the node (TP=1: the worker lives inside the EngineCore process):
-      prctl(PR_SET_PDEATHSIG, SIGKILL), the kernel does the rest.
-    - Parent is the EngineCore (TP>1 workers): vLLM's death pipe already kills
-      workers when the EngineCore dies; the EngineCore itself has no hook of ours,
-      so a daemon thread polls the node's pid (1 s) and, when it is gone, kills
-      the EngineCore and exits.
-    The window between spawn and this import (engine start) is not covered."""
+
+def arm_parent_death(poll_s: float = 0.5) -> str:
+    """Make this process die with the engine node, whose pid the backend puts
+    in the environment before vLLM spawns anything. A daemon thread polls:
+
+    - "watch-parent": our parent is the node (TP=1: the worker lives inside
+      the EngineCore process). When we are re-parented, the node is gone: exit.
+    - "watch-node": our parent is the EngineCore (TP>1 workers). vLLM's death
+      pipe already ends workers when the EngineCore dies, but nothing ends the
+      EngineCore when the node dies: when the node's pid is gone, kill our
+      parent (the EngineCore) and exit.
+
+    Not prctl(PR_SET_PDEATHSIG): it fires when the *thread* that spawned us
+    exits, and the node may build its backend on a short-lived thread.
+    The window between spawn and this import (engine start-up) is not covered."""
     try:
         node = int(os.environ.get(NODE_PID_ENV, "0"))
     except ValueError:
@@ -64,30 +75,27 @@ def arm_parent_death() -> str:
     if node <= 0 or node == os.getpid():
         return "off"
     if os.getppid() == node:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            return "off"
-        if os.getppid() != node:  # the node died before prctl took effect
-            os._exit(1)
-        return "pdeathsig"
+        mode, victim = "watch-parent", 0
+
+        def gone() -> bool:
+            return os.getppid() != node
+    else:
+        mode, victim = "watch-node", os.getppid()
+
+        def gone() -> bool:
+            return not _alive(node)
 
     def watch() -> None:
-        while True:
-            time.sleep(1.0)
-            try:
-                os.kill(node, 0)
-            except ProcessLookupError:
-                try:
-                    os.kill(os.getppid(), signal.SIGKILL)
-                finally:
-                    os._exit(1)
-            except PermissionError:
-                pass
+        while not gone():
+            time.sleep(poll_s)
+        try:
+            if victim > 1:
+                os.kill(victim, signal.SIGKILL)
+        finally:
+            os._exit(1)
 
     threading.Thread(target=watch, name="rollout-bus-node-watch", daemon=True).start()
-    return "watch"
+    return mode
 
 
 PARENT_DEATH = arm_parent_death()

@@ -54,7 +54,7 @@ def test_info(backend):
     record_timing("engine_defaults", max_num_seqs=info.capacity,
                   max_num_batched_tokens=backend.vllm_config.scheduler_config.max_num_batched_tokens,
                   parent_death=[r["parent_death"] for r in w])
-    assert all(r["parent_death"] in ("pdeathsig", "watch") for r in w)
+    assert all(r["parent_death"] in ("watch-parent", "watch-node") for r in w)
 
 
 def test_greedy_equals_llm_generate(backend, llm_reference):
@@ -338,7 +338,7 @@ def test_stats(backend):
 
 def test_engine_processes_die_with_a_killed_node(model_dirs, tmp_path):
     """kill -9 of the process that owns the backend takes the EngineCore (and
-    its workers) with it (PR_SET_PDEATHSIG / the node watch in vllm_worker_ext)."""
+    its workers) with it (the node watch in vllm_worker_ext)."""
     import signal
     import subprocess
     import sys
