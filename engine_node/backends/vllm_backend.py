@@ -48,6 +48,7 @@ from engine_node.backends.vllm_requests import OutputBuffer, build_request, samp
 log = structlog.get_logger("rollout_bus.vllm_backend")
 
 WORKER_EXT = "engine_node.backends.vllm_worker_ext.RolloutBusWorkerExtension"
+NODE_PID_ENV = "ROLLOUT_BUS_NODE_PID"  # == vllm_worker_ext.NODE_PID_ENV
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -65,9 +66,8 @@ def _prepare_env() -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    # The engine's processes die with this one (vllm_worker_ext.arm_parent_death).
-    from engine_node.backends.vllm_worker_ext import NODE_PID_ENV
-
+    # The engine's processes die with this one (vllm_worker_ext.arm_parent_death
+    # reads it; not imported here: importing the extension arms its watch).
     os.environ[NODE_PID_ENV] = str(os.getpid())
 
 

@@ -35,6 +35,7 @@ import pickle
 import signal
 import threading
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -149,6 +150,12 @@ class _LoraUnwrapped:
         self.swaps = []
 
 
+def _on(dev: torch.device) -> Any:
+    import contextlib
+
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+
 def _fresh_state() -> dict[str, Any]:
     return {"uid": None, "metas": [], "sizes": [], "buckets": {}}
 
@@ -170,8 +177,8 @@ class RolloutBusWorkerExtension:
 
     def _rb_device(self) -> torch.device:
         dev = getattr(self, "device", None)
-        if isinstance(dev, torch.device) and dev.type == "cuda":
-            return dev
+        if isinstance(dev, torch.device):
+            return dev  # cuda:N in vLLM's GPU worker (cpu in the CPU tests)
         return torch.device("cuda", torch.cuda.current_device())
 
     def _rb_check(self, uid: str) -> dict[str, Any]:
@@ -273,14 +280,15 @@ class RolloutBusWorkerExtension:
         dev = self._rb_device()
         t0 = time.perf_counter()
         try:
-            with torch.cuda.device(dev):
+            with _on(dev):
                 if shm is not None:
                     n = self._rb_commit_shm(st, shm, dev)
                 else:
                     named = [nt for i, b in sorted(st["buckets"].items()) for nt in unpack_bucket(i, st["metas"], b)]
                     n = self._rb_load(iter(named))
                     del named
-                torch.cuda.synchronize(dev)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
         finally:
             st.update(_fresh_state())  # drop the views: the trainer may free its buffers after the ack
         return {"params_loaded": n, "seconds": time.perf_counter() - t0}
@@ -299,15 +307,20 @@ class RolloutBusWorkerExtension:
         loaded = 0
         try:
             for i, size in enumerate(st["sizes"]):
-                host = torch.frombuffer(mm, dtype=torch.uint8, count=int(size), offset=offsets[i]) if size else \
-                    torch.empty(0, dtype=torch.uint8)
+                with warnings.catch_warnings():  # read-only map: we only read it
+                    warnings.simplefilter("ignore", UserWarning)
+                    host = torch.frombuffer(mm, dtype=torch.uint8, count=int(size), offset=offsets[i]) if size else \
+                        torch.empty(0, dtype=torch.uint8)
                 gpu = host.to(dev)
                 del host
                 loaded += max(0, self._rb_load(iter(unpack_bucket(i, st["metas"], gpu))))
                 del gpu
         finally:
             if mm is not None:
-                mm.close()
+                try:
+                    mm.close()
+                except BufferError:  # a view still alive somewhere: the map goes with it
+                    pass
         return loaded
 
     def rollout_bus_abort(self, uid: str | None = None) -> None:

@@ -84,36 +84,40 @@ class FakeBatch:  # EngineCoreOutputs
     scheduler_stats: object = None
 
 
-class FakeWorker:
-    """rollout_bus_* worker methods, on CPU: loads into a dict `weights`."""
-
+class FakeModel(__import__("torch").nn.Module):
     def __init__(self):
+        super().__init__()
         self.weights = {}
-        self.state = {}
-        self.shm_seen = []
 
-    def rollout_bus_info(self):
-        return {"gpu_free": 1000 if not FAKE.sleeping else 5000}
+    def load_weights(self, named):
+        loaded = set()
+        for n, t in named:
+            self.weights[n] = t.clone()
+            loaded.add(n)
+        return loaded
 
-    def rollout_bus_begin(self, uid, metas, sizes):
-        self.state = {"uid": uid, "metas": metas, "sizes": sizes}
-        return len(metas)
 
-    def rollout_bus_commit(self, uid, shm):
-        assert self.state["uid"] == uid
-        if shm is not None:
-            self.shm_seen.append(shm["path"])
-            with open(shm["path"], "rb") as f:
-                data = f.read()
-            for i, size in enumerate(self.state["sizes"]):
-                off = shm["offsets"][i]
-                for n, t in unpack_bucket(i, self.state["metas"], data[off : off + size]):
-                    self.weights[n] = t.clone()
-        self.state = {}
-        return {"seconds": 0.001}
+def make_worker():
+    """The REAL worker extension (shm commit path included) on a fake CPU worker."""
+    from engine_node.backends.vllm_worker_ext import RolloutBusWorkerExtension
 
-    def rollout_bus_abort(self, uid):
-        self.state = {}
+    class FakeWorker(RolloutBusWorkerExtension):
+        def __init__(self):
+            self.device = __import__("torch").device("cpu")
+            self.model = FakeModel()
+            self.model_runner = types.SimpleNamespace(get_model=lambda: self.model)
+            self.weights = self.model.weights
+            self.shm_seen = []
+
+        def rollout_bus_info(self):
+            return {"gpu_free": 1000 if not FAKE.sleeping else 5000}
+
+        def rollout_bus_commit(self, uid, shm=None):
+            if shm is not None:
+                self.shm_seen.append(shm["path"])
+            return super().rollout_bus_commit(uid, shm)
+
+    return FakeWorker()
 
 
 class FakeEngineCoreClient:
@@ -128,7 +132,7 @@ class FakeEngineCoreClient:
         self.paused = False
         self.sleeping = False
         self.loras = {}
-        self.worker = FakeWorker()
+        self.worker = make_worker()
         self.calls = []  # utility method names, in order
         self.aborted = []
         self.inbox = queue.Queue()
@@ -559,3 +563,28 @@ def test_close_stops_the_client(model_dir):
     b.close()
     assert fake.stop.is_set()
     b.close()  # idempotent
+
+
+@pytest.mark.parametrize("meta,match", [
+    (("x", "float32", [4], 0, 10**6, 16), "needs bytes"),
+    (("x", "float32", [4], 0, -8, 16), "needs bytes"),
+    (("x", "nope", [4], 0, 0, 16), "dtype"),
+    (("x", "float32", [4], 0, 0, 15), "nbytes"),
+    (("x", "float32", [-4], 0, 0, 16), "shape"),
+])
+def test_unpack_bucket_is_total(meta, match):
+    """The one unpacker (torch backend, vLLM workers, tests): a lying meta is a
+    ValueError naming the tensor, for bytes, memoryviews and uint8 tensors."""
+    import torch
+
+    from bus.protocol import TensorMeta
+
+    buf = torch.zeros(512, dtype=torch.uint8)
+    for b in (buf, memoryview(buf.numpy()), bytes(buf.numpy())):
+        with pytest.raises(ValueError, match=match) as ei:
+            unpack_bucket(0, [TensorMeta(*meta)], b)
+        assert "x" in str(ei.value)
+        with pytest.raises(ValueError, match=match):
+            unpack_bucket(0, [list(meta)], b)
+    # a misaligned offset is copied, not a torch RuntimeError
+    assert unpack_bucket(0, [TensorMeta("y", "float32", [1], 0, 2, 4)], buf)[0][1].shape == (1,)
