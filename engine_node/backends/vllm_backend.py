@@ -21,7 +21,11 @@ Control calls send their utility message(s) at once and return a BackendOp
 whose deadline names the option that sets it (rpc_timeout_s, weight_timeout_s,
 lora_timeout_s, sleep_timeout_s). Several messages of one op are sent back to
 back: the engine core runs them in order (e.g. load weights, then reset the
-prefix cache), so no op waits on another to send its next step.
+prefix cache), so no op waits on another to send its next step. Hazard: that
+order holds only for utilities that finish synchronously in the core; `sleep`
+and `pause_scheduler` may defer their answer until the core is idle, so what
+must run after them is queued by their callback and sent by the loop thread
+(`_later`, run from step/has_work/stats; the wake fd fires to get there).
 
 Request ids: seq_id + "#" + a counter, so a re-submitted seq id never receives
 late output of its aborted predecessor.
@@ -29,6 +33,7 @@ late output of its aborted predecessor.
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import sys
@@ -130,6 +135,9 @@ class VllmBackend:
         self._paused = False  # the scheduler is paused (keep) by us
         self._sleep_level = 0  # set by op callbacks (output thread): plain assignments only
         self._ops: list[tuple[BackendOp, float]] = []  # pending ops and their timeouts
+        # Continuations queued by op callbacks (vLLM's output thread) that must
+        # send on the input socket: run by _sweep on the loop thread.
+        self._later: collections.deque[Callable[[], None]] = collections.deque()
         self._update: W.WeightUpdate | None = None
         self._loras = LoraTable()
         self._tmp = tempfile.mkdtemp(prefix="rollout_bus_vllm_")
@@ -271,9 +279,14 @@ class VllmBackend:
         return op
 
     def _sweep(self) -> None:
-        """Fail ops past their deadline (naming the knob); forget finished ones."""
+        """Run queued continuations; fail ops past their deadline (naming the
+        knob); forget finished ones. Called from step/has_work/stats."""
         if self._link.dead:
             self._link.check_alive()
+        while self._later:
+            fn = self._later.popleft()
+            if not self._link.dead:
+                fn()
         if not self._ops:
             return
         now = time.monotonic()
@@ -318,19 +331,38 @@ class VllmBackend:
                 f"sleep with {len(self._rid_of)} live sequence(s): pause(mode='abort') them first"))
         level = int(level)
         t0 = time.perf_counter()
+        op = BackendOp.pending(f"sleep({level})", self.sleep_timeout_s, "sleep_timeout_s")
+        before = self._link.utility("collective_rpc", "rollout_bus_info", None, (), None)
+        slept = self._link.utility("sleep", level, "abort")
+        self._ops.append((op, self.sleep_timeout_s))
 
-        def result(rs: list[Any]) -> dict[str, Any]:
-            free0 = sum(int(r["gpu_free"]) for r in rs[0])
-            free1 = sum(int(r["gpu_free"]) for r in rs[2])
-            return {"backend_seconds": round(time.perf_counter() - t0, 4), "gpu_freed_bytes": free1 - free0}
+        # The core's sleep may answer late (it waits for its pause to complete),
+        # and a call sent behind it could run first: the "after" measurement is
+        # sent only once sleep answered, from the loop thread (see _sweep).
+        def measure() -> None:
+            try:
+                free0 = sum(int(r["gpu_free"]) for r in before.result(0))
+                slept.result(0)
+            except Exception as e:  # noqa: BLE001
+                _settle(op.future, None, _backend_error(op.what, e))
+                return
+            self._sleep_level = level
+            after = self._link.utility("collective_rpc", "rollout_bus_info", None, (), None)
 
-        def after(ok: bool) -> None:
-            if ok:
-                self._sleep_level = level
+            def done(f: Any) -> None:
+                freed = None if f.exception() else sum(int(r["gpu_free"]) for r in f.result()) - free0
+                _settle(op.future, {"backend_seconds": round(time.perf_counter() - t0, 4), "gpu_freed_bytes": freed}, None)
 
-        return self._op(f"sleep({level})", "sleep_timeout_s",
-                        [self._rpc("rollout_bus_info"), ("sleep", (level, "abort")), self._rpc("rollout_bus_info")],
-                        result, after)
+            after.add_done_callback(done)
+
+        def queue_measure(_f: Any) -> None:  # output thread: no sends here
+            if before.done() and slept.done():
+                self._later.append(measure)
+                self._link.kick()
+
+        before.add_done_callback(queue_measure)
+        slept.add_done_callback(queue_measure)
+        return op
 
     def wake_up(self, tags: list[str] | None) -> BackendOp:
         t0 = time.perf_counter()

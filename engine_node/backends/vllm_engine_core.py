@@ -62,6 +62,10 @@ class CoreLink:
         self._kick()  # a batch queued before the wrap
 
     # ------------------------------------------------------------- wake pipe
+    def kick(self) -> None:
+        """Make the wake fd readable (callable from any thread)."""
+        self._kick()
+
     def _kick(self) -> None:
         try:
             os.write(self._wfd, b"\x01")

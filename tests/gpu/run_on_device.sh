@@ -4,13 +4,13 @@
 #   .device/whl/structlog-*.whl (pip download --no-deps --only-binary=:all: --python-version 3.12 structlog -d .device/whl)
 #   .device/make_tiny_model.py (only for BENCH=1; copy of ../shared/tools/make_tiny_model.py)
 # Env: BENCH=1 (0.5B benchmark), TESTS (default tests/gpu), DEADLINE (s), PYTEST_ARGS,
-#      VLLM_BUNDLE_DIR / WHL_DIR / TINY_MODEL_SCRIPT: where those are when this tree is not the
-#      one carried (e.g. a worktree copied to .device/wt-x: VLLM_BUNDLE_DIR=../vllm-bundle WHL_DIR=../whl).
+#      ROLLOUT_BUS_BUNDLE_DIR / WHL_DIR / TINY_MODEL_SCRIPT: where those are when this tree is not the
+#      one carried (e.g. a worktree copied to .device/wt-x: ROLLOUT_BUS_BUNDLE_DIR=../vllm-bundle WHL_DIR=../whl).
 cd "$(dirname "$0")/../.." || exit 1
 T0=$(date +%s)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L > "$OUT/setup.log" 2>&1
-BUNDLE=${VLLM_BUNDLE_DIR:-.device/vllm-bundle}; WHL=${WHL_DIR:-.device/whl}
+BUNDLE=${ROLLOUT_BUS_BUNDLE_DIR:-.device/vllm-bundle}; WHL=${WHL_DIR:-.device/whl}
 mkdir -p /tmp/site && xz -T0 -dc "$BUNDLE"/vllm-0.24.0-sm90-py312.tar.xz | tar -x -C /tmp/site || exit 1
 for w in "$WHL"/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
 echo "unpacked after $(( $(date +%s) - T0 ))s"

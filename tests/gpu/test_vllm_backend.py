@@ -25,9 +25,15 @@ from tests.gpu.common import (
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 
-def wait(op, timeout_s: float = 120.0):
-    """A control op's result (the node would ack on its done-callback)."""
-    return op.future.result(timeout_s)
+def wait(op, timeout_s: float = 120.0, be=None):
+    """A control op's result (the node acks on its done-callback). With `be`,
+    keep the backend's loop turning meanwhile, as the node's loop does (sleep
+    sends its second step from there)."""
+    end = time.monotonic() + timeout_s
+    while be is not None and not op.future.done() and time.monotonic() < end:
+        be.stats()
+        time.sleep(0.001)
+    return op.future.result(max(0.0, end - time.monotonic()))
 
 
 # ------------------------------------------------------------------ fixtures
@@ -214,13 +220,14 @@ def test_sleep_wake_same_output_and_memory_released(backend, llm_reference):
 
     before, _ = run_greedy(backend)
     free0 = torch.cuda.mem_get_info()[0]
-    r1 = wait(backend.sleep(1))
+    r1 = wait(backend.sleep(1), be=backend)
     free1 = torch.cuda.mem_get_info()[0]
     r2 = wait(backend.wake_up(None))
     after, _ = run_greedy(backend)
     record_timing("sleep_wake_level1", sleep_s=r1["backend_seconds"], wake_s=r2["backend_seconds"],
                   freed_GiB=round((free1 - free0) / 2**30, 3),
                   freed_by_worker_GiB=round((r1["gpu_freed_bytes"] or 0) / 2**30, 3))
+    assert r1["gpu_freed_bytes"] > 64 << 20
     assert free1 - free0 > 64 << 20, "sleep(1) released GPU memory"
     assert after == before == llm_reference
 
@@ -245,14 +252,25 @@ def test_weight_update_cuda_ipc_then_zmq_back(backend, model_dirs, llm_reference
     t_pack = time.perf_counter() - t0
     t0 = time.perf_counter()
     wait(backend.begin_weight_update("u1", "cuda_ipc", metas, {"bucket_sizes": sizes}))
+    t1 = time.perf_counter()
     rr = wait(backend.receive_weights(handles))
-    wait(backend.commit_weight_update())
-    sender.release()  # only after the commit: the workers loaded from views of these buckets
+    t2 = time.perf_counter()
+    rc = wait(backend.commit_weight_update())
     t_all = time.perf_counter() - t0
+    sender.release()  # only after the commit: the workers loaded from views of these buckets
     nbytes = sum(sizes)
     record_timing("weight_update_cuda_ipc", bytes=nbytes, buckets=len(sizes), pack_s=round(t_pack, 4),
-                  receive_s=rr["backend_seconds"], receive_GBps=rr["GBps"], begin_to_finish_s=round(t_all, 4),
-                  GBps_end_to_end=round(nbytes / t_all / 1e9, 3))
+                  begin_s=round(t1 - t0, 4), receive_s=round(t2 - t1, 4), commit_s=round(t_all - (t2 - t0), 4),
+                  commit_worker_s=rc["worker_seconds"], begin_to_finish_s=round(t_all, 4))
+    # a second round (new buckets, as a trainer's next step): shapes cached, kernels warm
+    metas, sizes, handles = sender.prepare(list(sdB.items()))
+    t0 = time.perf_counter()
+    wait(backend.begin_weight_update("u1b", "cuda_ipc", metas, {"bucket_sizes": sizes}))
+    wait(backend.receive_weights(handles))
+    rc = wait(backend.commit_weight_update())
+    t_all = time.perf_counter() - t0
+    record_timing("weight_update_cuda_ipc_round2", begin_to_finish_s=round(t_all, 4), commit_worker_s=rc["worker_seconds"])
+    sender.release()
     outB, _ = run_greedy(backend)
     assert outB != llm_reference
     gap, agree = hf_check(model_dirs["B"], outB)
@@ -573,9 +591,42 @@ def test_bench_model(backend):
                           pack_s=round(t1 - t0, 4), begin_receive_s=round(t2 - t1, 4), receive_GBps=rr["GBps"],
                           finish_load_s=round(t3 - t2, 4), total_s=round(t3 - t0, 4),
                           GBps_total=round(nb / (t3 - t0) / 1e9, 2))
+
+        # pause(keep) + cuda_ipc update + resume with 64 streams in flight (issue 8:
+        # <= 25 ms end to end, resume -> first new token <= 30 ms)
+        ids2 = [f"q{i}" for i in range(64)]
+        for i, s_ in enumerate(ids2):
+            be.add(SeqRequest(s_, many[i], long, 1000, seed=i))
+        n = 0
+        while n < 64 * 10:
+            n += sum(len(x.token_ids) for x in be.step())
+        for rnd in range(3):
+            sender = CudaIpcSender()
+            t0 = time.perf_counter()
+            wait(be.freeze(ids2))
+            t1 = time.perf_counter()
+            metas, sizes, handles = sender.prepare(list(sd.items()))
+            t2 = time.perf_counter()
+            wait(be.begin_weight_update(f"pu{rnd}", "cuda_ipc", metas, {"bucket_sizes": sizes}))
+            wait(be.receive_weights(handles))
+            rc = wait(be.commit_weight_update())
+            t3 = time.perf_counter()
+            wait(be.thaw(ids2))
+            t4 = time.perf_counter()
+            while not any(x.token_ids for x in be.step()):
+                pass
+            t5 = time.perf_counter()
+            sender.release()
+            record_timing(f"bench_pause_update_resume_round{rnd}", streams=64, pause_s=round(t1 - t0, 4),
+                          pack_s=round(t2 - t1, 4), update_s=round(t3 - t2, 4), commit_worker_s=rc["worker_seconds"],
+                          resume_s=round(t4 - t3, 4), pause_update_resume_s=round(t4 - t0, 4),
+                          resume_to_first_token_s=round(t5 - t3, 4))
+            for _ in range(5):
+                be.step()
+        be.abort(ids2)
         del sd
         torch.cuda.empty_cache()
-        r1 = wait(be.sleep(1))
+        r1 = wait(be.sleep(1), be=be)
         r2 = wait(be.wake_up(None))
         record_timing("bench_sleep_wake", sleep_s=r1["backend_seconds"], wake_s=r2["backend_seconds"],
                       freed_GiB=round((r1["gpu_freed_bytes"] or 0) / 2**30, 2))

@@ -302,8 +302,13 @@ def drive(b, ids, timeout=5.0):
     return res
 
 
-def wait(op, timeout=3.0):
-    return op.future.result(timeout)
+def wait(op, timeout=3.0, be=None):
+    """An op's result; with `be`, keep its loop turning meanwhile (as the node does)."""
+    end = time.monotonic() + timeout
+    while be is not None and not op.future.done() and time.monotonic() < end:
+        be.stats()
+        time.sleep(0.002)
+    return op.future.result(max(0.0, end - time.monotonic()))
 
 
 # ---------------------------------------------------------------- tests
@@ -423,7 +428,7 @@ def test_sleep_refused_with_live_sequences_then_sleep_wake(be):
     with pytest.raises(BackendError, match="live sequence"):
         wait(be.sleep(1))
     be.abort(["a"])
-    r = wait(be.sleep(1))
+    r = wait(be.sleep(1), be=be)
     assert r["gpu_freed_bytes"] == 4000 and be.stats()["sleep_level"] == 1
     wait(be.wake_up(None))
     assert be.stats()["sleep_level"] == 0
@@ -432,7 +437,7 @@ def test_sleep_refused_with_live_sequences_then_sleep_wake(be):
 
 def test_wake_up_keeps_a_keep_pause(be):
     wait(be.freeze([]))
-    wait(be.sleep(1))
+    wait(be.sleep(1), be=be)
     wait(be.wake_up(None))
     assert FAKE.calls[-2:] == ["wake_up", "pause_scheduler"] and FAKE.paused
     wait(be.thaw([]))
