@@ -486,8 +486,11 @@ class VllmBackend:
         calls.append(self._rpc("rollout_bus_commit", up.uid, shm, timeout=self.weight_timeout_s))
         calls.append(("reset_prefix_cache", (False, False)))
         return self._op("commit_weight_update", "weight_timeout_s", calls,
+                        # prefix_cache_reset False: sequences held (keep-paused) own KV blocks, and
+                        # vLLM resets only with none in use (it logs a warning); their KV is pre-update.
                         lambda rs: {"backend_seconds": round(time.perf_counter() - t0, 4), "bytes": int(sum(up.sizes)),
-                                    "worker_seconds": [round(x["seconds"], 4) for x in rs[-2]]},
+                                    "worker_seconds": [round(x["seconds"], 4) for x in rs[-2]],
+                                    "prefix_cache_reset": bool(rs[-1])},
                         lambda ok: up.close())
 
     def abort_weight_update(self) -> BackendOp:

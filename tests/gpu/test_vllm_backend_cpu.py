@@ -462,6 +462,7 @@ def test_zmq_weights_staged_once_in_shm_and_cleaned(be):
         be.stage_bucket(b, memoryview(pack_bucket(b, metas, sizes, tensors).numpy()))
     assert not FAKE.worker.weights, "nothing visible before commit"
     r = wait(be.commit_weight_update())
+    assert r["prefix_cache_reset"] is True
     assert torch.equal(FAKE.worker.weights["w.a"], named[0][1]) and torch.equal(FAKE.worker.weights["w.b"], named[1][1])
     assert FAKE.calls[-3:] == ["collective_rpc", "collective_rpc", "reset_prefix_cache"], "prefix cache reset once, after"
     assert FAKE.worker.shm_seen == [path] and not os.path.exists(path), "shm file removed after commit"
