@@ -261,7 +261,8 @@ def test_weight_update_cuda_ipc_then_zmq_back(backend, model_dirs, llm_reference
     nbytes = sum(sizes)
     record_timing("weight_update_cuda_ipc", bytes=nbytes, buckets=len(sizes), pack_s=round(t_pack, 4),
                   begin_s=round(t1 - t0, 4), receive_s=round(t2 - t1, 4), commit_s=round(t_all - (t2 - t0), 4),
-                  commit_worker_s=rc["worker_seconds"], begin_to_finish_s=round(t_all, 4))
+                  receive_worker_s=rr["worker_seconds"], commit_worker_s=rc["worker_seconds"],
+                  prefix_cache_reset=rc["prefix_cache_reset"], begin_to_finish_s=round(t_all, 4))
     # a second round (new buckets, as a trainer's next step): shapes cached, kernels warm
     metas, sizes, handles = sender.prepare(list(sdB.items()))
     t0 = time.perf_counter()
