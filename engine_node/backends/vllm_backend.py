@@ -99,12 +99,16 @@ class VllmBackend:
         weight_timeout_s: float = 600.0,
         lora_timeout_s: float = 120.0,
         sleep_timeout_s: float = 300.0,
+        start_timeout_s: float = 900.0,
         shutdown_timeout_s: float = 30.0,
         step_wait_s: float = 0.005,
         _api: Any = None,  # vLLM's classes (tests pass a fake)
         **passthrough: Any,  # any other EngineArgs field: max_num_seqs, max_num_batched_tokens, …
     ) -> None:
         _prepare_env()
+        # vLLM's own wait for its engine core to come up (read when vLLM's
+        # core_client is first imported, so set before load_vllm_api).
+        os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(int(start_timeout_s)))
         self.model = model
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.weight_timeout_s = float(weight_timeout_s)
@@ -150,7 +154,15 @@ class VllmBackend:
         self._max_model_len = int(mc.max_model_len)
         self._gen_cfg = dict(mc.try_get_generation_config() or {})
         self._eos = self._api.tokenizer_eos(cfg) if not getattr(mc, "skip_tokenizer_init", False) else None
-        client = self._api.make_client(cfg, bool(log_stats))
+        try:
+            client = self._api.make_client(cfg, bool(log_stats))
+        except TimeoutError:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise BackendTimeout("vLLM engine start", float(os.environ["VLLM_ENGINE_READY_TIMEOUT_S"]),
+                                 "start_timeout_s") from None
+        except Exception as e:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise BackendError(f"the vLLM engine failed to start: {type(e).__name__}: {e}") from e
         self._link = CoreLink(client, self._api.UTILITY)
         self._max_model_len = int(cfg.model_config.max_model_len)  # the core may have fitted it
         self.start_seconds = time.perf_counter() - t0
@@ -207,7 +219,10 @@ class VllmBackend:
         return self._out.take()
 
     def abort(self, seq_ids: Iterable[str]) -> list[StepOutput]:
-        self._collect(0.0)  # what is queued now belongs to the caller, not to a later step()
+        try:
+            self._collect(0.0)  # what is queued now belongs to the caller, not to a later step()
+        except BackendError:
+            pass  # a dead core: abort still drops the ids; step() reports the death
         left: list[StepOutput] = []
         rids: list[str] = []
         for sid in seq_ids:

@@ -50,6 +50,7 @@ class CoreLink:
         os.set_blocking(self._wfd, False)
         self._pending: dict[int, concurrent.futures.Future] = {}  # call id -> our future
         self._dead_reported = False
+        self.failed: BaseException | None = None  # what the output thread died of
         q = client.outputs_queue
         orig_put = q.put_nowait
 
@@ -96,7 +97,8 @@ class CoreLink:
         except queue.Empty:
             pass
         for b in batches:
-            if isinstance(b, BaseException):
+            if isinstance(b, BaseException):  # the output thread died with it
+                self.failed = b
                 self.fail_pending(b)
                 raise BackendError(f"{DEAD_MESSAGE}: {type(b).__name__}: {b}")
         return batches
@@ -151,7 +153,7 @@ class CoreLink:
     @property
     def dead(self) -> bool:
         res = getattr(self.client, "resources", None)
-        return bool(getattr(res, "engine_dead", False))
+        return self.failed is not None or bool(getattr(res, "engine_dead", False))
 
     def check_alive(self) -> None:
         """Fail every pending utility call once the core is dead (nothing else will)."""

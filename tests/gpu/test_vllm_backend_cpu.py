@@ -594,3 +594,28 @@ def test_unpack_bucket_is_total(meta, match):
             unpack_bucket(0, [list(meta)], b)
     # a misaligned offset is copied, not a torch RuntimeError
     assert unpack_bucket(0, [TensorMeta("y", "float32", [1], 0, 2, 4)], buf)[0][1].shape == (1,)
+
+
+def test_output_thread_error_is_fatal_and_abort_survives_it(be):
+    be.add(seq("a", 1000))
+    FAKE.outputs_queue.put_nowait(RuntimeError("decode failed"))
+    be.abort(["a"])  # never raises for a dead core
+    with pytest.raises(BackendError, match="died"):
+        be.step()
+    assert be.has_work() and be.stats()["engine_dead"]
+
+
+def test_start_failure_is_a_backend_error(model_dir):
+    from engine_node.backends.vllm_backend import make_backend
+
+    api = fake_api(model_dir)
+
+    def boom(cfg, log_stats):
+        raise TimeoutError("no engine")
+
+    api.make_client = boom
+    with pytest.raises(BackendTimeout, match="start_timeout_s"):
+        make_backend(model_dir, _api=api)
+    api.make_client = lambda cfg, ls: (_ for _ in ()).throw(RuntimeError("CUDA OOM"))
+    with pytest.raises(BackendError, match="failed to start: RuntimeError: CUDA OOM"):
+        make_backend(model_dir, _api=api)
