@@ -137,14 +137,13 @@ class VllmBackend:
         self._out = OutputBuffer()
         self._frozen: set[str] = set()
         self._paused = False  # the scheduler is paused (keep) by us
-        self._sleep_level = 0  # set by op callbacks (output thread): plain assignments only
+        self._sleep_level = 0
         self._ops: list[tuple[BackendOp, float]] = []  # pending ops and their timeouts
         # Continuations queued by op callbacks (vLLM's output thread) that must
         # send on the input socket: run by _sweep on the loop thread.
         self._later: collections.deque[Callable[[], None]] = collections.deque()
         self._update: W.WeightUpdate | None = None
         self._loras = LoraTable()
-        self._tmp = tempfile.mkdtemp(prefix="rollout_bus_vllm_")
         self._ckpt_shapes: dict[str, list[int]] | None = None
         self._closed = False
 
@@ -157,13 +156,12 @@ class VllmBackend:
         try:
             client = self._api.make_client(cfg, bool(log_stats))
         except TimeoutError:
-            shutil.rmtree(self._tmp, ignore_errors=True)
             raise BackendTimeout("vLLM engine start", float(os.environ["VLLM_ENGINE_READY_TIMEOUT_S"]),
                                  "start_timeout_s") from None
         except Exception as e:
-            shutil.rmtree(self._tmp, ignore_errors=True)
             raise BackendError(f"the vLLM engine failed to start: {type(e).__name__}: {e}") from e
         self._link = CoreLink(client, self._api.UTILITY)
+        self._tmp = tempfile.mkdtemp(prefix="rollout_bus_vllm_")  # PEFT folders we write
         self._max_model_len = int(cfg.model_config.max_model_len)  # the core may have fitted it
         self.start_seconds = time.perf_counter() - t0
         self._info = self._make_info()
