@@ -51,25 +51,59 @@ def pack_bucket(index: int, metas: list[TensorMeta], sizes: list[int], tensors: 
     return buf
 
 
-def unpack_bucket(index: int, metas: list[TensorMeta], buffer: Any) -> list[tuple[str, Any]]:
-    """Views into `buffer` (bytes-like or a uint8 tensor), one per tensor of the bucket."""
+def _meta_fields(m: Any) -> tuple[str, str, list[int], int, int, int]:
+    """A TensorMeta or its list form [name, dtype, shape, bucket, offset, nbytes]."""
+    if isinstance(m, (list, tuple)):
+        name, dtype, shape, bucket, offset, nbytes = m
+        return str(name), str(dtype), list(shape), int(bucket), int(offset), int(nbytes)
+    return m.name, m.dtype, list(m.shape), int(m.bucket), int(m.offset), int(m.nbytes)
+
+
+def unpack_bucket(index: int, metas: list[Any], buffer: Any) -> list[tuple[str, Any]]:
+    """Views into `buffer` (bytes-like, e.g. a memoryview of a zmq frame or a
+    mmap, or a flat uint8 tensor on any device), one per tensor of bucket `index`.
+
+    Total: whatever the metas claim (offsets, sizes, dtypes, shapes), a lie is a
+    ValueError naming the tensor, never a RuntimeError from torch or a view
+    reaching past the buffer. A tensor whose offset is not a multiple of its
+    dtype's size is copied (torch cannot view it in place); planned buckets are
+    256-byte aligned, so that never happens for what plan_buckets makes."""
+    import math
+
     import torch
 
     if isinstance(buffer, torch.Tensor):
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            raise ValueError(f"bucket {index}: expected a flat uint8 tensor, got {buffer.dtype} of shape {list(buffer.shape)}")
         flat = buffer
     else:
+        try:
+            view = memoryview(buffer).cast("B")
+        except TypeError as e:
+            raise ValueError(f"bucket {index}: not a bytes-like buffer ({type(buffer).__name__}): {e}") from None
         with warnings.catch_warnings():
             # zmq frames are read-only; the backend copies what it keeps.
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
+            flat = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
+    size = flat.numel()
     out = []
     for m in metas:
-        if m.bucket != index:
+        name, dtype, shape, bucket, offset, nbytes = _meta_fields(m)
+        if bucket != index:
             continue
-        if m.offset + m.nbytes > flat.numel():
-            raise ValueError(f"bucket {index} is {flat.numel()} bytes, tensor {m.name} needs {m.offset + m.nbytes}")
-        dt = getattr(torch, m.dtype, None)
+        dt = getattr(torch, dtype.removeprefix("torch."), None)
         if not isinstance(dt, torch.dtype):
-            raise ValueError(f"tensor {m.name}: unknown dtype {m.dtype!r}")
-        out.append((m.name, flat[m.offset : m.offset + m.nbytes].view(dt).view(m.shape)))
+            raise ValueError(f"tensor {name}: unknown dtype {dtype!r}")
+        if any((not isinstance(d, int)) or d < 0 for d in shape):
+            raise ValueError(f"tensor {name}: bad shape {shape}")
+        itemsize = torch.empty((), dtype=dt).element_size()
+        want = math.prod(shape) * itemsize
+        if nbytes != want:
+            raise ValueError(f"tensor {name}: nbytes {nbytes} != {want} for shape {shape} x {dtype}")
+        if offset < 0 or offset + nbytes > size:
+            raise ValueError(f"tensor {name} needs bytes [{offset}, {offset + nbytes}) of bucket {index}, which is {size} bytes")
+        raw = flat[offset : offset + nbytes]
+        if offset % itemsize:
+            raw = raw.clone()  # a dtype view needs an aligned storage offset
+        out.append((name, raw.view(dt).view(shape)))
     return out

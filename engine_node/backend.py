@@ -6,18 +6,35 @@ calls back into the node. Everything request-level that a client can observe
 deadlines) is the node's job, so every backend behaves the same to a client.
 
 A backend sees *sequences*: one sample of one request. The node gives each a
-unique `seq_id` and its own `seed` (request seed + sample index).
+unique `seq_id` and its own `seed`.
+
+Two kinds of calls, and the hazard that separates them:
+
+- **Data path** (`add`, `abort`, `step`, `has_work`, `num_running`,
+  `stage_bucket`, `stats`, `loras`): synchronous and short. `step()` may wait
+  at most a few milliseconds for output; nothing else waits at all.
+- **Control** (freeze/thaw, sleep/wake, prefix cache, weight updates, LoRA):
+  return a `BackendOp` at once and never block the caller. The node keeps
+  reading its sockets, heartbeating and stepping while an op runs, and acks the
+  command when the op's future completes (it registers a done-callback that
+  wakes its poller). A backend whose op needs the model exclusively (e.g. the
+  torch backend loading weights on its own thread) makes `step()` return no
+  output meanwhile; it must never make `step()` block for the op's duration.
+  An op's future fails with `BackendError` (refused: names the field when
+  there is one) or `BackendTimeout` (its deadline passed: names the knob).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import time
 from typing import Any, Iterable, Protocol, runtime_checkable
 
 from bus.protocol import SamplingParams
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class SeqRequest:
     seq_id: str
     # Prompt token ids. For a resumed sequence this already ends with the
@@ -25,16 +42,20 @@ class SeqRequest:
     prompt: list[int]
     params: SamplingParams
     max_new_tokens: int  # tokens still to generate (>= 1)
-    seed: int | None = None  # per-sequence seed (None: unseeded)
+    seed: int | None = None  # per-sequence seed (None: the backend's own stream)
     lora: str | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class StepOutput:
     seq_id: str
     token_ids: list[int]
     logprobs: list[float] | None = None  # chosen-token logprobs, if params.logprobs
-    finish_reason: str | None = None  # "stop" | "length" when the sequence ended
+    # "stop" | "length": the sequence ended naturally and is gone from the backend.
+    # "abort": the backend dropped it on its own (preempted, engine-side abort):
+    #          the node re-submits prompt + tokens so far.
+    # "error": the backend failed this sequence only; the node fails its request.
+    finish_reason: str | None = None
 
 
 @dataclasses.dataclass
@@ -51,6 +72,58 @@ class BackendInfo:
     dtype: str = ""  # weight dtype ("float32", "bfloat16"…): the bridge casts to it
 
 
+class BackendError(Exception):
+    """A backend refused an operation (bad tensor name, unsupported transport…)."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class BackendTimeout(BackendError):
+    """A backend operation did not finish within its deadline; the message
+    names the option (knob) that sets it."""
+
+    def __init__(self, what: str, seconds: float, knob: str) -> None:
+        super().__init__(f"{what} did not finish within {seconds:g} s (raise the backend option {knob})")
+        self.knob = knob
+        self.seconds = seconds
+
+
+@dataclasses.dataclass(eq=False)
+class BackendOp:
+    """A control operation in progress. `future` resolves to a dict (the op's
+    result) or fails with BackendError. `deadline` (monotonic) is when the node
+    stops waiting and reports BackendTimeout naming `knob`; the backend should
+    fail the future itself by then, the node's check is the backstop."""
+
+    what: str
+    future: concurrent.futures.Future
+    deadline: float
+    knob: str
+
+    @classmethod
+    def done(cls, what: str, result: dict[str, Any] | None = None) -> "BackendOp":
+        """An op that finished synchronously (cheap bookkeeping)."""
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        f.set_result(dict(result or {}))
+        return cls(what, f, float("inf"), "")
+
+    @classmethod
+    def failed(cls, what: str, error: BaseException) -> "BackendOp":
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        f.set_exception(error)
+        return cls(what, f, float("inf"), "")
+
+    @classmethod
+    def pending(cls, what: str, timeout_s: float, knob: str) -> "BackendOp":
+        return cls(what, concurrent.futures.Future(), time.monotonic() + timeout_s, knob)
+
+    def timeout_error(self) -> BackendTimeout:
+        left = self.deadline - time.monotonic()
+        return BackendTimeout(self.what, max(0.0, round(-left, 3)) if left < 0 else 0.0, self.knob)
+
+
 @runtime_checkable
 class Backend(Protocol):
     # "seq": freeze() works on any subset of sequences (keep mode per LoRA);
@@ -59,59 +132,70 @@ class Backend(Protocol):
 
     def info(self) -> BackendInfo: ...
 
-    # -- requests
-    def add(self, seq: SeqRequest) -> None: ...
+    # ---------------------------------------------------------------- data path
+    def add(self, seq: SeqRequest) -> None:
+        """Queue one sequence (raise BackendError(field=…) to refuse it)."""
+        ...
 
     def abort(self, seq_ids: Iterable[str]) -> list[StepOutput]:
-        """Drop these sequences. Returns tokens they produced that no step()
-        has returned yet (finish_reason None): the node streams them before
-        parking, so nothing is lost."""
+        """Drop these sequences now. Returns tokens they produced that no
+        step() has returned yet (finish_reason None): the node streams them
+        before parking, so nothing is lost. After abort() returns, step()
+        never reports these seq ids again (late engine outputs are dropped)."""
         ...
 
     def step(self) -> list[StepOutput]:
-        """Advance every runnable (not frozen) sequence by one step and return
-        the new tokens; a finished sequence is dropped after its last output.
-        May block briefly waiting for output when `has_work()`."""
+        """New tokens since the last call, for every runnable sequence. May
+        wait briefly (a few ms) for output when `has_work()`."""
         ...
 
     def has_work(self) -> bool:
-        """True while a runnable (unfinished, not frozen) sequence exists."""
+        """True while a runnable (unfinished, not frozen) sequence exists, or
+        output is waiting to be returned."""
         ...
 
-    def num_running(self) -> int: ...
-
-    def freeze(self, seq_ids: Iterable[str]) -> None:
-        """Keep-mode pause: keep state (KV) but do not schedule them."""
+    def num_running(self) -> int:
+        """Sequences held by the backend (running, waiting for a slot, frozen)."""
         ...
 
-    def thaw(self, seq_ids: Iterable[str]) -> None: ...
-
-    # -- memory
-    def sleep(self, level: int) -> dict[str, Any]: ...
-
-    def wake_up(self, tags: list[str] | None) -> dict[str, Any]: ...
-
-    def reset_prefix_cache(self) -> None: ...
-
-    # -- weights (transaction: nothing visible before finish; abort restores)
-    def begin_weight_update(self, transport: str, tensors: list[Any], args: dict[str, Any]) -> None:
-        """`tensors`: the BeginWeightUpdate's TensorMeta list; raise
-        ValueError naming the tensor when a name/shape/dtype is wrong."""
+    # ------------------------------------------------------------------ control
+    def freeze(self, seq_ids: Iterable[str]) -> BackendOp:
+        """Keep-mode pause: keep state (KV) but do not schedule them. Resolves
+        when no step will produce tokens for them any more."""
         ...
 
-    def stage_weights(self, named: list[tuple[str, Any]]) -> None:
-        """zmq transport: tensors (CPU) unpacked from one bucket."""
+    def thaw(self, seq_ids: Iterable[str]) -> BackendOp: ...
+
+    def sleep(self, level: int) -> BackendOp:
+        """Only with no sequence held (the node parks them first)."""
         ...
 
-    def receive_weights(self, update_id: str, handles: list[Any]) -> dict[str, Any]:
+    def wake_up(self, tags: list[str] | None) -> BackendOp: ...
+
+    def reset_prefix_cache(self) -> BackendOp: ...
+
+    # -- weights: a transaction, nothing visible before commit; abort restores
+    def begin_weight_update(self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]) -> BackendOp:
+        """`tensors`: the BeginWeightUpdate's TensorMeta list; `args` carries
+        "bucket_sizes" and the transport's arguments. Fails naming the tensor
+        when a name / shape / dtype is wrong."""
+        ...
+
+    def stage_bucket(self, bucket: int, data: memoryview) -> None:
+        """zmq transport: the raw bytes of one bucket (a view of a zmq frame,
+        valid only during the call: copy what you keep, once). Slice it with
+        bus.tensors.unpack_bucket. Raise BackendError to refuse it."""
+        ...
+
+    def receive_weights(self, handles: list[Any]) -> BackendOp:
         """GPU transports (cuda_ipc, nccl): pull every bucket now."""
         ...
 
-    def finish_weight_update(self) -> None:
+    def commit_weight_update(self) -> BackendOp:
         """Apply everything staged at once (all or nothing), reset the prefix cache."""
         ...
 
-    def abort_weight_update(self) -> None: ...
+    def abort_weight_update(self) -> BackendOp: ...
 
     # -- LoRA
     def load_lora(
@@ -121,17 +205,17 @@ class Backend(Protocol):
         path: str | None = None,
         tensors: list[tuple[str, Any]] | None = None,
         config: dict[str, Any] | None = None,
-    ) -> None:
+    ) -> BackendOp:
         """Load or replace (in place) adapter `name`."""
         ...
 
-    def unload_lora(self, name: str) -> None: ...
+    def unload_lora(self, name: str) -> BackendOp: ...
 
     def loras(self) -> list[str]: ...
 
-    # -- misc
+    # --------------------------------------------------------------------- misc
     def stats(self) -> dict[str, Any]:
-        """At least {"kv_usage": float in [0, 1]}."""
+        """At least {"kv_usage": float in [0, 1]}. Cheap: called every heartbeat."""
         ...
 
     def wake_fd(self) -> int | None:
@@ -139,11 +223,9 @@ class Backend(Protocol):
         (backends that produce output on another thread); None otherwise."""
         ...
 
-    def close(self) -> None: ...
-
-
-class BackendError(Exception):
-    """A backend refused an operation (bad tensor name, unsupported transport…)."""
+    def close(self) -> None:
+        """Stop the engine and every process it started."""
+        ...
 
 
 BACKENDS: dict[str, str] = {

@@ -13,10 +13,16 @@ cuda_ipc (trainer and engines on the same GPU(s)):
     s = CudaIpcSender(bucket_bytes)
     metas, sizes, handles = s.prepare(named_tensors)     # packs buckets on the GPU, syncs
     cmd BeginWeightUpdate(update_id, "cuda_ipc", metas, sizes)
-    cmd ReceiveWeights(update_id, handles)                # engines map + copy every bucket, then ack
-    s.release()                                           # after the receive acks (or on any error)
-    cmd FinishWeightUpdate(update_id)                     # load_weights, prefix cache reset, version += 1
+    cmd ReceiveWeights(update_id, handles)                # engines map + validate every bucket (no copy)
+    cmd FinishWeightUpdate(update_id)                     # load_weights FROM THE TRAINER'S BUCKETS,
+                                                          # prefix cache reset, version += 1
+    s.release()                                           # only after the finish acks (or the abort's)
     on error: cmd AbortWeightUpdate(update_id); s.release()
+  Contract: the engines' workers keep views into the trainer's buckets from
+  ReceiveWeights until FinishWeightUpdate/AbortWeightUpdate is acked (no staging
+  copy on the engine side). Freeing or overwriting a bucket before that ack
+  loads garbage. The source tensors themselves are free to change once
+  prepare()/share() returned: the buckets are separate memory.
   handles: one `bytes` per bucket (pickled reduce_tensor tuple + the GPU's uuid:
   the engine maps the physical GPU to its own device numbering).
 
@@ -219,11 +225,12 @@ class _IpcBridgeSender:
         from bus import protocol as P
 
         handles = self.sender.share(self.metas, self.sizes, self.tensors)
-        try:
-            # engines map and copy every bucket before they ack
-            return await client.control(P.ReceiveWeights(update_id, handles), targets=engine_ids, timeout_s=timeout_s)
-        finally:
-            self.sender.release()
+        # The engines map the buckets and keep views until the finish: push_weights
+        # calls release() after FinishWeightUpdate / AbortWeightUpdate is acked.
+        return await client.control(P.ReceiveWeights(update_id, handles), targets=engine_ids, timeout_s=timeout_s)
+
+    def release(self) -> None:
+        self.sender.release()
 
 
 class _NcclBridgeSender:

@@ -55,6 +55,7 @@ async def push_weights(
     metas, sizes, tensors = plan_buckets(named, bucket_bytes or DEFAULT_BUCKET_BYTES)
     update_id = uuid.uuid4().hex[:16]
     args = dict(extra_args or {})
+    sender: Any = None
     if transport in GPU_TRANSPORTS:
         from trainer_bridge import gpu_transports
 
@@ -66,7 +67,7 @@ async def push_weights(
         if transport == "zmq":
             await _send_buckets_zmq(engines, update_id, metas, sizes, tensors, timeout_s)
         else:
-            await sender.send(client, update_id, eids, timeout_s)  # type: ignore[possibly-undefined]
+            await sender.send(client, update_id, eids, timeout_s)
         return await client.control(P.FinishWeightUpdate(update_id), targets=eids, timeout_s=timeout_s)
     except BaseException:
         # Every engine drops what it staged; none changes weights or version.
@@ -75,6 +76,12 @@ async def push_weights(
         except Exception:
             pass
         raise
+    finally:
+        # cuda_ipc: the engines load straight from views of our buckets at
+        # finish, so the buckets live until the finish (or abort) is acked.
+        release = getattr(sender, "release", None)
+        if release is not None:
+            release()
 
 
 def _cast_to_engine_dtype(named: list[tuple[str, Any]], engines: list[dict[str, Any]]) -> list[tuple[str, Any]]:

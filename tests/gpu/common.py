@@ -11,13 +11,25 @@ import time
 from bus.protocol import SamplingParams
 from engine_node.backend import SeqRequest
 
-def gpu_count() -> int:
+def _count_gpus() -> int:
     try:
         import torch
 
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except ImportError:
         return 0
+
+
+# Counted once, when the tests are collected: later, tests set
+# CUDA_VISIBLE_DEVICES in this process around engine starts, and torch caches
+# the count of whatever was visible when CUDA was first initialized, so a
+# count taken mid-session can see 1 GPU on a 2-GPU machine (that is how the
+# trainer-GPU0 -> engine-GPU1 nccl test came to skip on nvidia-h200-x2).
+_GPU_COUNT = _count_gpus()
+
+
+def gpu_count() -> int:
+    return _GPU_COUNT
 
 
 def record_timing(name: str, **values) -> None:

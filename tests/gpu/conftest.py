@@ -86,9 +86,11 @@ def llm_reference(model_dirs):
     t0 = time.perf_counter()
     llm = LLM(model=model_dirs["A"], enable_sleep_mode=True, **kw)
     t_start = time.perf_counter() - t0
-    sp = VSP(temperature=0, max_tokens=N_NEW, ignore_eos=True, detokenize=False)
+    sp = VSP(temperature=0, max_tokens=N_NEW, ignore_eos=True, detokenize=False, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
     ref = [list(o.outputs[0].token_ids) for o in outs]
+    # logprobs=0: each position's dict holds the sampled token's logprob
+    REF_LOGPROBS[:] = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
     # throughput of LLM.generate (for the side-by-side with the backend)
     many = prompts(256, 32, seed=7)
     sp2 = VSP(temperature=1.0, max_tokens=128, ignore_eos=True, detokenize=False, seed=0)
@@ -104,6 +106,8 @@ def llm_reference(model_dirs):
     gc.collect()
     return ref
 
+
+REF_LOGPROBS: list[list[float]] = []  # LLM.generate's chosen-token logprobs, filled by llm_reference
 
 # Fixtures whose processes (vLLM engine cores, engine nodes) outlive one test.
 _LONG_LIVED = {"backend", "llm_reference", "e2e", "e2e_cluster"}

@@ -3,19 +3,22 @@
 #   .device/vllm-bundle/ (python3 ../shared/tools/vllm_bundle.py .device/vllm-bundle)
 #   .device/whl/structlog-*.whl (pip download --no-deps --only-binary=:all: --python-version 3.12 structlog -d .device/whl)
 #   .device/make_tiny_model.py (only for BENCH=1; copy of ../shared/tools/make_tiny_model.py)
-# Env: BENCH=1 (0.5B benchmark), TESTS (default tests/gpu), DEADLINE (s), PYTEST_ARGS.
+# Env: BENCH=1 (0.5B benchmark), TESTS (default tests/gpu), DEADLINE (s), PYTEST_ARGS,
+#      ROLLOUT_BUS_BUNDLE_DIR / WHL_DIR / TINY_MODEL_SCRIPT: where those are when this tree is not the
+#      one carried (e.g. a worktree copied to .device/wt-x: ROLLOUT_BUS_BUNDLE_DIR=../vllm-bundle WHL_DIR=../whl).
 cd "$(dirname "$0")/../.." || exit 1
 T0=$(date +%s)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L > "$OUT/setup.log" 2>&1
-mkdir -p /tmp/site && xz -T0 -dc .device/vllm-bundle/vllm-0.24.0-sm90-py312.tar.xz | tar -x -C /tmp/site || exit 1
-for w in .device/whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+BUNDLE=${ROLLOUT_BUS_BUNDLE_DIR:-.device/vllm-bundle}; WHL=${WHL_DIR:-.device/whl}
+mkdir -p /tmp/site && xz -T0 -dc "$BUNDLE"/vllm-0.24.0-sm90-py312.tar.xz | tar -x -C /tmp/site || exit 1
+for w in "$WHL"/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
 echo "unpacked after $(( $(date +%s) - T0 ))s"
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export ROLLOUT_BUS_GPU_TIMINGS=$OUT/timings.jsonl ROLLOUT_BUS_GPU_MODEL_DIR=/tmp/models
 if [ -n "$BENCH" ]; then
-  (python3 .device/make_tiny_model.py /tmp/q05 --preset qwen05 --device cuda > "$OUT/q05.log" 2>&1 && echo built q05) &
+  (python3 ${TINY_MODEL_SCRIPT:-.device/make_tiny_model.py} /tmp/q05 --preset qwen05 --device cuda > "$OUT/q05.log" 2>&1 && echo built q05) &
   export ROLLOUT_BUS_GPU_BENCH_MODEL=/tmp/q05
 fi
 wait

@@ -1,290 +1,621 @@
-"""CPU test of the vllm backend's plumbing against a fake ``AsyncLLM``.
+"""CPU test of the vllm backend's plumbing against a FAKE engine-core client.
 
-Runs in CI (no GPU, no vLLM): the sync/async bridge, the output queue and
-wake fd, abort's partial tokens, freeze/thaw bookkeeping, sleep refusal, the
-weight-update RPC sequence, bucket sizes, LoRA folders. The real engine is
-covered by test_vllm_backend.py on the GPU machine. Skipped where the real
-vLLM is importable (the fake modules would shadow it).
+Runs in CI (no GPU, no vLLM): request building, batch -> StepOutputs, the wake
+fd, abort leftovers and late-output dropping, utility futures and deadline
+errors naming knobs, freeze/thaw, the weight transaction (shm staging for zmq
+and its cleanup), LoRA folders, engine death. The fake mimics SyncMPClient's
+surface the backend touches (outputs_queue, utility_results, _send_input,
+add_request, abort_requests, resources.engine_dead, shutdown) with a thread in
+the role of vLLM's output thread. The real engine is covered by
+test_vllm_backend.py on the GPU machine. Skipped where the real vLLM is
+importable (its test covers the real thing).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-import json
+import os
+import queue
 import select
-import sys
+import threading
 import time
 import types
 
 import pytest
 
 from bus.protocol import SamplingParams
-from engine_node.backend import Backend, BackendError, SeqRequest
+from bus.tensors import pack_bucket, plan_buckets, unpack_bucket
+from engine_node.backend import Backend, BackendError, BackendTimeout, SeqRequest
 
 pytestmark = [
     pytest.mark.timeout(60),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="real vLLM installed: GPU tests cover it"),
 ]
 
-_FAKE_ASYNC_LLM = """
-import asyncio, types, random
+EOS = 2
+VOCAB = 100
 
-class Logprob:
-    def __init__(self, lp): self.logprob = lp
 
-class Comp:
-    def __init__(self, toks, lps, fin):
-        self.token_ids, self.logprobs, self.finish_reason = toks, lps, fin
+# ---------------------------------------------------------------- fake vLLM pieces
+class FakeSamplingParams:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+        self.eos = None
 
-class Out:
-    def __init__(self, toks, lps, fin, finished):
-        self.outputs = [Comp(toks, lps, fin)]
-        self.finished = finished
+    def update_from_generation_config(self, gen, eos):
+        self.eos = None if self.ignore_eos else eos
+        self.gen_eos = gen.get("eos_token_id")
 
-class Collector:
+
+@dataclasses.dataclass
+class FakeRequest:
+    request_id: str
+    prompt_token_ids: list
+    mm_features: object
+    sampling_params: FakeSamplingParams
+    pooling_params: object
+    arrival_time: float
+    lora_request: object
+    cache_salt: object
+    data_parallel_rank: object
+    external_req_id: str | None = None
+
+
+@dataclasses.dataclass
+class FakeLoRARequest:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    load_inplace: bool = False
+
+
+@dataclasses.dataclass
+class FakeOut:  # EngineCoreOutput
+    request_id: str
+    new_token_ids: list
+    new_logprobs: object = None
+    finish_reason: int | None = None
+
+
+@dataclasses.dataclass
+class FakeBatch:  # EngineCoreOutputs
+    outputs: list
+    scheduler_stats: object = None
+
+
+class FakeModel(__import__("torch").nn.Module):
     def __init__(self):
-        self.output = None
-        self.ready = asyncio.Event()
-    def put(self, o):
-        if self.output is None:
-            self.output = o
-        else:
-            c = self.output.outputs[0]; n = o.outputs[0]
-            c.token_ids = list(c.token_ids) + list(n.token_ids)
-            if c.logprobs is not None: c.logprobs = list(c.logprobs) + list(n.logprobs or [])
-            c.finish_reason = n.finish_reason; self.output.finished = o.finished
-        self.ready.set()
-    async def get(self):
-        while self.output is None:
-            await self.ready.wait()
-        o, self.output = self.output, None
-        self.ready.clear()
-        return o
-    def get_nowait(self):
-        o, self.output = self.output, None
-        if o is not None: self.ready.clear()
-        return o
-    def close(self): pass
+        super().__init__()
+        self.weights = {}
 
-class AsyncLLM:
-    @classmethod
-    def from_engine_args(cls, args, stat_loggers=None):
-        e = cls()
-        e.loggers = [f(None, 0) for f in (stat_loggers or [])]
-        return e
+    def load_weights(self, named):
+        loaded = set()
+        for n, t in named:
+            self.weights[n] = t.clone()
+            loaded.add(n)
+        return loaded
+
+
+def make_worker():
+    """The REAL worker extension (shm commit path included) on a fake CPU worker."""
+    from engine_node.backends.vllm_worker_ext import RolloutBusWorkerExtension
+
+    class FakeWorker(RolloutBusWorkerExtension):
+        def __init__(self):
+            self.device = __import__("torch").device("cpu")
+            self.model = FakeModel()
+            self.model_runner = types.SimpleNamespace(get_model=lambda: self.model)
+            self.weights = self.model.weights
+            self.shm_seen = []
+
+        def rollout_bus_info(self):
+            return {"gpu_free": 1000 if not FAKE.sleeping else 5000}
+
+        def rollout_bus_commit(self, uid, shm=None):
+            if shm is not None:
+                self.shm_seen.append(shm["path"])
+            return super().rollout_bus_commit(uid, shm)
+
+    return FakeWorker()
+
+
+class FakeEngineCoreClient:
+    """FAKE stand-in for vLLM's SyncMPClient; one thread plays the engine core
+    and its output thread: every 2 ms each running request gets one token."""
+
     def __init__(self):
-        self.reqs = {}
+        self.outputs_queue = queue.Queue()
+        self.utility_results = {}
+        self.resources = types.SimpleNamespace(engine_dead=False)
+        self.requests = {}  # rid -> [req, generated]
         self.paused = False
-        self.sleeping = 0
-        self.model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(eos_token_id=2, tie_word_embeddings=False),
-            get_vocab_size=lambda: 100, max_model_len=256, try_get_generation_config=lambda: {"eos_token_id": [2]})
-        self.vllm_config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_seqs=64),
-            parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
-        self.tokenizer = None
+        self.sleeping = False
         self.loras = {}
-        self.rpcs = []
-        self.task = asyncio.get_running_loop().create_task(self._sched())
-    async def _sched(self):
-        while True:
-            await asyncio.sleep(0.002)
-            if self.paused or self.sleeping: continue
-            for rid, r in list(self.reqs.items()):
-                sp = r["sp"]
-                tok = (sum(r["prompt"]) * 31 + len(r["gen"]) * 7 + (sp.seed or 0)) % 97 + 3
-                r["gen"].append(tok)
-                fin = None
-                if tok in (sp.stop_token_ids or []): fin = "stop"
-                elif len(r["gen"]) >= sp.max_tokens: fin = "length"
-                lps = [{tok: Logprob(-0.5)}] if sp.logprobs is not None else None
-                r["q"].put(Out([tok], lps, fin, fin is not None))
-                if fin: del self.reqs[rid]
-            for l in self.loggers:
-                l.record(types.SimpleNamespace(kv_cache_usage=0.1*len(self.reqs)/64, num_running_reqs=len(self.reqs), num_waiting_reqs=0), None)
-    async def add_request(self, rid, prompt, sp, lora_request=None):
-        await asyncio.sleep(0)
-        q = Collector()
-        self.reqs[rid] = dict(prompt=prompt["prompt_token_ids"], sp=sp, gen=[], q=q)
-        return q
-    async def abort(self, rids):
-        if isinstance(rids, str): rids = [rids]
-        for rid in rids:
-            r = self.reqs.pop(rid, None)
-            if r: r["q"].put(Out([], [] if r["sp"].logprobs is not None else None, "abort", True))
-    async def pause_generation(self, mode="abort", clear_cache=True):
-        self.paused = True; await asyncio.sleep(0.02)
-    async def resume_generation(self): self.paused = False
-    async def sleep(self, level=1, mode="abort"):
-        self.sleeping = level
-    async def wake_up(self, tags=None):
-        self.sleeping = 0; self.paused = False
-    async def reset_prefix_cache(self): return True
-    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        self.rpcs.append((method, args))
-        if method == "rollout_bus_info": return [{"gpu_free": 100 if not self.sleeping else 200}]
-        if method.startswith("rollout_bus_recv"): return [{"seconds": 0.01, "bytes": 1}]
-        return [None]
-    async def add_lora(self, req):
-        self.loras[req.lora_int_id] = req; return True
-    async def remove_lora(self, lid): return self.loras.pop(lid, None) is not None
-    def shutdown(self): self.task.cancel()
-"""
+        self.worker = make_worker()
+        self.calls = []  # utility method names, in order
+        self.aborted = []
+        self.inbox = queue.Queue()
+        self.hold_utilities = set()  # names never answered (deadline tests)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    # the surface the backend uses (called on the node's loop thread)
+    def add_request(self, req):
+        self.inbox.put(("add", req))
+
+    def abort_requests(self, rids):
+        self.inbox.put(("abort", list(rids)))
+
+    def _send_input(self, kind, payload):
+        assert kind == "UTILITY"
+        if self.resources.engine_dead:
+            raise RuntimeError("EngineDeadError")
+        self.inbox.put(("utility", payload))
+
+    def shutdown(self, timeout=None):
+        self.stop.set()
+        self.thread.join(5)
+
+    # the engine core
+    def _run(self):
+        while not self.stop.is_set():
+            try:
+                while True:
+                    self._handle(*self.inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if not self.paused and self.requests:
+                outs = []
+                for rid, st in list(self.requests.items()):
+                    req, gen = st
+                    sp = req.sampling_params
+                    tok = (len(req.prompt_token_ids) + len(gen) + (7 if req.lora_request else 0)) % VOCAB
+                    gen.append(tok)
+                    fin = None
+                    if tok in sp.stop_token_ids or (sp.eos is not None and tok == sp.eos):
+                        fin = 0
+                    elif len(gen) >= sp.max_tokens:
+                        fin = 1
+                    lps = types.SimpleNamespace(logprobs=[[-0.5, -1.0]]) if sp.logprobs is not None else None
+                    outs.append(FakeOut(rid, [tok], lps, fin))
+                    if fin is not None:
+                        del self.requests[rid]
+                self.outputs_queue.put_nowait(FakeBatch(outs, types.SimpleNamespace(
+                    kv_cache_usage=0.25, num_running_reqs=len(self.requests), num_waiting_reqs=0)))
+            time.sleep(0.002)
+
+    def _handle(self, kind, payload):
+        if kind == "add":
+            self.requests[payload.request_id] = [payload, []]
+        elif kind == "abort":
+            self.aborted += payload
+            for rid in payload:
+                self.requests.pop(rid, None)
+        else:
+            _, call_id, method, args = payload
+            self.calls.append(method)
+            if method in self.hold_utilities or (method == "collective_rpc" and args[0] in self.hold_utilities):
+                return
+            try:
+                res, err = getattr(self, "u_" + method)(*args), None
+            except Exception as e:  # noqa: BLE001
+                res, err = None, e
+            fut = self.utility_results.pop(call_id)  # as vLLM's _process_utility_output
+            if err is not None:
+                fut.set_exception(Exception(str(err)))
+            else:
+                fut.set_result(res)
+
+    def u_pause_scheduler(self, mode, clear_cache):
+        assert mode == "keep" and clear_cache is False
+        self.paused = True
+
+    def u_resume_scheduler(self):
+        self.paused = False
+
+    def u_sleep(self, level, mode):
+        self.sleeping, self.paused = True, True
+
+    def u_wake_up(self, tags):
+        self.sleeping, self.paused = False, False
+
+    def u_reset_prefix_cache(self, a, b):
+        return True
+
+    def u_add_lora(self, req):
+        self.loras[req.lora_int_id] = req
+        return True
+
+    def u_remove_lora(self, lid):
+        return self.loras.pop(lid, None) is not None
+
+    def u_collective_rpc(self, method, timeout, args, kwargs):
+        return [getattr(self.worker, method)(*args)]
+
+
+FAKE: FakeEngineCoreClient = None  # type: ignore[assignment]
+
+
+def fake_api(tmp_model: str):
+    def build_config(kw):
+        build_config.kw = kw
+        return types.SimpleNamespace(
+            model_config=types.SimpleNamespace(
+                max_model_len=kw.get("max_model_len", 64), hf_config=types.SimpleNamespace(eos_token_id=EOS,
+                                                                                           tie_word_embeddings=False),
+                try_get_generation_config=lambda: {"eos_token_id": [EOS, 3]}, get_vocab_size=lambda: VOCAB,
+                dtype="torch.float32"),
+            scheduler_config=types.SimpleNamespace(max_num_seqs=kw.get("max_num_seqs", 1024), max_num_batched_tokens=16384),
+            parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+
+    def make_client(cfg, log_stats):
+        global FAKE
+        FAKE = FakeEngineCoreClient()
+        return FAKE
+
+    return types.SimpleNamespace(
+        SamplingParams=FakeSamplingParams, RequestOutputKind=types.SimpleNamespace(DELTA="delta"),
+        EngineCoreRequest=FakeRequest, UTILITY="UTILITY", LoRARequest=FakeLoRARequest, build_config=build_config,
+        make_client=make_client, tokenizer_eos=lambda cfg: EOS)
+
+
+# ---------------------------------------------------------------- fixtures / helpers
+@pytest.fixture
+def model_dir(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    d = tmp_path / "model"
+    d.mkdir()
+    save_file({"w.a": torch.zeros(4, 4), "w.b": torch.zeros(8)}, str(d / "model.safetensors"))
+    return str(d)
 
 
 @pytest.fixture
-def fake_vllm(monkeypatch):
-    def mod(name, code=""):
-        m = types.ModuleType(name)
-        exec(code, m.__dict__)
-        monkeypatch.setitem(sys.modules, name, m)
-        return m
-
-    mod("vllm", "class SamplingParams:\n    def __init__(self, **kw):\n        self.__dict__.update(kw)\n")
-    mod("vllm.sampling_params", "import enum\nclass RequestOutputKind(enum.Enum):\n    CUMULATIVE = 0\n    DELTA = 1\n")
-    mod("vllm.inputs", "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n")
-    mod("vllm.lora")
-    mod("vllm.lora.request", "class LoRARequest:\n    def __init__(self, lora_name, lora_int_id, lora_path='', load_inplace=False):\n"
-        "        self.lora_name, self.lora_int_id, self.lora_path, self.load_inplace = lora_name, lora_int_id, lora_path, load_inplace\n")
-    mod("vllm.engine")
-    mod("vllm.engine.arg_utils", "class AsyncEngineArgs:\n    def __init__(self, **kw):\n        self.kw = kw\n")
-    mod("vllm.v1")
-    mod("vllm.v1.engine")
-    mod("vllm.v1.engine.async_llm", _FAKE_ASYNC_LLM)
-
-
-@pytest.fixture
-def be(fake_vllm):
+def be(model_dir):
     from engine_node.backends.vllm_backend import make_backend
 
-    b = make_backend("/nonexistent-model", enable_lora=True)
+    b = make_backend(model_dir, max_model_len=64, enable_lora=True, rpc_timeout_s=0.3, weight_timeout_s=0.3,
+                     _api=fake_api(model_dir))
     yield b
     b.close()
 
 
-def drive(be, ids, t=5.0):
-    res = {s: [] for s in ids}
-    fin = {}
-    deadline = time.time() + t
-    while len(fin) < len(ids):
-        assert time.time() < deadline, (res, fin)
-        for o in be.step():
-            res[o.seq_id] += o.token_ids
+def seq(sid, n=5, prompt=(10, 11, 12), **kw):
+    p = SamplingParams(max_tokens=n, **kw)
+    return SeqRequest(sid, list(prompt), p, n, seed=kw.get("seed"))
+
+
+def drive(b, ids, timeout=5.0):
+    res = {s: {"tokens": [], "lps": [], "finish": None} for s in ids}
+    end = time.monotonic() + timeout
+    while any(r["finish"] is None for r in res.values()):
+        assert time.monotonic() < end, res
+        for o in b.step():
+            r = res[o.seq_id]
+            r["tokens"] += o.token_ids
+            r["lps"] += o.logprobs or []
             if o.finish_reason:
-                fin[o.seq_id] = o.finish_reason
-    return res, fin
+                r["finish"] = o.finish_reason
+    return res
 
 
-def test_generate_and_wake_fd(be):
+def wait(op, timeout=3.0, be=None):
+    """An op's result; with `be`, keep its loop turning meanwhile (as the node does)."""
+    end = time.monotonic() + timeout
+    while be is not None and not op.future.done() and time.monotonic() < end:
+        be.stats()
+        time.sleep(0.002)
+    return op.future.result(max(0.0, end - time.monotonic()))
+
+
+# ---------------------------------------------------------------- tests
+def test_info_defaults_and_protocol(be):
     assert isinstance(be, Backend)
     info = be.info()
-    assert info.backend == "vllm" and info.vocab_size == 100 and info.eos_token_ids == [2]
-    sp = SamplingParams(max_tokens=20, temperature=0, logprobs=True)
-    for i in range(5):
-        be.add(SeqRequest(f"s{i}", [i, 2, 3], sp, 20))
-    res, fin = drive(be, [f"s{i}" for i in range(5)])
-    assert all(len(v) == 20 for v in res.values()) and set(fin.values()) == {"length"}
-    be.add(SeqRequest("w", [1], sp, 5))
-    assert select.select([be.wake_fd()], [], [], 1.0)[0], "wake fd readable when output is pending"
-    drive(be, ["w"])
-    assert not be.has_work()
-    assert not select.select([be.wake_fd()], [], [], 0.05)[0], "step() drains the wake fd"
+    assert info.backend == "vllm" and info.capacity == 1024 and info.vocab_size == VOCAB
+    assert info.eos_token_ids == [EOS, 3] and info.dtype == "float32"
+    assert be.freeze_granularity == "all"
+    kw = be._api.build_config.kw
+    assert "max_num_seqs" not in kw and "max_num_batched_tokens" not in kw, "vLLM's LLM defaults, not ours"
+    assert kw["worker_extension_cls"].endswith("RolloutBusWorkerExtension")
+    assert os.environ["ROLLOUT_BUS_NODE_PID"] == str(os.getpid())
 
 
-def test_abort_returns_unread_tokens(be):
-    long = SamplingParams(max_tokens=1000)
-    for i in range(4):
-        be.add(SeqRequest(f"a{i}", [i], long, 1000))
-    time.sleep(0.05)  # tokens pile up unread
-    outs = be.abort([f"a{i}" for i in range(4)])
-    assert outs and all(o.finish_reason is None and o.token_ids for o in outs)
-    assert be.num_running() == 0 and not be.has_work()
+def test_options_override_engine_defaults(model_dir):
+    from engine_node.backends.vllm_backend import make_backend
+
+    b = make_backend(model_dir, max_num_seqs=7, max_num_batched_tokens=4096, _api=fake_api(model_dir))
+    try:
+        assert b.info().capacity == 7
+        assert b._api.build_config.kw["max_num_batched_tokens"] == 4096
+    finally:
+        b.close()
+
+
+def test_request_building(be):
+    from engine_node.backends.vllm_requests import build_request, sampling_params
+
+    FAKE.paused = True  # keep the request in the fake to inspect it
+    be.add(seq("a", 5, temperature=0.0, top_k=-1, seed=3, stop_token_ids=[99], logprobs=True))
     time.sleep(0.02)
-    assert be.step() == []
-    be.add(SeqRequest("early", [1], long, 10))
-    assert all(o.finish_reason is None for o in be.abort(["early"]))
+    req = FAKE.requests["a#1"][0]
+    assert req.request_id == "a#1" and req.prompt_token_ids == [10, 11, 12] and req.lora_request is None
+    assert req.sampling_params.max_tokens == 5 and req.sampling_params.temperature == 0.0
+    be.abort(["a"])
+
+    s = seq("x", 500, temperature=0.5, top_k=-1, seed=3, stop_token_ids=[99], logprobs=True)
+    sp = sampling_params(be._api, s, max_model_len=64, generation_config={"eos_token_id": [EOS]}, eos_token_id=EOS)
+    assert sp.max_tokens == 64 - 3, "capped by the room in max_model_len"
+    assert sp.top_k == 0 and sp.seed == 3 and sp.logprobs == 0 and sp.detokenize is False and sp.n == 1
+    assert sp.output_kind == "delta" and sp.eos == EOS and sp.stop_token_ids == [99]
+    req = build_request(be._api, "x#9", s, sp, None)
+    assert req.prompt_token_ids == [10, 11, 12] and req.arrival_time > 0 and req.external_req_id == "x#9"
+    with pytest.raises(BackendError, match="max_model_len"):
+        be.add(SeqRequest("long", list(range(64)), SamplingParams(), 4))
+    with pytest.raises(BackendError, match="not loaded"):
+        be.add(SeqRequest("l", [1, 2], SamplingParams(), 4, lora="nope"))
+
+
+def test_batches_become_step_outputs_with_logprobs_and_finish(be):
+    be.add(seq("a", 5, logprobs=True))
+    be.add(seq("b", 3, prompt=(1,)))
+    res = drive(be, ["a", "b"])
+    assert res["a"]["finish"] == "length" and res["a"]["tokens"] == [3, 4, 5, 6, 7]
+    assert res["a"]["lps"] == [-0.5] * 5, "column 0: the sampled token's logprob"
+    # b: prompt len 1 -> tokens 1, 2 = EOS -> stop
+    assert res["b"]["finish"] == "stop" and res["b"]["tokens"] == [1, 2]
+    assert be.num_running() == 0 and not be.has_work()
+    assert be.stats()["kv_usage"] == 0.25
+
+
+def test_wake_fd_readable_when_output_waits(be):
+    fd = be.wake_fd()
+    be.add(seq("a", 50))
+    r, _, _ = select.select([fd], [], [], 2.0)
+    assert r == [fd]
+    assert be.step()
+    be.abort(["a"])
+
+
+def test_abort_returns_leftovers_and_drops_late_output(be):
+    be.add(seq("a", 1000))
+    time.sleep(0.05)  # tokens queue up unreturned
+    left = be.abort(["a"])
+    assert len(left) == 1 and left[0].finish_reason is None and len(left[0].token_ids) > 3
     assert be.num_running() == 0
-
-
-def test_freeze_thaw_and_abort_of_frozen(be):
-    ids = [f"k{i}" for i in range(3)]
-    for s in ids:
-        be.add(SeqRequest(s, [1], SamplingParams(max_tokens=200), 200))
-    got = {s: [] for s in ids}
-    while sum(map(len, got.values())) < 15:
-        for o in be.step():
-            got[o.seq_id] += o.token_ids
-    be.freeze(ids)
-    while be.has_work():
-        for o in be.step():
-            got[o.seq_id] += o.token_ids
-    n = sum(map(len, got.values()))
     time.sleep(0.05)
-    assert not be.has_work() and be.step() == [] and be.stats()["frozen"]
-    be.thaw(ids)
-    assert not be.stats()["frozen"]
-    res, _ = drive(be, ids)
-    assert all(len(got[s]) + len(res[s]) == 200 for s in ids) and n < 600
-    for s in ("f0", "f1"):
-        be.add(SeqRequest(s, [2], SamplingParams(max_tokens=500), 500))
-    time.sleep(0.01)
+    assert not [o for o in be.step() if o.seq_id == "a"], "late outputs of an aborted id are dropped"
+    assert FAKE.aborted == ["a#1"]
+    # the same seq id again: a new request id, no crosstalk
+    be.add(seq("a", 3))
+    assert drive(be, ["a"])["a"]["tokens"] == [3, 4, 5]
+
+
+def test_freeze_thaw_keep(be):
+    be.add(seq("a", 400))
+    time.sleep(0.02)
+    r = wait(be.freeze(["a"]))
+    assert r == {} and FAKE.paused
     be.step()
-    be.freeze(["f0", "f1"])
-    be.abort(["f0", "f1"])
-    assert not be.stats()["frozen"], "aborting every frozen sequence resumes the engine"
+    time.sleep(0.05)
+    assert not be.step() and not be.has_work(), "frozen: no output"
+    assert be.stats()["frozen"]
+    wait(be.thaw(["a"]))
+    assert not FAKE.paused
+    assert drive(be, ["a"])["a"]["finish"] == "length"
+    assert FAKE.calls == ["pause_scheduler", "resume_scheduler"]
 
 
-def test_sleep_refuses_live_sequences(be):
-    be.add(SeqRequest("z", [1], SamplingParams(max_tokens=500), 500))
-    with pytest.raises(BackendError, match="pause"):
-        be.sleep(1)
-    be.abort(["z"])
-    r = be.sleep(1)
-    assert r["gpu_freed_bytes"] == 100
-    be.wake_up(None)
+def test_utility_deadline_names_knob(be):
+    FAKE.hold_utilities.add("pause_scheduler")
+    be.add(seq("a", 1000))
+    op = be.freeze(["a"])
+    assert op.knob == "rpc_timeout_s" and not op.future.done()
+    t0 = time.monotonic()
+    while not op.future.done():
+        be.step()  # the backend fails it itself by the deadline
+        assert time.monotonic() - t0 < 3
+    with pytest.raises(BackendTimeout, match="rpc_timeout_s"):
+        op.future.result()
+    be.abort(["a"])
 
 
-def test_weight_updates_rpc_sequence(be):
+def test_sleep_refused_with_live_sequences_then_sleep_wake(be):
+    be.add(seq("a", 1000))
+    with pytest.raises(BackendError, match="live sequence"):
+        wait(be.sleep(1))
+    be.abort(["a"])
+    r = wait(be.sleep(1), be=be)
+    assert r["gpu_freed_bytes"] == 4000 and be.stats()["sleep_level"] == 1
+    wait(be.wake_up(None))
+    assert be.stats()["sleep_level"] == 0
+    assert FAKE.calls == ["collective_rpc", "sleep", "collective_rpc", "wake_up"]
+
+
+def test_wake_up_keeps_a_keep_pause(be):
+    wait(be.freeze([]))
+    wait(be.sleep(1), be=be)
+    wait(be.wake_up(None))
+    assert FAKE.calls[-2:] == ["wake_up", "pause_scheduler"] and FAKE.paused
+    wait(be.thaw([]))
+    assert not FAKE.paused
+
+
+def test_zmq_weights_staged_once_in_shm_and_cleaned(be):
+    import torch
+
+    named = [("w.a", torch.arange(16, dtype=torch.float32).reshape(4, 4)), ("w.b", torch.ones(8))]
+    metas, sizes, tensors = plan_buckets(named, bucket_bytes=64)
+    assert len(sizes) == 2
+    r = wait(be.begin_weight_update("u1", "zmq", metas, {"bucket_sizes": sizes}))
+    path = r["staging"]
+    assert os.path.exists(path) and os.path.getsize(path) == sum(sizes)
+    with pytest.raises(BackendError, match="never staged"):
+        wait(be.commit_weight_update())
+    # commit failed before touching anything: begin again, stage both buckets
+    wait(be.begin_weight_update("u1", "zmq", metas, {"bucket_sizes": sizes}))
+    path = be._update.stage.path
+    for b in range(len(sizes)):
+        be.stage_bucket(b, memoryview(pack_bucket(b, metas, sizes, tensors).numpy()))
+    assert not FAKE.worker.weights, "nothing visible before commit"
+    r = wait(be.commit_weight_update())
+    assert r["prefix_cache_reset"] is True
+    assert torch.equal(FAKE.worker.weights["w.a"], named[0][1]) and torch.equal(FAKE.worker.weights["w.b"], named[1][1])
+    assert FAKE.calls[-3:] == ["collective_rpc", "collective_rpc", "reset_prefix_cache"], "prefix cache reset once, after"
+    assert FAKE.worker.shm_seen == [path] and not os.path.exists(path), "shm file removed after commit"
+
+
+def test_zmq_abort_and_bad_bucket(be):
+    import torch
+
+    named = [("w.a", torch.ones(4, 4))]
+    metas, sizes, tensors = plan_buckets(named)
+    wait(be.begin_weight_update("u2", "zmq", metas, {"bucket_sizes": sizes}))
+    path = be._update.stage.path
+    with pytest.raises(BackendError, match="bucket 0"):
+        be.stage_bucket(0, memoryview(b"\x00" * 8))
+    wait(be.abort_weight_update())
+    assert not os.path.exists(path)
+    with pytest.raises(BackendError, match="no weight update"):
+        be.stage_bucket(0, memoryview(b""))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (("w.a", "float32", [3, 3], 0, 0, 36), "w.a"),
+    (("w.nope", "float32", [2], 0, 0, 8), "not a weight"),
+    (("w.b", "float32", [8], 0, 0, 31), "nbytes"),
+    (("w.b", "complex999", [8], 0, 0, 32), "dtype"),
+])
+def test_bad_tensor_refused_naming_it(be, bad, match):
+    from bus.protocol import TensorMeta
+
+    op = be.begin_weight_update("u3", "cuda_ipc", [TensorMeta(*bad)], {"bucket_sizes": [256]})
+    with pytest.raises(BackendError, match=match) as ei:
+        wait(op)
+    assert ei.value.field == bad[0]
+    assert "rollout_bus_begin" not in str(FAKE.calls)
+
+
+def test_unknown_transport_and_ipc_handle_count(be):
+    from bus.protocol import TensorMeta
+
+    with pytest.raises(BackendError, match="transport"):
+        wait(be.begin_weight_update("u", "carrier-pigeon", [], {}))
+    FAKE.worker.rollout_bus_recv_ipc = lambda uid, h: {"seconds": 0.0}
+    wait(be.begin_weight_update("u", "cuda_ipc", [TensorMeta("w.b", "float32", [8], 0, 0, 32)], {"bucket_sizes": [256]}))
+    with pytest.raises(BackendError, match="handle"):
+        wait(be.receive_weights([b"a", b"b"]))
+    with pytest.raises(BackendError, match="before receive"):
+        wait(be.commit_weight_update())
+    wait(be.receive_weights([b"h"]))
+    wait(be.commit_weight_update())
+
+
+def test_weight_deadline_names_weight_timeout(be):
+    from bus.protocol import TensorMeta
+
+    FAKE.hold_utilities.add("rollout_bus_begin")
+    op = be.begin_weight_update("u", "nccl", [TensorMeta("w.b", "float32", [8], 0, 0, 32)], {"bucket_sizes": [256]})
+    time.sleep(0.35)
+    be.step()
+    with pytest.raises(BackendTimeout, match="weight_timeout_s"):
+        op.future.result(1)
+
+
+def test_lora_folders_and_inplace_reload(be):
+    import torch
+
+    t = [("model.layers.0.self_attn.q_proj.lora_A.weight", torch.zeros(4, 16)),
+         ("model.layers.0.self_attn.q_proj.lora_B.weight", torch.zeros(16, 4))]
+    r = wait(be.load_lora("l1", tensors=t))
+    assert r == {"lora_id": 1, "in_place": False} and be.loras() == ["l1"]
+    d1 = FAKE.loras[1].lora_path
+    assert os.path.exists(os.path.join(d1, "adapter_config.json"))
+    r = wait(be.load_lora("l1", tensors=t))
+    assert r == {"lora_id": 1, "in_place": True} and FAKE.loras[1].load_inplace
+    assert not os.path.exists(d1), "the replaced folder is removed"
+    be.add(SeqRequest("x", [1], SamplingParams(max_tokens=2), 2, lora="l1"))
+    assert drive(be, ["x"])["x"]["tokens"] == [8, 9]
+    d2 = FAKE.loras[1].lora_path
+    wait(be.unload_lora("l1"))
+    assert be.loras() == [] and not os.path.exists(d2)
+    with pytest.raises(BackendError, match="exactly one"):
+        wait(be.load_lora("l2"))
+
+
+def test_engine_death_surfaces_as_backend_error(be):
+    be.add(seq("a", 1000))
+    FAKE.hold_utilities.add("reset_prefix_cache")
+    op = be.reset_prefix_cache()
+    FAKE.resources.engine_dead = True
+    with pytest.raises(BackendError, match="died"):
+        be.step()
+    with pytest.raises(BackendError, match="died"):
+        op.future.result(1)
+    with pytest.raises(BackendError):
+        be.add(seq("b"))
+    with pytest.raises(BackendError):
+        wait(be.reset_prefix_cache())
+
+
+def test_close_stops_the_client(model_dir):
+    from engine_node.backends.vllm_backend import make_backend
+
+    b = make_backend(model_dir, _api=fake_api(model_dir))
+    fake = FAKE
+    b.close()
+    assert fake.stop.is_set()
+    b.close()  # idempotent
+
+
+@pytest.mark.parametrize("meta,match", [
+    (("x", "float32", [4], 0, 10**6, 16), "needs bytes"),
+    (("x", "float32", [4], 0, -8, 16), "needs bytes"),
+    (("x", "nope", [4], 0, 0, 16), "dtype"),
+    (("x", "float32", [4], 0, 0, 15), "nbytes"),
+    (("x", "float32", [-4], 0, 0, 16), "shape"),
+])
+def test_unpack_bucket_is_total(meta, match):
+    """The one unpacker (torch backend, vLLM workers, tests): a lying meta is a
+    ValueError naming the tensor, for bytes, memoryviews and uint8 tensors."""
     import torch
 
     from bus.protocol import TensorMeta
-    from bus.tensors import pack_bucket, plan_buckets, unpack_bucket
 
-    named = [("a.weight", torch.randn(3, 4)), ("b.weight", torch.randn(5)), ("c.weight", torch.randn(70))]
-    metas, sizes, tensors = plan_buckets(named, 64)
-    be.begin_weight_update("zmq", metas, {})
-    for i in range(len(sizes)):
-        be.stage_weights(unpack_bucket(i, metas, pack_bucket(i, metas, sizes, tensors).numpy().tobytes()))
-    be.finish_weight_update()
-    assert [m for m, _ in be.engine.rpcs] == ["rollout_bus_begin", "rollout_bus_finish"]
-    be.engine.rpcs.clear()
-    be.begin_weight_update("cuda_ipc", metas, {})
-    assert be._update.bucket_sizes == sizes, "bucket sizes derived as bus.tensors plans them"
-    with pytest.raises(BackendError, match="handle"):
-        be.receive_weights("x", [b"h"])
-    be.receive_weights("x", [b"h"] * len(sizes))
-    be.finish_weight_update()
-    assert [m for m, _ in be.engine.rpcs] == ["rollout_bus_begin", "rollout_bus_recv_ipc", "rollout_bus_finish"]
-    with pytest.raises(ValueError, match="nbytes"):
-        be.begin_weight_update("cuda_ipc", [TensorMeta("x", "float32", [2], 0, 0, 4)], {})
-    with pytest.raises(BackendError, match="transport"):
-        be.begin_weight_update("carrier-pigeon", metas, {})
+    buf = torch.zeros(512, dtype=torch.uint8)
+    for b in (buf, memoryview(buf.numpy()), bytes(buf.numpy())):
+        with pytest.raises(ValueError, match=match) as ei:
+            unpack_bucket(0, [TensorMeta(*meta)], b)
+        assert "x" in str(ei.value)
+        with pytest.raises(ValueError, match=match):
+            unpack_bucket(0, [list(meta)], b)
+    # a misaligned offset is copied, not a torch RuntimeError
+    assert unpack_bucket(0, [TensorMeta("y", "float32", [1], 0, 2, 4)], buf)[0][1].shape == (1,)
 
 
-def test_lora_from_tensors_and_inplace(be, tmp_path):
-    import torch
+def test_output_thread_error_is_fatal_and_abort_survives_it(be):
+    be.add(seq("a", 1000))
+    FAKE.outputs_queue.put_nowait(RuntimeError("decode failed"))
+    be.abort(["a"])  # never raises for a dead core
+    with pytest.raises(BackendError, match="died"):
+        be.step()
+    assert be.has_work() and be.stats()["engine_dead"]
 
-    be.load_lora("l", path=str(tmp_path))
-    t = [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.randn(4, 8)),
-         ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", torch.randn(8, 4))]
-    be.load_lora("l", tensors=t, config={"lora_alpha": 8})
-    assert be.loras() == ["l"]
-    req = be.engine.loras[1]
-    assert req.load_inplace and req.lora_path != str(tmp_path)
-    with open(req.lora_path + "/adapter_config.json") as f:
-        cfg = json.load(f)
-    assert cfg["r"] == 4 and cfg["target_modules"] == ["q_proj"] and cfg["lora_alpha"] == 8
-    be.add(SeqRequest("lr", [1], SamplingParams(max_tokens=3), 3, lora="l"))
-    drive(be, ["lr"])
-    with pytest.raises(BackendError, match="not loaded"):
-        be.add(SeqRequest("x", [1], SamplingParams(max_tokens=3), 3, lora="other"))
-    be.unload_lora("l")
-    assert be.loras() == []
+
+def test_start_failure_is_a_backend_error(model_dir):
+    from engine_node.backends.vllm_backend import make_backend
+
+    api = fake_api(model_dir)
+
+    def boom(cfg, log_stats):
+        raise TimeoutError("no engine")
+
+    api.make_client = boom
+    with pytest.raises(BackendTimeout, match="start_timeout_s"):
+        make_backend(model_dir, _api=api)
+    api.make_client = lambda cfg, ls: (_ for _ in ()).throw(RuntimeError("CUDA OOM"))
+    with pytest.raises(BackendError, match="failed to start: RuntimeError: CUDA OOM"):
+        make_backend(model_dir, _api=api)

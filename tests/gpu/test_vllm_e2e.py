@@ -243,7 +243,7 @@ def test_e2e_nccl_trainer_gpu0(model_dirs, gpus, tp):
     broadcasts to a vllm engine node on other GPUs (TP=2: every worker gets the
     full tensors; NCCL needs one GPU per rank, so TP=2 needs 3 GPUs)."""
     if gpu_count() < 1 + tp:
-        pytest.skip(f"needs {1 + tp} GPUs (trainer + TP={tp} engine)")
+        pytest.skip(f"needs {1 + tp} GPUs (trainer + TP={tp} engine); {gpu_count()} visible at collection")
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -1,0 +1,123 @@
+"""Token prompts in, engine-core requests out; engine-core batches in, StepOutputs out.
+
+What vLLM's InputProcessor would do for a token prompt, done here without a
+renderer, tokenizer pass or detokenizer (``build_request``), and the reverse
+of OutputProcessor without RequestOutput objects (``OutputBuffer``).
+
+`api` is the namespace from ``vllm_engine_core.load_vllm_api()`` (vLLM's
+classes), or the CPU test's fake: nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from engine_node.backend import BackendError, SeqRequest, StepOutput
+
+# vllm.v1.engine.FinishReason (an IntEnum) -> the backend protocol's reasons.
+# "repetition" (vLLM's repetitive-pattern detector) ended the sequence on the
+# engine's own terms, like a stop token: the node must not re-submit it.
+FINISH_REASONS: dict[int, str] = {0: "stop", 1: "length", 2: "abort", 3: "error", 4: "stop"}
+
+
+def sampling_params(api: Any, seq: SeqRequest, *, max_model_len: int, generation_config: dict[str, Any],
+                    eos_token_id: int | None) -> Any:
+    """vLLM SamplingParams for one sequence, with InputProcessor's defaults:
+    max_tokens capped by the room left in max_model_len, eos / stop ids from the
+    model's generation config (update_from_generation_config), DELTA outputs,
+    no detokenization. logprobs=0 is vLLM's "the sampled token's logprob only"."""
+    p = seq.params
+    room = max_model_len - len(seq.prompt)
+    if room < 1:
+        raise BackendError(f"prompt of {len(seq.prompt)} tokens leaves no room in max_model_len={max_model_len}",
+                           field="prompt")
+    if not seq.prompt:
+        raise BackendError("empty prompt", field="prompt")
+    sp = api.SamplingParams(
+        n=1,
+        max_tokens=max(1, min(int(seq.max_new_tokens), room)),
+        temperature=float(p.temperature),
+        top_p=float(p.top_p),
+        top_k=max(0, int(p.top_k)),  # vLLM 0.24: 0 (or -1) disables top-k
+        seed=seq.seed,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=bool(p.ignore_eos),
+        logprobs=0 if p.logprobs else None,
+        output_kind=api.RequestOutputKind.DELTA,
+        detokenize=False,
+    )
+    sp.update_from_generation_config(generation_config, eos_token_id)
+    return sp
+
+
+def build_request(api: Any, request_id: str, seq: SeqRequest, params: Any, lora_request: Any) -> Any:
+    return api.EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=list(seq.prompt),
+        mm_features=None,
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=time.time(),
+        lora_request=lora_request,
+        cache_salt=None,
+        data_parallel_rank=None,
+        external_req_id=request_id,
+    )
+
+
+def chosen_logprobs(new_logprobs: Any, n: int) -> list[float] | None:
+    """The sampled tokens' logprobs from an EngineCoreOutput's LogprobsLists:
+    rows = this step's generated tokens, column 0 = the sampled token (vLLM's
+    sampler puts it first, then the top-k)."""
+    if new_logprobs is None:
+        return None
+    lp = new_logprobs.logprobs
+    rows = [float(lp[i][0]) for i in range(min(n, len(lp)))]
+    return rows
+
+
+class OutputBuffer:
+    """Engine-core output not yet returned by step(), one StepOutput per
+    request, in arrival order. Owned by the node's loop thread."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, StepOutput] = {}  # request id -> merged output
+        self.kv_stats: dict[str, Any] = {}
+
+    def add_batch(self, batch: Any, seq_of: dict[str, str]) -> list[str]:
+        """Merge one EngineCoreOutputs. Outputs of request ids not in `seq_of`
+        (aborted: late arrivals) are dropped. Returns the request ids that finished."""
+        finished: list[str] = []
+        for o in batch.outputs or ():
+            sid = seq_of.get(o.request_id)
+            if sid is None:
+                continue
+            so = self.items.get(o.request_id)
+            lps = chosen_logprobs(o.new_logprobs, len(o.new_token_ids))
+            if so is None:
+                so = self.items[o.request_id] = StepOutput(sid, [], [] if lps is not None else None)
+            so.token_ids.extend(o.new_token_ids)
+            if lps is not None:
+                if so.logprobs is None:
+                    so.logprobs = []
+                so.logprobs.extend(lps)
+            if o.finish_reason is not None:
+                so.finish_reason = FINISH_REASONS.get(int(o.finish_reason), "error")
+                finished.append(o.request_id)
+        st = getattr(batch, "scheduler_stats", None)
+        if st is not None:
+            self.kv_stats = {
+                "kv_usage": float(getattr(st, "kv_cache_usage", 0.0) or 0.0),
+                "engine_running": int(getattr(st, "num_running_reqs", 0) or 0),
+                "engine_waiting": int(getattr(st, "num_waiting_reqs", 0) or 0),
+            }
+        return finished
+
+    def pop(self, request_id: str) -> StepOutput | None:
+        return self.items.pop(request_id, None)
+
+    def take(self) -> list[StepOutput]:
+        out = list(self.items.values())
+        self.items.clear()
+        return out
