@@ -75,6 +75,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ready-timeout-s", type=float, default=180.0, help="engine / server start deadline")
     ap.add_argument("--request-timeout-s", type=float, default=300.0)
     ap.add_argument("--gpu-idle-timeout-s", type=float, default=30.0, help="wait for the GPU to be free after a phase")
+    ap.add_argument("--log-dir", default=None, help="phase and server logs (default OUT_DIR/gpu_throughput_logs)")
     ap.add_argument("--out-dir", default=None, help="where JSON, PNG and phase logs go (default bench/results)")
     ap.add_argument("--plot-from", default=None, metavar="JSON", help="only print the tables and write the PNG of a JSON")
     a = ap.parse_args(argv)
@@ -112,7 +113,7 @@ def skip_reason(path: str, a: argparse.Namespace, env: dict[str, Any]) -> str | 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     budget = G.Budget(a.budget_s)
     od = G.out_dir(a.out_dir)
-    log_dir = od / "gpu_throughput_logs"
+    log_dir = Path(a.log_dir) if a.log_dir else od / "gpu_throughput_logs"
     env = G.probe_env()
     model = a.model
     if model is None:

@@ -479,6 +479,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--raw-reps", type=int, default=10)
     ap.add_argument("--raw-timeout-s", type=float, default=120.0)
     ap.add_argument("--gpu-idle-timeout-s", type=float, default=30.0)
+    ap.add_argument("--log-dir", default=None, help="phase and server logs (default OUT_DIR/gpu_weight_update_logs)")
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--plot-from", default=None, metavar="JSON")
     # internal: one rank of the raw broadcast
@@ -508,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     budget = G.Budget(a.budget_s)
     od = G.out_dir(a.out_dir)
-    log_dir = od / "gpu_weight_update_logs"
+    log_dir = Path(a.log_dir) if a.log_dir else od / "gpu_weight_update_logs"
     env = G.probe_env()
     if a.model is None:
         if not a.cpu:
