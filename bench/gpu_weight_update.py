@@ -534,8 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     with H.Procs():  # SIGTERM → SystemExit: phases unwind and kill their trees
         for key, target, wanted, reason in phases:
             if not wanted:
-                doc[key] = {"skipped": "not asked for" + (" (--nccl)" if key == "nccl" else " (--no-ipc)")}
-                continue
+                reason = "not asked for" + (" (--nccl)" if key == "nccl" else " (--no-ipc)")
             if reason is None and not a.cpu and not env.get("vllm"):
                 reason = "vLLM not importable"
             if reason is None and budget.left() < a.min_phase_s:
