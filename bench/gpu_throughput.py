@@ -185,8 +185,8 @@ def rows_of(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
         sched = r.get("sched") or {}
         cfg = r["config"] + (f" ({sched.get('max_num_seqs')}/{sched.get('max_num_batched_tokens')})"
                              if sched.get("max_num_seqs") else "")
-        status = ("skipped: " + r["skipped"]) if r.get("skipped") else ("FAILED: " + str(r.get("error"))[:120]
-                                                                           if not r.get("ok") else "")
+        status = _one_line(("skipped: " + r["skipped"]) if r.get("skipped") else ("FAILED: " + str(r.get("error"))[:120]
+                                                                           if not r.get("ok") else ""))
         modes = r.get("modes") or {}
         if not modes:
             tput.append({"path": r["name"], "engine cfg (seqs/batched tok)": cfg, "mode": "-", "tokens/s": "-",
@@ -198,7 +198,7 @@ def rows_of(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
             note = status or ("" if m.get("tokens") == m.get("expected_tokens") else
                               f"{m.get('tokens')}/{m.get('expected_tokens')} tokens") or m.get("error", "")
             if m.get("error"):
-                note = "FAILED: " + m["error"][:120]
+                note = _one_line("FAILED: " + m["error"][:120])
             tput.append({"path": r["name"], "engine cfg (seqs/batched tok)": cfg, "mode": mode,
                          "tokens/s": _f(tps, 0), "x LLM.generate": _ratio(tps, llm_tps), "x HTTP": _ratio(tps, href),
                          "start s": _f(r.get("engine_start_s"), 0), "err": str(m.get("errors", "-")), "note": note})
@@ -210,6 +210,10 @@ def rows_of(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
                          "p99 - AsyncLLM ms": _delta(t.get("p99_ms"), ttft_ref, "p99_ms"),
                          "err": str(t.get("errors", 0))})
     return tput, ttft
+
+
+def _one_line(s: str) -> str:
+    return " | ".join(x.strip() for x in s.splitlines() if x.strip())
 
 
 def _tps(runs: list[dict[str, Any]], path: str, label: str) -> float | None:
