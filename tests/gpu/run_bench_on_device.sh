@@ -26,8 +26,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=
        HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODEL=/tmp/q05
-# the model builds on the GPU (transformers is in the image) while the bundle unpacks
-(python3 bench/make_tiny_model.py $MODEL --preset qwen05 --device cuda > $LOGS/q05.log 2>&1 && echo "built qwen05 after $(( $(date +%s) - T0 ))s" || echo "qwen05 build FAILED") &
+# the model builds on the GPU (torch + transformers of the image: not /tmp/site, half unpacked meanwhile)
+(PYTHONPATH=$PWD python3 bench/make_tiny_model.py $MODEL --preset qwen05 --device cuda > $LOGS/q05.log 2>&1 && echo "built qwen05 after $(( $(date +%s) - T0 ))s" || echo "qwen05 build FAILED") &
 mkdir -p /tmp/site
 xz -T0 -dc .device/vllm-bundle/vllm-0.24.0-sm90-py312.tar.xz | tar -x -C /tmp/site || { echo "bundle unpack FAILED"; exit 1; }
 for w in .device/bench-whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site || echo "wheel $w FAILED"; done
