@@ -271,6 +271,11 @@ def phase_nccl(spec: dict[str, Any]) -> dict[str, Any]:
     nbytes = _model_bytes(spec["model"])
     out["raw_broadcast"] = raw_broadcast(nbytes, spec)
     spec["_partial"].update(out)
+    try:
+        out["raw_broadcast_engine_like"] = raw_broadcast(nbytes, spec, engine_like=True)
+    except Exception as e:  # noqa: BLE001 - informative only
+        out["raw_broadcast_engine_like"] = {"error": repr(e)[:500]}
+    spec["_partial"].update(out)
     _run_under_load(spec, "1", "cuda:0", "nccl", out, floor=False)
     return out
 
@@ -293,9 +298,11 @@ def _model_bytes(model: str) -> int:
 # ---------------------------------------------------------------- raw NCCL broadcast
 
 
-def raw_broadcast(nbytes: int, spec: dict[str, Any]) -> dict[str, Any]:
+def raw_broadcast(nbytes: int, spec: dict[str, Any], engine_like: bool = False) -> dict[str, Any]:
     """Two processes (GPU 0 -> GPU 1), torch.distributed NCCL: the same bytes
-    broadcast whole and in the transport's buckets; medians of --raw-reps."""
+    broadcast whole and in the transport's buckets; medians of --raw-reps.
+    engine_like: the receiver sees only GPU 1 (CUDA_VISIBLE_DEVICES=1), as
+    launch.py's engine does, which can change the transport NCCL picks."""
     from trainer_bridge.gpu_transports import DEFAULT_BUCKET_BYTES
 
     port = H.free_port()
@@ -303,11 +310,13 @@ def raw_broadcast(nbytes: int, spec: dict[str, Any]) -> dict[str, Any]:
     outs = []
     try:
         for rank in (0, 1):
+            restrict = engine_like and rank == 1
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "bench.gpu_weight_update", "--raw-rank", str(rank), "--raw-port", str(port),
-                 "--raw-bytes", str(nbytes), "--raw-bucket", str(DEFAULT_BUCKET_BYTES), "--raw-reps", str(spec["raw_reps"])],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=G.child_env(), cwd=str(G.REPO_ROOT),
-                start_new_session=True))
+                 "--raw-bytes", str(nbytes), "--raw-bucket", str(DEFAULT_BUCKET_BYTES), "--raw-reps", str(spec["raw_reps"]),
+                 "--raw-device", "0" if restrict else str(rank)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(G.REPO_ROOT), start_new_session=True,
+                env=G.child_env({"CUDA_VISIBLE_DEVICES": "1"} if restrict else None)))
         for p in procs:
             o, _ = p.communicate(timeout=spec["raw_timeout_s"])
             outs.append(o)
@@ -318,7 +327,7 @@ def raw_broadcast(nbytes: int, spec: dict[str, Any]) -> dict[str, Any]:
     if len(res) != 2:
         raise RuntimeError("raw broadcast failed (--raw-timeout-s):\n" + "\n".join(o[-1500:] for o in outs))
     # the slower rank's median: the bytes are there only when both are done
-    return {"bytes": nbytes, "bucket_bytes": DEFAULT_BUCKET_BYTES,
+    return {"bytes": nbytes, "bucket_bytes": DEFAULT_BUCKET_BYTES, "receiver_sees_only_gpu1": engine_like,
             "whole_ms": max(r["whole_ms"] for r in res), "bucketed_ms": max(r["bucketed_ms"] for r in res),
             "per_rank": res}
 
@@ -327,7 +336,7 @@ def raw_rank_main(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(a.raw_rank)
+    torch.cuda.set_device(a.raw_device)
     dist.init_process_group("nccl", init_method=f"tcp://{H.LOOPBACK}:{a.raw_port}", rank=a.raw_rank, world_size=2)
     buf = torch.empty(a.raw_bytes, dtype=torch.uint8, device="cuda")
     chunks = [buf[i:i + a.raw_bucket] for i in range(0, a.raw_bytes, a.raw_bucket)]
@@ -406,6 +415,9 @@ def report(doc: dict[str, Any]) -> None:
         x = steady / raw["whole_ms"] if steady and raw.get("whole_ms") else None
         row("steady / raw broadcast", x, f"<= {TARGETS['nccl_steady_x_raw']:.0f}x",
             None if x is None else x <= TARGETS["nccl_steady_x_raw"])
+        el = nccl.get("raw_broadcast_engine_like") or {}
+        row("raw broadcast, receiver sees only GPU 1 (as the engine), whole ms", el.get("whole_ms"), "", None,
+            f"bucketed {el['bucketed_ms']:.2f} ms" if el.get("bucketed_ms") else str(el.get("error", ""))[:100])
         row("NCCL pause+update+resume ms (median)", m(s, "e2e_ms"), "", None)
         row("NCCL resume -> first new token ms", m(s, "first_token_ms"), "", None)
     env = doc.get("env", {})
@@ -487,6 +499,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--raw-port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--raw-bytes", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--raw-bucket", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--raw-device", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.cpu:
         given = " ".join(argv if argv is not None else sys.argv[1:])
