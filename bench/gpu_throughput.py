@@ -135,6 +135,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         i += 1
         entry: dict[str, Any] = {"path": p, "name": PATH_NAMES.get(p, p), "config": label, "overrides": overrides}
         reason = skip_reason(p, a, env) if p in PHASES else f"unknown path {p!r}"
+        if reason is None and overrides and _same_as_defaults(doc["runs"], p, overrides):
+            reason = "its defaults already are LLM's values"
         left = budget.left()
         if reason is None and left < a.min_phase_s:
             reason = f"budget: {left:.0f}s left < --min-phase-s {a.min_phase_s:.0f}"
@@ -160,6 +162,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     G.write_doc(path, doc)
     print(f"wrote {path}", flush=True)
     return doc
+
+
+def _same_as_defaults(runs: list[dict[str, Any]], path: str, overrides: dict[str, Any]) -> bool:
+    for r in runs:
+        if r["path"] == path and r["config"] == "defaults":
+            sched = r.get("sched") or {}
+            return all(sched.get(k) == v for k, v in overrides.items())
+    return False
 
 
 def llm_value_runs(llm_entry: dict[str, Any], paths: list[str]) -> list[tuple[str, str, dict[str, Any]]]:
