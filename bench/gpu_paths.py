@@ -333,8 +333,10 @@ def phase_rb(spec: dict[str, Any]) -> dict[str, Any]:
                      ready_timeout_s=spec["ready_timeout_s"], log_dir=Path(spec["log_dir"])) as cl:
         out["engine_start_s"], engines = cl.wait_ready()
         out["engines"] = engines
-        out["sched"] = {k: engines[0].get(k) for k in ("max_num_seqs", "max_num_batched_tokens", "capacity")
-                        if engines and k in engines[0]}
+        e0 = engines[0] if engines else {}
+        # the engine registers capacity = its scheduler's max_num_seqs; batched tokens only if it says
+        out["sched"] = {"max_num_seqs": e0.get("max_num_seqs", e0.get("capacity")),
+                        "max_num_batched_tokens": e0.get("max_num_batched_tokens")}
         out["launch_argv"] = cl.argv[1:]
         spec["_partial"].update(out)
         params = {"max_tokens": spec["max_tokens"], "temperature": spec["temperature"], "ignore_eos": True}

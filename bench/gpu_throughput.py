@@ -193,8 +193,8 @@ def rows_of(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
     tput, ttft = [], []
     for r in runs:
         sched = r.get("sched") or {}
-        cfg = r["config"] + (f" ({sched.get('max_num_seqs')}/{sched.get('max_num_batched_tokens')})"
-                             if sched.get("max_num_seqs") else "")
+        cfg = r["config"] + (f" ({sched.get('max_num_seqs') or '?'}/{sched.get('max_num_batched_tokens') or '?'})"
+                             if sched.get("max_num_seqs") or sched.get("max_num_batched_tokens") else "")
         status = _one_line(("skipped: " + r["skipped"]) if r.get("skipped") else ("FAILED: " + str(r.get("error"))[:120]
                                                                            if not r.get("ok") else ""))
         modes = r.get("modes") or {}
