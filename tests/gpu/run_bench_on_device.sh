@@ -7,7 +7,7 @@
 #   .device/bench-whl/*.whl  what the OpenAI api_server and launch.py import that the image and the
 #                            bundle lack: uvicorn, watchfiles, model-hosting-container-standards,
 #                            jmespath, prometheus-fastapi-instrumentator, structlog (bench/README.md)
-# Env: WHAT=throughput (default) | weights | all;  NCCL=1: weights also on 2 GPUs (trainer 0, engine 1);
+# Env: WHAT=throughput (default) | weights | all; MODEL (default /tmp/q05, built unless there);  NCCL=1: weights also on 2 GPUs (trainer 0, engine 1);
 #      DEADLINE (s, default 540: everything ends by then); TP_ARGS / WU_ARGS: extra flags.
 # Back in $OUT (8 files at most): run.log, setup.log, gpu_throughput.{json,png},
 # gpu_weight_update.{json,png}, phase_logs.txt (tails of every phase / server log).
@@ -25,12 +25,15 @@ cat "$OUT/setup.log"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
        HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-MODEL=/tmp/q05
+MODEL=${MODEL:-/tmp/q05}   # kept when already built (a warm machine keeps /tmp)
 # the model builds on the GPU (torch + transformers of the image: not /tmp/site, half unpacked meanwhile)
-(PYTHONPATH=$PWD python3 bench/make_tiny_model.py $MODEL --preset qwen05 --device cuda > $LOGS/q05.log 2>&1 && echo "built qwen05 after $(( $(date +%s) - T0 ))s" || echo "qwen05 build FAILED") &
-mkdir -p /tmp/site
-xz -T0 -dc .device/vllm-bundle/vllm-0.24.0-sm90-py312.tar.xz | tar -x -C /tmp/site || { echo "bundle unpack FAILED"; exit 1; }
-for w in .device/bench-whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site || echo "wheel $w FAILED"; done
+[ -f $MODEL/config.json ] || (PYTHONPATH=$PWD python3 bench/make_tiny_model.py $MODEL --preset qwen05 --device cuda > $LOGS/q05.log 2>&1 && echo "built qwen05 after $(( $(date +%s) - T0 ))s" || echo "qwen05 build FAILED") &
+if [ ! -f /tmp/site/.bench-unpacked ]; then
+  mkdir -p /tmp/site
+  xz -T0 -dc .device/vllm-bundle/vllm-0.24.0-sm90-py312.tar.xz | tar -x -C /tmp/site || { echo "bundle unpack FAILED"; exit 1; }
+  for w in .device/bench-whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site || echo "wheel $w FAILED"; done
+  touch /tmp/site/.bench-unpacked
+fi
 echo "unpacked after $(( $(date +%s) - T0 ))s"
 wait
 [ -f $MODEL/config.json ] || { tail -20 $LOGS/q05.log; exit 1; }
