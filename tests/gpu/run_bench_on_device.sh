@@ -28,6 +28,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 MODEL=${MODEL:-/tmp/q05}   # kept when already built (a warm machine keeps /tmp)
 # the model builds on the GPU (torch + transformers of the image: not /tmp/site, half unpacked meanwhile)
 [ -f $MODEL/config.json ] || (PYTHONPATH=$PWD python3 bench/make_tiny_model.py $MODEL --preset qwen05 --device cuda > $LOGS/q05.log 2>&1 && echo "built qwen05 after $(( $(date +%s) - T0 ))s" || echo "qwen05 build FAILED") &
+BUILD=$!   # waited for by pid: a bare `wait` would also wait for the tee above, forever
 if [ ! -f /tmp/site/.bench-unpacked ]; then
   mkdir -p /tmp/site
   xz -T0 -dc .device/vllm-bundle/vllm-0.24.0-sm90-py312.tar.xz | tar -x -C /tmp/site || { echo "bundle unpack FAILED"; exit 1; }
@@ -35,7 +36,7 @@ if [ ! -f /tmp/site/.bench-unpacked ]; then
   touch /tmp/site/.bench-unpacked
 fi
 echo "unpacked after $(( $(date +%s) - T0 ))s"
-wait
+wait $BUILD
 [ -f $MODEL/config.json ] || { tail -20 $LOGS/q05.log; exit 1; }
 python3 -c "import vllm, uvicorn, structlog, prometheus_fastapi_instrumentator, model_hosting_container_standards.sagemaker, watchfiles, aiohttp; print('imports ok: vllm', vllm.__version__)" 2>&1 | tail -3
 
@@ -54,7 +55,7 @@ if [ "$WHAT" = weights ] || [ "$WHAT" = all ]; then
   echo "== gpu_weight_update $N (budget ${B}s, $NGPU GPU(s))"
   timeout -k 15 $(( B + 20 )) python3 -m bench.gpu_weight_update --model $MODEL --out-dir "$OUT" --log-dir $LOGS/wu \
       --budget-s $B $N $WU_ARGS > $LOGS/gpu_weight_update.out 2>&1
-  echo "gpu_weight_update rc=$? after $(( $(date +%s) - T0 ))s"; grep -E "^\[|^wrote|^  update" $LOGS/gpu_weight_update.out
+  echo "gpu_weight_update rc=$? after $(( $(date +%s) - T0 ))s"; grep -E "^\[|^wrote" $LOGS/gpu_weight_update.out
 fi
 # every phase / server / engine log, tailed into one file (the 8-file limit)
 for f in $(find $LOGS -type f -name "*.log" -o -type f -name "*.out" | sort); do
