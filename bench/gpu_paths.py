@@ -259,11 +259,12 @@ async def _http(spec: dict[str, Any]) -> dict[str, Any]:
     with H.Procs(log_dir=Path(spec["log_dir"])) as procs:
         t0 = time.perf_counter()
         # dev mode: /server_info (the scheduler config it picked) and /reset_prefix_cache
-        proc = procs.start("api_server", server_argv(spec, port), env={"VLLM_SERVER_DEV_MODE": "1"})
+        name = f"api_server-{port}"
+        proc = procs.start(name, server_argv(spec, port), env={"VLLM_SERVER_DEV_MODE": "1"})
         conn = aiohttp.TCPConnector(limit=0, force_close=False)
         timeout = aiohttp.ClientTimeout(total=spec["request_timeout_s"])
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
-            await _wait_http_ready(s, base, proc, spec["ready_timeout_s"], procs.log_dir / "api_server.log")
+            await _wait_http_ready(s, base, proc, spec["ready_timeout_s"], procs.log_dir / f"{name}.log")
             out["engine_start_s"] = time.perf_counter() - t0
             out["sched"] = await _server_sched(s, base)
             spec["_partial"].update(out)
