@@ -152,15 +152,19 @@ def run_phase(name: str, target: str, spec: dict[str, Any], timeout_s: float, wo
                              stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(REPO_ROOT),
                              env=child_env(), start_new_session=True)
         timed_out = False
+        seen: dict[int, Any] = {}  # every descendant ever seen: killed at the end even if orphaned by then
+        end = time.monotonic() + max(1.0, timeout_s)
         try:
-            p.wait(timeout=max(1.0, timeout_s))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        except BaseException:
-            H._kill_tree(p, 5.0)
-            raise
+            while p.poll() is None:
+                if time.monotonic() > end:
+                    timed_out = True
+                    break
+                for d in H._descendants(p.pid):
+                    seen.setdefault(d.pid, d)
+                time.sleep(0.5)
         finally:
-            H._kill_tree(p, 5.0)  # no-op when it already exited; kills vLLM children it left
+            H._kill_tree(p, 5.0)  # its process group (vLLM children left behind included)
+            _kill_seen(seen)
     wall = time.monotonic() - t0
     res: dict[str, Any]
     try:
@@ -169,7 +173,7 @@ def run_phase(name: str, target: str, spec: dict[str, Any], timeout_s: float, wo
         res = {"ok": False}
     if timed_out:
         res["ok"] = False
-        res.setdefault("error", f"phase ran past its limit of {timeout_s:.0f}s (--budget-s / phase limit)")
+        res.setdefault("error", f"phase ran past its limit of {timeout_s:.0f}s (--phase-limit-s, or what --budget-s had left)")
     elif not res.get("ok") and "error" not in res:
         res["error"] = f"phase exited with rc={p.returncode} and no result"
     res["phase_wall_s"] = round(wall, 2)
@@ -179,6 +183,17 @@ def run_phase(name: str, target: str, spec: dict[str, Any], timeout_s: float, wo
     else:
         log(f"[{name}] done in {wall:.0f}s")
     return res
+
+
+def _kill_seen(procs: dict[int, Any]) -> None:
+    """SIGKILL what is left of them (psutil.Process objects check the pid was not reused)."""
+    for d in procs.values():
+        with contextlib.suppress(Exception):
+            if d.is_running():
+                d.kill()
+    for d in procs.values():
+        with contextlib.suppress(Exception):
+            d.wait(5)
 
 
 def _tail(path: Path, n: int) -> str:
