@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -167,7 +166,6 @@ def copy_floor(named: list[tuple[str, Any]], nbytes: int, reps: int = 10) -> dic
     with torch.no_grad():
         flat = timed(lambda: dst.copy_(src))
         per = timed(lambda: [d.copy_(t) for d, (_, t) in zip(dsts, named)])
-    del src, dst, dsts
     return {"bytes": nbytes, "device": str(dev), "flat_copy_ms": flat * 1e3, "per_tensor_copy_ms": per * 1e3,
             "flat_GBps": nbytes / flat / 1e9 if flat else None}
 
