@@ -254,7 +254,8 @@ def report(doc: dict[str, Any]) -> str:
     env = doc.get("env", {})
     title = (f"Throughput, one GPU ({env.get('gpu_name') or 'CPU'}; vllm {env.get('vllm_version', '-')}): "
              f"{p.get('n')} prompts of {p.get('min_len')}-{p.get('max_len')} random ids, {s.get('max_tokens')} new "
-             f"tokens each, temperature {s.get('temperature')}, ignore_eos; model {s.get('model')}")
+             f"tokens each, temperature {s.get('temperature')}, ignore_eos; model {s.get('model')}\n"
+             "(x HTTP: against the HTTP row of the same engine config, its defaults when that one did not run)")
     text = H.print_table(tput, title=title)
     t = s.get("ttft") or {}
     text += "\n\n" + H.print_table(ttft, title=f"Time to first token: {t.get('n')} concurrent, max_tokens "
