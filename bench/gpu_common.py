@@ -1,0 +1,343 @@
+"""What the GPU benchmarks (gpu_throughput, gpu_weight_update) share: the
+request set, the wall-clock budget, phases run as child processes (one engine
+on the GPU at a time, the whole tree killed afterwards), a rollout-bus cluster
+started through ``launch.py``, and the environment probe.
+
+A phase is a function ``fn(spec) -> dict`` run in a fresh Python process
+(``python -m bench.gpu_common MODULE:FUNC SPEC.json OUT.json``): when it ends,
+crashes or overruns its time, its process group and every descendant (vLLM
+engine cores, api_server, launch.py's children) are killed, so the next phase
+finds the GPU free. A failed phase is a row with its error, never a crash of
+the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from bench import harness as H
+
+REPO_ROOT = H.REPO_ROOT
+
+
+# ---------------------------------------------------------------- requests
+
+
+def make_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+    """n prompts of min_len..max_len random token ids in [10, vocab) from a fixed seed."""
+    rng = random.Random(seed)
+    hi = max(11, vocab)
+    return [[rng.randrange(10, hi) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+def model_vocab(model: str) -> int:
+    """The smaller of the model's vocab and its tokenizer's, so every id is valid and decodes."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    vocab = int(cfg.get("vocab_size") or 512)
+    info = Path(model) / "tiny_model_info.json"
+    if info.exists():
+        vocab = min(vocab, int(json.loads(info.read_text()).get("tokenizer_vocab") or vocab))
+    return vocab
+
+
+# ---------------------------------------------------------------- budget
+
+
+class Budget:
+    """The run's wall-clock budget (--budget-s): each phase gets what is left,
+    capped by its own limit, and is skipped when less than its minimum is left."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.t0 = time.monotonic()
+
+    def left(self) -> float:
+        return self.seconds - (time.monotonic() - self.t0)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+
+# ---------------------------------------------------------------- environment
+
+
+def probe_env() -> dict[str, Any]:
+    """What this machine has (asked in a child so this process never touches CUDA)."""
+    code = (
+        "import json, importlib.util as u\n"
+        "d = {'vllm': u.find_spec('vllm') is not None, 'gpus': 0, 'gpu_name': None, 'torch': None}\n"
+        "try:\n"
+        "    import torch\n"
+        "    d['torch'] = torch.__version__\n"
+        "    if torch.cuda.is_available():\n"
+        "        d['gpus'] = torch.cuda.device_count(); d['gpu_name'] = torch.cuda.get_device_name(0)\n"
+        "        d['gpu_mem_gib'] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)\n"
+        "except Exception as e:\n"
+        "    d['torch_error'] = repr(e)\n"
+        "if d['vllm']:\n"
+        "    try:\n"
+        "        import vllm; d['vllm_version'] = vllm.__version__\n"
+        "    except Exception as e:\n"
+        "        d['vllm'] = False; d['vllm_error'] = repr(e)[:300]\n"
+        "print('PROBE' + json.dumps(d))\n"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env=child_env()).stdout
+        line = [x for x in out.splitlines() if x.startswith("PROBE")][-1]
+        return json.loads(line[5:])
+    except Exception as e:  # noqa: BLE001
+        return {"vllm": False, "gpus": 0, "probe_error": repr(e)[:300]}
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # vLLM on the device image: no flashinfer, no usage stats, spawn workers; NVLink multicast stays off.
+    for k, v in {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+                 "TRANSFORMERS_OFFLINE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "NCCL_NVLS_ENABLE": "0",
+                 "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+                 "ROLLOUT_BUS_LOG_LEVEL": "WARNING"}.items():
+        env.setdefault(k, v)
+    env.update(extra or {})
+    return env
+
+
+def wait_gpu_idle(timeout_s: float) -> dict[str, Any]:
+    """After a phase: wait (--gpu-idle-timeout-s) until nvidia-smi lists no compute process."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return {"checked": False}
+    t0 = time.monotonic()
+    apps = ""
+    while time.monotonic() - t0 < timeout_s:
+        with contextlib.suppress(Exception):
+            apps = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=10).stdout.strip()
+            if not apps:
+                return {"checked": True, "idle_after_s": round(time.monotonic() - t0, 2)}
+        time.sleep(0.5)
+    return {"checked": True, "idle_after_s": None, "still_running": apps[:300]}
+
+
+# ---------------------------------------------------------------- phases
+
+
+def run_phase(name: str, target: str, spec: dict[str, Any], timeout_s: float, work_dir: Path,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run ``target`` ("module:function") in a child process with ``spec``;
+    return its result dict, or {"ok": False, "error": ...} when it failed,
+    crashed or ran past ``timeout_s``. The child's whole tree is killed either way."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    spec_path, out_path, log_path = (work_dir / f"{name}.{x}" for x in ("spec.json", "out.json", "log"))
+    out_path.unlink(missing_ok=True)
+    spec_path.write_text(json.dumps(spec))
+    t0 = time.monotonic()
+    log(f"[{name}] start (limit {timeout_s:.0f}s; log {log_path})")
+    with open(log_path, "wb") as lf:
+        p = subprocess.Popen([sys.executable, "-m", "bench.gpu_common", target, str(spec_path), str(out_path)],
+                             stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(REPO_ROOT),
+                             env=child_env(), start_new_session=True)
+        timed_out = False
+        seen: dict[int, Any] = {}  # every descendant ever seen: killed at the end even if orphaned by then
+        end = time.monotonic() + max(1.0, timeout_s)
+        try:
+            while p.poll() is None:
+                if time.monotonic() > end:
+                    timed_out = True
+                    break
+                for d in H._descendants(p.pid):
+                    seen.setdefault(d.pid, d)
+                time.sleep(0.5)
+        finally:
+            H._kill_tree(p, 5.0)  # its process group (vLLM children left behind included)
+            _kill_seen(seen)
+    wall = time.monotonic() - t0
+    res: dict[str, Any]
+    try:
+        res = json.loads(out_path.read_text())
+    except Exception:  # noqa: BLE001
+        res = {"ok": False}
+    if timed_out:
+        res["ok"] = False
+        res.setdefault("error", f"phase ran past its limit of {timeout_s:.0f}s (--phase-limit-s, or what --budget-s had left)")
+    elif not res.get("ok") and "error" not in res:
+        res["error"] = f"phase exited with rc={p.returncode} and no result"
+    res["phase_wall_s"] = round(wall, 2)
+    if not res.get("ok"):
+        res["log_tail"] = _tail(log_path, 40)
+        log(f"[{name}] FAILED after {wall:.0f}s: {str(res.get('error'))[:300]}")
+    else:
+        log(f"[{name}] done in {wall:.0f}s")
+    return res
+
+
+def _kill_seen(procs: dict[int, Any]) -> None:
+    """SIGKILL what is left of them (psutil.Process objects check the pid was not reused)."""
+    for d in procs.values():
+        with contextlib.suppress(Exception):
+            if d.is_running():
+                d.kill()
+    for d in procs.values():
+        with contextlib.suppress(Exception):
+            d.wait(5)
+
+
+def _tail(path: Path, n: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _phase_main(argv: list[str]) -> int:
+    """Child side of run_phase: call the function, write {"ok": True, **result}
+    or {"ok": False, "error", "traceback"} (partial results a phase saved in
+    spec["_partial"] are kept)."""
+    target, spec_path, out_path = argv
+    spec = json.loads(Path(spec_path).read_text())
+    partial: dict[str, Any] = {}
+    spec["_partial"] = partial
+    mod, fn = target.split(":")
+
+    def write(doc: dict[str, Any]) -> None:
+        tmp = out_path + ".tmp"
+        Path(tmp).write_text(json.dumps(H._jsonable(doc)))
+        os.replace(tmp, out_path)
+
+    try:
+        res = getattr(importlib.import_module(mod), fn)(spec)
+        write({"ok": True, **partial, **res})
+        rc = 0
+    except BaseException as e:  # noqa: BLE001 - recorded; the parent decides
+        write({"ok": False, **partial, "error": f"{type(e).__name__}: {e}"[:2000],
+               "traceback": traceback.format_exc()[-4000:]})
+        rc = 1
+    sys.stdout.flush()
+    os._exit(rc)  # vLLM leaves non-daemon threads behind; the parent kills the tree anyway
+
+
+# ---------------------------------------------------------------- rollout-bus
+
+
+class RbCluster:
+    """``launch.py`` (head + engine nodes, --backend vllm or torch) as a
+    subprocess in its own process group; killed with its whole tree on exit."""
+
+    def __init__(self, model: str, backend: str, *, engines: int = 1, gpus: str | None = None,
+                 gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
+                 backend_options: dict[str, Any] | None = None, ready_timeout_s: float = 240.0,
+                 log_dir: Path | None = None) -> None:
+        argv = [sys.executable, "launch.py", "--backend", backend, "--model", model, "--engines", str(engines),
+                "--port", "0", "--log-level", "WARNING", "--ready-timeout-s", str(ready_timeout_s),
+                "--backend-options", json.dumps(backend_options or {})]
+        # launch.py --port P binds P, P+1, P+2: ask for three consecutive free ones
+        self.port = _consecutive_ports(3)
+        self.address = f"tcp://{H.LOOPBACK}:{self.port}"
+        argv[argv.index("--port") + 1] = str(self.port)
+        if gpus is not None:
+            argv += ["--gpus", gpus]
+        if gpu_memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+        if max_model_len:
+            argv += ["--max-model-len", str(max_model_len)]
+        self.argv = argv
+        self.ready_timeout_s = ready_timeout_s
+        self.log_path = (log_dir or Path(tempfile.mkdtemp(prefix="rb-bench-"))) / f"launch-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+        self.engines = engines
+
+    def __enter__(self) -> "RbCluster":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as lf:
+            self.proc = subprocess.Popen(self.argv, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         cwd=str(REPO_ROOT), env=child_env(), start_new_session=True)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.proc is not None:
+            H._kill_tree(self.proc, 15.0)  # launch.py's own SIGTERM path first (grace), then SIGKILL
+            self.proc = None
+
+    def wait_ready(self) -> tuple[float, list[dict[str, Any]]]:
+        """Block until `engines` engines are healthy (--ready-timeout-s); returns (seconds, engines())."""
+        from trainer_bridge import Client
+
+        t0 = time.monotonic()
+        c = Client(self.address, timeout_s=60, control_timeout_s=30)
+        try:
+            while True:
+                if self.proc is None or self.proc.poll() is not None:
+                    raise RuntimeError(f"launch.py exited (rc={self.proc and self.proc.returncode}) before ready:\n"
+                                       + _tail(self.log_path, 30))
+                try:
+                    h = c.health(timeout_s=3)
+                    if sum(1 for e in h["engines"].values() if e.get("healthy")) >= self.engines:
+                        return time.monotonic() - t0, c.engines()
+                except Exception:  # noqa: BLE001 - not up yet
+                    pass
+                if time.monotonic() - t0 > self.ready_timeout_s:
+                    raise TimeoutError(f"rollout-bus not ready after ready_timeout_s={self.ready_timeout_s:.0f}s:\n"
+                                       + _tail(self.log_path, 30))
+                time.sleep(0.25)
+        finally:
+            c.close()
+
+
+def _consecutive_ports(n: int) -> int:
+    import socket
+
+    for _ in range(50):
+        base = H.free_port()
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s.bind((H.LOOPBACK, base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports on {H.LOOPBACK}")
+
+
+# ---------------------------------------------------------------- output
+
+
+def out_dir(arg: str | None) -> Path:
+    d = Path(arg) if arg else H.RESULTS_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def write_doc(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(H._jsonable(doc), indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def fmt_ms(v: Any) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+if __name__ == "__main__":
+    _phase_main(sys.argv[1:])

@@ -1,0 +1,405 @@
+"""The paths gpu_throughput compares, one phase function each (run in a child
+process by ``bench.gpu_common.run_phase``; one engine on the GPU at a time):
+
+- ``llm``:      vLLM ``LLM.generate`` with token prompts (the ceiling);
+- ``asyncllm``: vLLM ``AsyncLLM`` in-process, every request at once;
+- ``http``:     ``python -m vllm.entrypoints.openai.api_server`` + an aiohttp
+                client, every request at once (/v1/completions, token-id prompt,
+                ``return_token_ids``, ``ignore_eos``), SSE for time to first token;
+- ``rb``:       rollout-bus through ``launch.py`` (head + 1 engine node):
+                ``Client.generate`` of the whole batch, then one ``AsyncClient``
+                stream per request.
+
+Every phase: start the engine (timed), warm up on other prompts, measure the
+same request set, then (when spec["ttft"]) time to first token of
+``ttft.n`` concurrent requests on other prompts, ``ttft.rounds`` times. The
+prefix cache is reset between measurements that reuse prompts. A phase returns
+{"engine_start_s", "sched", "modes": {mode: stats}, "ttft": stats}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from bench import gpu_common as G
+from bench import harness as H
+
+# ---------------------------------------------------------------- shared
+
+
+def prompt_sets(spec: dict[str, Any]) -> dict[str, list[list[int]]]:
+    """The measured set, and separate warm-up and TTFT prompts (other seeds, so
+    neither is a prefix-cache hit for the other)."""
+    p = spec["prompts"]
+    vocab = G.model_vocab(spec["model"])
+    t = spec.get("ttft") or {"n": 0, "rounds": 0}
+    return {
+        "main": G.make_prompts(p["n"], p["min_len"], p["max_len"], vocab, p["seed"]),
+        "warm": G.make_prompts(spec["warmup"]["n"], p["min_len"], p["max_len"], vocab, p["seed"] + 1),
+        "ttft": G.make_prompts(t["n"] * t["rounds"], p["min_len"], p["max_len"], vocab, p["seed"] + 2),
+    }
+
+
+def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    """vLLM engine options, the same for every path: gpu_memory_utilization,
+    max_model_len, plus the scheduler overrides of an "LLM's values" run."""
+    return {k: v for k, v in spec["engine"].items() if v is not None}
+
+
+def sched_of(vllm_config: Any) -> dict[str, Any]:
+    sc = vllm_config.scheduler_config
+    out = {"max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens}
+    try:
+        out["cudagraph_capture_sizes_max"] = max(vllm_config.compilation_config.cudagraph_capture_sizes or [0])
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def throughput(tokens: int, wall_s: float, errors: int, n: int, err_sample: list[str],
+               expected: int) -> dict[str, Any]:
+    return {"tokens": tokens, "expected_tokens": expected, "wall_s": wall_s,
+            "tokens_per_s": tokens / wall_s if wall_s > 0 else None, "requests": n, "errors": errors,
+            "error_sample": err_sample[:3]}
+
+
+async def gather_all(n: int, one: Callable[[int], Awaitable[int]], timeout_s: float) -> dict[str, Any]:
+    """Run one(i) for i < n all at once; one returns the tokens it got."""
+    errs: list[str] = []
+
+    async def guarded(i: int) -> int:
+        try:
+            return await asyncio.wait_for(one(i), timeout_s)
+        except Exception as e:  # noqa: BLE001 - counted, a sample kept
+            errs.append(repr(e)[:300])
+            return -1
+
+    t0 = time.perf_counter()
+    got = await asyncio.gather(*(guarded(i) for i in range(n)))
+    wall = time.perf_counter() - t0
+    return {"tokens": sum(g for g in got if g > 0), "wall_s": wall, "errors": len(errs), "error_sample": errs}
+
+
+async def ttft_rounds(spec: dict[str, Any], prompts: list[list[int]],
+                      first_token: Callable[[list[int]], Awaitable[float]]) -> dict[str, Any]:
+    """spec.ttft.rounds rounds of spec.ttft.n concurrent requests; first_token(p)
+    returns send → first token seconds (and drains the request)."""
+    t = spec["ttft"]
+    vals: list[float] = []
+    errs: list[str] = []
+    for r in range(t["rounds"]):
+        batch = prompts[r * t["n"]:(r + 1) * t["n"]]
+
+        async def one(p: list[int]) -> None:
+            try:
+                vals.append(await asyncio.wait_for(first_token(p), spec["request_timeout_s"]))
+            except Exception as e:  # noqa: BLE001
+                errs.append(repr(e)[:300])
+
+        await asyncio.gather(*(one(p) for p in batch))
+    return {"n": len(vals), "concurrency": t["n"], "max_tokens": t["max_tokens"], "rounds": t["rounds"],
+            "p50_ms": H.percentile(vals, 50) * 1e3 if vals else None,
+            "p99_ms": H.percentile(vals, 99) * 1e3 if vals else None,
+            "errors": len(errs), "error_sample": errs[:3]}
+
+
+def _got(first: float | None) -> float:
+    if first is None:
+        raise RuntimeError("the request ended without a token")
+    return first
+
+
+def _expected(spec: dict[str, Any]) -> int:
+    return spec["prompts"]["n"] * spec["max_tokens"]
+
+
+# ---------------------------------------------------------------- LLM.generate
+
+
+def phase_llm(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    ps = prompt_sets(spec)
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], **engine_kwargs(spec))
+    out: dict[str, Any] = {"engine_start_s": time.perf_counter() - t0}
+    try:
+        out["sched"] = sched_of(llm.llm_engine.vllm_config)
+    except Exception as e:  # noqa: BLE001
+        out["sched"] = {"error": repr(e)[:200]}
+    spec["_partial"].update(out)
+    sp = SamplingParams(temperature=spec["temperature"], max_tokens=spec["max_tokens"], ignore_eos=True,
+                        detokenize=False)
+    warm = SamplingParams(temperature=spec["temperature"], max_tokens=spec["warmup"]["max_tokens"],
+                          ignore_eos=True, detokenize=False)
+    llm.generate([{"prompt_token_ids": p} for p in ps["warm"]], warm, use_tqdm=False)
+    t0 = time.perf_counter()
+    res = llm.generate([{"prompt_token_ids": p} for p in ps["main"]], sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    toks = sum(len(r.outputs[0].token_ids) for r in res)
+    out["modes"] = {"LLM.generate": throughput(toks, wall, 0, len(res), [], _expected(spec))}
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - the parent kills the tree anyway
+        pass
+    return out
+
+
+# ---------------------------------------------------------------- AsyncLLM
+
+
+def phase_asyncllm(spec: dict[str, Any]) -> dict[str, Any]:
+    return asyncio.run(_asyncllm(spec))
+
+
+async def _asyncllm(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    ps = prompt_sets(spec)
+    t0 = time.perf_counter()
+    # AsyncLLM's own defaults (usage context ENGINE_CONTEXT), as a library user gets them
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=spec["model"], **engine_kwargs(spec)))
+    out: dict[str, Any] = {"engine_start_s": time.perf_counter() - t0}
+    try:
+        out["sched"] = sched_of(engine.vllm_config)
+    except Exception as e:  # noqa: BLE001
+        out["sched"] = {"error": repr(e)[:200]}
+    spec["_partial"].update(out)
+    ids = iter(range(1 << 30))
+
+    def params(max_tokens: int, kind: Any) -> Any:
+        return SamplingParams(temperature=spec["temperature"], max_tokens=max_tokens, ignore_eos=True,
+                              detokenize=False, output_kind=kind)
+
+    async def final(p: list[int], sp: Any) -> int:
+        last = None
+        async for o in engine.generate({"prompt_token_ids": p}, sp, request_id=f"r{next(ids)}"):
+            last = o
+        return len(last.outputs[0].token_ids) if last else 0
+
+    try:
+        warm = params(spec["warmup"]["max_tokens"], RequestOutputKind.FINAL_ONLY)
+        await gather_all(len(ps["warm"]), lambda i: final(ps["warm"][i], warm), spec["request_timeout_s"])
+        sp = params(spec["max_tokens"], RequestOutputKind.FINAL_ONLY)
+        r = await gather_all(len(ps["main"]), lambda i: final(ps["main"][i], sp), spec["request_timeout_s"])
+        out["modes"] = {f"{len(ps['main'])} concurrent": throughput(
+            r["tokens"], r["wall_s"], r["errors"], len(ps["main"]), r["error_sample"], _expected(spec))}
+        spec["_partial"].update(out)
+        if spec.get("ttft"):
+            sp_d = params(spec["ttft"]["max_tokens"], RequestOutputKind.DELTA)
+
+            async def first_token(p: list[int]) -> float:
+                t = time.perf_counter()
+                first = None
+                async for o in engine.generate({"prompt_token_ids": p}, sp_d, request_id=f"t{next(ids)}"):
+                    if first is None and o.outputs and o.outputs[0].token_ids:
+                        first = time.perf_counter() - t
+                return _got(first)
+
+            out["ttft"] = await ttft_rounds(spec, ps["ttft"], first_token)
+    finally:
+        engine.shutdown()
+    return out
+
+
+# ---------------------------------------------------------------- HTTP server
+
+
+_SCHED_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
+                "gpu_memory_utilization": "--gpu-memory-utilization", "max_model_len": "--max-model-len",
+                "enforce_eager": "--enforce-eager"}
+
+
+def server_argv(spec: dict[str, Any], port: int) -> list[str]:
+    import sys
+
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec["model"],
+            "--host", H.LOOPBACK, "--port", str(port), "--disable-uvicorn-access-log"]
+    for k, v in engine_kwargs(spec).items():
+        flag = _SCHED_FLAGS.get(k)
+        if flag is None:
+            raise ValueError(f"no api_server flag known for engine option {k!r} (add it to _SCHED_FLAGS)")
+        argv += [flag] if v is True else ([] if v is False else [flag, str(v)])
+    return argv
+
+
+def phase_http(spec: dict[str, Any]) -> dict[str, Any]:
+    return asyncio.run(_http(spec))
+
+
+async def _wait_http_ready(session: Any, base: str, proc: Any, timeout_s: float, log: Path) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"api_server exited rc={proc.returncode} before ready:\n{G._tail(log, 30)}")
+        try:
+            async with session.get(f"{base}/health") as r:
+                if r.status == 200:
+                    return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        await asyncio.sleep(0.25)
+    raise TimeoutError(f"api_server not ready after ready_timeout_s={timeout_s:.0f}s:\n{G._tail(log, 30)}")
+
+
+async def _http(spec: dict[str, Any]) -> dict[str, Any]:
+    import aiohttp
+
+    ps = prompt_sets(spec)
+    port = H.free_port()
+    base = f"http://{H.LOOPBACK}:{port}"
+    out: dict[str, Any] = {"server_argv": server_argv(spec, port)[1:]}
+    with H.Procs(log_dir=Path(spec["log_dir"])) as procs:
+        t0 = time.perf_counter()
+        # dev mode: /server_info (the scheduler config it picked) and /reset_prefix_cache
+        name = f"api_server-{port}"
+        proc = procs.start(name, server_argv(spec, port), env={"VLLM_SERVER_DEV_MODE": "1"})
+        conn = aiohttp.TCPConnector(limit=0, force_close=False)
+        timeout = aiohttp.ClientTimeout(total=spec["request_timeout_s"])
+        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
+            await _wait_http_ready(s, base, proc, spec["ready_timeout_s"], procs.log_dir / f"{name}.log")
+            out["engine_start_s"] = time.perf_counter() - t0
+            out["sched"] = await _server_sched(s, base)
+            spec["_partial"].update(out)
+
+            def body(p: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
+                return {"model": spec["model"], "prompt": p, "max_tokens": max_tokens,
+                        "temperature": spec["temperature"], "ignore_eos": True, "return_token_ids": True,
+                        "stream": stream}
+
+            async def complete(p: list[int], max_tokens: int) -> int:
+                async with s.post(f"{base}/v1/completions", json=body(p, max_tokens)) as r:
+                    data = json.loads(await r.read())
+                    if r.status != 200:
+                        raise RuntimeError(f"HTTP {r.status}: {str(data)[:200]}")
+                c = data["choices"][0]
+                return len(c["token_ids"]) if c.get("token_ids") is not None else data["usage"]["completion_tokens"]
+
+            wm = spec["warmup"]["max_tokens"]
+            await gather_all(len(ps["warm"]), lambda i: complete(ps["warm"][i], wm), spec["request_timeout_s"])
+            r = await gather_all(len(ps["main"]), lambda i: complete(ps["main"][i], spec["max_tokens"]),
+                                 spec["request_timeout_s"])
+            out["modes"] = {f"{len(ps['main'])} concurrent": throughput(
+                r["tokens"], r["wall_s"], r["errors"], len(ps["main"]), r["error_sample"], _expected(spec))}
+            spec["_partial"].update(out)
+            if spec.get("ttft"):
+                async def first_token(p: list[int]) -> float:
+                    t = time.perf_counter()
+                    first = None
+                    async with s.post(f"{base}/v1/completions", json=body(p, spec["ttft"]["max_tokens"], True)) as resp:
+                        if resp.status != 200:
+                            raise RuntimeError(f"HTTP {resp.status}")
+                        async for line in resp.content:
+                            if first is None and line.startswith(b"data: {"):
+                                c = json.loads(line[6:])["choices"]
+                                if c and (c[0].get("token_ids") or c[0].get("text")):
+                                    first = time.perf_counter() - t
+                    return _got(first)
+
+                out["ttft"] = await ttft_rounds(spec, ps["ttft"], first_token)
+    return out
+
+
+async def _server_sched(s: Any, base: str) -> dict[str, Any]:
+    try:
+        async with s.get(f"{base}/server_info", params={"config_format": "json"}) as r:
+            cfg = (await r.json())["vllm_config"]
+        sc = cfg["scheduler_config"]
+        return {"max_num_seqs": sc.get("max_num_seqs"), "max_num_batched_tokens": sc.get("max_num_batched_tokens")}
+    except Exception as e:  # noqa: BLE001 - the numbers are informative, not required
+        return {"error": f"/server_info: {e!r}"[:200]}
+
+
+# ---------------------------------------------------------------- rollout-bus
+
+
+def phase_rb(spec: dict[str, Any]) -> dict[str, Any]:
+    from trainer_bridge import Client
+
+    ps = prompt_sets(spec)
+    cpu = spec.get("cpu", False)
+    eng = engine_kwargs(spec)
+    overrides = {k: v for k, v in eng.items() if k not in ("gpu_memory_utilization", "max_model_len")}
+    out: dict[str, Any] = {}
+    with G.RbCluster(spec["model"], "torch" if cpu else "vllm", engines=1,
+                     gpu_memory_utilization=eng.get("gpu_memory_utilization"),
+                     max_model_len=eng.get("max_model_len"), backend_options=overrides,
+                     ready_timeout_s=spec["ready_timeout_s"], log_dir=Path(spec["log_dir"])) as cl:
+        out["engine_start_s"], engines = cl.wait_ready()
+        out["engines"] = engines
+        e0 = engines[0] if engines else {}
+        # the engine registers capacity = its scheduler's max_num_seqs; batched tokens only if it says
+        out["sched"] = {"max_num_seqs": e0.get("max_num_seqs", e0.get("capacity")),
+                        "max_num_batched_tokens": e0.get("max_num_batched_tokens")}
+        out["launch_argv"] = cl.argv[1:]
+        spec["_partial"].update(out)
+        params = {"max_tokens": spec["max_tokens"], "temperature": spec["temperature"], "ignore_eos": True}
+        client = Client(cl.address, timeout_s=spec["request_timeout_s"], control_timeout_s=60)
+        try:
+            client.generate(ps["warm"], {**params, "max_tokens": spec["warmup"]["max_tokens"]})
+            out["modes"] = {}
+            t0 = time.perf_counter()
+            try:
+                res = client.generate(ps["main"], params)
+                wall = time.perf_counter() - t0
+                toks = sum(len(r.token_ids) for r in res)
+                out["modes"]["generate batch"] = throughput(toks, wall, 0, len(res), [], _expected(spec))
+            except Exception as e:  # noqa: BLE001 - a failed mode is a row, the next one still runs
+                out["modes"]["generate batch"] = {"error": repr(e)[:500]}
+            spec["_partial"].update(out)
+            out["prefix_cache_reset"] = _reset(client)
+        finally:
+            client.close()
+        asyncio.run(_rb_streams(spec, cl.address, ps, params, out))
+    return out
+
+
+def _reset(client: Any) -> Any:
+    try:
+        client.reset_prefix_cache()
+        return True
+    except Exception as e:  # noqa: BLE001 - recorded: the next run may hit the cache
+        return f"failed: {e!r}"[:200]
+
+
+async def _rb_streams(spec: dict[str, Any], address: str, ps: dict[str, list[list[int]]],
+                      params: dict[str, Any], out: dict[str, Any]) -> None:
+    from trainer_bridge import AsyncClient
+
+    ac = AsyncClient(address, timeout_s=spec["request_timeout_s"], control_timeout_s=60)
+    try:
+        async def stream(p: list[int], prm: dict[str, Any]) -> int:
+            n = 0
+            async for ch in ac.stream(p, prm):
+                n += len(ch.token_ids)
+            return n
+
+        r = await gather_all(len(ps["main"]), lambda i: stream(ps["main"][i], params), spec["request_timeout_s"])
+        out["modes"][f"{len(ps['main'])} AsyncClient streams"] = throughput(
+            r["tokens"], r["wall_s"], r["errors"], len(ps["main"]), r["error_sample"], _expected(spec))
+        spec["_partial"].update(out)
+        if spec.get("ttft"):
+            tp = {**params, "max_tokens": spec["ttft"]["max_tokens"]}
+
+            async def first_token(p: list[int]) -> float:
+                t = time.perf_counter()
+                first = None
+                async for ch in ac.stream(p, tp):
+                    if first is None and ch.token_ids:
+                        first = time.perf_counter() - t
+                return _got(first)
+
+            out["ttft"] = await ttft_rounds(spec, ps["ttft"], first_token)
+    finally:
+        await ac.close()
+
+
+PHASES = {"llm": "bench.gpu_paths:phase_llm", "asyncllm": "bench.gpu_paths:phase_asyncllm",
+          "http": "bench.gpu_paths:phase_http", "rb": "bench.gpu_paths:phase_rb"}

@@ -1,0 +1,572 @@
+"""Weight updates under load (issue 8 §4): pause + update + resume with 64
+streams in flight through rollout-bus, next to the floor of the same bytes.
+
+cuda_ipc phase (one GPU; trainer and engine on GPU 0): the trainer loads the
+model (bf16) and, while --streams streams run through a launch.py cluster (1
+vLLM engine node), does --updates times, as a trainer would:
+
+    with client.paused("abort"):
+        client.update_weights(model.named_parameters(), transport="cuda_ipc")
+
+timing pause, the update alone, resume, the whole block, and resume → the
+first token stamped with the new weight version. Floor: a device-to-device
+copy of the same bytes (one flat copy, and one copy per tensor).
+
+nccl phase (--nccl, 2 GPUs; trainer GPU 0, engine GPU 1): a raw
+torch.distributed NCCL broadcast of the same bytes (whole and in the
+transport's buckets) between two processes, then the first update (NCCL group
+set-up) and --updates steady-state updates through the client.
+
+Targets (issue 8): pause+update+resume <= 25 ms; resume -> first new token
+<= 30 ms; NCCL steady <= 3x raw broadcast; first NCCL update <= 1 s.
+
+    python -m bench.gpu_weight_update --model /tmp/q05 --out-dir $OUT [--nccl]
+    python -m bench.gpu_weight_update --cpu      # dry run: torch backend, zmq transport, CPU copy floor
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import gpu_common as G
+from bench import harness as H
+
+NAME = "gpu_weight_update"
+TARGETS = {"e2e_ms": 25.0, "first_token_ms": 30.0, "nccl_steady_x_raw": 3.0, "nccl_first_s": 1.0}
+
+
+# ---------------------------------------------------------------- load
+
+
+class StreamLoad:
+    """`n` streams kept in flight on a thread of their own (its own loop and
+    AsyncClient): when one finishes the worker starts the next. Records, per
+    weight version, when its first token arrived (perf_counter)."""
+
+    def __init__(self, address: str, n: int, prompts: list[list[int]], max_tokens: int, timeout_s: float) -> None:
+        self.address, self.n, self.prompts, self.max_tokens, self.timeout_s = address, n, prompts, max_tokens, timeout_s
+        self.first_seen: dict[int, float] = {}
+        self.tokens = 0
+        self.active = 0
+        self.finished = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="stream-load", daemon=True)
+
+    def start(self) -> "StreamLoad":
+        self._thread.start()
+        return self
+
+    def _main(self) -> None:
+        asyncio.run(self._run())
+
+    async def _run(self) -> None:
+        from trainer_bridge import AsyncClient
+
+        ac = AsyncClient(self.address, timeout_s=self.timeout_s, control_timeout_s=30)
+        params = {"max_tokens": self.max_tokens, "temperature": 1.0, "ignore_eos": True}
+
+        async def worker(w: int) -> None:
+            k = 0
+            while not self._stop.is_set():
+                p = self.prompts[(w + k * self.n) % len(self.prompts)]
+                k += 1
+                self.active += 1
+                try:
+                    got = 0
+                    async for ch in ac.stream(p, params):
+                        if ch.token_ids:
+                            got += len(ch.token_ids)
+                            self.tokens += len(ch.token_ids)
+                            if ch.weight_version not in self.first_seen:
+                                self.first_seen[ch.weight_version] = time.perf_counter()
+                        if self._stop.is_set():
+                            break
+                    if got == self.max_tokens:
+                        self.finished += 1
+                    elif not self._stop.is_set():
+                        self.errors.append(f"stream ended with {got}/{self.max_tokens} tokens")
+                except Exception as e:  # noqa: BLE001 - a lost request is a finding
+                    if not self._stop.is_set():
+                        self.errors.append(repr(e)[:300])
+                finally:
+                    self.active -= 1
+
+        async def stopper() -> None:
+            while not self._stop.is_set():
+                await asyncio.sleep(0.05)
+
+        tasks = [asyncio.create_task(worker(w)) for w in range(self.n)]
+        await stopper()
+        await asyncio.sleep(0.2)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await ac.close()
+
+    def wait_flowing(self, timeout_s: float) -> None:
+        """Until every stream is in flight and tokens come (--ready-timeout-s)."""
+        end = time.monotonic() + timeout_s
+        t0 = self.tokens
+        while time.monotonic() < end:
+            if self.active >= self.n and self.tokens > t0 + 4 * self.n:
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"{self.n} streams not flowing after {timeout_s:.0f}s "
+                           f"(active {self.active}, tokens {self.tokens}, errors {self.errors[:2]})")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+# ---------------------------------------------------------------- trainer side
+
+
+def load_trainer_model(model: str, cpu: bool, device: str) -> tuple[Any, list[tuple[str, Any]], int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.float32 if cpu else torch.bfloat16
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to("cpu" if cpu else device)
+    named = list(m.named_parameters())
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    return m, named, nbytes
+
+
+def copy_floor(named: list[tuple[str, Any]], nbytes: int, reps: int = 10) -> dict[str, Any]:
+    """The same bytes copied on the device: one flat buffer, and tensor by tensor."""
+    import torch
+
+    dev = named[0][1].device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    dsts = [torch.empty_like(t) for _, t in named]
+
+    def timed(fn: Any) -> float:
+        fn()
+        sync()
+        vals = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            vals.append(time.perf_counter() - t0)
+        return H.median(vals)
+
+    with torch.no_grad():
+        flat = timed(lambda: dst.copy_(src))
+        per = timed(lambda: [d.copy_(t) for d, (_, t) in zip(dsts, named)])
+    return {"bytes": nbytes, "device": str(dev), "flat_copy_ms": flat * 1e3, "per_tensor_copy_ms": per * 1e3,
+            "flat_GBps": nbytes / flat / 1e9 if flat else None}
+
+
+def timed_updates(client: Any, named: list[tuple[str, Any]], load: StreamLoad, transport: str, n: int,
+                  gap_s: float, first_token_timeout_s: float, options: dict[str, Any]) -> list[dict[str, Any]]:
+    """n pause+update+resume blocks under load; one dict of timings each."""
+    out = []
+    for i in range(n):
+        time.sleep(gap_s)  # streams back at full speed
+        rec: dict[str, Any] = {"i": i, "streams_in_flight": load.active}
+        try:
+            t0 = time.perf_counter()
+            with client.paused("abort"):
+                t1 = time.perf_counter()
+                r = client.update_weights(named, transport=transport, **options)
+                t2 = time.perf_counter()
+            t3 = time.perf_counter()
+            res = next(iter(r.values()))
+            v = res.get("weight_version")
+            rec.update(pause_ms=(t1 - t0) * 1e3, update_ms=(t2 - t1) * 1e3, resume_ms=(t3 - t2) * 1e3,
+                       e2e_ms=(t3 - t0) * 1e3, weight_version=v, engine_result=res)
+            end = time.monotonic() + first_token_timeout_s
+            while v not in load.first_seen and time.monotonic() < end:
+                time.sleep(0.0005)
+            # resume is sent when the `with` block exits (t2): resume -> first token of the new version
+            rec["first_token_ms"] = (load.first_seen[v] - t2) * 1e3 if v in load.first_seen else None
+        except Exception as e:  # noqa: BLE001 - recorded, the next update still runs
+            rec["error"] = f"{type(e).__name__}: {e}"[:500]
+        out.append(rec)
+        print(f"  update {i}: " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v)
+                                               for k, v in rec.items() if k != "engine_result"}), flush=True)
+    return out
+
+
+def summarize(updates: list[dict[str, Any]], skip_first: bool) -> dict[str, Any]:
+    ok = [u for u in updates if "error" not in u]
+    steady = ok[1:] if skip_first and len(ok) > 1 else ok
+    s: dict[str, Any] = {"n": len(steady), "errors": len(updates) - len(ok)}
+    for k in ("pause_ms", "update_ms", "resume_ms", "e2e_ms", "first_token_ms"):
+        vals = [u[k] for u in steady if u.get(k) is not None]
+        s[k] = {"median": H.median(vals), "min": min(vals), "max": max(vals)} if vals else None
+    if ok:
+        s["first"] = {k: ok[0].get(k) for k in ("pause_ms", "update_ms", "resume_ms", "e2e_ms", "first_token_ms")}
+    return s
+
+
+# ---------------------------------------------------------------- phases
+
+
+def _prompts(spec: dict[str, Any]) -> list[list[int]]:
+    return G.make_prompts(max(2 * spec["streams"], 8), spec["prompt_min"], spec["prompt_max"],
+                          G.model_vocab(spec["model"]), spec["seed"])
+
+
+def _run_under_load(spec: dict[str, Any], gpus: str | None, trainer_device: str, transport: str,
+                    out: dict[str, Any], floor: bool) -> None:
+    from trainer_bridge import Client
+
+    cpu = spec["cpu"]
+    eng = {} if cpu else {"gpu_memory_utilization": spec["gpu_memory_utilization"], "max_model_len": spec["max_model_len"]}
+    with G.RbCluster(spec["model"], "torch" if cpu else "vllm", engines=1, gpus=None if cpu else gpus,
+                     ready_timeout_s=spec["ready_timeout_s"], log_dir=Path(spec["log_dir"]), **eng) as cl:
+        out["engine_start_s"], out["engines"] = cl.wait_ready()
+        spec["_partial"].update(out)
+        _, named, nbytes = load_trainer_model(spec["model"], cpu, trainer_device)
+        out["bytes"] = nbytes
+        out["params"] = sum(t.numel() for _, t in named)
+        if floor:
+            out["floor"] = copy_floor(named, nbytes)
+            spec["_partial"].update(out)
+        load = StreamLoad(cl.address, spec["streams"], _prompts(spec), spec["stream_max_tokens"],
+                          spec["request_timeout_s"]).start()
+        client = Client(cl.address, timeout_s=spec["request_timeout_s"], control_timeout_s=spec["control_timeout_s"])
+        try:
+            load.wait_flowing(spec["ready_timeout_s"])
+            opts = {"device": trainer_device} if transport != "zmq" and not cpu else {}
+            out["updates"] = timed_updates(client, named, load, transport, spec["updates"] + 1, spec["gap_s"],
+                                           spec["first_token_timeout_s"], opts)
+            out["summary"] = summarize(out["updates"], skip_first=True)
+        finally:
+            load.stop()
+            client.close()
+        out["load"] = {"streams": spec["streams"], "stream_max_tokens": spec["stream_max_tokens"],
+                       "tokens": load.tokens, "streams_finished": load.finished, "stream_errors": len(load.errors),
+                       "stream_error_sample": load.errors[:3]}
+
+
+def phase_ipc(spec: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"transport": spec["ipc_transport"]}
+    _run_under_load(spec, "0", "cuda:0", spec["ipc_transport"], out, floor=True)
+    return out
+
+
+def phase_nccl(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch  # noqa: F401
+
+    out: dict[str, Any] = {"transport": "nccl"}
+    from transformers import AutoConfig  # noqa: F401 - fail early if missing
+
+    nbytes = _model_bytes(spec["model"])
+    out["raw_broadcast"] = raw_broadcast(nbytes, spec)
+    spec["_partial"].update(out)
+    try:
+        out["raw_broadcast_engine_like"] = raw_broadcast(nbytes, spec, engine_like=True)
+    except Exception as e:  # noqa: BLE001 - informative only
+        out["raw_broadcast_engine_like"] = {"error": repr(e)[:500]}
+    spec["_partial"].update(out)
+    _run_under_load(spec, "1", "cuda:0", "nccl", out, floor=False)
+    return out
+
+
+def _model_bytes(model: str) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in Path(model).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as sf:
+            for k in sf.keys():
+                sl = sf.get_slice(k)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                total += n * 2  # bf16 on the wire
+    return total
+
+
+# ---------------------------------------------------------------- raw NCCL broadcast
+
+
+def raw_broadcast(nbytes: int, spec: dict[str, Any], engine_like: bool = False) -> dict[str, Any]:
+    """Two processes (GPU 0 -> GPU 1), torch.distributed NCCL: the same bytes
+    broadcast whole and in the transport's buckets; medians of --raw-reps.
+    engine_like: the receiver sees only GPU 1 (CUDA_VISIBLE_DEVICES=1), as
+    launch.py's engine does, which can change the transport NCCL picks."""
+    from trainer_bridge.gpu_transports import DEFAULT_BUCKET_BYTES
+
+    port = H.free_port()
+    procs = []
+    outs = []
+    try:
+        for rank in (0, 1):
+            restrict = engine_like and rank == 1
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "bench.gpu_weight_update", "--raw-rank", str(rank), "--raw-port", str(port),
+                 "--raw-bytes", str(nbytes), "--raw-bucket", str(DEFAULT_BUCKET_BYTES), "--raw-reps", str(spec["raw_reps"]),
+                 "--raw-device", "0" if restrict else str(rank)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(G.REPO_ROOT), start_new_session=True,
+                env=G.child_env({"CUDA_VISIBLE_DEVICES": "1"} if restrict else None)))
+        for p in procs:
+            o, _ = p.communicate(timeout=spec["raw_timeout_s"])
+            outs.append(o)
+    finally:
+        for p in procs:
+            H._kill_tree(p, 2.0)
+    res = [json.loads(line[4:]) for o in outs for line in o.splitlines() if line.startswith("RAW ")]
+    if len(res) != 2:
+        raise RuntimeError("raw broadcast failed (--raw-timeout-s):\n" + "\n".join(o[-1500:] for o in outs))
+    # the slower rank's median: the bytes are there only when both are done
+    return {"bytes": nbytes, "bucket_bytes": DEFAULT_BUCKET_BYTES, "receiver_sees_only_gpu1": engine_like,
+            "whole_ms": max(r["whole_ms"] for r in res), "bucketed_ms": max(r["bucketed_ms"] for r in res),
+            "per_rank": res}
+
+
+def raw_rank_main(a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(a.raw_device)
+    dist.init_process_group("nccl", init_method=f"tcp://{H.LOOPBACK}:{a.raw_port}", rank=a.raw_rank, world_size=2)
+    buf = torch.empty(a.raw_bytes, dtype=torch.uint8, device="cuda")
+    chunks = [buf[i:i + a.raw_bucket] for i in range(0, a.raw_bytes, a.raw_bucket)]
+
+    def timed(fn: Any) -> float:
+        vals = []
+        for k in range(a.raw_reps + 2):
+            dist.barrier()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            if k >= 2:  # two warm-ups
+                vals.append(time.perf_counter() - t0)
+        return H.median(vals) * 1e3
+
+    whole = timed(lambda: dist.broadcast(buf, src=0))
+    bucketed = timed(lambda: [dist.broadcast(c, src=0) for c in chunks])
+    print("RAW " + json.dumps({"rank": a.raw_rank, "whole_ms": whole, "bucketed_ms": bucketed,
+                               "buckets": len(chunks)}), flush=True)
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- report
+
+
+def report(doc: dict[str, Any]) -> None:
+    rows = []
+    ipc = doc.get("ipc") or {}
+    nccl = doc.get("nccl") or {}
+
+    def m(s: dict[str, Any] | None, k: str) -> float | None:
+        return ((s or {}).get(k) or {}).get("median")
+
+    def row(what: str, val: float | None, target: str, ok: bool | None, note: str = "") -> None:
+        rows.append({"measure": what, "value": "-" if val is None else f"{val:.2f}", "target": target,
+                     "meets": "-" if ok is None else ("yes" if ok else "NO"), "note": note})
+
+    s = ipc.get("summary")
+    tr = ipc.get("transport", "cuda_ipc")
+    if ipc.get("skipped") or not ipc.get("ok", False) and not s:
+        row(f"{tr} phase", None, "", None, ipc.get("skipped") or f"FAILED: {str(ipc.get('error'))[:150]}")
+    else:
+        e2e, ft = m(s, "e2e_ms"), m(s, "first_token_ms")
+        inflight = [u.get("streams_in_flight") for u in ipc.get("updates", [])]
+        row(f"pause+{tr} update+resume, ms (median of {s['n']}, {max(inflight or [0])} streams)", e2e,
+            f"<= {TARGETS['e2e_ms']:.0f}", None if e2e is None else e2e <= TARGETS["e2e_ms"])
+        row("  pause(abort) ms", m(s, "pause_ms"), "", None)
+        row(f"  update alone ms ({(ipc.get('bytes') or 0) / 1e9:.2f} GB)", m(s, "update_ms"), "", None)
+        row("  resume ms", m(s, "resume_ms"), "", None)
+        row("resume -> first new token ms", ft, f"<= {TARGETS['first_token_ms']:.0f}",
+            None if ft is None else ft <= TARGETS["first_token_ms"])
+        row("first update (excluded above): e2e ms", (s.get("first") or {}).get("e2e_ms"), "", None)
+        fl = ipc.get("floor") or {}
+        row(f"floor: one flat copy of the same bytes ({fl.get('device')}) ms", fl.get("flat_copy_ms"), "", None)
+        row("floor: the same tensors copied one by one ms", fl.get("per_tensor_copy_ms"), "", None)
+        ld = ipc.get("load") or {}
+        row("streams lost/truncated during the updates", float(ld.get("stream_errors", 0)), "0",
+            ld.get("stream_errors", 0) == 0, "; ".join(ld.get("stream_error_sample", []))[:150])
+    if nccl.get("skipped") or not nccl:
+        row("nccl phase", None, "", None, nccl.get("skipped", "not run"))
+    elif not nccl.get("summary"):
+        row("nccl phase", None, "", None, f"FAILED: {str(nccl.get('error'))[:150]}")
+        if nccl.get("raw_broadcast"):
+            row("raw NCCL broadcast, same bytes, ms", nccl["raw_broadcast"]["whole_ms"], "", None)
+    else:
+        s = nccl["summary"]
+        raw = nccl.get("raw_broadcast") or {}
+        first = (s.get("first") or {}).get("update_ms")
+        steady = m(s, "update_ms")
+        row("first NCCL update (group set-up) s", None if first is None else first / 1e3,
+            f"<= {TARGETS['nccl_first_s']:.0f}", None if first is None else first / 1e3 <= TARGETS["nccl_first_s"])
+        row(f"steady NCCL update ms (median of {s['n']})", steady, "", None)
+        row("raw NCCL broadcast, same bytes, whole / bucketed ms", raw.get("whole_ms"), "", None,
+            f"bucketed {raw.get('bucketed_ms', 0):.2f} ms")
+        x = steady / raw["whole_ms"] if steady and raw.get("whole_ms") else None
+        row("steady / raw broadcast", x, f"<= {TARGETS['nccl_steady_x_raw']:.0f}x",
+            None if x is None else x <= TARGETS["nccl_steady_x_raw"])
+        el = nccl.get("raw_broadcast_engine_like") or {}
+        row("raw broadcast, receiver sees only GPU 1 (as the engine), whole ms", el.get("whole_ms"), "", None,
+            f"bucketed {el['bucketed_ms']:.2f} ms" if el.get("bucketed_ms") else str(el.get("error", ""))[:100])
+        row("NCCL pause+update+resume ms (median)", m(s, "e2e_ms"), "", None)
+        row("NCCL resume -> first new token ms", m(s, "first_token_ms"), "", None)
+    env = doc.get("env", {})
+    H.print_table(rows, title=f"Weight update under load ({env.get('gpu_name') or 'CPU'}, {env.get('gpus', 0)} GPU(s); "
+                              f"model {doc.get('config', {}).get('model')})")
+
+
+def plot(doc: dict[str, Any], png: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        print(f"no PNG ({e!r})", flush=True)
+        return
+    series = []
+    for key in ("ipc", "nccl"):
+        ph = doc.get(key) or {}
+        for u in ph.get("updates", []):
+            if "error" not in u:
+                series.append((f"{ph.get('transport')} #{u['i']}", u))
+    if not series:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(series) + 2), 4))
+    bottoms = [0.0] * len(series)
+    for k, c in (("pause_ms", "C0"), ("update_ms", "C1"), ("resume_ms", "C2")):
+        vals = [u.get(k) or 0 for _, u in series]
+        ax.bar(range(len(series)), vals, bottom=bottoms, label=k[:-3], color=c)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    ax.plot(range(len(series)), [u.get("first_token_ms") or 0 for _, u in series], "k.", label="resume -> first token")
+    ax.axhline(TARGETS["e2e_ms"], color="gray", ls="--", lw=0.8)
+    ax.set_xticks(range(len(series)))
+    ax.set_xticklabels([n for n, _ in series], rotation=60, fontsize=7)
+    ax.set_ylabel("ms")
+    ax.set_title("pause + update + resume under load (dashed: 25 ms target)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    print(f"wrote {png}", flush=True)
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--cpu", "--dry-run", dest="cpu", action="store_true",
+                    help="CPU dry run: torch backend + tiny model, zmq transport, 8 streams; NCCL skipped")
+    ap.add_argument("--nccl", action="store_true", help="also the NCCL phase (2 GPUs: trainer 0, engine 1)")
+    ap.add_argument("--no-ipc", dest="ipc", action="store_false", help="skip the cuda_ipc phase")
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--stream-max-tokens", type=int, default=1024)
+    ap.add_argument("--prompt-min", type=int, default=64)
+    ap.add_argument("--prompt-max", type=int, default=256)
+    ap.add_argument("--updates", type=int, default=5, help="measured updates (one more first, reported apart)")
+    ap.add_argument("--gap-s", type=float, default=0.5, help="streams run this long between updates")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--budget-s", type=float, default=500.0)
+    ap.add_argument("--phase-limit-s", type=float, default=240.0)
+    ap.add_argument("--min-phase-s", type=float, default=60.0)
+    ap.add_argument("--ready-timeout-s", type=float, default=180.0)
+    ap.add_argument("--request-timeout-s", type=float, default=300.0)
+    ap.add_argument("--control-timeout-s", type=float, default=60.0)
+    ap.add_argument("--first-token-timeout-s", type=float, default=10.0)
+    ap.add_argument("--raw-reps", type=int, default=10)
+    ap.add_argument("--raw-timeout-s", type=float, default=120.0)
+    ap.add_argument("--gpu-idle-timeout-s", type=float, default=30.0)
+    ap.add_argument("--log-dir", default=None, help="phase and server logs (default OUT_DIR/gpu_weight_update_logs)")
+    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--plot-from", default=None, metavar="JSON")
+    # internal: one rank of the raw broadcast
+    ap.add_argument("--raw-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--raw-port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--raw-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--raw-bucket", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--raw-device", type=int, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.cpu:
+        given = " ".join(argv if argv is not None else sys.argv[1:])
+        for k, v in dict(streams=8, stream_max_tokens=256, prompt_min=8, prompt_max=32, updates=3, gap_s=0.3,
+                         budget_s=240.0, ready_timeout_s=120.0).items():
+            if "--" + k.replace("_", "-") not in given:
+                setattr(a, k, v)
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    if a.raw_rank is not None:
+        raw_rank_main(a)
+        return 0
+    if a.plot_from:
+        doc = json.loads(Path(a.plot_from).read_text())
+        report(doc)
+        plot(doc, Path(a.plot_from).with_suffix(".png"))
+        return 0
+    budget = G.Budget(a.budget_s)
+    od = G.out_dir(a.out_dir)
+    log_dir = Path(a.log_dir) if a.log_dir else od / "gpu_weight_update_logs"
+    env = G.probe_env()
+    if a.model is None:
+        if not a.cpu:
+            raise SystemExit("--model is required (except with --cpu)")
+        from engine_node.tiny_model import ensure_tiny_model
+
+        a.model = ensure_tiny_model()
+    spec = {"model": a.model, "cpu": a.cpu, "streams": a.streams, "stream_max_tokens": a.stream_max_tokens,
+            "prompt_min": a.prompt_min, "prompt_max": a.prompt_max, "seed": a.seed, "updates": a.updates,
+            "gap_s": a.gap_s, "gpu_memory_utilization": a.gpu_memory_utilization, "max_model_len": a.max_model_len,
+            "ready_timeout_s": a.ready_timeout_s, "request_timeout_s": a.request_timeout_s,
+            "control_timeout_s": a.control_timeout_s, "first_token_timeout_s": a.first_token_timeout_s,
+            "raw_reps": a.raw_reps, "raw_timeout_s": a.raw_timeout_s, "log_dir": str(log_dir),
+            "ipc_transport": "zmq" if a.cpu else "cuda_ipc"}
+    doc: dict[str, Any] = {"benchmark": NAME, "machine": H.machine_info(), "env": env, "config": vars(a),
+                           "targets": TARGETS}
+    path = od / f"{NAME}.json"
+    print(f"{NAME}: model {a.model}, env {json.dumps(env)}, budget {a.budget_s:.0f}s", flush=True)
+    phases = [("ipc", "bench.gpu_weight_update:phase_ipc", a.ipc, None),
+              ("nccl", "bench.gpu_weight_update:phase_nccl", a.nccl,
+               "--cpu dry run" if a.cpu else (None if env.get("gpus", 0) >= 2 else f"needs 2 GPUs, have {env.get('gpus', 0)}"))]
+    with H.Procs():  # SIGTERM → SystemExit: phases unwind and kill their trees
+        for key, target, wanted, reason in phases:
+            if not wanted:
+                reason = "not asked for" + (" (--nccl)" if key == "nccl" else " (--no-ipc)")
+            if reason is None and not a.cpu and not env.get("vllm"):
+                reason = "vLLM not importable"
+            if reason is None and budget.left() < a.min_phase_s:
+                reason = f"budget: {budget.left():.0f}s left < --min-phase-s"
+            if reason:
+                doc[key] = {"skipped": reason}
+                print(f"[{key}] skipped: {reason}", flush=True)
+            else:
+                doc[key] = G.run_phase(f"wu-{key}", target, spec, min(a.phase_limit_s, budget.left() - 5), log_dir)
+                if not a.cpu:
+                    doc[key]["gpu_idle"] = G.wait_gpu_idle(a.gpu_idle_timeout_s)
+            doc["elapsed_s"] = budget.elapsed()
+            G.write_doc(path, doc)
+    print(f"wrote {path}", flush=True)
+    try:
+        plot(doc, od / f"{NAME}.png")
+    except Exception as e:  # noqa: BLE001
+        print(f"PNG failed: {e!r}", flush=True)
+    report(doc)
+    return 0 if any((doc.get(k) or {}).get("ok") for k in ("ipc", "nccl")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+#!/bin/bash
+# The GPU benchmarks of issue 8 on the device machine: bench/gpu_throughput.py (§5)
+# and bench/gpu_weight_update.py (§4), on the qwen05 preset (494M params, bf16).
+# Sent with carry=[".device/vllm-bundle", ".device/bench-whl"] (NOT ".device": its
+# vllm-bundle.stage folder is far over the 64 MiB limit):
+#   .device/vllm-bundle/vllm-0.24.0-sm90-py312.tar.xz  (python3 ../shared/tools/vllm_bundle.py .device/vllm-bundle)
+#   .device/bench-whl/*.whl  what the OpenAI api_server and launch.py import that the image and the
+#                            bundle lack: uvicorn, watchfiles, model-hosting-container-standards,
+#                            jmespath, prometheus-fastapi-instrumentator, structlog (bench/README.md)
+# Env: WHAT=throughput (default) | weights | all; MODEL (default /tmp/q05, built unless there);  NCCL=1: weights also on 2 GPUs (trainer 0, engine 1);
+#      DEADLINE (s, default 540: everything ends by then); TP_ARGS / WU_ARGS: extra flags.
+# Back in $OUT (8 files at most): run.log, setup.log, gpu_throughput.{json,png},
+# gpu_weight_update.{json,png}, phase_logs.txt (tails of every phase / server log).
+cd "$(dirname "$0")/../.." || exit 1
+T0=$(date +%s)
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+DEADLINE=${DEADLINE:-540}
+WHAT=${WHAT:-throughput}
+left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
+LOGS=/tmp/bench-logs; mkdir -p $LOGS
+exec > >(tee -a "$OUT/run.log") 2>&1
+{ nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -V; } > "$OUT/setup.log" 2>&1
+cat "$OUT/setup.log"
+
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
+       HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+MODEL=${MODEL:-/tmp/q05}   # kept when already built (a warm machine keeps /tmp)
+# the model builds on the GPU (torch + transformers of the image: not /tmp/site, half unpacked meanwhile)
+[ -f $MODEL/config.json ] || (PYTHONPATH=$PWD python3 bench/make_tiny_model.py $MODEL --preset qwen05 --device cuda > $LOGS/q05.log 2>&1 && echo "built qwen05 after $(( $(date +%s) - T0 ))s" || echo "qwen05 build FAILED") &
+BUILD=$!   # waited for by pid: a bare `wait` would also wait for the tee above, forever
+if [ ! -f /tmp/site/.bench-unpacked ]; then
+  mkdir -p /tmp/site
+  xz -T0 -dc .device/vllm-bundle/vllm-0.24.0-sm90-py312.tar.xz | tar -x -C /tmp/site || { echo "bundle unpack FAILED"; exit 1; }
+  for w in .device/bench-whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site || echo "wheel $w FAILED"; done
+  touch /tmp/site/.bench-unpacked
+fi
+echo "unpacked after $(( $(date +%s) - T0 ))s"
+wait $BUILD
+[ -f $MODEL/config.json ] || { tail -20 $LOGS/q05.log; exit 1; }
+python3 -c "import vllm, uvicorn, structlog, prometheus_fastapi_instrumentator, model_hosting_container_standards.sagemaker, watchfiles, aiohttp; print('imports ok: vllm', vllm.__version__)" 2>&1 | tail -3
+
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+tp_budget() { if [ "$WHAT" = all ]; then echo $(( ($(left) - 30) * 3 / 5 )); else echo $(( $(left) - 30 )); fi; }
+if [ "$WHAT" = throughput ] || [ "$WHAT" = all ]; then
+  B=$(tp_budget)
+  echo "== gpu_throughput (budget ${B}s)"
+  timeout -k 15 $(( B + 20 )) python3 -m bench.gpu_throughput --model $MODEL --out-dir "$OUT" --log-dir $LOGS/tp \
+      --budget-s $B $TP_ARGS > $LOGS/gpu_throughput.out 2>&1
+  echo "gpu_throughput rc=$? after $(( $(date +%s) - T0 ))s"; grep -E "^\[|^wrote" $LOGS/gpu_throughput.out
+fi
+if [ "$WHAT" = weights ] || [ "$WHAT" = all ]; then
+  B=$(( $(left) - 30 ))
+  N=""; [ -n "$NCCL" ] && [ "$NGPU" -ge 2 ] && N=--nccl
+  echo "== gpu_weight_update $N (budget ${B}s, $NGPU GPU(s))"
+  timeout -k 15 $(( B + 20 )) python3 -m bench.gpu_weight_update --model $MODEL --out-dir "$OUT" --log-dir $LOGS/wu \
+      --budget-s $B $N $WU_ARGS > $LOGS/gpu_weight_update.out 2>&1
+  echo "gpu_weight_update rc=$? after $(( $(date +%s) - T0 ))s"; grep -E "^\[|^wrote" $LOGS/gpu_weight_update.out
+fi
+# every phase / server / engine log, tailed into one file (the 8-file limit)
+for f in $(find $LOGS -type f -name "*.log" -o -type f -name "*.out" | sort); do
+  echo "===== $f"; tail -c 4000 "$f"; echo
+done > "$OUT/phase_logs.txt" 2>&1
+echo "== done after $(( $(date +%s) - T0 ))s"
+# the tables last
+[ -f "$OUT/gpu_throughput.json" ] && python3 -m bench.gpu_throughput --plot-from "$OUT/gpu_throughput.json" 2>&1 | grep -v "^wrote"
+[ -f "$OUT/gpu_weight_update.json" ] && python3 -m bench.gpu_weight_update --plot-from "$OUT/gpu_weight_update.json" 2>&1 | grep -v "^wrote"
+exit 0

@@ -1,0 +1,47 @@
+"""The GPU benchmarks' CPU dry run (bench/gpu_throughput.py, bench/gpu_weight_update.py
+with --cpu): the phase machinery, launch.py, the rollout-bus paths and the JSON are
+real (torch backend, tiny model); the vLLM paths are skipped with a reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import ROOT, child_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+
+
+def _run(module: str, out: str, *args: str) -> dict:
+    p = subprocess.run([sys.executable, "-m", module, "--cpu", "--out-dir", out, *args], cwd=ROOT,
+                       env=child_env(ROLLOUT_BUS_LOG_LEVEL="WARNING"), capture_output=True, text=True, timeout=80)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(Path(out, module.split(".")[-1] + ".json").read_text())
+
+
+def test_gpu_throughput_dry_run(tmp_path):
+    doc = _run("bench.gpu_throughput", str(tmp_path), "--prompts", "6", "--max-tokens", "5", "--warmup-n", "2",
+               "--ttft-n", "2", "--ttft-rounds", "1")
+    runs = {r["path"]: r for r in doc["runs"]}
+    assert all("vLLM" in runs[p]["skipped"] for p in ("llm", "asyncllm", "http"))
+    rb = runs["rb"]
+    assert rb["ok"], rb.get("error")
+    for mode in ("generate batch", "6 AsyncClient streams"):
+        m = rb["modes"][mode]
+        assert m["tokens"] == m["expected_tokens"] == 30 and m["errors"] == 0 and m["tokens_per_s"] > 0
+    assert rb["ttft"]["n"] == 2 and rb["ttft"]["p50_ms"] > 0
+
+
+def test_gpu_weight_update_dry_run(tmp_path):
+    doc = _run("bench.gpu_weight_update", str(tmp_path), "--streams", "2", "--updates", "1", "--gap-s", "0.1")
+    ipc = doc["ipc"]
+    assert ipc["ok"], ipc.get("error")
+    assert [u.get("error") for u in ipc["updates"]] == [None, None]
+    assert [u["weight_version"] for u in ipc["updates"]] == [1, 2]
+    assert all(u["first_token_ms"] is not None for u in ipc["updates"])
+    assert ipc["load"]["stream_errors"] == 0 and ipc["floor"]["bytes"] == ipc["bytes"] > 0
+    assert "skipped" in doc["nccl"]
