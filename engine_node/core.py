@@ -160,9 +160,13 @@ class RequestCore:
         self.outbox.by_peer.pop(peer, None)
 
     def on_step(self, outs: list[StepOutput]) -> None:
-        """One backend step's outputs (hot path: O(1) per output)."""
-        self._emit(outs)
-        self.steps += 1
+        """One backend step's outputs (hot path: O(1) per output). Only a step
+        that produced something counts: the head's stall detector reads this
+        counter, and an empty step (a backend waiting for output, or for a
+        control op that holds the model) is not progress."""
+        if outs:
+            self._emit(outs)
+            self.steps += 1
 
     def step_failed(self, e: BaseException) -> None:
         """The backend's step raised: fail what runs, keep serving."""

@@ -63,7 +63,6 @@ import concurrent.futures
 import dataclasses
 import gc
 import threading
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -241,6 +240,7 @@ class TorchBackend:
         self._op_timeout_s = float(op_timeout_s)
         self._fault_delay = {str(k): float(v) for k, v in (fault_op_delay_s or {}).items()}
         self._model_lock = threading.Lock()
+        self._closing = threading.Event()
         # ONE worker for every long op: ops run in submission order.
         self._ops = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-backend-op")
         self._announced_metas: list[Any] = []
@@ -408,8 +408,8 @@ class TorchBackend:
                 return
             try:
                 with self._model_lock:
-                    if delay:
-                        time.sleep(delay)  # test-only fault injection (fault_op_delay_s)
+                    if delay:  # test-only fault injection (fault_op_delay_s); close() cuts it short
+                        self._closing.wait(delay)
                     if self._closed:
                         raise BackendError(f"torch backend closed before {what} ran")
                     res = fn(*args, **kwargs)
@@ -687,6 +687,7 @@ class TorchBackend:
         if self._closed:
             return
         self._closed = True
+        self._closing.set()
         self._ops.shutdown(wait=False, cancel_futures=True)
         # A running op holds the model: give it a moment, then tear down anyway
         # (the process is exiting; the op's result is dropped).
