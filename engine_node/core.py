@@ -289,13 +289,13 @@ class RequestCore:
             finish = out.finish_reason
             if toks:
                 room = req.msg.params.max_tokens - len(s.tokens)
-                if len(toks) >= room:  # a backend never gets to exceed max_tokens
-                    if len(toks) > room or finish is None:
-                        toks = toks[:room]
-                        if finish not in _CLIENT_FINISH:
-                            if finish is None:
-                                self.backend.abort([out.seq_id])
-                            finish = "length"
+                if len(toks) >= room:
+                    # max_tokens is the node's promise: a backend that hands over
+                    # more (or reaches it without finishing) is cut off here.
+                    toks = toks[:room]
+                    if finish is None:
+                        self.backend.abort([out.seq_id])
+                        finish = "abort"  # -> _backend_ended: natural finish
                 if not req.msg.stream:
                     marks = s.version_marks
                     if not marks or marks[-1][1] != version:
@@ -334,13 +334,15 @@ class RequestCore:
             self._fail(req, ErrorCode.INTERNAL, f"backend on {self.engine_id} ended sample {s.index} with {reason!r}")
 
     def _natural_finish(self, req: NodeRequest, s: Sample) -> str | None:
+        # Stop before length, as the backends decide it: a last token that is
+        # both the max_tokens-th and a stop token finished with "stop".
         p = req.msg.params
-        if len(s.tokens) >= p.max_tokens:
-            return "length"
         if s.tokens and len(s.tokens) > req.msg.resume_len:
             last = s.tokens[-1]
             if last in p.stop_token_ids or (not p.ignore_eos and last in self.eos):
                 return "stop"
+        if len(s.tokens) >= p.max_tokens:
+            return "length"
         return None
 
     def _send_chunk(self, req: NodeRequest, s: Sample, finish: str | None) -> None:
