@@ -31,6 +31,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from typing import Any, Callable
 
 import structlog
@@ -79,8 +80,6 @@ class EngineNode:
         self.backend = backend
         self.info = backend.info()
         self.engine_id = cfg.engine_id
-        import uuid
-
         self.incarnation = uuid.uuid4().hex[:12]
         self.lifecycle = Lifecycle.STARTING
         self.ctx = ctx or zmq.Context()
@@ -434,9 +433,7 @@ class EngineNode:
             self.updates.on_bucket(msg.update_id, msg.bucket, buffers[0].buffer)
         except (BackendError, ValueError) as e:
             ack = P.WeightBucketAck(update_id=msg.update_id, bucket=msg.bucket, ok=False, error=f"{self.engine_id}: {e}")
-            cur = self.updates.current
-            if cur is not None and cur.update_id == msg.update_id:
-                self.updates._abort(str(e))
+            self.updates.abort_current(msg.update_id, str(e))
         self._send(self.weights, peer, ack)
 
     # ------------------------------------------------------------ control plane

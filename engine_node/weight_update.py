@@ -180,6 +180,11 @@ class WeightUpdates:
             return result
         return Pending(bop, lambda _r: {"weight_version": self.core.weight_version})
 
+    def abort_current(self, update_id: str, why: str) -> None:
+        """A bucket was refused: the update it belongs to is over."""
+        if self.current is not None and self.current.update_id == update_id:
+            self._abort(why)
+
     # ------------------------------------------------------------ internals
 
     def _require(self, update_id: str) -> WeightUpdate:

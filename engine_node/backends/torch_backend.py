@@ -565,7 +565,11 @@ class TorchBackend:
         shared unpacker, each tensor cloned once."""
         if self._announced is None:
             raise BackendError("stage_bucket without begin_weight_update")
-        self.stage_weights(unpack_bucket(bucket, self._announced_metas, data))
+        try:
+            named = unpack_bucket(bucket, self._announced_metas, data)
+        except ValueError as e:
+            raise WeightUpdateError(str(e), field="bucket") from None
+        self.stage_weights(named)
 
     def stage_weights(self, named: list[tuple[str, Any]]) -> None:
         if self._announced is None:
