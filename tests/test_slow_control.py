@@ -90,3 +90,26 @@ def test_a_40s_commit_keeps_the_engine_healthy_busy_and_serving(cluster_factory,
     assert probe.stats()["counters"]["failovers"] == 0
     assert all(v["healthy"] and not v.get("busy") for v in engines().values())
     assert {e["weight_version"] for e in probe.engines()} == {1}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_op_past_its_deadline_acks_a_timeout_naming_the_knob(cluster_factory, tiny_model, tmp_path):
+    """The node's backstop: a BackendOp still running at its deadline is acked
+    as a timeout naming the backend knob; the engine keeps serving and later
+    commands run."""
+    from bus.errors import ControlError
+    from engine_node.tiny_model import make_random_lora
+
+    lora = make_random_lora(tiny_model, str(tmp_path / "l"), seed=1)
+    cl = cluster_factory(1, backend_options={"op_timeout_s": 1.0, "fault_op_delay_s": {"load_lora": 4.0}})
+    cl.wait_ready(1)
+    c = cl.client(control_timeout_s=20)
+    t0 = time.monotonic()
+    with pytest.raises(ControlError, match="op_timeout_s") as e:
+        c.load_lora("slow", path=lora)
+    assert 0.9 < time.monotonic() - t0 < 4.0  # the deadline, not the op, ended the wait
+    assert "e0" in e.value.errors
+    out = c.generate([5, 6, 7], {**GREEDY, "max_tokens": 4})  # still serving
+    assert len(out.token_ids) == 4
+    assert set(c.control(P.Ping())) == {"e0"}
