@@ -431,7 +431,9 @@ class EngineNode:
             if not buffers:
                 raise BackendError(f"bucket {msg.bucket} of update {msg.update_id} has no data frame")
             self.updates.on_bucket(msg.update_id, msg.bucket, buffers[0].buffer)
-        except (BackendError, ValueError) as e:
+        except Exception as e:  # refused (BackendError/ValueError) or a bug: answer it, keep serving
+            if not isinstance(e, (BackendError, ValueError)):
+                self.log.exception("weight_bucket_crashed", update_id=msg.update_id, bucket=msg.bucket)
             ack = P.WeightBucketAck(update_id=msg.update_id, bucket=msg.bucket, ok=False, error=f"{self.engine_id}: {e}")
             self.updates.abort_current(msg.update_id, str(e))
         self._send(self.weights, peer, ack)
