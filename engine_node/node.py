@@ -24,7 +24,6 @@ op's future completes, or a BackendTimeout naming the knob when
 
 from __future__ import annotations
 
-import collections
 import enum
 import os
 import signal
@@ -32,7 +31,8 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 import zmq
@@ -42,18 +42,16 @@ from bus.codec import Codec, request_id_of
 from bus.errors import BadRequest, ErrorCode, ProtocolError, RolloutBusError
 from bus.sockets import CONTROL_HWM, CurveKeys, bound_address, make_socket
 from bus.validate import check_generate, prompt_from_frames
-from engine_node.backend import Backend, BackendError, BackendTimeout, load_backend
+from engine_node.backend import Backend, BackendError, load_backend
 from engine_node.config import EngineNodeConfig
-from engine_node.core import DEFERRED, Pending, RequestCore
+from engine_node.control import ControlRunner
+from engine_node.core import Pending, RequestCore
 from engine_node.weight_update import WeightUpdates
 
 log = structlog.get_logger("engine_node")
 
 _MAX_BATCH_RECV = 256  # messages read per socket per loop turn (fairness)
 _TICK_S = 0.05  # heartbeat snapshot, deadlines, op deadlines
-_ACK_CACHE = 4096
-# Answered at once even while a long op runs: they change nothing.
-_READ_ONLY = frozenset({P.Ping, P.Stats, P.IsPaused})
 
 
 class Lifecycle(enum.Enum):
@@ -61,17 +59,6 @@ class Lifecycle(enum.Enum):
     SERVING = "serving"
     DRAINING = "draining"  # SIGTERM: no new requests, running ones may finish
     STOPPED = "stopped"
-
-
-def ack_error_of(e: BaseException) -> tuple[str, str, str | None]:
-    """(code, message, field) of a failed control op: typed, never parsed from text."""
-    if isinstance(e, BackendTimeout):
-        return ErrorCode.TIMEOUT.value, str(e), e.field
-    if isinstance(e, RolloutBusError):
-        return e.code.value, e.message, e.field
-    if isinstance(e, (BackendError, ValueError)):  # a refusal of bad input
-        return ErrorCode.BAD_REQUEST.value, str(e), getattr(e, "field", None)
-    return ErrorCode.INTERNAL.value, f"{type(e).__name__}: {e}", None
 
 
 class EngineNode:
@@ -88,7 +75,7 @@ class EngineNode:
         self.log = log.bind(engine_id=self.engine_id)
 
         curve = CurveKeys.load(cfg.curve_dir) if cfg.curve_dir else None
-        tcp = lambda a: a.startswith("tcp://")  # noqa: E731
+        tcp = lambda a: a.startswith("tcp://")
         self.data = make_socket(
             self.ctx, zmq.ROUTER, bind=cfg.data_address, curve=curve if tcp(cfg.data_address) else None, curve_server=True
         )
@@ -117,14 +104,9 @@ class EngineNode:
         )
         self.data_address = self._advertised(bound_address(self.data))
         self.weight_address = self._advertised(bound_address(self.weights))
-        # Wake pipe: op done-callbacks (any thread) write a byte; the poller sees it.
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
         self.poller = zmq.Poller()
         for s in (self.data, self.weights, self.sub, self.events):
             self.poller.register(s, zmq.POLLIN)
-        self.poller.register(self._wake_r, zmq.POLLIN)
         self._backend_fd = backend.wake_fd()
         if self._backend_fd is not None:
             self.poller.register(self._backend_fd, zmq.POLLIN)
@@ -141,12 +123,8 @@ class EngineNode:
         self.updates = WeightUpdates(backend, self.core, self.engine_id, self.weight_address)
         self.updates.log_aborted = lambda uid, why: self.log.info("weight_update_aborted", update_id=uid, reason=why)
 
-        # -- control state
-        self._acks: collections.OrderedDict[int, P.Ack | None] = collections.OrderedDict()
-        self._queue: collections.deque[P.Command] = collections.deque()  # state-changing, not started
-        self._busy: tuple[P.Command, Pending] | None = None  # the op in progress
         self._registered = False
-        self._op_handlers: dict[type, Callable[[Any, int], Any]] = {
+        handlers: dict[type, Callable[[Any, int], Any]] = {
             P.Ping: self._op_ping,
             P.Pause: self.core.pause,
             P.Resume: self.core.resume,
@@ -162,6 +140,17 @@ class EngineNode:
             P.UnloadLora: self._op_unload_lora,
             P.Stats: self._op_stats,
         }
+        # Control: commands in order, long ops without blocking; its wake pipe
+        # (op done-callbacks write to it from any thread) is in the poller.
+        self.control = ControlRunner(
+            self.engine_id,
+            handlers,
+            lambda ack: self.events.send_multipart(self.codec.encode(ack)),
+            on_busy_change=self._refresh_heartbeat,
+            before_complete=lambda: self.core.set_time(time.monotonic(), time.time()),
+            log=self.log,
+        )
+        self.poller.register(self.control.wake_fd, zmq.POLLIN)
         self._data_handlers: dict[type, Callable[[bytes, Any, list[Any]], None]] = {
             P.Generate: self._on_generate,
             P.Cancel: self._on_cancel,
@@ -214,8 +203,9 @@ class EngineNode:
             handler = self._socket_handlers.get(sock)
             if handler is not None:
                 self._drain(sock, handler)
-            elif sock == self._wake_r:
-                self._on_wake()
+            elif sock == self.control.wake_fd:
+                self.control.on_wake()
+                self._flush()
             # the backend's wake fd needs no read here: step() drains it
         now = time.monotonic()
         core.set_time(now, time.time())
@@ -237,13 +227,13 @@ class EngineNode:
 
     def _flush(self) -> None:
         for seq, ok, result, error, code in self.core.take_acks():
-            self._ack(seq, ok=ok, result=result, error=error, code=code)
+            self.control.ack(seq, ok=ok, result=result, error=error, code=code)
         for peer, msg, buffers in self.core.take_sends():
             self._send_data(peer, msg, buffers)
 
     def _tick(self, now: float) -> None:
         self.core.tick(now, time.time())
-        self._check_op_deadline(now)
+        self.control.check_deadline(now)
         self._snapshot = self._make_heartbeat()
         self._snapshot_at = now
         if not self._registered:
@@ -280,11 +270,7 @@ class EngineNode:
         try:
             self.backend.close()
         finally:
-            for fd in (self._wake_r, self._wake_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            self.control.close()
             if self._own_ctx:
                 self.ctx.term()
         self.log.info("engine_stopped")
@@ -336,9 +322,12 @@ class EngineNode:
             incarnation=self.incarnation,
             kv_usage=kv,
             loras=self.backend.loras(),
-            busy=P.OP_NAMES[type(self._busy[0].op)] if self._busy else "",
+            busy=self.control.busy_name,
             **self.core.counters(),
         )
+
+    def _refresh_heartbeat(self) -> None:
+        self._snapshot = self._make_heartbeat()
 
     def _work_appeared(self) -> None:
         """The heartbeat must show work before the loop enters a step that may
@@ -448,121 +437,8 @@ class EngineNode:
             return
         if not isinstance(cmd, P.Command) or (cmd.targets is not None and self.engine_id not in cmd.targets):
             return
-        if cmd.seq in self._acks:  # republished: answer from the cache, never re-run
-            cached = self._acks[cmd.seq]
-            if cached is not None:
-                self.events.send_multipart(self.codec.encode(cached))
-            return
-        self._acks[cmd.seq] = None  # in progress: a republication is ignored
-        while len(self._acks) > _ACK_CACHE:
-            self._acks.popitem(last=False)
-        if type(cmd.op) in _READ_ONLY:
-            self._start(cmd)
-        else:
-            self._queue.append(cmd)
-            self._pump()
-
-    def _pump(self) -> None:
-        """Start queued commands, in order, until one leaves an op running."""
-        while self._busy is None and self._queue:
-            self._start(self._queue.popleft())
+        self.control.on_command(cmd)
         self._flush()
-
-    def _start(self, cmd: P.Command) -> None:
-        op_name = P.OP_NAMES[type(cmd.op)]
-        try:
-            result = self._op_handlers[type(cmd.op)](cmd.op, cmd.seq)
-        except Exception as e:
-            self._op_failed(cmd, op_name, e)
-            return
-        if result is DEFERRED:
-            return  # the core acks it (pause wait)
-        if isinstance(result, Pending):
-            if result.op.future.done():
-                self._complete(cmd, result)
-            else:
-                self._busy = (cmd, result)
-                self._snapshot = self._make_heartbeat()  # show busy before the next beat
-                self.log.info("op_started", op=op_name, seq=cmd.seq)
-                result.op.future.add_done_callback(self._wake)
-            return
-        self._ack(cmd.seq, ok=True, result=result or {})
-
-    def _wake(self, _f: Any) -> None:
-        # Any thread: only a byte into the pipe (a full pipe already wakes us).
-        try:
-            os.write(self._wake_w, b"!")
-        except (BlockingIOError, OSError):
-            pass
-
-    def _on_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-        if self._busy is not None and self._busy[1].op.future.done():
-            cmd, pending = self._busy
-            self._busy = None
-            self._complete(cmd, pending)
-            self._snapshot = self._make_heartbeat()
-        self._pump()
-
-    def _complete(self, cmd: P.Command, pending: Pending) -> None:
-        op_name = P.OP_NAMES[type(cmd.op)]
-        self.core.set_time(time.monotonic(), time.time())
-        try:
-            result = pending.then(pending.op.future.result())
-        except BaseException as e:
-            if pending.on_error is not None:
-                try:
-                    pending.on_error(e)
-                except Exception:
-                    self.log.exception("op_rollback_failed", op=op_name)
-            self._op_failed(cmd, op_name, e)
-            return
-        self._ack(cmd.seq, ok=True, result=result or {})
-
-    def _check_op_deadline(self, now: float) -> None:
-        if self._busy is None:
-            return
-        cmd, pending = self._busy
-        if pending.op.future.done() or now <= pending.op.deadline:
-            return
-        # The backend's own deadline should have fired first; this is the
-        # backstop. The op may still finish later: its result is dropped.
-        self._busy = None
-        err = pending.op.timeout_error()
-        if pending.on_error is not None:
-            try:
-                pending.on_error(err)
-            except Exception:
-                self.log.exception("op_rollback_failed", op=pending.op.what)
-        self._op_failed(cmd, P.OP_NAMES[type(cmd.op)], err)
-        self._pump()
-
-    def _op_failed(self, cmd: P.Command, op_name: str, e: BaseException) -> None:
-        code, message, field = ack_error_of(e)
-        if code == ErrorCode.INTERNAL.value:
-            self.log.error("op_crashed", op=op_name, error=message, exc_info=e)
-        else:
-            self.log.warning("op_failed", op=op_name, error=message, code=code)
-        self._ack(cmd.seq, ok=False, error=message, code=code, field=field)
-
-    def _ack(
-        self,
-        seq: int,
-        *,
-        ok: bool,
-        result: dict | None = None,
-        error: str | None = None,
-        code: str | None = None,
-        field: str | None = None,
-    ) -> None:
-        ack = P.Ack(seq=seq, engine_id=self.engine_id, ok=ok, result=result or {}, error=error, code=code, field=field)
-        if seq in self._acks:
-            self._acks[seq] = ack
-        self.events.send_multipart(self.codec.encode(ack))
 
     # -- ops that belong to the shell
 

@@ -10,8 +10,8 @@ from bus import protocol as P
 from bus.errors import BadRequest
 from bus.tensors import pack_bucket, plan_buckets
 from engine_node.backend import BackendError, BackendTimeout
+from engine_node.control import ack_error_of
 from engine_node.core import Pending, RequestCore
-from engine_node.node import ack_error_of
 from engine_node.weight_update import Phase, WeightUpdates
 from tests.scripted_backend import ScriptedBackend
 
@@ -88,7 +88,7 @@ def test_a_new_begin_supersedes_the_open_update() -> None:
 
 
 def test_lora_target_keeps_clones_and_commits_as_a_load() -> None:
-    b, core, up = _txn()
+    _b, core, up = _txn()
     a = torch.arange(8, dtype=torch.float32).reshape(2, 4)
     metas, sizes, ts = plan_buckets([("x.lora_A.weight", a)])
     buf = bytearray(pack_bucket(0, metas, sizes, ts).numpy().tobytes())
