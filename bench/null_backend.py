@@ -292,7 +292,7 @@ class NullBackend:
 
     def _stage(self, named: list[tuple[str, Any]]) -> None:
         if self._wu_expect is None:
-            raise BackendError("stage_weights without begin_weight_update")
+            raise BackendError("stage_bucket without begin_weight_update")
         for name, t in named:
             exp = self._wu_expect.get(name)
             if exp is None:

@@ -20,8 +20,9 @@ of engine_node/backend.py:
   ends the sequence with "stop" and IS part of the output (as vLLM keeps eos
   ids in output_token_ids); max_new_tokens ends it with "length".
 - Weight updates over the `zmq` transport: begin (validate every name, dtype,
-  shape) → stage (clone) → finish (copy everything at once). Nothing touches
-  the model before finish, and finish validates before its first copy.
+  shape) → stage_bucket (unpack the raw frame, clone once) → commit (copy
+  everything at once, on the worker thread). Nothing touches the model before
+  the commit, and the commit validates before its first copy.
 - LoRA without peft (engine_node.lora_local): forward hooks apply the adapter
   of whichever sequence is being stepped.
 - sleep(1): drop KV caches; on a GPU also move the weights to a CPU copy (on CPU
@@ -569,11 +570,11 @@ class TorchBackend:
             named = unpack_bucket(bucket, self._announced_metas, data)
         except ValueError as e:
             raise WeightUpdateError(str(e), field="bucket") from None
-        self.stage_weights(named)
+        self._stage_named(named)
 
-    def stage_weights(self, named: list[tuple[str, Any]]) -> None:
+    def _stage_named(self, named: list[tuple[str, Any]]) -> None:
         if self._announced is None:
-            raise BackendError("stage_weights without begin_weight_update")
+            raise BackendError("stage_bucket without begin_weight_update")
         for name, value in named:
             if name not in self._announced:
                 raise WeightUpdateError(f"tensor {name!r} was not announced by begin_weight_update")
@@ -598,7 +599,7 @@ class TorchBackend:
     def _commit(self) -> dict[str, Any]:
         """All or nothing: every check happens before the first copy."""
         if self._announced is None:
-            raise BackendError("finish_weight_update without begin_weight_update")
+            raise BackendError("commit_weight_update without begin_weight_update")
         missing = sorted(set(self._announced) - set(self._staged))
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
