@@ -19,6 +19,8 @@ Behaviour
 - Logprobs are 0.0 when asked. Seeds are ignored (the output is deterministic).
 - freeze/thaw per sequence (granularity "seq"); abort returns nothing (no
   output is ever buffered between steps).
+- Every control call is bookkeeping and returns a finished BackendOp
+  (`BackendOp.done`, or `BackendOp.failed` on a refusal).
 - sleep/wake_up are no-ops that report 0 bytes; weight updates (transport
   "zmq" only) validate names/shapes/dtypes/sizes and count bytes; LoRA is
   bookkeeping only.
@@ -36,7 +38,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from engine_node.backend import BackendError, BackendInfo, SeqRequest, StepOutput
+from bus.tensors import unpack_bucket
+from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput
 
 _ITEMSIZE = {
     "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8, "double": 8,
@@ -118,6 +121,7 @@ class NullBackend:
         # weight update transaction
         self._wu_expect: dict[str, tuple[str, tuple[int, ...], int]] | None = None
         self._wu_staged: dict[str, int] = {}
+        self._wu_metas: list[Any] = []
         self._weight_updates = 0
         self._weight_bytes = 0
         # counters
@@ -142,11 +146,11 @@ class NullBackend:
         if seq.seq_id in self._seqs:
             raise BackendError(f"duplicate seq_id {seq.seq_id!r}")
         if not seq.prompt:
-            raise BackendError("empty prompt")
+            raise BackendError("empty prompt", field="prompt_token_ids")
         if seq.max_new_tokens < 1:
-            raise BackendError(f"max_new_tokens must be >= 1, got {seq.max_new_tokens}")
+            raise BackendError(f"max_new_tokens must be >= 1, got {seq.max_new_tokens}", field="params.max_tokens")
         if seq.lora is not None and seq.lora not in self._loras:
-            raise BackendError(f"LoRA adapter {seq.lora!r} is not loaded")
+            raise BackendError(f"LoRA adapter {seq.lora!r} is not loaded", field="lora")
         p = seq.params
         stop = set(p.stop_token_ids or ())
         if not p.ignore_eos:
@@ -214,36 +218,50 @@ class NullBackend:
     def num_running(self) -> int:
         return len(self._seqs)
 
-    def freeze(self, seq_ids: Iterable[str]) -> None:
+    def freeze(self, seq_ids: Iterable[str]) -> BackendOp:
         for sid in seq_ids:
             s = self._seqs.get(sid)
             if s is not None and not s.frozen:
                 s.frozen = True
                 self._runnable -= 1
+        return BackendOp.done("freeze")
 
-    def thaw(self, seq_ids: Iterable[str]) -> None:
+    def thaw(self, seq_ids: Iterable[str]) -> BackendOp:
         for sid in seq_ids:
             s = self._seqs.get(sid)
             if s is not None and s.frozen:
                 s.frozen = False
                 self._runnable += 1
+        return BackendOp.done("thaw")
 
     # ---------------------------------------------------------------- memory
-    def sleep(self, level: int) -> dict[str, Any]:
+    def sleep(self, level: int) -> BackendOp:
         if level not in (1, 2):
-            raise BackendError(f"sleep level must be 1 or 2, got {level}")
+            return BackendOp.failed("sleep", BackendError(f"sleep level must be 1 or 2, got {level}", field="level"))
         self._sleeping = level
-        return {"level": level, "freed_bytes": 0, "backend": "null"}
+        return BackendOp.done("sleep", {"level": level, "freed_bytes": 0, "backend": "null"})
 
-    def wake_up(self, tags: list[str] | None) -> dict[str, Any]:
+    def wake_up(self, tags: list[str] | None) -> BackendOp:
         self._sleeping = 0
-        return {"tags": list(tags) if tags else ["weights", "kv_cache"], "restored_bytes": 0, "backend": "null"}
+        return BackendOp.done(
+            "wake_up", {"tags": list(tags) if tags else ["weights", "kv_cache"], "restored_bytes": 0, "backend": "null"}
+        )
 
-    def reset_prefix_cache(self) -> None:
-        return None
+    def reset_prefix_cache(self) -> BackendOp:
+        return BackendOp.done("reset_prefix_cache")
 
     # --------------------------------------------------------------- weights
-    def begin_weight_update(self, transport: str, tensors: list[Any], args: dict[str, Any]) -> None:
+    def begin_weight_update(self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]) -> BackendOp:
+        # A begin while another is open replaces it (the node aborts first).
+        self._wu_expect = None
+        try:
+            self._begin(transport, tensors)
+        except (BackendError, ValueError) as e:
+            return BackendOp.failed("begin_weight_update", e)
+        self._wu_metas = list(tensors)
+        return BackendOp.done("begin_weight_update")
+
+    def _begin(self, transport: str, tensors: list[Any]) -> None:
         if transport != "zmq":
             raise BackendError(f"null backend: transport {transport!r} unsupported (only 'zmq')")
         if self._wu_expect is not None:
@@ -267,9 +285,14 @@ class NullBackend:
         self._wu_expect = expect
         self._wu_staged = {}
 
-    def stage_weights(self, named: list[tuple[str, Any]]) -> None:
+    def stage_bucket(self, bucket: int, data: memoryview) -> None:
         if self._wu_expect is None:
-            raise BackendError("stage_weights without begin_weight_update")
+            raise BackendError("stage_bucket without begin_weight_update")
+        self._stage(unpack_bucket(bucket, self._wu_metas, data))
+
+    def _stage(self, named: list[tuple[str, Any]]) -> None:
+        if self._wu_expect is None:
+            raise BackendError("stage_bucket without begin_weight_update")
         for name, t in named:
             exp = self._wu_expect.get(name)
             if exp is None:
@@ -279,21 +302,28 @@ class NullBackend:
                 raise ValueError(f"tensor {name!r}: got {dtype} {list(shape)}, announced {exp[0]} {list(exp[1])}")
             self._wu_staged[name] = _nbytes(t)
 
-    def receive_weights(self, update_id: str, handles: list[Any]) -> dict[str, Any]:
-        raise BackendError("null backend: GPU weight transports (cuda_ipc, nccl) are unsupported")
+    def receive_weights(self, handles: list[Any]) -> BackendOp:
+        return BackendOp.failed(
+            "receive_weights", BackendError("null backend: GPU weight transports (cuda_ipc, nccl) are unsupported", field="transport")
+        )
 
-    def finish_weight_update(self) -> None:
+    def commit_weight_update(self) -> BackendOp:
         if self._wu_expect is None:
-            raise BackendError("finish_weight_update without begin_weight_update")
+            return BackendOp.failed("commit_weight_update", BackendError("commit_weight_update without begin_weight_update"))
         missing = sorted(set(self._wu_expect) - set(self._wu_staged))
         if missing:
-            raise BackendError(f"weight update incomplete: {len(missing)} tensor(s) never received, e.g. {missing[0]!r}")
+            return BackendOp.failed(
+                "commit_weight_update",
+                BackendError(f"weight update incomplete: {len(missing)} tensor(s) never received, e.g. {missing[0]!r}"),
+            )
         self._weight_bytes += sum(self._wu_staged.values())
         self._weight_updates += 1
         self._wu_expect, self._wu_staged = None, {}
+        return BackendOp.done("commit_weight_update")
 
-    def abort_weight_update(self) -> None:
+    def abort_weight_update(self) -> BackendOp:
         self._wu_expect, self._wu_staged = None, {}
+        return BackendOp.done("abort_weight_update")
 
     # ------------------------------------------------------------------ LoRA
     def load_lora(
@@ -303,20 +333,22 @@ class NullBackend:
         path: str | None = None,
         tensors: list[tuple[str, Any]] | None = None,
         config: dict[str, Any] | None = None,
-    ) -> None:
+    ) -> BackendOp:
         if not name:
-            raise BackendError("LoRA name must be non-empty")
+            return BackendOp.failed("load_lora", BackendError("LoRA name must be non-empty", field="name"))
         if path is None and tensors is None:
-            raise BackendError(f"load_lora({name!r}): give a path or staged tensors")
+            return BackendOp.failed("load_lora", BackendError(f"load_lora({name!r}): give a path or staged tensors", field="path"))
         nbytes = sum(_nbytes(t) for _, t in tensors) if tensors else 0
         self._loras[name] = {"path": path, "num_tensors": len(tensors or ()), "bytes": nbytes, "config": dict(config or {})}
+        return BackendOp.done("load_lora")
 
-    def unload_lora(self, name: str) -> None:
+    def unload_lora(self, name: str) -> BackendOp:
         if name not in self._loras:
-            raise BackendError(f"LoRA adapter {name!r} is not loaded")
+            return BackendOp.failed("unload_lora", BackendError(f"LoRA adapter {name!r} is not loaded", field="name"))
         if any(s.lora == name for s in self._seqs.values()):
-            raise BackendError(f"LoRA adapter {name!r} has running sequences")
+            return BackendOp.failed("unload_lora", BackendError(f"LoRA adapter {name!r} has running sequences"))
         del self._loras[name]
+        return BackendOp.done("unload_lora")
 
     def loras(self) -> list[str]:
         return sorted(self._loras)

@@ -220,6 +220,7 @@ class Ack(_Msg, tag="ack"):
     result: dict[str, Any] = {}
     error: str | None = None
     code: str | None = None
+    field: str | None = None  # the offending field of a refused op, when known
 
 
 # --------------------------------------------------- client ↔ head control
@@ -300,6 +301,8 @@ class Heartbeat(_Msg, tag="heartbeat"):
     # Bumped by every weight/LoRA change. Acks carry it too, so the head never
     # lets an older heartbeat overwrite what a newer ack told it.
     config_epoch: int = 0
+    # The control op in progress ("" when none): a busy engine is not stalled.
+    busy: str = ""
 
 
 # ------------------------------------------------------ weight socket (zmq)

@@ -22,6 +22,35 @@ class SampleState(enum.Enum):
     DONE = "done"
 
 
+class IllegalTransition(RuntimeError):
+    """A sample state change the lifecycle does not allow: a bug in the core
+    (e.g. a second final chunk for one sample). Raised, never ignored."""
+
+
+_S = SampleState
+# The only sample state changes there are. DONE is terminal: that is what makes
+# "exactly one final chunk per sample" a checked property rather than a hope.
+ALLOWED: frozenset[tuple[SampleState, SampleState]] = frozenset(
+    {
+        (_S.PENDING, _S.RUNNING),  # submitted to the backend
+        (_S.PENDING, _S.DONE),  # cancelled / failed / timed out while held or parked
+        (_S.RUNNING, _S.PENDING),  # parked (pause abort, sleep) or backend-side abort
+        (_S.RUNNING, _S.FROZEN),  # keep-mode pause
+        (_S.RUNNING, _S.DONE),  # finished, cancelled or failed
+        (_S.FROZEN, _S.RUNNING),  # resume (thaw)
+        (_S.FROZEN, _S.PENDING),  # parked while frozen (sleep, abort pause on top of keep)
+        (_S.FROZEN, _S.DONE),  # cancelled / failed while frozen
+    }
+)
+
+
+def transition(s: "Sample", new: SampleState) -> None:
+    """THE way a sample changes state (the core never assigns `state` itself)."""
+    if (s.state, new) not in ALLOWED:
+        raise IllegalTransition(f"sample {s.index}: {s.state.value} -> {new.value} is not allowed")
+    s.state = new
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class Sample:
     index: int  # absolute sample index (Generate.sample_offset + i)

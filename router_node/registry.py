@@ -2,7 +2,8 @@
 
 Health means something: an engine is healthy only when it has joined (acked
 a publication), its heartbeats are fresh, and — when it has runnable work —
-its step counter moves. A paused engine with frozen work is not "stalled".
+its step counter moves. A paused engine with frozen work is not "stalled", nor
+is one whose heartbeat says it is busy with a control op.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class EngineEntry:
         return self.state is EngineState.HEALTHY
 
     def on_heartbeat(self, hb: P.Heartbeat, now: float) -> None:
-        if self.hb is None or hb.steps != self.hb.steps:
+        # A control op in progress (hb.busy) may hold the model for longer than
+        # the stall timeout: that is not a hung loop, so the stall clock restarts.
+        if self.hb is None or hb.steps != self.hb.steps or hb.busy:
             self.steps_changed_at = now
         self.hb = hb
         self.last_seen = now
@@ -69,7 +72,7 @@ class EngineEntry:
         if now - self.last_seen > deadline_s:
             return EngineState.SILENT, f"no heartbeat for {now - self.last_seen:.1f}s (> {deadline_s:.1f}s)"
         hb = self.hb
-        if hb is not None and hb.running > 0 and now - self.steps_changed_at > stall_timeout_s:
+        if hb is not None and hb.running > 0 and not hb.busy and now - self.steps_changed_at > stall_timeout_s:
             return EngineState.STALLED, f"step counter stuck at {hb.steps} for {now - self.steps_changed_at:.1f}s with {hb.running} running (stall_timeout_s={stall_timeout_s})"
         return EngineState.HEALTHY, "ok"
 
@@ -106,6 +109,7 @@ class EngineEntry:
             "sleeping": hb.sleeping if hb else 0,
             "steps": hb.steps if hb else 0,
             "tokens_out": hb.tokens_out if hb else 0,
+            "busy": hb.busy if hb else "",
             "loras": sorted(self.loras),
         }
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from bus.protocol import SamplingParams, TensorMeta
+from bus.tensors import pack_bucket, plan_buckets
 from engine_node import tiny_model
 from engine_node.backend import Backend, BackendError, SeqRequest
 from engine_node.backends.torch_backend import TorchBackend, make_backend, sample_token
@@ -421,11 +422,24 @@ def test_stats(backend: TorchBackend) -> None:
 # ------------------------------------------------------------------ weights
 
 
+def done(op: Any) -> dict[str, Any]:
+    """The result of a BackendOp (raises its error)."""
+    return op.future.result(timeout=60)
+
+
+def _plan(named: list[tuple[str, torch.Tensor]], buckets: int) -> tuple[list[TensorMeta], list[bytes]]:
+    """Bucket plan and the raw bucket bytes, as the bridge sends them over zmq."""
+    total = sum(t.nbytes for _, t in named)
+    ms, sizes, ts = plan_buckets(named, bucket_bytes=max(1, total // buckets))
+    return ms, [pack_bucket(i, ms, sizes, ts).numpy().tobytes() for i in range(len(sizes))]
+
+
 def _update(b: TorchBackend, named: list[tuple[str, torch.Tensor]], buckets: int = 3) -> None:
-    b.begin_weight_update("zmq", metas(named), {})
-    for i in range(buckets):
-        b.stage_weights(named[i::buckets])
-    b.finish_weight_update()
+    ms, bufs = _plan(named, buckets)
+    done(b.begin_weight_update("u", "zmq", ms, {}))
+    for i, buf in enumerate(bufs):
+        b.stage_bucket(i, memoryview(buf))
+    done(b.commit_weight_update())
 
 
 def test_weight_update_matches_reference(backend: TorchBackend, ref_other: Any) -> None:
@@ -437,13 +451,14 @@ def test_weight_update_matches_reference(backend: TorchBackend, ref_other: Any) 
 
 
 def test_weight_update_staging_is_a_copy(backend: TorchBackend, ref_other: Any) -> None:
-    """The node may reuse the bucket buffer after stage_weights returns."""
+    """The frame dies after stage_bucket returns: the backend keeps a copy."""
     named = all_tensors(ref_other)
-    backend.begin_weight_update("zmq", metas(named), {})
-    backend.stage_weights(named)
-    for _, t in named:
-        t.zero_()
-    backend.finish_weight_update()
+    ms, bufs = _plan(named, 1)
+    done(backend.begin_weight_update("u", "zmq", ms, {}))
+    frame = bytearray(bufs[0])
+    backend.stage_bucket(0, memoryview(frame))
+    frame[:] = bytes(len(frame))
+    done(backend.commit_weight_update())
     assert greedy_all(backend, 6)["p0"] == hf_greedy(ref_other, PROMPTS[0], 6)
 
 
@@ -461,45 +476,47 @@ def test_weight_update_bad_meta_refused(backend: TorchBackend, ref_other: Any, b
     else:
         m[i].dtype = "bfloat16"
     with pytest.raises(BackendError, match=r"model\.layers\.[19]\.mlp\.up_proj\.weight") as ei:
-        backend.begin_weight_update("zmq", m, {})
-    assert isinstance(ei.value, ValueError)
+        done(backend.begin_weight_update("u", "zmq", m, {}))
+    assert isinstance(ei.value, ValueError) and ei.value.field == "tensors"
     with pytest.raises(BackendError):
-        backend.stage_weights(named)  # nothing was opened
+        backend.stage_bucket(0, memoryview(b"\0" * 64))  # nothing was opened
     assert greedy_all(backend) == before
 
 
 def test_weight_update_bad_stage_or_missing_leaves_old_weights(backend: TorchBackend, ref_other: Any) -> None:
     before = greedy_all(backend)
     named = all_tensors(ref_other)
-    backend.begin_weight_update("zmq", metas(named), {})
-    with pytest.raises(BackendError, match="lm_head.weight"):
-        backend.stage_weights([("lm_head.weight", torch.zeros(3))])
-    with pytest.raises(BackendError, match="not announced"):
-        backend.stage_weights([("model.norm.bias", torch.zeros(64))])
-    backend.stage_weights(named[:-1])
-    with pytest.raises(BackendError, match=named[-1][0]):
-        backend.finish_weight_update()
+    ms, bufs = _plan(named, 3)
+    done(backend.begin_weight_update("u", "zmq", ms, {}))
+    last = ms[-1]
+    with pytest.raises(BackendError, match=last.name.replace(".", r"\.")):
+        backend.stage_bucket(last.bucket, memoryview(bufs[last.bucket][: last.offset + 1]))  # truncated
+    for i in range(len(bufs) - 1):
+        backend.stage_bucket(i, memoryview(bufs[i]))
+    with pytest.raises(BackendError, match=last.name.replace(".", r"\.")):
+        done(backend.commit_weight_update())
     assert greedy_all(backend) == before
-    backend.abort_weight_update()
+    done(backend.abort_weight_update())
     with pytest.raises(BackendError):
-        backend.finish_weight_update()
+        done(backend.commit_weight_update())
     assert greedy_all(backend) == before
 
 
 def test_weight_update_abort_keeps_old_weights(backend: TorchBackend, ref_other: Any) -> None:
     before = greedy_all(backend)
     named = all_tensors(ref_other)
-    backend.begin_weight_update("zmq", metas(named), {})
-    backend.stage_weights(named)
-    backend.abort_weight_update()
+    ms, bufs = _plan(named, 1)
+    done(backend.begin_weight_update("u", "zmq", ms, {}))
+    backend.stage_bucket(0, memoryview(bufs[0]))
+    done(backend.abort_weight_update())
     assert greedy_all(backend) == before
 
 
 def test_weight_update_transports(backend: TorchBackend) -> None:
     with pytest.raises(BackendError, match="transport 'nccl' not supported by torch backend"):
-        backend.begin_weight_update("nccl", [], {})
+        done(backend.begin_weight_update("u", "nccl", [], {}))
     with pytest.raises(BackendError, match="not supported"):
-        backend.receive_weights("u1", [])
+        done(backend.receive_weights([]))
 
 
 def test_weight_update_accepts_tied_alias(tmp_path: Any) -> None:
@@ -515,18 +532,45 @@ def test_weight_update_accepts_tied_alias(tmp_path: Any) -> None:
         b.close()
 
 
+def test_long_op_runs_on_the_worker_and_never_blocks_step(model_dir: str, ref_other: Any) -> None:
+    """While a commit holds the model, step() returns [] within a few ms and
+    add() still queues; the op's future resolves when it is done."""
+    import time
+
+    b = make_backend(model_dir, fault_op_delay_s={"commit_weight_update": 0.6})
+    try:
+        b.add(seq("a", PROMPTS[0], greedy(5)))
+        ms, bufs = _plan(all_tensors(ref_other), 1)
+        done(b.begin_weight_update("u", "zmq", ms, {}))
+        b.stage_bucket(0, memoryview(bufs[0]))
+        t0 = time.monotonic()
+        op = b.commit_weight_update()
+        assert time.monotonic() - t0 < 0.1 and not op.future.done()
+        assert op.knob == "op_timeout_s" and op.deadline > time.monotonic()
+        time.sleep(0.05)  # the worker has the model now
+        t1 = time.monotonic()
+        assert b.step() == []
+        assert time.monotonic() - t1 < 0.1
+        b.add(seq("b", PROMPTS[1], greedy(5)))  # queues while the op runs
+        assert done(op)["tensors"] == len(ms)
+        res = drain(b, {})
+        assert res["a"].tokens and res["b"].tokens == hf_greedy(ref_other, PROMPTS[1], 5)
+    finally:
+        b.close()
+
+
 # ------------------------------------------------------------------ sleep / wake
 
 
 def test_sleep1_wake_identical(backend: TorchBackend) -> None:
     before = greedy_all(backend)
-    res = backend.sleep(1)
+    res = done(backend.sleep(1))
     assert res["level"] == 1 and res["weights"] == "kept"  # CPU: weights stay
     with pytest.raises(BackendError, match="sleeping"):
         backend.add(seq("x", PROMPTS[0], greedy(3)))
-    woke = backend.wake_up(["kv_cache"])
+    woke = done(backend.wake_up(["kv_cache"]))
     assert woke["sleeping"] == ["weights"]
-    backend.wake_up(None)
+    done(backend.wake_up(None))
     assert backend.stats()["sleeping"] == []
     assert greedy_all(backend) == before
 
@@ -536,12 +580,12 @@ def test_sleep2_discards_updates_and_reloads_checkpoint(backend: TorchBackend, r
     _update(backend, all_tensors(ref_other))
     assert greedy_all(backend) != before
     nbytes = sum(p.nbytes for p in backend.model.parameters())
-    res = backend.sleep(2)
+    res = done(backend.sleep(2))
     assert res["weights"] == "discarded" and res["freed_bytes"] >= nbytes
     assert sum(p.nbytes for p in backend.model.parameters()) == 0
     with pytest.raises(BackendError, match="discarded"):
-        backend.begin_weight_update("zmq", metas(all_tensors(ref_other))[:1], {})
-    woke = backend.wake_up(["weights", "kv_cache"])
+        done(backend.begin_weight_update("u", "zmq", metas(all_tensors(ref_other))[:1], {}))
+    woke = done(backend.wake_up(["weights", "kv_cache"]))
     assert woke["restored_bytes"] == nbytes
     assert greedy_all(backend) == before
 
@@ -549,12 +593,12 @@ def test_sleep2_discards_updates_and_reloads_checkpoint(backend: TorchBackend, r
 def test_sleep_refused_with_sequences(backend: TorchBackend) -> None:
     backend.add(seq("x", PROMPTS[0], greedy(3)))
     with pytest.raises(BackendError, match="1 sequences"):
-        backend.sleep(1)
+        done(backend.sleep(1))
     backend.abort(["x"])
     with pytest.raises(BackendError, match="level"):
-        backend.sleep(3)
+        done(backend.sleep(3))
     with pytest.raises(BackendError, match="unknown wake_up tags"):
-        backend.wake_up(["everything"])
+        done(backend.wake_up(["everything"]))
 
 
 # ------------------------------------------------------------------ LoRA
@@ -599,7 +643,7 @@ def test_make_random_lora_is_peft_format(lora_dirs: list[str]) -> None:
 
 
 def test_lora_applies_per_sequence(backend: TorchBackend, model_dir: str, ref: Any, lora_dirs: list[str]) -> None:
-    backend.load_lora("l0", path=lora_dirs[0])
+    done(backend.load_lora("l0", path=lora_dirs[0]))
     assert backend.loras() == ["l0"]
     merged = _merged_reference(model_dir, lora_dirs[0])
     p = PROMPTS[2]
@@ -615,7 +659,7 @@ def test_lora_applies_per_sequence(backend: TorchBackend, model_dir: str, ref: A
 
 def test_lora_reload_in_place_and_unload(backend: TorchBackend, model_dir: str, lora_dirs: list[str]) -> None:
     base = greedy_all(backend)
-    backend.load_lora("a", path=lora_dirs[0])
+    done(backend.load_lora("a", path=lora_dirs[0]))
     first = greedy_all(backend, lora="a")
     assert first != base
     # Replace "a" in place with other tensors, given as named tensors without
@@ -624,37 +668,37 @@ def test_lora_reload_in_place_and_unload(backend: TorchBackend, model_dir: str, 
     backend.step()
     tensors = load_file(os.path.join(lora_dirs[1], "adapter_model.safetensors"))
     named = [(n.removeprefix("base_model.model."), t) for n, t in tensors.items()]
-    backend.load_lora("a", tensors=named, config={"r": 4, "lora_alpha": 8})
+    done(backend.load_lora("a", tensors=named, config={"r": 4, "lora_alpha": 8}))
     with pytest.raises(BackendError, match="used by 1 running"):
-        backend.unload_lora("a")
+        done(backend.unload_lora("a"))
     backend.abort(["running"])
     second = greedy_all(backend, lora="a")
     assert second != first and second != base
     assert second["p3"] == hf_greedy(_merged_reference(model_dir, lora_dirs[1]), PROMPTS[3], 10)
-    backend.unload_lora("a")
+    done(backend.unload_lora("a"))
     assert backend.loras() == []
     assert greedy_all(backend) == base
     with pytest.raises(BackendError, match="not loaded"):
-        backend.unload_lora("a")
+        done(backend.unload_lora("a"))
     with pytest.raises(BackendError, match="lora 'a'"):
         backend.add(seq("x", PROMPTS[0], greedy(3), lora="a"))
 
 
 def test_lora_bad_tensors_refused(backend: TorchBackend, lora_dirs: list[str]) -> None:
-    backend.load_lora("good", path=lora_dirs[0])
+    done(backend.load_lora("good", path=lora_dirs[0]))
     before = greedy_all(backend, lora="good")
     tensors = load_file(os.path.join(lora_dirs[0], "adapter_model.safetensors"))
     key = "base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight"
     bad_shape = [(n, t[:, :3] if n == key else t) for n, t in tensors.items()]
     with pytest.raises(BackendError, match=r"layers\.1\.self_attn\.o_proj\.lora_B"):
-        backend.load_lora("good", tensors=bad_shape, config={"r": 8, "lora_alpha": 16})
+        done(backend.load_lora("good", tensors=bad_shape, config={"r": 8, "lora_alpha": 16}))
     with pytest.raises(BackendError, match="no Linear module"):
-        backend.load_lora("good", tensors=[("model.layers.7.self_attn.q_proj.lora_A.weight", torch.zeros(8, 64))])
+        done(backend.load_lora("good", tensors=[("model.layers.7.self_attn.q_proj.lora_A.weight", torch.zeros(8, 64))]))
     missing_b = [(n, t) for n, t in tensors.items() if n != key]
     with pytest.raises(BackendError, match="no lora_B"):
-        backend.load_lora("good", tensors=missing_b)
+        done(backend.load_lora("good", tensors=missing_b))
     with pytest.raises(BackendError, match="target_modules"):
-        backend.load_lora("good", tensors=list(tensors.items()), config={"target_modules": ["q_proj"]})
+        done(backend.load_lora("good", tensors=list(tensors.items()), config={"target_modules": ["q_proj"]}))
     # The loaded adapter was never touched.
     assert greedy_all(backend, lora="good") == before
 

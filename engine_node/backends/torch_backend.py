@@ -20,8 +20,9 @@ of engine_node/backend.py:
   ends the sequence with "stop" and IS part of the output (as vLLM keeps eos
   ids in output_token_ids); max_new_tokens ends it with "length".
 - Weight updates over the `zmq` transport: begin (validate every name, dtype,
-  shape) → stage (clone) → finish (copy everything at once). Nothing touches
-  the model before finish, and finish validates before its first copy.
+  shape) → stage_bucket (unpack the raw frame, clone once) → commit (copy
+  everything at once, on the worker thread). Nothing touches the model before
+  the commit, and the commit validates before its first copy.
 - LoRA without peft (engine_node.lora_local): forward hooks apply the adapter
   of whichever sequence is being stepped.
 - sleep(1): drop KV caches; on a GPU also move the weights to a CPU copy (on CPU
@@ -36,22 +37,41 @@ of engine_node/backend.py:
   node process hosts one backend, so the backend sets it: by default 1 for a
   small model on CPU (per-op work is too small to split), else untouched.
 
-Ownership: the engine node's loop thread calls every method; nothing here
-starts threads. Outputs are produced synchronously inside step(), so abort()
-never has unreturned tokens and wake_fd() is None.
+- Long control ops (commit_weight_update, sleep, wake_up, load_lora,
+  unload_lora, and abort_weight_update so it orders behind a commit) run on ONE
+  backend-owned worker thread and return a BackendOp at once. Such an op holds
+  the model lock: step() waits for it at most _STEP_LOCK_WAIT_S and returns []
+  meanwhile (never blocks for the op's duration); add() keeps queueing.
+  freeze/thaw/reset_prefix_cache/begin_weight_update are bookkeeping and
+  return BackendOp.done(...).
+- op_timeout_s (option, 600): the deadline of every long op (the node reports
+  BackendTimeout naming `op_timeout_s` when it passes).
+- fault_op_delay_s (option, TEST-ONLY fault injection): {"op name": seconds}
+  makes that op hold the model that much longer, e.g.
+  {"commit_weight_update": 40} for a weight update slower than the head's
+  stall timeout. Never set it in production.
+
+Ownership: the engine node's loop thread calls every method. The worker thread
+runs only the op functions, under `_model_lock`; the data-path state it reads
+(`_seqs`) it copies first, since the loop thread may add to it meanwhile.
+Outputs are produced synchronously inside step(), so abort() never has
+unreturned tokens and wake_fd() is None.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
+import threading
 from collections.abc import Iterable
 from typing import Any
 
 import structlog
 import torch
 
-from engine_node.backend import BackendError, BackendInfo, SeqRequest, StepOutput
+from bus.tensors import unpack_bucket
+from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput
 from engine_node.lora_local import LoraHooks, build_adapter, read_peft_folder
 from engine_node.tiny_model import hf_quiet
 
@@ -60,7 +80,10 @@ log = structlog.get_logger(__name__)
 _GREEDY_EPS = 1e-5  # vLLM's threshold: temperature below it means greedy
 _SEED_MASK = (1 << 63) - 1
 _TAGS = ("weights", "kv_cache")
-_OPTIONS = ("device", "dtype", "capacity", "max_model_len", "seed", "threads")
+_OPTIONS = ("device", "dtype", "capacity", "max_model_len", "seed", "threads", "op_timeout_s", "fault_op_delay_s")
+# How long step() waits for the model while a control op holds it: short, so
+# the node's loop keeps reading its sockets.
+_STEP_LOCK_WAIT_S = 0.005
 # Below this many parameters a CPU forward is a few hundred tiny ops: intra-op
 # threads only add synchronisation (measured on the 64-hidden tiny model, 2
 # busy cores: 8 ms per forward with 2 threads, 1.3 ms with 1).
@@ -174,6 +197,8 @@ class TorchBackend:
         max_model_len: int = 4096,
         seed: int = 0,
         threads: int | None = None,
+        op_timeout_s: float = 600.0,
+        fault_op_delay_s: dict[str, float] | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -213,6 +238,13 @@ class TorchBackend:
         self._weights_where = "device"  # "device" | "host" (offloaded) | "discarded"
         self._closed = False
         self._steps = 0
+        self._op_timeout_s = float(op_timeout_s)
+        self._fault_delay = {str(k): float(v) for k, v in (fault_op_delay_s or {}).items()}
+        self._model_lock = threading.Lock()
+        self._closing = threading.Event()
+        # ONE worker for every long op: ops run in submission order.
+        self._ops = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-backend-op")
+        self._announced_metas: list[Any] = []
         log.debug("torch backend ready", model=model, device=str(self.device), dtype=dtype)
 
     def _set_threads(self, threads: int | None) -> None:
@@ -263,25 +295,26 @@ class TorchBackend:
         if seq.seq_id in self._seqs:
             raise BackendError(f"seq_id {seq.seq_id!r} is already running")
         if not seq.prompt:
-            raise BackendError("prompt_token_ids is empty")
+            raise BackendError("prompt_token_ids is empty", field="prompt_token_ids")
         if seq.max_new_tokens < 1:
-            raise BackendError(f"max_tokens must be >= 1, got {seq.max_new_tokens}")
+            raise BackendError(f"max_tokens must be >= 1, got {seq.max_new_tokens}", field="params.max_tokens")
         bad = next((t for t in seq.prompt if not 0 <= int(t) < self.vocab_size), None)
         if bad is not None:
-            raise BackendError(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})")
+            raise BackendError(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})", field="prompt_token_ids")
         if len(seq.prompt) + seq.max_new_tokens > self.max_model_len:
             raise BackendError(
                 f"max_tokens: prompt ({len(seq.prompt)} tokens) + max_tokens ({seq.max_new_tokens}) "
-                f"exceeds max_model_len {self.max_model_len}"
+                f"exceeds max_model_len {self.max_model_len}",
+                field="params.max_tokens",
             )
         if p.temperature < 0:
-            raise BackendError(f"temperature must be >= 0, got {p.temperature}")
+            raise BackendError(f"temperature must be >= 0, got {p.temperature}", field="params.temperature")
         if not 0.0 < p.top_p <= 1.0:
-            raise BackendError(f"top_p must be in (0, 1], got {p.top_p}")
+            raise BackendError(f"top_p must be in (0, 1], got {p.top_p}", field="params.top_p")
         if p.top_k < -1:
-            raise BackendError(f"top_k must be -1, 0 (disabled) or > 0, got {p.top_k}")
+            raise BackendError(f"top_k must be -1, 0 (disabled) or > 0, got {p.top_k}", field="params.top_k")
         if seq.lora is not None and seq.lora not in self._lora.adapters:
-            raise BackendError(f"lora {seq.lora!r} is not loaded (loaded: {sorted(self._lora.adapters)})")
+            raise BackendError(f"lora {seq.lora!r} is not loaded (loaded: {sorted(self._lora.adapters)})", field="lora")
 
     def abort(self, seq_ids: Iterable[str]) -> list[StepOutput]:
         # step() returns every token it makes, so there is never anything unreturned.
@@ -294,6 +327,14 @@ class TorchBackend:
         runnable = [s for s in self._seqs.values() if not s.frozen][: self.capacity]
         if not runnable:
             return []
+        if not self._model_lock.acquire(timeout=_STEP_LOCK_WAIT_S):
+            return []  # a control op holds the model: no output this turn
+        try:
+            return self._step_locked(runnable)
+        finally:
+            self._model_lock.release()
+
+    def _step_locked(self, runnable: list[_Seq]) -> list[StepOutput]:
         if self._sleeping:
             raise BackendError(f"backend is sleeping ({sorted(self._sleeping)}); wake_up first")
         outs = [self._advance(s) for s in runnable]
@@ -339,15 +380,50 @@ class TorchBackend:
         """Every sequence held: stepping, waiting for a slot, or frozen."""
         return len(self._seqs)
 
-    def freeze(self, seq_ids: Iterable[str]) -> None:
+    def freeze(self, seq_ids: Iterable[str]) -> BackendOp:
         for sid in seq_ids:
             if sid in self._seqs:
                 self._seqs[sid].frozen = True
+        return BackendOp.done("freeze")
 
-    def thaw(self, seq_ids: Iterable[str]) -> None:
+    def thaw(self, seq_ids: Iterable[str]) -> BackendOp:
         for sid in seq_ids:
             if sid in self._seqs:
                 self._seqs[sid].frozen = False
+        return BackendOp.done("thaw")
+
+    # ------------------------------------------------------------ long ops
+
+    def _long_op(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> BackendOp:
+        """Run fn on the worker thread, holding the model; the op resolves to
+        fn's result (a dict) or its exception."""
+        try:
+            self._check_open()
+        except BackendError as e:
+            return BackendOp.failed(what, e)
+        op = BackendOp.pending(what, self._op_timeout_s, "op_timeout_s")
+        delay = self._fault_delay.get(what, 0.0)
+
+        def run() -> None:
+            if not op.future.set_running_or_notify_cancel():
+                return
+            try:
+                with self._model_lock:
+                    if delay:  # test-only fault injection (fault_op_delay_s); close() cuts it short
+                        self._closing.wait(delay)
+                    if self._closed:
+                        raise BackendError(f"torch backend closed before {what} ran")
+                    res = fn(*args, **kwargs)
+            except BaseException as e:
+                op.future.set_exception(e)
+            else:
+                op.future.set_result(dict(res or {}))
+
+        try:
+            self._ops.submit(run)
+        except RuntimeError as e:  # executor shut down
+            return BackendOp.failed(what, BackendError(f"torch backend: {e}"))
+        return op
 
     # ------------------------------------------------------------ memory
 
@@ -366,12 +442,14 @@ class TorchBackend:
             gc.collect()
             torch.cuda.empty_cache()
 
-    def sleep(self, level: int) -> dict[str, Any]:
+    def sleep(self, level: int) -> BackendOp:
+        if level not in (1, 2):
+            return BackendOp.failed("sleep", BackendError(f"sleep level must be 1 or 2, got {level}", field="level"))
+        return self._long_op("sleep", self._sleep, level)
+
+    def _sleep(self, level: int) -> dict[str, Any]:
         """Release memory. The node parks every sequence first; sleeping with
         sequences held is refused rather than silently dropping them."""
-        self._check_open()
-        if level not in (1, 2):
-            raise BackendError(f"sleep level must be 1 or 2, got {level}")
         if self._seqs:
             raise BackendError(f"cannot sleep with {len(self._seqs)} sequences held; abort them first")
         kv = self._kv_bytes()  # 0 here: no sequences, so no caches
@@ -398,12 +476,16 @@ class TorchBackend:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self._weights_where = "discarded"
 
-    def wake_up(self, tags: list[str] | None) -> dict[str, Any]:
-        self._check_open()
+    def wake_up(self, tags: list[str] | None) -> BackendOp:
         wanted = set(_TAGS if tags is None else tags)
         unknown = wanted - set(_TAGS)
         if unknown:
-            raise BackendError(f"unknown wake_up tags {sorted(unknown)}; choose from {list(_TAGS)}")
+            return BackendOp.failed(
+                "wake_up", BackendError(f"unknown wake_up tags {sorted(unknown)}; choose from {list(_TAGS)}", field="tags")
+            )
+        return self._long_op("wake_up", self._wake_up, wanted)
+
+    def _wake_up(self, wanted: set[str]) -> dict[str, Any]:
         restored = 0
         if "weights" in wanted and self._weights_where != "device":
             restored += self._restore_weights()
@@ -434,15 +516,24 @@ class TorchBackend:
         del fresh, src
         self._release_device_memory()
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> BackendOp:
         """No prefix cache: every sequence has its own KV cache."""
+        return BackendOp.done("reset_prefix_cache")
 
     # ------------------------------------------------------------ weights
 
-    def begin_weight_update(self, transport: str, tensors: list[Any], args: dict[str, Any]) -> None:
+    def begin_weight_update(self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]) -> BackendOp:
         """Open a transaction for `tensors` (TensorMeta). A begin while another
         is open replaces it: a trainer that died mid-transfer must not block
-        the next update."""
+        the next update. Validation is cheap: the op is done at once."""
+        try:
+            self._begin(transport, tensors)
+        except BackendError as e:
+            return BackendOp.failed("begin_weight_update", e)
+        self._announced_metas = list(tensors)
+        return BackendOp.done("begin_weight_update", {"tensors": len(self._announced or ())})
+
+    def _begin(self, transport: str, tensors: list[Any]) -> None:
         self._check_open()
         if transport != "zmq":
             raise BackendError(f"transport {transport!r} not supported by torch backend (zmq only)")
@@ -462,15 +553,28 @@ class TorchBackend:
     def _check_spec(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
         spec = self._specs.get(name)
         if spec is None:
-            raise WeightUpdateError(f"tensor {name!r}: no such parameter in the model")
+            raise WeightUpdateError(f"tensor {name!r}: no such parameter in the model", field="tensors")
         if dtype != spec[0]:
-            raise WeightUpdateError(f"tensor {name!r}: dtype {dtype} does not match the model's {spec[0]}")
+            raise WeightUpdateError(f"tensor {name!r}: dtype {dtype} does not match the model's {spec[0]}", field="tensors")
         if shape != spec[1]:
-            raise WeightUpdateError(f"tensor {name!r}: shape {list(shape)} does not match the model's {list(spec[1])}")
+            raise WeightUpdateError(
+                f"tensor {name!r}: shape {list(shape)} does not match the model's {list(spec[1])}", field="tensors"
+            )
 
-    def stage_weights(self, named: list[tuple[str, Any]]) -> None:
+    def stage_bucket(self, bucket: int, data: memoryview) -> None:
+        """zmq: one bucket's raw bytes (valid during the call): sliced by the
+        shared unpacker, each tensor cloned once."""
         if self._announced is None:
-            raise BackendError("stage_weights without begin_weight_update")
+            raise BackendError("stage_bucket without begin_weight_update")
+        try:
+            named = unpack_bucket(bucket, self._announced_metas, data)
+        except ValueError as e:
+            raise WeightUpdateError(str(e), field="bucket") from None
+        self._stage_named(named)
+
+    def _stage_named(self, named: list[tuple[str, Any]]) -> None:
+        if self._announced is None:
+            raise BackendError("stage_bucket without begin_weight_update")
         for name, value in named:
             if name not in self._announced:
                 raise WeightUpdateError(f"tensor {name!r} was not announced by begin_weight_update")
@@ -483,13 +587,19 @@ class TorchBackend:
             # Clone: `value` may view a receive buffer the node reuses after we return.
             self._staged[name] = t.detach().to("cpu", copy=True)
 
-    def receive_weights(self, update_id: str, handles: list[Any]) -> dict[str, Any]:
-        raise BackendError("receive_weights (cuda_ipc / nccl) not supported by torch backend (zmq only)")
+    def receive_weights(self, handles: list[Any]) -> BackendOp:
+        return BackendOp.failed(
+            "receive_weights",
+            BackendError("receive_weights (cuda_ipc / nccl) not supported by torch backend (zmq only)", field="transport"),
+        )
 
-    def finish_weight_update(self) -> None:
+    def commit_weight_update(self) -> BackendOp:
+        return self._long_op("commit_weight_update", self._commit)
+
+    def _commit(self) -> dict[str, Any]:
         """All or nothing: every check happens before the first copy."""
         if self._announced is None:
-            raise BackendError("finish_weight_update without begin_weight_update")
+            raise BackendError("commit_weight_update without begin_weight_update")
         missing = sorted(set(self._announced) - set(self._staged))
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -505,9 +615,15 @@ class TorchBackend:
         # Running sequences keep KV computed by the old weights (like vLLM's
         # keep-mode pause); the node parks them when it wants fresh KV.
         log.debug("weights updated", tensors=n)
+        return {"tensors": n}
 
-    def abort_weight_update(self) -> None:
+    def abort_weight_update(self) -> BackendOp:
+        # On the worker: it must not clear what a running commit is copying.
+        return self._long_op("abort_weight_update", self._abort_update)
+
+    def _abort_update(self) -> dict[str, Any]:
         self._announced, self._staged = None, {}
+        return {}
 
     # ------------------------------------------------------------ LoRA
 
@@ -518,26 +634,33 @@ class TorchBackend:
         path: str | None = None,
         tensors: list[tuple[str, Any]] | None = None,
         config: dict[str, Any] | None = None,
-    ) -> None:
+    ) -> BackendOp:
         """Load or replace adapter `name`. A replacement is built and checked
         completely before it swaps in; running sequences of `name` use it from
         their next step (their KV so far stays)."""
-        self._check_open()
         if (path is None) == (tensors is None):
-            raise BackendError(f"load_lora {name!r}: give exactly one of path or tensors")
+            return BackendOp.failed("load_lora", BackendError(f"load_lora {name!r}: give exactly one of path or tensors", field="path"))
+        return self._long_op("load_lora", self._load_lora, name, path, tensors, config)
+
+    def _load_lora(self, name: str, path: str | None, tensors: Any, config: dict[str, Any] | None) -> dict[str, Any]:
         if path is not None:
             tensors, file_config = read_peft_folder(path)
             config = {**file_config, **(config or {})}
         assert tensors is not None
         self._lora.put(build_adapter(name, tensors, config, self.model))
+        return {}
 
-    def unload_lora(self, name: str) -> None:
+    def unload_lora(self, name: str) -> BackendOp:
+        return self._long_op("unload_lora", self._unload_lora, name)
+
+    def _unload_lora(self, name: str) -> dict[str, Any]:
         if name not in self._lora.adapters:
-            raise BackendError(f"lora {name!r} is not loaded")
-        users = sum(1 for s in self._seqs.values() if s.req.lora == name)
+            raise BackendError(f"lora {name!r} is not loaded", field="name")
+        users = sum(1 for s in list(self._seqs.values()) if s.req.lora == name)
         if users:
             raise BackendError(f"lora {name!r} is used by {users} running sequences; abort or finish them first")
         self._lora.remove(name)
+        return {}
 
     def loras(self) -> list[str]:
         return sorted(self._lora.adapters)
@@ -569,6 +692,13 @@ class TorchBackend:
         if self._closed:
             return
         self._closed = True
+        self._closing.set()
+        self._ops.shutdown(wait=False, cancel_futures=True)
+        # A running op holds the model: give it a moment, then tear down anyway
+        # (the process is exiting; the op's result is dropped).
+        got = self._model_lock.acquire(timeout=2.0)
+        if got:
+            self._model_lock.release()
         self._seqs.clear()
         self._staged.clear()
         self._announced = None

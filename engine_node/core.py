@@ -1,0 +1,601 @@
+"""The request core of an engine node: the request lifecycle without I/O.
+
+No sockets, no threads, no clock reads. The shell (engine_node/node.py) feeds
+it events and carries out what it produces:
+
+events in                                   actions out
+  generate(client, msg, prompt)               sends: (peer, Chunk|ChunkBatch|Error, buffers)
+  cancel(client, request_id)                    — chunks coalesced per peer per turn
+  on_step(outputs) / step_failed(exc)           — an Error flushes that turn's chunks first
+  peer_gone(peer)                             acks: deferred control acks (pause wait)
+  set_time(now, wall) / tick(now, wall)       control results: dict | Pending(BackendOp, then)
+  control ops: pause / resume / is_paused /   backend data-path calls (add, abort, num_running)
+    sleep / wake_up / reset_prefix_cache        are made on the injected backend port, which
+  weights_changed() / config_changed()          is synchronous and short by protocol
+
+Ownership: one thread (the node's loop) calls everything here. The backend port
+is called only for the data path (add/abort/num_running) and to *start* control
+ops, whose BackendOp the shell waits on; the core never waits.
+
+Hazards this module owns:
+- exactly one final chunk per sample, or one Error per request, never both:
+  every sample state change goes through requests.transition(), DONE is terminal;
+- a parked sample keeps every token it streamed; re-submission sends prompt +
+  tokens so far with the remaining max_tokens and a seed that depends on the
+  submission count (bounded by _MAX_RESUBMITS);
+- keep-mode pause on a backend that can only freeze everything ("all") parks
+  the LoRA subset instead;
+- chunk timestamps and deadlines use the times given by the last clock event.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import sys
+from array import array
+from typing import Any, Callable
+
+from bus import protocol as P
+from bus.codec import Outbox
+from bus.errors import BadRequest, ErrorCode, RolloutBusError
+from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput
+from engine_node.requests import NodeRequest, Sample, SampleState, new_request, transition
+
+assert sys.byteorder == "little", "token frames are int32 little-endian: array('i') must match"
+
+ALL = "*"
+SLEEP_SCOPE = "__sleep__"  # the gate scope sleep() closes
+_CLIENT_FINISH = frozenset({"stop", "length"})  # "cancelled" comes from the node itself
+_MAX_RESUBMITS = 64  # a sample the backend keeps aborting on its own ends in an Error
+DEFERRED = object()  # a control result: "the core acks it later" (pause(wait))
+
+_RUNNING = SampleState.RUNNING
+_FROZEN = SampleState.FROZEN
+_PENDING = SampleState.PENDING
+_DONE = SampleState.DONE
+
+
+class Refused(RolloutBusError):
+    """A Generate the core will not take (engine draining)."""
+
+    def __init__(self, code: ErrorCode, message: str, rid: str) -> None:
+        super().__init__(message, request_id=rid)
+        self.code = code
+
+
+@dataclasses.dataclass(eq=False)
+class Pending:
+    """A control op in progress: the shell acks with `then(op result)` when the
+    op's future completes, or reports the error (calling `on_error` first, so the
+    owner can roll its state back)."""
+
+    op: BackendOp
+    then: Callable[[dict[str, Any]], dict[str, Any]]
+    on_error: Callable[[BaseException], None] | None = None
+
+
+class RequestCore:
+    def __init__(self, backend: Any, info: BackendInfo, engine_id: str) -> None:
+        self.backend = backend
+        self.info = info
+        self.engine_id = engine_id
+        self.eos = frozenset(info.eos_token_ids)
+        self.accepting = True  # the shell clears it when the node drains
+        # -- request state
+        self.requests: dict[tuple[bytes, str], NodeRequest] = {}
+        self.seqs: dict[str, tuple[NodeRequest, Sample]] = {}  # backend seq id -> sample
+        self.pending: collections.deque[tuple[NodeRequest, Sample]] = collections.deque()
+        self.admit_dirty = False
+        self.pauses: dict[str, str] = {}  # scope ("*", LoRA name, SLEEP_SCOPE) -> mode
+        self.weight_version = 0
+        self.config_epoch = 0
+        self.sleep_level = 0
+        self.steps = 0
+        self.tokens_out = 0
+        self._weights_discarded = False
+        self._seq_counter = 0
+        # -- time (from the last clock event)
+        self.now = 0.0
+        self.wall = 0.0
+        # -- actions out
+        self.outbox = Outbox()
+        self.sends: list[tuple[bytes, Any, list[Any]]] = []
+        self.acks: list[tuple[int, bool, dict[str, Any], str | None, str | None]] = []
+        self._waits: list[tuple[int, str, float, float, dict[str, Any]]] = []  # seq, scope, deadline, timeout_s, result
+        self.work_appeared: Callable[[], None] = lambda: None  # shell hook (stall visibility)
+
+    # ================================================================ events
+
+    def set_time(self, now: float, wall: float) -> None:
+        self.now = now
+        self.wall = wall
+
+    def tick(self, now: float, wall: float) -> None:
+        """Clock event: request deadlines and wait-mode pause deadlines."""
+        self.set_time(now, wall)
+        self._check_deadlines(now)
+        self._check_waits(now)
+
+    def generate(self, client: bytes, msg: P.Generate, prompt: list[int]) -> NodeRequest:
+        """Admission checks that need engine state; raises a RolloutBusError the
+        shell answers (the frame-level checks ran before)."""
+        rid = msg.request_id
+        if not self.accepting:
+            raise Refused(ErrorCode.ENGINE_DEAD, f"engine {self.engine_id} is shutting down", rid)
+        if (client, rid) in self.requests:
+            raise BadRequest(f"request id {rid!r} is already in flight", request_id=rid, field="request_id")
+        base_len = len(prompt) - msg.resume_len
+        if base_len + msg.params.max_tokens > self.info.max_model_len:
+            raise BadRequest(
+                f"prompt ({base_len}) + max_tokens ({msg.params.max_tokens}) exceeds max_model_len={self.info.max_model_len}",
+                request_id=rid,
+                field="params.max_tokens",
+            )
+        if msg.lora is not None and msg.lora not in self.backend.loras():
+            raise BadRequest(f"LoRA adapter {msg.lora!r} is not loaded on {self.engine_id}", request_id=rid, field="lora")
+        req = new_request(client, msg, prompt, self.now)
+        self.requests[req.key] = req
+        self.pending.extend((req, s) for s in req.samples)
+        self.admit_dirty = True
+        return req
+
+    def cancel(self, client: bytes, request_id: str) -> None:
+        req = self.requests.get((client, request_id))
+        if req is None:
+            return  # already finished: the final chunk is on its way
+        self._abort_samples(req, emit=True)
+        for s in req.samples:
+            if s.state is not _DONE:
+                self._finish_sample(req, s, "cancelled")
+
+    def peer_gone(self, peer: bytes) -> None:
+        """The peer's socket is gone: drop what it had in flight, silently."""
+        for req in [r for r in self.requests.values() if r.client == peer]:
+            self._abort_samples(req, emit=False)
+            self.requests.pop(req.key, None)
+            for s in req.samples:
+                if s.state is not _DONE:
+                    transition(s, _DONE)
+        self.outbox.by_peer.pop(peer, None)
+
+    def on_step(self, outs: list[StepOutput]) -> None:
+        """One backend step's outputs (hot path: O(1) per output). Only a step
+        that produced something counts: the head's stall detector reads this
+        counter, and an empty step (a backend waiting for output, or for a
+        control op that holds the model) is not progress."""
+        if outs:
+            self._emit(outs)
+            self.steps += 1
+
+    def step_failed(self, e: BaseException) -> None:
+        """The backend's step raised: fail what runs, keep serving."""
+        msg = f"backend step failed on {self.engine_id}: {type(e).__name__}: {e}"
+        for req in {id(r): r for r, _ in self.seqs.values()}.values():
+            self._fail(req, ErrorCode.INTERNAL, msg)
+
+    def admit(self) -> None:
+        """Move pending samples into the backend while there is room and the
+        gate is open for them. Gated ones stay pending (held or parked)."""
+        self.admit_dirty = False
+        if not self.pending:
+            return
+        room = self.info.capacity - self.backend.num_running()
+        if room <= 0:
+            return
+        keep: collections.deque[tuple[NodeRequest, Sample]] = collections.deque()
+        pending = self.pending
+        while pending:
+            req, s = pending.popleft()
+            if s.state is not _PENDING:
+                continue
+            if room <= 0 or self.gated(req.lora):
+                keep.append((req, s))
+                continue
+            if self._submit(req, s):
+                room -= 1
+        self.pending = keep
+
+    def fail_all(self, code: ErrorCode, message: str) -> None:
+        for req in list(self.requests.values()):
+            self._fail(req, code, message)
+
+    # ================================================================ actions out
+
+    def take_sends(self) -> list[tuple[bytes, Any, list[Any]]]:
+        """Everything to send this turn, in order; chunks coalesced per peer."""
+        if self.outbox.by_peer:
+            self.sends.extend(self.outbox.messages())
+        out, self.sends = self.sends, []
+        return out
+
+    def take_acks(self) -> list[tuple[int, bool, dict[str, Any], str | None, str | None]]:
+        out, self.acks = self.acks, []
+        return out
+
+    def counters(self) -> dict[str, Any]:
+        """Heartbeat fields (called every ~50 ms, not per step)."""
+        held = parked = waiting = 0
+        for req, s in self.pending:
+            if s.state is not _PENDING:
+                continue
+            if self.gated(req.lora):
+                if s.submissions:
+                    parked += 1
+                else:
+                    held += 1
+            else:
+                waiting += 1
+        running = sum(1 for _, s in self.seqs.values() if s.state is _RUNNING)
+        return {
+            "running": running,
+            "waiting": waiting,
+            "held": held,
+            "parked": parked,
+            "weight_version": self.weight_version,
+            "paused": sorted(self.pauses),
+            "steps": self.steps,
+            "sleeping": self.sleep_level,
+            "tokens_out": self.tokens_out,
+            "config_epoch": self.config_epoch,
+        }
+
+    # ================================================================ the gate
+
+    def gated(self, lora: str | None) -> bool:
+        p = self.pauses
+        return bool(p) and (ALL in p or SLEEP_SCOPE in p or (lora is not None and lora in p))
+
+    def _scoped(self, scope: str | None) -> list[tuple[NodeRequest, Sample]]:
+        """In-backend samples a pause of `scope` (None: all) applies to."""
+        return [(r, s) for r, s in self.seqs.values() if scope is None or r.lora == scope]
+
+    # ================================================================ internals
+
+    def _submit(self, req: NodeRequest, s: Sample) -> bool:
+        self._seq_counter += 1
+        seq_id = str(self._seq_counter)
+        p = req.msg.params
+        seed = None if p.seed is None else p.seed + s.index + 7919 * s.submissions
+        seq = SeqRequest(
+            seq_id=seq_id,
+            prompt=req.base_prompt + s.tokens,
+            params=p,
+            max_new_tokens=p.max_tokens - len(s.tokens),
+            seed=seed,
+            lora=req.lora,
+        )
+        try:
+            self.backend.add(seq)
+        except BackendError as e:
+            self._fail(req, ErrorCode.BAD_REQUEST, str(e), field=e.field)
+            return False
+        s.seq_id = seq_id
+        transition(s, _RUNNING)
+        s.submissions += 1
+        self.seqs[seq_id] = (req, s)
+        self.work_appeared()
+        return True
+
+    def _emit(self, outs: list[StepOutput]) -> None:
+        seqs = self.seqs
+        version = self.weight_version
+        for out in outs:
+            entry = seqs.get(out.seq_id)
+            if entry is None:
+                continue  # aborted meanwhile
+            req, s = entry
+            toks = out.token_ids
+            finish = out.finish_reason
+            if toks:
+                room = req.msg.params.max_tokens - len(s.tokens)
+                if len(toks) >= room:
+                    # max_tokens is the node's promise: a backend that hands over
+                    # more (or reaches it without finishing) is cut off here.
+                    toks = toks[:room]
+                    if finish is None:
+                        self.backend.abort([out.seq_id])
+                        finish = "abort"  # -> _backend_ended: natural finish
+                if not req.msg.stream:
+                    marks = s.version_marks
+                    if not marks or marks[-1][1] != version:
+                        marks.append([len(s.tokens) - s.sent, version])
+                s.tokens.extend(toks)
+                if out.logprobs is not None:
+                    s.logprobs.extend(out.logprobs[: len(toks)])
+                self.tokens_out += len(toks)
+            if finish is None:
+                # Frozen: a backend whose freeze is not instant may still hand
+                # over tokens; they wait in s.tokens until the thaw.
+                if req.msg.stream and len(s.tokens) > s.sent and s.state is _RUNNING:
+                    self._send_chunk(req, s, None)
+            elif finish in _CLIENT_FINISH:
+                del seqs[out.seq_id]
+                s.seq_id = None
+                self._finish_sample(req, s, finish)
+                self.admit_dirty = True
+            else:
+                self._backend_ended(req, s, out.seq_id, finish)
+
+    def _backend_ended(self, req: NodeRequest, s: Sample, seq_id: str, reason: str) -> None:
+        """The backend ended a sequence on its own with a reason no client
+        should see ("abort": e.g. preempted; "error"). Abort: re-submit prompt
+        + tokens so far (bounded); anything else: one Error for the request."""
+        del self.seqs[seq_id]
+        s.seq_id = None
+        transition(s, _PENDING)
+        natural = self._natural_finish(req, s)
+        if natural is not None:
+            self._finish_sample(req, s, natural)
+        elif reason == "abort" and s.submissions < _MAX_RESUBMITS:
+            self.pending.append((req, s))
+            self.admit_dirty = True
+        else:
+            self._fail(req, ErrorCode.INTERNAL, f"backend on {self.engine_id} ended sample {s.index} with {reason!r}")
+
+    def _natural_finish(self, req: NodeRequest, s: Sample) -> str | None:
+        # Stop before length, as the backends decide it: a last token that is
+        # both the max_tokens-th and a stop token finished with "stop".
+        p = req.msg.params
+        if s.tokens and len(s.tokens) > req.msg.resume_len:
+            last = s.tokens[-1]
+            if last in p.stop_token_ids or (not p.ignore_eos and last in self.eos):
+                return "stop"
+        if len(s.tokens) >= p.max_tokens:
+            return "length"
+        return None
+
+    def _send_chunk(self, req: NodeRequest, s: Sample, finish: str | None) -> None:
+        sent = s.sent
+        buffers = [array("i", s.tokens[sent:]).tobytes()]
+        if req.msg.params.logprobs:
+            buffers.append(array("f", s.logprobs[sent:]).tobytes())
+        stream = req.msg.stream
+        marks = s.version_marks
+        chunk = P.Chunk(
+            request_id=req.msg.request_id,
+            sample_index=s.index,
+            weight_version=marks[0][1] if (marks and not stream) else self.weight_version,
+            finish_reason=finish,
+            version_changes=marks[1:] if (not stream and len(marks) > 1) else [],
+            emitted_at=self.wall,
+            num_prompt_tokens=len(req.base_prompt) if finish else 0,
+            engine_id=self.engine_id if finish else "",
+        )
+        s.sent = len(s.tokens)
+        self.outbox.add(req.client, chunk, buffers)
+
+    def _finish_sample(self, req: NodeRequest, s: Sample, reason: str) -> None:
+        if s.seq_id is not None:
+            self.seqs.pop(s.seq_id, None)
+            s.seq_id = None
+        transition(s, _DONE)
+        self._send_chunk(req, s, reason)
+        req.open_samples -= 1
+        if req.open_samples == 0:
+            self.requests.pop(req.key, None)
+
+    def _fail(self, req: NodeRequest, code: ErrorCode, message: str, field: str | None = None) -> None:
+        """End a request with one Error (after aborting what runs of it)."""
+        if self.requests.get(req.key) is not req:
+            return  # already ended: never a second final
+        self._abort_samples(req, emit=False)
+        for s in req.samples:
+            if s.state is not _DONE:
+                transition(s, _DONE)
+        req.open_samples = 0
+        self.requests.pop(req.key, None)
+        self.send_error(req.client, req.msg.request_id, code.value, message, field)
+
+    def send_error(self, client: bytes, rid: str, code: str, message: str, field: str | None) -> None:
+        # Chunks produced before the error go out before it.
+        if self.outbox.by_peer:
+            self.sends.extend(self.outbox.messages())
+        self.sends.append((client, P.Error(request_id=rid, code=code, message=message, field=field), []))
+
+    def _abort_samples(self, req: NodeRequest, *, emit: bool) -> None:
+        live = [s for s in req.samples if s.state is _RUNNING or s.state is _FROZEN]
+        if not live:
+            return
+        outs = self.backend.abort([s.seq_id for s in live if s.seq_id])
+        if emit and outs:
+            self._emit([o for o in outs if o.finish_reason is None])
+        for s in live:
+            if s.seq_id is not None:
+                self.seqs.pop(s.seq_id, None)
+                s.seq_id = None
+            if s.state is not _DONE:
+                transition(s, _PENDING)
+        self.admit_dirty = True
+
+    def _park(self, entries: list[tuple[NodeRequest, Sample]]) -> int:
+        """Abort in the backend, keep tokens so far, queue for re-submission."""
+        if not entries:
+            return 0
+        outs = self.backend.abort([s.seq_id for _, s in entries if s.seq_id])
+        if outs:
+            # Leftovers were produced before the pause: stream them, so nothing is lost.
+            self._emit([o for o in outs if o.finish_reason is None])
+        parked = 0
+        for req, s in entries:
+            if s.state is _DONE:
+                continue
+            if s.seq_id is not None:
+                self.seqs.pop(s.seq_id, None)
+                s.seq_id = None
+            transition(s, _PENDING)
+            reason = self._natural_finish(req, s)
+            if reason is not None:  # it had in fact just finished
+                self._finish_sample(req, s, reason)
+                continue
+            self.pending.append((req, s))
+            parked += 1
+        return parked
+
+    def _check_deadlines(self, now: float) -> None:
+        late = [r for r in self.requests.values() if r.deadline is not None and now > r.deadline]
+        for req in late:
+            where = "held by a pause" if self.gated(req.lora) else "running"
+            self._fail(
+                req,
+                ErrorCode.TIMEOUT,
+                f"request exceeded its timeout_s={req.msg.timeout_s} ({where} on {self.engine_id})",
+                field="timeout_s",
+            )
+
+    # ================================================================ control
+
+    def pause(self, op: P.Pause, seq: int) -> Any:
+        if op.mode not in _PAUSE_MODES:
+            raise BadRequest(f"unknown pause mode {op.mode!r} (abort, keep, wait)", field="mode")
+        scope = op.lora or ALL
+        self.pauses[scope] = op.mode  # the gate closes at once
+        entries = self._scoped(op.lora)
+        held = sum(1 for r, s in self.pending if s.state is _PENDING and (op.lora is None or r.lora == op.lora))
+        result: dict[str, Any] = {"mode": op.mode, "scope": scope, "held": held, "parked": 0, "frozen": 0}
+        return _PAUSE_MODES[op.mode](self, op, seq, entries, result)
+
+    def _pause_abort(self, op: P.Pause, seq: int, entries: list, result: dict[str, Any]) -> Any:
+        result["parked"] = self._park(entries)
+        return result
+
+    def _pause_keep(self, op: P.Pause, seq: int, entries: list, result: dict[str, Any]) -> Any:
+        live = [(r, s) for r, s in entries if s.state is _RUNNING]
+        if op.lora is not None and self.backend.freeze_granularity != "seq":
+            # The backend can only freeze everything: park this adapter's samples.
+            result["parked"] = self._park(live)
+            return result
+        for _, s in live:
+            transition(s, _FROZEN)
+        result["frozen"] = len(live)
+        return Pending(self.backend.freeze([s.seq_id for _, s in live]), lambda _r: result)
+
+    def _pause_wait(self, op: P.Pause, seq: int, entries: list, result: dict[str, Any]) -> Any:
+        result["draining"] = len(entries)
+        self._waits.append((seq, op.lora or ALL, self.now + op.timeout_s, op.timeout_s, result))
+        self._check_waits(self.now)
+        return DEFERRED
+
+    def _check_waits(self, now: float) -> None:
+        if not self._waits:
+            return
+        left = []
+        for w in self._waits:
+            seq, scope, deadline, timeout_s, result = w
+            busy = self._scoped(None if scope == ALL else scope)
+            if not busy:
+                self.acks.append((seq, True, result, None, None))
+            elif now > deadline:
+                self.acks.append(
+                    (
+                        seq,
+                        False,
+                        {},
+                        f"pause(mode='wait') still had {len(busy)} running sequence(s) after timeout_s={timeout_s}; the gate stays closed",
+                        ErrorCode.TIMEOUT.value,
+                    )
+                )
+            else:
+                left.append(w)
+        self._waits = left
+
+    def resume(self, op: P.Resume, seq: int) -> Any:
+        if op.lora is None:
+            scopes = [k for k in self.pauses if k != SLEEP_SCOPE]
+        else:
+            scopes = [op.lora] if op.lora in self.pauses else []
+        for k in scopes:
+            del self.pauses[k]
+        thaw_op, n = self._release()
+        result = {"resumed": n, "scopes": scopes, "still_paused": sorted(self.pauses)}
+        if thaw_op is None:
+            return result
+        return Pending(thaw_op, lambda _r: result)
+
+    def _release(self) -> tuple[BackendOp | None, int]:
+        """After the gate opened for some scopes: thaw frozen samples and let
+        held/parked ones be admitted."""
+        thaw = [s for r, s in self.seqs.values() if s.state is _FROZEN and not self.gated(r.lora)]
+        op = None
+        if thaw:
+            for s in thaw:
+                transition(s, _RUNNING)
+            op = self.backend.thaw([s.seq_id for s in thaw])
+            self.work_appeared()
+        waiting = sum(1 for r, s in self.pending if s.state is _PENDING and not self.gated(r.lora))
+        self.admit_dirty = True
+        # Wait-mode pauses whose scope was resumed are moot: answer them now.
+        moot = [w for w in self._waits if w[1] not in self.pauses]
+        if moot:
+            self._waits = [w for w in self._waits if w[1] in self.pauses]
+            for seq, _scope, _d, _t, result in moot:
+                self.acks.append((seq, True, {**result, "resumed_before_drained": True}, None, None))
+        return op, len(thaw) + waiting
+
+    def is_paused(self, op: P.IsPaused, seq: int = 0) -> dict[str, Any]:
+        paused = self.gated(op.lora) if op.lora else bool(self.pauses)
+        return {"paused": paused, "scopes": sorted(self.pauses)}
+
+    def sleep(self, op: P.Sleep, seq: int) -> Any:
+        if op.level not in (1, 2):
+            raise BadRequest(f"sleep level must be 1 or 2, got {op.level}", field="level")
+        self.pauses[SLEEP_SCOPE] = "abort"
+        parked = self._park(self._scoped(None))
+        t0 = self.now
+
+        def then(res: dict[str, Any]) -> dict[str, Any]:
+            res = dict(res)
+            self.sleep_level = op.level
+            self._weights_discarded = res.get("weights") == "discarded"
+            res.update(parked=parked, seconds=round(self.now - t0, 4), level=op.level)
+            return res
+
+        return Pending(self.backend.sleep(op.level), then)
+
+    def wake_up(self, op: P.WakeUp, seq: int) -> Any:
+        t0 = self.now
+
+        def then(res: dict[str, Any]) -> dict[str, Any]:
+            res = dict(res)
+            if self._weights_discarded and (op.tags is None or "weights" in op.tags):
+                # Level 2 dropped the weights; the checkpoint came back. That is a
+                # different weight state from any pushed version: tokens from now
+                # on carry a new version, never the old one.
+                self._weights_discarded = False
+                self.weight_version += 1
+                self.config_epoch += 1
+                res["weights_reloaded_from_checkpoint"] = True
+                res.update(self.config_result())
+            if op.tags is None or {"weights", "kv_cache"} <= set(op.tags):
+                self.sleep_level = 0
+                self.pauses.pop(SLEEP_SCOPE, None)
+                # thaw cannot be needed here: sleep parked everything
+                _op, res["resumed"] = self._release()
+            res["seconds"] = round(self.now - t0, 4)
+            return res
+
+        return Pending(self.backend.wake_up(op.tags), then)
+
+    def reset_prefix_cache(self, op: P.ResetPrefixCache, seq: int) -> Any:
+        return Pending(self.backend.reset_prefix_cache(), lambda _r: {})
+
+    # -- weights / LoRA bookkeeping (the transactions live in weight_update.py)
+
+    def weights_changed(self) -> None:
+        """A model weight update committed: tokens from now on carry the new version."""
+        self.weight_version += 1
+        self.config_epoch += 1
+
+    def config_changed(self) -> None:
+        """LoRA set changed."""
+        self.config_epoch += 1
+
+    def config_result(self) -> dict[str, Any]:
+        return {"weight_version": self.weight_version, "loras": self.backend.loras(), "epoch": self.config_epoch}
+
+
+_PAUSE_MODES: dict[str, Callable[..., Any]] = {
+    "abort": RequestCore._pause_abort,
+    "keep": RequestCore._pause_keep,
+    "wait": RequestCore._pause_wait,
+}

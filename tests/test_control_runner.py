@@ -1,0 +1,113 @@
+"""engine_node/control.py without sockets: arrival order, one long op at a
+time, read-only ops answered while it runs, the deadline backstop, the ack
+cache, the wake pipe."""
+
+from __future__ import annotations
+
+import select
+import time
+
+import structlog
+
+from bus import protocol as P
+from engine_node.backend import BackendError, BackendOp
+from engine_node.control import ControlRunner
+from engine_node.core import DEFERRED, Pending
+
+
+class Rig:
+    def __init__(self) -> None:
+        self.acks: list[P.Ack] = []
+        self.ran: list[str] = []
+        self.ops: dict[str, BackendOp] = {}
+        handlers = {
+            P.Ping: lambda op, seq: self._run("ping", {"pong": True}),
+            P.Stats: lambda op, seq: self._run("stats", {"n": 1}),
+            P.IsPaused: lambda op, seq: self._run("is_paused", {"paused": False}),
+            P.Sleep: lambda op, seq: self._long("sleep", op.level),
+            P.Pause: lambda op, seq: self._run("pause", DEFERRED),
+            P.Resume: lambda op, seq: self._run("resume", {"resumed": 0}),
+            P.ResetPrefixCache: lambda op, seq: self._boom(),
+        }
+        self.busy_changes = 0
+        self.r = ControlRunner("e0", handlers, self.acks.append, on_busy_change=self._busy, log=structlog.get_logger("t"))
+
+    def _busy(self) -> None:
+        self.busy_changes += 1
+
+    def _run(self, name: str, result):
+        self.ran.append(name)
+        return result
+
+    def _long(self, name: str, level: int):
+        self.ran.append(name)
+        op = BackendOp.pending(name, 0.3 if level == 2 else 30.0, "sleep_timeout_s")
+        self.ops[name] = op
+        return Pending(op, lambda res: {**res, "then": True})
+
+    def _boom(self):
+        raise RuntimeError("bug")
+
+    def cmd(self, seq: int, op) -> None:
+        self.r.on_command(P.Command(seq=seq, op=op))
+
+    def woke(self, timeout: float = 2.0) -> bool:
+        return bool(select.select([self.r.wake_fd], [], [], timeout)[0])
+
+
+def test_long_op_queues_state_changes_and_answers_read_only_at_once() -> None:
+    rig = Rig()
+    try:
+        rig.cmd(1, P.Sleep(level=1))
+        assert rig.r.busy_name == "sleep" and rig.busy_changes == 1 and rig.acks == []
+        rig.cmd(2, P.Resume())  # state-changing: waits behind the op
+        rig.cmd(3, P.Ping())
+        rig.cmd(4, P.Stats())
+        rig.cmd(5, P.IsPaused())
+        assert [a.seq for a in rig.acks] == [3, 4, 5] and rig.ran == ["sleep", "ping", "stats", "is_paused"]
+        rig.cmd(1, P.Sleep(level=1))  # republished while in progress: ignored
+        assert len(rig.acks) == 3
+        rig.ops["sleep"].future.set_result({"level": 1})
+        assert rig.woke()
+        rig.r.on_wake()
+        assert [a.seq for a in rig.acks] == [3, 4, 5, 1, 2]
+        assert rig.acks[3].ok and rig.acks[3].result == {"level": 1, "then": True}
+        assert rig.r.busy_name == "" and rig.busy_changes == 2
+        rig.cmd(1, P.Sleep(level=1))  # republished after: answered from the cache, not re-run
+        assert rig.acks[-1] == rig.acks[3] and rig.ran.count("sleep") == 1
+    finally:
+        rig.r.close()
+
+
+def test_deadline_backstop_acks_a_timeout_naming_the_knob_and_moves_on() -> None:
+    rig = Rig()
+    try:
+        rig.cmd(1, P.Sleep(level=2))  # deadline 0.3 s
+        rig.cmd(2, P.Resume())
+        rig.r.check_deadline(time.monotonic())
+        assert rig.acks == []
+        rig.r.check_deadline(time.monotonic() + 1.0)
+        assert [a.seq for a in rig.acks] == [1, 2]
+        assert not rig.acks[0].ok and rig.acks[0].code == "timeout" and "sleep_timeout_s" in rig.acks[0].error
+        rig.ops["sleep"].future.set_result({})  # too late: dropped
+        rig.r.on_wake()
+        assert len(rig.acks) == 2
+    finally:
+        rig.r.close()
+
+
+def test_failures_are_typed_and_deferred_ops_are_not_acked_here() -> None:
+    rig = Rig()
+    try:
+        rig.cmd(1, P.ResetPrefixCache())
+        assert rig.acks[-1].code == "internal" and "bug" in rig.acks[-1].error
+        rig.cmd(2, P.Pause(mode="wait"))
+        assert len(rig.acks) == 1  # the core acks a wait-mode pause itself
+        rig.cmd(3, P.Sleep(level=1))
+        rig.ops["sleep"].future.set_exception(BackendError("cannot sleep", field="level"))
+        assert rig.woke()
+        rig.r.on_wake()
+        a = rig.acks[-1]
+        assert (a.seq, a.ok, a.code, a.field) == (3, False, "bad_request", "level")
+    finally:
+        rig.r.close()
