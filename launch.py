@@ -163,16 +163,30 @@ def free_port(host: str) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser("launch.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", type=int, default=None, help="engine nodes on this machine (default: 2, or GPUs // tp with vLLM)")
+    ap.add_argument(
+        "--engines", type=int, default=None, help="engine nodes on this machine (default: 2, or GPUs // tp with vLLM)"
+    )
     ap.add_argument("--backend", default="auto", help="auto | torch | vllm | module:factory of an out-of-tree backend")
     ap.add_argument("--model", default=None, help="model folder (default: a tiny random model built into the cache)")
-    ap.add_argument("--host", default="127.0.0.1", help="address this node binds (0.0.0.0 for multi-node: loopback only by default)")
-    ap.add_argument("--port", type=int, default=5555, help="frontend port; events = port+1, control = port+2; 0: any free")
-    ap.add_argument("--advertise-host", default=None, help="how other nodes reach this one (default: hostname for multi-node)")
+    ap.add_argument(
+        "--host", default="127.0.0.1", help="address this node binds (0.0.0.0 for multi-node: loopback only by default)"
+    )
+    ap.add_argument(
+        "--port", type=int, default=5555, help="frontend port; events = port+1, control = port+2; 0: any free"
+    )
+    ap.add_argument(
+        "--advertise-host", default=None, help="how other nodes reach this one (default: hostname for multi-node)"
+    )
     ap.add_argument("--policy", default="least_loaded", choices=["least_loaded", "random"])
-    ap.add_argument("--head", action="store_true", help="multi-node: run the head here (engines here: --engines, default 0)")
-    ap.add_argument("--join", default=None, metavar="tcp://HEAD:PORT", help="multi-node: run engines here for that head")
-    ap.add_argument("--engine-id-prefix", default=None, help="engine ids are PREFIX0, PREFIX1… (default: host name when joining)")
+    ap.add_argument(
+        "--head", action="store_true", help="multi-node: run the head here (engines here: --engines, default 0)"
+    )
+    ap.add_argument(
+        "--join", default=None, metavar="tcp://HEAD:PORT", help="multi-node: run engines here for that head"
+    )
+    ap.add_argument(
+        "--engine-id-prefix", default=None, help="engine ids are PREFIX0, PREFIX1… (default: host name when joining)"
+    )
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--gpus", default=None, help="comma-separated GPU ids for vLLM engines (default: all visible)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -186,7 +200,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM → SIGKILL grace on shutdown")
     ap.add_argument("--ready-timeout-s", type=float, default=300.0)
     ap.add_argument("--demo", action="store_true", help="run a short client session once the cluster is ready")
-    ap.add_argument("--once", action="store_true", help="exit after readiness (and the demo) instead of serving until Ctrl-C")
+    ap.add_argument(
+        "--once", action="store_true", help="exit after readiness (and the demo) instead of serving until Ctrl-C"
+    )
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 
@@ -364,7 +380,7 @@ def print_table(engines: list[dict[str, Any]], front: str, backend: str) -> None
         model = e["model"] if len(e["model"]) <= 48 else "…" + e["model"][-47:]
         rows.append((e["engine_id"], e["data_address"], e["backend"], model, e["state"]))
     widths = [max(len(str(r[i])) for r in rows) for i in range(5)]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))  # noqa: E731
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))
     print(line(rows[0]), flush=False)
     print("  ".join("-" * w for w in widths))
     for r in rows[1:]:

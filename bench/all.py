@@ -31,8 +31,15 @@ BENCHMARKS = {
 
 
 def run_one(name: str, quick: bool, budget: float, extra: list[str]) -> tuple[int | None, float]:
-    argv = [sys.executable, "-m", f"bench.{name}", *(["--quick"] if quick else []),
-            "--max-seconds", str(max(10, int(budget - 15))), *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        f"bench.{name}",
+        *(["--quick"] if quick else []),
+        "--max-seconds",
+        str(max(10, int(budget - 15))),
+        *extra,
+    ]
     env = dict(os.environ)
     env["PYTHONPATH"] = str(H.REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.monotonic()
@@ -67,8 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         budget = BENCHMARKS[name][0 if a.quick else 1]
         print(f"\n=== bench.{name}{' --quick' if a.quick else ''} (budget {budget}s) ===", flush=True)
         rc, took = run_one(name, a.quick, budget, [])
-        summary.append({"benchmark": name, "rc": "timeout" if rc is None else str(rc), "seconds": f"{took:.0f}",
-                        "results": f"bench/results/{name}.json, .png" if rc == 0 else "-"})
+        summary.append(
+            {
+                "benchmark": name,
+                "rc": "timeout" if rc is None else str(rc),
+                "seconds": f"{took:.0f}",
+                "results": f"bench/results/{name}.json, .png" if rc == 0 else "-",
+            }
+        )
     print()
     H.print_table(summary, title=f"bench.all{' --quick' if a.quick else ''}: {time.monotonic() - t0:.0f}s in all")
     return 0 if all(s["rc"] == "0" for s in summary) else 1

@@ -35,7 +35,9 @@ async def _one_rep(client: Any, n_streams: int, vocab: int) -> dict[str, float]:
 
     async def stream(i: int) -> None:
         prompt = [(7 * i + j) % (vocab - 4) + 4 for j in range(8)]
-        async for ch in client.stream(prompt, {"max_tokens": 1500, "temperature": 1.0, "ignore_eos": True}, request_id=rids[i]):
+        async for ch in client.stream(
+            prompt, {"max_tokens": 1500, "temperature": 1.0, "ignore_eos": True}, request_id=rids[i]
+        ):
             got[i] += len(ch.token_ids)
             if resumed_at[0] and i not in first_after and ch.token_ids:
                 first_after[i] = time.perf_counter() - resumed_at[0]
@@ -61,7 +63,12 @@ async def _one_rep(client: Any, n_streams: int, vocab: int) -> dict[str, float]:
         await client.cancel(rid)
     await asyncio.wait_for(asyncio.gather(*tasks), 60)
     vals = sorted(first_after.values())
-    return {"pause_quiescent_s": quiescent, "resume_first_token_s": H.median(vals), "resume_last_first_token_s": vals[-1], "parked": parked}
+    return {
+        "pause_quiescent_s": quiescent,
+        "resume_first_token_s": H.median(vals),
+        "resume_last_first_token_s": vals[-1],
+        "parked": parked,
+    }
 
 
 async def _bench_n(n: int, model: str, reps: int, named: list, nbytes: int) -> dict[str, Any]:
@@ -69,7 +76,9 @@ async def _bench_n(n: int, model: str, reps: int, named: list, nbytes: int) -> d
         import os
 
         threads = max(1, (os.cpu_count() or 1) // n)  # as launch.py does: split the cores
-        cl = RB.start_cluster(procs, n, backend="torch", model=model, tag=f"cp{n}", backend_options={"threads": threads})
+        cl = RB.start_cluster(
+            procs, n, backend="torch", model=model, tag=f"cp{n}", backend_options={"threads": threads}
+        )
         client = RB.make_client(cl.frontend)
         try:
             await RB.wait_healthy(client, n, 300, procs)
@@ -132,9 +141,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows.append(asyncio.run(_bench_n(n, model, reps, named, nbytes)))
     cols = [c for c in rows[0] if not c.startswith("_")]
-    title = f"control plane: torch backend, {params / 1e6:.1f}M params ({nbytes / 1e6:.0f} MB fp32), medians of {reps} reps"
+    title = (
+        f"control plane: torch backend, {params / 1e6:.1f}M params ({nbytes / 1e6:.0f} MB fp32), medians of {reps} reps"
+    )
     H.print_table(rows, cols, title=title)
-    H.write_json("control_plane", {"title": title, "params": params, "bytes": nbytes, "rows": rows, "machine": H.machine_info()})
+    H.write_json(
+        "control_plane", {"title": title, "params": params, "bytes": nbytes, "rows": rows, "machine": H.machine_info()}
+    )
     H.plot_bars(
         "control_plane",
         [f"{r['engines']} engine(s)" for r in rows],

@@ -44,15 +44,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 n = max(args.requests, 8 * c)
                 spec = RB.RbLoad(n, c, 1, False, prompt)
                 setups = {
-                    "bridge -> engine (direct)": H.with_cpu([cl.engine_pids[next(iter(cl.engines))]],
-                                                            lambda: RB.rb_load(direct, spec)),
+                    "bridge -> engine (direct)": H.with_cpu(
+                        [cl.engine_pids[next(iter(cl.engines))]], lambda: RB.rb_load(direct, spec)
+                    ),
                     "bridge -> router -> engine": H.with_cpu([cl.router_pid], lambda: RB.rb_load(router, spec)),
                 }
                 runs = await H.interleaved(setups, reps=args.reps, warmup=1, deadline=deadline)
                 d, r = runs["bridge -> engine (direct)"], runs["bridge -> router -> engine"]
                 results[f"c={c}"] = {
-                    "concurrency": c, "n": n,
-                    "setups": {k: {"summary": H.summarize_reps(v), "runs": [x.summary() for x in v]} for k, v in runs.items()},
+                    "concurrency": c,
+                    "n": n,
+                    "setups": {
+                        k: {"summary": H.summarize_reps(v), "runs": [x.summary() for x in v]} for k, v in runs.items()
+                    },
                     "router_vs_direct": {
                         "p50": H.paired_ratios([x.summary()["p50_ms"] for x in r], [x.summary()["p50_ms"] for x in d]),
                         "p99": H.paired_ratios([x.summary()["p99_ms"] for x in r], [x.summary()["p99_ms"] for x in d]),
@@ -91,32 +95,60 @@ def main(argv: list[str] | None = None) -> None:
                 sm = s["summary"]
                 router = "router" in name
                 rv = r["router_vs_direct"]
-                rows.append({
-                    "concurrency": str(r["concurrency"]),
-                    "path": name,
-                    "p50 ms": H.fmt_spread(sm["p50_ms"]),
-                    "p99 ms": H.fmt_spread(sm["p99_ms"]),
-                    "req/s": H.fmt_spread(sm["req_per_s"], 0),
-                    "p50 x direct": H.fmt(rv["p50"]["median"]) if router else "",
-                    "+ms p50": H.fmt(rv["p50_added_ms"]["median"], 3) if router else "",
-                    "req/s x direct": H.fmt(rv["req_per_s"]["median"]) if router else "",
-                    "err": str(sm["errors"]),
-                })
-        title = (f"Core overhead: torch backend (tiny model), max_tokens=1, prompt {args.prompt_len} tokens, "
-                 f"{args.reps} reps, median [min-max]")
+                rows.append(
+                    {
+                        "concurrency": str(r["concurrency"]),
+                        "path": name,
+                        "p50 ms": H.fmt_spread(sm["p50_ms"]),
+                        "p99 ms": H.fmt_spread(sm["p99_ms"]),
+                        "req/s": H.fmt_spread(sm["req_per_s"], 0),
+                        "p50 x direct": H.fmt(rv["p50"]["median"]) if router else "",
+                        "+ms p50": H.fmt(rv["p50_added_ms"]["median"], 3) if router else "",
+                        "req/s x direct": H.fmt(rv["req_per_s"]["median"]) if router else "",
+                        "err": str(sm["errors"]),
+                    }
+                )
+        title = (
+            f"Core overhead: torch backend (tiny model), max_tokens=1, prompt {args.prompt_len} tokens, "
+            f"{args.reps} reps, median [min-max]"
+        )
         H.print_table(rows, title=title)
         print("driver: trainer_bridge.AsyncClient, one asyncio process, C tasks; direct and router interleaved per rep")
-        H.write_json("core_overhead", {"config": vars(args), "elapsed_s": time.monotonic() - t0, "results": res,
-                                       "driver": "trainer_bridge.AsyncClient, one process, C tasks"})
+        H.write_json(
+            "core_overhead",
+            {
+                "config": vars(args),
+                "elapsed_s": time.monotonic() - t0,
+                "results": res,
+                "driver": "trainer_bridge.AsyncClient, one process, C tasks",
+            },
+        )
         cs = [k for k in res if k.startswith("c=")]
         names = ["bridge -> engine (direct)", "bridge -> router -> engine"]
         panels = []
-        for metric, label in (("p50_ms", "p50 latency (ms)"), ("p99_ms", "p99 latency (ms)"), ("req_per_s", "requests/s")):
+        for metric, label in (
+            ("p50_ms", "p50 latency (ms)"),
+            ("p99_ms", "p99 latency (ms)"),
+            ("req_per_s", "requests/s"),
+        ):
             series = {n: [res[c]["setups"][n]["summary"][metric]["median"] for c in cs] for n in names}
-            errs = {n: ([res[c]["setups"][n]["summary"][metric]["min"] for c in cs],
-                        [res[c]["setups"][n]["summary"][metric]["max"] for c in cs]) for n in names}
-            panels.append({"title": label, "ylabel": label, "groups": [f"concurrency {c[2:]}" for c in cs],
-                           "series": series, "errs": errs, "logy": metric != "req_per_s"})
+            errs = {
+                n: (
+                    [res[c]["setups"][n]["summary"][metric]["min"] for c in cs],
+                    [res[c]["setups"][n]["summary"][metric]["max"] for c in cs],
+                )
+                for n in names
+            }
+            panels.append(
+                {
+                    "title": label,
+                    "ylabel": label,
+                    "groups": [f"concurrency {c[2:]}" for c in cs],
+                    "series": series,
+                    "errs": errs,
+                    "logy": metric != "req_per_s",
+                }
+            )
         H.plot_bar_panels("core_overhead", panels, suptitle=title)
         return 0
 

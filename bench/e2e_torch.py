@@ -36,8 +36,9 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(10, vocab - 1) for _ in range(length)] for _ in range(n)]
 
 
-def in_process(backend: Any, prompts: list[list[int]], max_tokens: int,
-               concurrency: int) -> tuple[H.RunResult, list[list[int]]]:
+def in_process(
+    backend: Any, prompts: list[list[int]], max_tokens: int, concurrency: int
+) -> tuple[H.RunResult, list[list[int]]]:
     from bus.protocol import SamplingParams
     from engine_node.backend import SeqRequest
 
@@ -71,8 +72,9 @@ def in_process(backend: Any, prompts: list[list[int]], max_tokens: int,
     return H.RunResult(lat, wall, tokens=sum(len(o) for o in outs)), outs
 
 
-async def runtime(client: Any, prompts: list[list[int]], max_tokens: int,
-                  concurrency: int) -> tuple[H.RunResult, list[list[int]]]:
+async def runtime(
+    client: Any, prompts: list[list[int]], max_tokens: int, concurrency: int
+) -> tuple[H.RunResult, list[list[int]]]:
     from bus.protocol import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -91,7 +93,7 @@ async def runtime(client: Any, prompts: list[list[int]], max_tokens: int,
                 r = await client.generate(prompts[i], params, timeout_s=120)
                 outs[i] = r.token_ids
                 lat.append(time.perf_counter() - t)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 errors += 1
 
     t0 = time.perf_counter()
@@ -114,7 +116,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     mismatches = 0
     with H.Procs() as procs:
         cl1 = RB.start_cluster(procs, 1, backend="torch", model=model, backend_options=options, tag="e2e1")
-        cl2 = RB.start_cluster(procs, 2, backend="torch", model=model, backend_options=options, tag="e2e2") if args.two else None
+        cl2 = (
+            RB.start_cluster(procs, 2, backend="torch", model=model, backend_options=options, tag="e2e2")
+            if args.two
+            else None
+        )
         via_router = RB.make_client(cl1.frontend)
         direct = RB.make_client(next(iter(cl1.engines.values())))
         via_router2 = RB.make_client(cl2.frontend) if cl2 else None
@@ -138,20 +144,27 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         if "outs" in reference:
                             mismatches += sum(1 for a, b in zip(outs, reference["outs"]) if a != b)
                         return r
+
                     return go
 
-                setups = {"in-process backend": inproc, "runtime via router": rt(via_router),
-                          "runtime direct": rt(direct)}
+                setups = {
+                    "in-process backend": inproc,
+                    "runtime via router": rt(via_router),
+                    "runtime direct": rt(direct),
+                }
                 if via_router2:
                     setups["runtime via router, 2 engines"] = rt(via_router2)
                 runs = await H.interleaved(setups, reps=args.reps, warmup=1, deadline=deadline)
                 base = [r.tokens / r.wall_s for r in runs["in-process backend"]]
                 res[f"c={c}"] = {
                     "concurrency": c,
-                    "setups": {k: {"summary": H.summarize_reps(v), "runs": [x.summary() for x in v]} for k, v in runs.items()},
+                    "setups": {
+                        k: {"summary": H.summarize_reps(v), "runs": [x.summary() for x in v]} for k, v in runs.items()
+                    },
                     "tokens_per_s_vs_in_process": {
                         k: H.paired_ratios([x.tokens / x.wall_s for x in v], base)
-                        for k, v in runs.items() if k != "in-process backend"
+                        for k, v in runs.items()
+                        if k != "in-process backend"
                     },
                 }
                 print(f"  done c={c} ({deadline.remaining():.0f}s left)", flush=True)
@@ -192,27 +205,46 @@ def main(argv: list[str] | None = None) -> None:
             for name, s in r["setups"].items():
                 sm = s["summary"]
                 rat = r["tokens_per_s_vs_in_process"].get(name)
-                rows.append({
-                    "concurrency": str(r["concurrency"]),
-                    "setup": name,
-                    "tokens/s": H.fmt_spread(sm["tokens_per_s"], 0),
-                    "x in-process": H.fmt_spread(rat) if rat else "1",
-                    "req p50 ms": H.fmt(sm["p50_ms"]["median"]),
-                    "err": str(sm["errors"]),
-                })
-        title = (f"E2E torch backend (tiny model): {args.prompts} prompts x {args.prompt_len} tokens, "
-                 f"max_tokens={args.max_tokens} greedy ({args.reps} reps, median [min-max])")
+                rows.append(
+                    {
+                        "concurrency": str(r["concurrency"]),
+                        "setup": name,
+                        "tokens/s": H.fmt_spread(sm["tokens_per_s"], 0),
+                        "x in-process": H.fmt_spread(rat) if rat else "1",
+                        "req p50 ms": H.fmt(sm["p50_ms"]["median"]),
+                        "err": str(sm["errors"]),
+                    }
+                )
+        title = (
+            f"E2E torch backend (tiny model): {args.prompts} prompts x {args.prompt_len} tokens, "
+            f"max_tokens={args.max_tokens} greedy ({args.reps} reps, median [min-max])"
+        )
         H.print_table(rows, title=title)
         print(f"greedy outputs runtime vs in-process: {res['greedy_token_mismatches']} mismatching prompt(s)")
         H.write_json("e2e_torch", {"config": vars(args), "elapsed_s": time.monotonic() - t0, "results": res})
         cs = [k for k in res if k.startswith("c=")]
         names = list(res[cs[0]]["setups"])
         series = {n: [res[c]["setups"][n]["summary"]["tokens_per_s"]["median"] for c in cs] for n in names}
-        errs = {n: ([res[c]["setups"][n]["summary"]["tokens_per_s"]["min"] for c in cs],
-                    [res[c]["setups"][n]["summary"]["tokens_per_s"]["max"] for c in cs]) for n in names}
-        H.plot_bar_panels("e2e_torch", [{"title": "generated tokens/s", "ylabel": "tokens/s",
-                                         "groups": [f"concurrency {c[2:]}" for c in cs], "series": series,
-                                         "errs": errs}], suptitle=title)
+        errs = {
+            n: (
+                [res[c]["setups"][n]["summary"]["tokens_per_s"]["min"] for c in cs],
+                [res[c]["setups"][n]["summary"]["tokens_per_s"]["max"] for c in cs],
+            )
+            for n in names
+        }
+        H.plot_bar_panels(
+            "e2e_torch",
+            [
+                {
+                    "title": "generated tokens/s",
+                    "ylabel": "tokens/s",
+                    "groups": [f"concurrency {c[2:]}" for c in cs],
+                    "series": series,
+                    "errs": errs,
+                }
+            ],
+            suptitle=title,
+        )
         return 0
 
     H.run_main(go)

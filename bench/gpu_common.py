@@ -24,8 +24,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bench import harness as H
 
@@ -94,11 +95,12 @@ def probe_env() -> dict[str, Any]:
         "print('PROBE' + json.dumps(d))\n"
     )
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                             env=child_env()).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=child_env()
+        ).stdout
         line = [x for x in out.splitlines() if x.startswith("PROBE")][-1]
         return json.loads(line[5:])
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return {"vllm": False, "gpus": 0, "probe_error": repr(e)[:300]}
 
 
@@ -107,10 +109,17 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     # vLLM on the device image: no flashinfer, no usage stats, spawn workers; NVLink multicast stays off.
-    for k, v in {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
-                 "TRANSFORMERS_OFFLINE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "NCCL_NVLS_ENABLE": "0",
-                 "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-                 "ROLLOUT_BUS_LOG_LEVEL": "WARNING"}.items():
+    for k, v in {
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+        "ROLLOUT_BUS_LOG_LEVEL": "WARNING",
+    }.items():
         env.setdefault(k, v)
     env.update(extra or {})
     return env
@@ -125,8 +134,12 @@ def wait_gpu_idle(timeout_s: float) -> dict[str, Any]:
     apps = ""
     while time.monotonic() - t0 < timeout_s:
         with contextlib.suppress(Exception):
-            apps = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
-                                  capture_output=True, text=True, timeout=10).stdout.strip()
+            apps = subprocess.run(
+                [smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
             if not apps:
                 return {"checked": True, "idle_after_s": round(time.monotonic() - t0, 2)}
         time.sleep(0.5)
@@ -136,8 +149,9 @@ def wait_gpu_idle(timeout_s: float) -> dict[str, Any]:
 # ---------------------------------------------------------------- phases
 
 
-def run_phase(name: str, target: str, spec: dict[str, Any], timeout_s: float, work_dir: Path,
-              log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_phase(
+    name: str, target: str, spec: dict[str, Any], timeout_s: float, work_dir: Path, log: Callable[[str], None] = print
+) -> dict[str, Any]:
     """Run ``target`` ("module:function") in a child process with ``spec``;
     return its result dict, or {"ok": False, "error": ...} when it failed,
     crashed or ran past ``timeout_s``. The child's whole tree is killed either way."""
@@ -148,9 +162,15 @@ def run_phase(name: str, target: str, spec: dict[str, Any], timeout_s: float, wo
     t0 = time.monotonic()
     log(f"[{name}] start (limit {timeout_s:.0f}s; log {log_path})")
     with open(log_path, "wb") as lf:
-        p = subprocess.Popen([sys.executable, "-m", "bench.gpu_common", target, str(spec_path), str(out_path)],
-                             stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(REPO_ROOT),
-                             env=child_env(), start_new_session=True)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "bench.gpu_common", target, str(spec_path), str(out_path)],
+            stdout=lf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=str(REPO_ROOT),
+            env=child_env(),
+            start_new_session=True,
+        )
         timed_out = False
         seen: dict[int, Any] = {}  # every descendant ever seen: killed at the end even if orphaned by then
         end = time.monotonic() + max(1.0, timeout_s)
@@ -169,11 +189,13 @@ def run_phase(name: str, target: str, spec: dict[str, Any], timeout_s: float, wo
     res: dict[str, Any]
     try:
         res = json.loads(out_path.read_text())
-    except Exception:  # noqa: BLE001
+    except Exception:
         res = {"ok": False}
     if timed_out:
         res["ok"] = False
-        res.setdefault("error", f"phase ran past its limit of {timeout_s:.0f}s (--phase-limit-s, or what --budget-s had left)")
+        res.setdefault(
+            "error", f"phase ran past its limit of {timeout_s:.0f}s (--phase-limit-s, or what --budget-s had left)"
+        )
     elif not res.get("ok") and "error" not in res:
         res["error"] = f"phase exited with rc={p.returncode} and no result"
     res["phase_wall_s"] = round(wall, 2)
@@ -222,9 +244,15 @@ def _phase_main(argv: list[str]) -> int:
         res = getattr(importlib.import_module(mod), fn)(spec)
         write({"ok": True, **partial, **res})
         rc = 0
-    except BaseException as e:  # noqa: BLE001 - recorded; the parent decides
-        write({"ok": False, **partial, "error": f"{type(e).__name__}: {e}"[:2000],
-               "traceback": traceback.format_exc()[-4000:]})
+    except BaseException as e:
+        write(
+            {
+                "ok": False,
+                **partial,
+                "error": f"{type(e).__name__}: {e}"[:2000],
+                "traceback": traceback.format_exc()[-4000:],
+            }
+        )
         rc = 1
     sys.stdout.flush()
     os._exit(rc)  # vLLM leaves non-daemon threads behind; the parent kills the tree anyway
@@ -237,13 +265,37 @@ class RbCluster:
     """``launch.py`` (head + engine nodes, --backend vllm or torch) as a
     subprocess in its own process group; killed with its whole tree on exit."""
 
-    def __init__(self, model: str, backend: str, *, engines: int = 1, gpus: str | None = None,
-                 gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
-                 backend_options: dict[str, Any] | None = None, ready_timeout_s: float = 240.0,
-                 log_dir: Path | None = None) -> None:
-        argv = [sys.executable, "launch.py", "--backend", backend, "--model", model, "--engines", str(engines),
-                "--port", "0", "--log-level", "WARNING", "--ready-timeout-s", str(ready_timeout_s),
-                "--backend-options", json.dumps(backend_options or {})]
+    def __init__(
+        self,
+        model: str,
+        backend: str,
+        *,
+        engines: int = 1,
+        gpus: str | None = None,
+        gpu_memory_utilization: float | None = None,
+        max_model_len: int | None = None,
+        backend_options: dict[str, Any] | None = None,
+        ready_timeout_s: float = 240.0,
+        log_dir: Path | None = None,
+    ) -> None:
+        argv = [
+            sys.executable,
+            "launch.py",
+            "--backend",
+            backend,
+            "--model",
+            model,
+            "--engines",
+            str(engines),
+            "--port",
+            "0",
+            "--log-level",
+            "WARNING",
+            "--ready-timeout-s",
+            str(ready_timeout_s),
+            "--backend-options",
+            json.dumps(backend_options or {}),
+        ]
         # launch.py --port P binds P, P+1, P+2: ask for three consecutive free ones
         self.port = _consecutive_ports(3)
         self.address = f"tcp://{H.LOOPBACK}:{self.port}"
@@ -260,11 +312,18 @@ class RbCluster:
         self.proc: subprocess.Popen | None = None
         self.engines = engines
 
-    def __enter__(self) -> "RbCluster":
+    def __enter__(self) -> RbCluster:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as lf:
-            self.proc = subprocess.Popen(self.argv, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=str(REPO_ROOT), env=child_env(), start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=lf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=str(REPO_ROOT),
+                env=child_env(),
+                start_new_session=True,
+            )
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -284,17 +343,21 @@ class RbCluster:
         try:
             while True:
                 if self.proc is None or self.proc.poll() is not None:
-                    raise RuntimeError(f"launch.py exited (rc={self.proc and self.proc.returncode}) before ready:\n"
-                                       + _tail(self.log_path, 30))
+                    raise RuntimeError(
+                        f"launch.py exited (rc={self.proc and self.proc.returncode}) before ready:\n"
+                        + _tail(self.log_path, 30)
+                    )
                 try:
                     h = c.health(timeout_s=3)
                     if sum(1 for e in h["engines"].values() if e.get("healthy")) >= self.engines:
                         return time.monotonic() - t0, c.engines()
-                except Exception:  # noqa: BLE001 - not up yet
+                except Exception:
                     pass
                 if time.monotonic() - t0 > self.ready_timeout_s:
-                    raise TimeoutError(f"rollout-bus not ready after ready_timeout_s={self.ready_timeout_s:.0f}s:\n"
-                                       + _tail(self.log_path, 30))
+                    raise TimeoutError(
+                        f"rollout-bus not ready after ready_timeout_s={self.ready_timeout_s:.0f}s:\n"
+                        + _tail(self.log_path, 30)
+                    )
                 time.sleep(0.25)
         finally:
             c.close()

@@ -22,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from bench import gpu_common as G
 from bench import harness as H
@@ -55,16 +56,21 @@ def sched_of(vllm_config: Any) -> dict[str, Any]:
     out = {"max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens}
     try:
         out["cudagraph_capture_sizes_max"] = max(vllm_config.compilation_config.cudagraph_capture_sizes or [0])
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     return out
 
 
-def throughput(tokens: int, wall_s: float, errors: int, n: int, err_sample: list[str],
-               expected: int) -> dict[str, Any]:
-    return {"tokens": tokens, "expected_tokens": expected, "wall_s": wall_s,
-            "tokens_per_s": tokens / wall_s if wall_s > 0 else None, "requests": n, "errors": errors,
-            "error_sample": err_sample[:3]}
+def throughput(tokens: int, wall_s: float, errors: int, n: int, err_sample: list[str], expected: int) -> dict[str, Any]:
+    return {
+        "tokens": tokens,
+        "expected_tokens": expected,
+        "wall_s": wall_s,
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
+        "requests": n,
+        "errors": errors,
+        "error_sample": err_sample[:3],
+    }
 
 
 async def gather_all(n: int, one: Callable[[int], Awaitable[int]], timeout_s: float) -> dict[str, Any]:
@@ -74,7 +80,7 @@ async def gather_all(n: int, one: Callable[[int], Awaitable[int]], timeout_s: fl
     async def guarded(i: int) -> int:
         try:
             return await asyncio.wait_for(one(i), timeout_s)
-        except Exception as e:  # noqa: BLE001 - counted, a sample kept
+        except Exception as e:
             errs.append(repr(e)[:300])
             return -1
 
@@ -84,27 +90,34 @@ async def gather_all(n: int, one: Callable[[int], Awaitable[int]], timeout_s: fl
     return {"tokens": sum(g for g in got if g > 0), "wall_s": wall, "errors": len(errs), "error_sample": errs}
 
 
-async def ttft_rounds(spec: dict[str, Any], prompts: list[list[int]],
-                      first_token: Callable[[list[int]], Awaitable[float]]) -> dict[str, Any]:
+async def ttft_rounds(
+    spec: dict[str, Any], prompts: list[list[int]], first_token: Callable[[list[int]], Awaitable[float]]
+) -> dict[str, Any]:
     """spec.ttft.rounds rounds of spec.ttft.n concurrent requests; first_token(p)
     returns send → first token seconds (and drains the request)."""
     t = spec["ttft"]
     vals: list[float] = []
     errs: list[str] = []
     for r in range(t["rounds"]):
-        batch = prompts[r * t["n"]:(r + 1) * t["n"]]
+        batch = prompts[r * t["n"] : (r + 1) * t["n"]]
 
         async def one(p: list[int]) -> None:
             try:
                 vals.append(await asyncio.wait_for(first_token(p), spec["request_timeout_s"]))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 errs.append(repr(e)[:300])
 
         await asyncio.gather(*(one(p) for p in batch))
-    return {"n": len(vals), "concurrency": t["n"], "max_tokens": t["max_tokens"], "rounds": t["rounds"],
-            "p50_ms": H.percentile(vals, 50) * 1e3 if vals else None,
-            "p99_ms": H.percentile(vals, 99) * 1e3 if vals else None,
-            "errors": len(errs), "error_sample": errs[:3]}
+    return {
+        "n": len(vals),
+        "concurrency": t["n"],
+        "max_tokens": t["max_tokens"],
+        "rounds": t["rounds"],
+        "p50_ms": H.percentile(vals, 50) * 1e3 if vals else None,
+        "p99_ms": H.percentile(vals, 99) * 1e3 if vals else None,
+        "errors": len(errs),
+        "error_sample": errs[:3],
+    }
 
 
 def _got(first: float | None) -> float:
@@ -129,13 +142,15 @@ def phase_llm(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"engine_start_s": time.perf_counter() - t0}
     try:
         out["sched"] = sched_of(llm.llm_engine.vllm_config)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out["sched"] = {"error": repr(e)[:200]}
     spec["_partial"].update(out)
-    sp = SamplingParams(temperature=spec["temperature"], max_tokens=spec["max_tokens"], ignore_eos=True,
-                        detokenize=False)
-    warm = SamplingParams(temperature=spec["temperature"], max_tokens=spec["warmup"]["max_tokens"],
-                          ignore_eos=True, detokenize=False)
+    sp = SamplingParams(
+        temperature=spec["temperature"], max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False
+    )
+    warm = SamplingParams(
+        temperature=spec["temperature"], max_tokens=spec["warmup"]["max_tokens"], ignore_eos=True, detokenize=False
+    )
     llm.generate([{"prompt_token_ids": p} for p in ps["warm"]], warm, use_tqdm=False)
     t0 = time.perf_counter()
     res = llm.generate([{"prompt_token_ids": p} for p in ps["main"]], sp, use_tqdm=False)
@@ -144,7 +159,7 @@ def phase_llm(spec: dict[str, Any]) -> dict[str, Any]:
     out["modes"] = {"LLM.generate": throughput(toks, wall, 0, len(res), [], _expected(spec))}
     try:
         llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - the parent kills the tree anyway
+    except Exception:
         pass
     return out
 
@@ -169,14 +184,15 @@ async def _asyncllm(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"engine_start_s": time.perf_counter() - t0}
     try:
         out["sched"] = sched_of(engine.vllm_config)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out["sched"] = {"error": repr(e)[:200]}
     spec["_partial"].update(out)
     ids = iter(range(1 << 30))
 
     def params(max_tokens: int, kind: Any) -> Any:
-        return SamplingParams(temperature=spec["temperature"], max_tokens=max_tokens, ignore_eos=True,
-                              detokenize=False, output_kind=kind)
+        return SamplingParams(
+            temperature=spec["temperature"], max_tokens=max_tokens, ignore_eos=True, detokenize=False, output_kind=kind
+        )
 
     async def final(p: list[int], sp: Any) -> int:
         last = None
@@ -189,8 +205,11 @@ async def _asyncllm(spec: dict[str, Any]) -> dict[str, Any]:
         await gather_all(len(ps["warm"]), lambda i: final(ps["warm"][i], warm), spec["request_timeout_s"])
         sp = params(spec["max_tokens"], RequestOutputKind.FINAL_ONLY)
         r = await gather_all(len(ps["main"]), lambda i: final(ps["main"][i], sp), spec["request_timeout_s"])
-        out["modes"] = {f"{len(ps['main'])} concurrent": throughput(
-            r["tokens"], r["wall_s"], r["errors"], len(ps["main"]), r["error_sample"], _expected(spec))}
+        out["modes"] = {
+            f"{len(ps['main'])} concurrent": throughput(
+                r["tokens"], r["wall_s"], r["errors"], len(ps["main"]), r["error_sample"], _expected(spec)
+            )
+        }
         spec["_partial"].update(out)
         if spec.get("ttft"):
             sp_d = params(spec["ttft"]["max_tokens"], RequestOutputKind.DELTA)
@@ -212,16 +231,30 @@ async def _asyncllm(spec: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------- HTTP server
 
 
-_SCHED_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
-                "gpu_memory_utilization": "--gpu-memory-utilization", "max_model_len": "--max-model-len",
-                "enforce_eager": "--enforce-eager"}
+_SCHED_FLAGS = {
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "max_model_len": "--max-model-len",
+    "enforce_eager": "--enforce-eager",
+}
 
 
 def server_argv(spec: dict[str, Any], port: int) -> list[str]:
     import sys
 
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec["model"],
-            "--host", H.LOOPBACK, "--port", str(port), "--disable-uvicorn-access-log"]
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        spec["model"],
+        "--host",
+        H.LOOPBACK,
+        "--port",
+        str(port),
+        "--disable-uvicorn-access-log",
+    ]
     for k, v in engine_kwargs(spec).items():
         flag = _SCHED_FLAGS.get(k)
         if flag is None:
@@ -243,7 +276,7 @@ async def _wait_http_ready(session: Any, base: str, proc: Any, timeout_s: float,
             async with session.get(f"{base}/health") as r:
                 if r.status == 200:
                     return
-        except Exception:  # noqa: BLE001 - not up yet
+        except Exception:
             pass
         await asyncio.sleep(0.25)
     raise TimeoutError(f"api_server not ready after ready_timeout_s={timeout_s:.0f}s:\n{G._tail(log, 30)}")
@@ -270,9 +303,15 @@ async def _http(spec: dict[str, Any]) -> dict[str, Any]:
             spec["_partial"].update(out)
 
             def body(p: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
-                return {"model": spec["model"], "prompt": p, "max_tokens": max_tokens,
-                        "temperature": spec["temperature"], "ignore_eos": True, "return_token_ids": True,
-                        "stream": stream}
+                return {
+                    "model": spec["model"],
+                    "prompt": p,
+                    "max_tokens": max_tokens,
+                    "temperature": spec["temperature"],
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                    "stream": stream,
+                }
 
             async def complete(p: list[int], max_tokens: int) -> int:
                 async with s.post(f"{base}/v1/completions", json=body(p, max_tokens)) as r:
@@ -284,12 +323,17 @@ async def _http(spec: dict[str, Any]) -> dict[str, Any]:
 
             wm = spec["warmup"]["max_tokens"]
             await gather_all(len(ps["warm"]), lambda i: complete(ps["warm"][i], wm), spec["request_timeout_s"])
-            r = await gather_all(len(ps["main"]), lambda i: complete(ps["main"][i], spec["max_tokens"]),
-                                 spec["request_timeout_s"])
-            out["modes"] = {f"{len(ps['main'])} concurrent": throughput(
-                r["tokens"], r["wall_s"], r["errors"], len(ps["main"]), r["error_sample"], _expected(spec))}
+            r = await gather_all(
+                len(ps["main"]), lambda i: complete(ps["main"][i], spec["max_tokens"]), spec["request_timeout_s"]
+            )
+            out["modes"] = {
+                f"{len(ps['main'])} concurrent": throughput(
+                    r["tokens"], r["wall_s"], r["errors"], len(ps["main"]), r["error_sample"], _expected(spec)
+                )
+            }
             spec["_partial"].update(out)
             if spec.get("ttft"):
+
                 async def first_token(p: list[int]) -> float:
                     t = time.perf_counter()
                     first = None
@@ -313,7 +357,7 @@ async def _server_sched(s: Any, base: str) -> dict[str, Any]:
             cfg = (await r.json())["vllm_config"]
         sc = cfg["scheduler_config"]
         return {"max_num_seqs": sc.get("max_num_seqs"), "max_num_batched_tokens": sc.get("max_num_batched_tokens")}
-    except Exception as e:  # noqa: BLE001 - the numbers are informative, not required
+    except Exception as e:
         return {"error": f"/server_info: {e!r}"[:200]}
 
 
@@ -328,16 +372,24 @@ def phase_rb(spec: dict[str, Any]) -> dict[str, Any]:
     eng = engine_kwargs(spec)
     overrides = {k: v for k, v in eng.items() if k not in ("gpu_memory_utilization", "max_model_len")}
     out: dict[str, Any] = {}
-    with G.RbCluster(spec["model"], "torch" if cpu else "vllm", engines=1,
-                     gpu_memory_utilization=eng.get("gpu_memory_utilization"),
-                     max_model_len=eng.get("max_model_len"), backend_options=overrides,
-                     ready_timeout_s=spec["ready_timeout_s"], log_dir=Path(spec["log_dir"])) as cl:
+    with G.RbCluster(
+        spec["model"],
+        "torch" if cpu else "vllm",
+        engines=1,
+        gpu_memory_utilization=eng.get("gpu_memory_utilization"),
+        max_model_len=eng.get("max_model_len"),
+        backend_options=overrides,
+        ready_timeout_s=spec["ready_timeout_s"],
+        log_dir=Path(spec["log_dir"]),
+    ) as cl:
         out["engine_start_s"], engines = cl.wait_ready()
         out["engines"] = engines
         e0 = engines[0] if engines else {}
         # the engine registers capacity = its scheduler's max_num_seqs; batched tokens only if it says
-        out["sched"] = {"max_num_seqs": e0.get("max_num_seqs", e0.get("capacity")),
-                        "max_num_batched_tokens": e0.get("max_num_batched_tokens")}
+        out["sched"] = {
+            "max_num_seqs": e0.get("max_num_seqs", e0.get("capacity")),
+            "max_num_batched_tokens": e0.get("max_num_batched_tokens"),
+        }
         out["launch_argv"] = cl.argv[1:]
         spec["_partial"].update(out)
         params = {"max_tokens": spec["max_tokens"], "temperature": spec["temperature"], "ignore_eos": True}
@@ -351,7 +403,7 @@ def phase_rb(spec: dict[str, Any]) -> dict[str, Any]:
                 wall = time.perf_counter() - t0
                 toks = sum(len(r.token_ids) for r in res)
                 out["modes"]["generate batch"] = throughput(toks, wall, 0, len(res), [], _expected(spec))
-            except Exception as e:  # noqa: BLE001 - a failed mode is a row, the next one still runs
+            except Exception as e:
                 out["modes"]["generate batch"] = {"error": repr(e)[:500]}
             spec["_partial"].update(out)
             out["prefix_cache_reset"] = _reset(client)
@@ -365,16 +417,18 @@ def _reset(client: Any) -> Any:
     try:
         client.reset_prefix_cache()
         return True
-    except Exception as e:  # noqa: BLE001 - recorded: the next run may hit the cache
+    except Exception as e:
         return f"failed: {e!r}"[:200]
 
 
-async def _rb_streams(spec: dict[str, Any], address: str, ps: dict[str, list[list[int]]],
-                      params: dict[str, Any], out: dict[str, Any]) -> None:
+async def _rb_streams(
+    spec: dict[str, Any], address: str, ps: dict[str, list[list[int]]], params: dict[str, Any], out: dict[str, Any]
+) -> None:
     from trainer_bridge import AsyncClient
 
     ac = AsyncClient(address, timeout_s=spec["request_timeout_s"], control_timeout_s=60)
     try:
+
         async def stream(p: list[int], prm: dict[str, Any]) -> int:
             n = 0
             async for ch in ac.stream(p, prm):
@@ -383,7 +437,8 @@ async def _rb_streams(spec: dict[str, Any], address: str, ps: dict[str, list[lis
 
         r = await gather_all(len(ps["main"]), lambda i: stream(ps["main"][i], params), spec["request_timeout_s"])
         out["modes"][f"{len(ps['main'])} AsyncClient streams"] = throughput(
-            r["tokens"], r["wall_s"], r["errors"], len(ps["main"]), r["error_sample"], _expected(spec))
+            r["tokens"], r["wall_s"], r["errors"], len(ps["main"]), r["error_sample"], _expected(spec)
+        )
         spec["_partial"].update(out)
         if spec.get("ttft"):
             tp = {**params, "max_tokens": spec["ttft"]["max_tokens"]}
@@ -401,5 +456,9 @@ async def _rb_streams(spec: dict[str, Any], address: str, ps: dict[str, list[lis
         await ac.close()
 
 
-PHASES = {"llm": "bench.gpu_paths:phase_llm", "asyncllm": "bench.gpu_paths:phase_asyncllm",
-          "http": "bench.gpu_paths:phase_http", "rb": "bench.gpu_paths:phase_rb"}
+PHASES = {
+    "llm": "bench.gpu_paths:phase_llm",
+    "asyncllm": "bench.gpu_paths:phase_asyncllm",
+    "http": "bench.gpu_paths:phase_http",
+    "rb": "bench.gpu_paths:phase_rb",
+}

@@ -37,25 +37,50 @@ from bench import gpu_common as G
 from bench import harness as H
 from bench.gpu_paths import PHASES
 
-PATH_NAMES = {"llm": "vLLM LLM.generate", "asyncllm": "vLLM AsyncLLM in-process",
-              "http": "vLLM OpenAI server + aiohttp", "rb": "rollout-bus (launch.py, 1 engine)"}
+PATH_NAMES = {
+    "llm": "vLLM LLM.generate",
+    "asyncllm": "vLLM AsyncLLM in-process",
+    "http": "vLLM OpenAI server + aiohttp",
+    "rb": "rollout-bus (launch.py, 1 engine)",
+}
 VLLM_PATHS = ("llm", "asyncllm", "http")
 SCHED_KEYS = ("max_num_seqs", "max_num_batched_tokens")
 NAME = "gpu_throughput"
 
-CPU_DEFAULTS = dict(prompts=16, min_len=8, max_len=32, max_tokens=16, ttft_n=4, ttft_max_tokens=8, ttft_rounds=2,
-                    warmup_n=4, warmup_max_tokens=4, budget_s=240.0, ready_timeout_s=120.0)
+CPU_DEFAULTS = dict(
+    prompts=16,
+    min_len=8,
+    max_len=32,
+    max_tokens=16,
+    ttft_n=4,
+    ttft_max_tokens=8,
+    ttft_rounds=2,
+    warmup_n=4,
+    warmup_max_tokens=4,
+    budget_s=240.0,
+    ready_timeout_s=120.0,
+)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     ap.add_argument("--model", default=None, help="HF model dir (e.g. the qwen05 preset); --cpu: the tiny model")
-    ap.add_argument("--cpu", "--dry-run", dest="cpu", action="store_true",
-                    help="CPU dry run: rollout-bus on the torch backend + tiny model, small set; vLLM paths skipped")
+    ap.add_argument(
+        "--cpu",
+        "--dry-run",
+        dest="cpu",
+        action="store_true",
+        help="CPU dry run: rollout-bus on the torch backend + tiny model, small set; vLLM paths skipped",
+    )
     ap.add_argument("--paths", default="llm,asyncllm,http,rb", help="comma list of " + ",".join(PHASES))
-    ap.add_argument("--no-llm-values", dest="llm_values", action="store_false",
-                    help="do not re-run the peers with LLM's max_num_seqs / max_num_batched_tokens")
+    ap.add_argument(
+        "--no-llm-values",
+        dest="llm_values",
+        action="store_false",
+        help="do not re-run the peers with LLM's max_num_seqs / max_num_batched_tokens",
+    )
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--min-len", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=512)
@@ -69,7 +94,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup-max-tokens", type=int, default=16)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--budget-s", type=float, default=500.0, help="wall-clock budget of the whole run, engine starts included")
+    ap.add_argument(
+        "--budget-s", type=float, default=500.0, help="wall-clock budget of the whole run, engine starts included"
+    )
     ap.add_argument("--phase-limit-s", type=float, default=200.0, help="one phase at most (engine start included)")
     ap.add_argument("--min-phase-s", type=float, default=60.0, help="skip a phase when less budget than this is left")
     ap.add_argument("--ready-timeout-s", type=float, default=180.0, help="engine / server start deadline")
@@ -77,7 +104,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gpu-idle-timeout-s", type=float, default=30.0, help="wait for the GPU to be free after a phase")
     ap.add_argument("--log-dir", default=None, help="phase and server logs (default OUT_DIR/gpu_throughput_logs)")
     ap.add_argument("--out-dir", default=None, help="where JSON, PNG and phase logs go (default bench/results)")
-    ap.add_argument("--plot-from", default=None, metavar="JSON", help="only print the tables and write the PNG of a JSON")
+    ap.add_argument(
+        "--plot-from", default=None, metavar="JSON", help="only print the tables and write the PNG of a JSON"
+    )
     a = ap.parse_args(argv)
     if a.cpu:
         given = {x.split("=")[0].lstrip("-").replace("-", "_") for x in (argv if argv is not None else sys.argv[1:])}
@@ -89,13 +118,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def base_spec(a: argparse.Namespace, model: str, log_dir: Path) -> dict[str, Any]:
     return {
-        "model": model, "cpu": a.cpu,
-        "engine": {} if a.cpu else {"gpu_memory_utilization": a.gpu_memory_utilization, "max_model_len": a.max_model_len},
+        "model": model,
+        "cpu": a.cpu,
+        "engine": {}
+        if a.cpu
+        else {"gpu_memory_utilization": a.gpu_memory_utilization, "max_model_len": a.max_model_len},
         "prompts": {"n": a.prompts, "min_len": a.min_len, "max_len": a.max_len, "seed": a.seed},
-        "max_tokens": a.max_tokens, "temperature": a.temperature,
+        "max_tokens": a.max_tokens,
+        "temperature": a.temperature,
         "warmup": {"n": a.warmup_n, "max_tokens": a.warmup_max_tokens},
         "ttft": {"n": a.ttft_n, "max_tokens": a.ttft_max_tokens, "rounds": a.ttft_rounds} if a.ttft_n > 0 else None,
-        "ready_timeout_s": a.ready_timeout_s, "request_timeout_s": a.request_timeout_s, "log_dir": str(log_dir),
+        "ready_timeout_s": a.ready_timeout_s,
+        "request_timeout_s": a.request_timeout_s,
+        "log_dir": str(log_dir),
     }
 
 
@@ -123,8 +158,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
         model = ensure_tiny_model()
     spec0 = base_spec(a, model, log_dir)
-    doc: dict[str, Any] = {"benchmark": NAME, "machine": H.machine_info(), "env": env, "config": vars(a),
-                           "spec": {k: v for k, v in spec0.items() if k != "log_dir"}, "runs": []}
+    doc: dict[str, Any] = {
+        "benchmark": NAME,
+        "machine": H.machine_info(),
+        "env": env,
+        "config": vars(a),
+        "spec": {k: v for k, v in spec0.items() if k != "log_dir"},
+        "runs": [],
+    }
     path = od / f"{NAME}.json"
     print(f"{NAME}: model {model}, env {json.dumps(env)}, budget {a.budget_s:.0f}s", flush=True)
     paths = [p for p in a.paths.split(",") if p]
@@ -146,8 +187,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         else:
             spec = {**spec0, "engine": {**spec0["engine"], **overrides}}
             limit = min(a.phase_limit_s, left - 5)
-            entry.update(G.run_phase(f"{p}-{label.replace(' ', '_').replace(chr(39), '')}", PHASES[p], spec,
-                                     limit, log_dir))
+            entry.update(
+                G.run_phase(f"{p}-{label.replace(' ', '_').replace(chr(39), '')}", PHASES[p], spec, limit, log_dir)
+            )
             if not a.cpu:
                 entry["gpu_idle"] = G.wait_gpu_idle(a.gpu_idle_timeout_s)
         doc["runs"].append(entry)
@@ -188,37 +230,78 @@ def rows_of(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
     runs = doc["runs"]
     llm_tps = _tps(runs, "llm", "defaults")
     http_tps = {lab: _tps(runs, "http", lab) for lab in ("defaults", "LLM's values")}
-    ttft_ref = next((r.get("ttft") for r in runs if r["path"] == "asyncllm" and r["config"] == "defaults"
-                     and r.get("ttft")), None)
+    ttft_ref = next(
+        (r.get("ttft") for r in runs if r["path"] == "asyncllm" and r["config"] == "defaults" and r.get("ttft")), None
+    )
     tput, ttft = [], []
     for r in runs:
         sched = r.get("sched") or {}
-        cfg = r["config"] + (f" ({sched.get('max_num_seqs') or '?'}/{sched.get('max_num_batched_tokens') or '?'})"
-                             if sched.get("max_num_seqs") or sched.get("max_num_batched_tokens") else "")
-        status = _one_line(("skipped: " + r["skipped"]) if r.get("skipped") else ("FAILED: " + str(r.get("error"))[:120]
-                                                                           if not r.get("ok") else ""))
+        cfg = r["config"] + (
+            f" ({sched.get('max_num_seqs') or '?'}/{sched.get('max_num_batched_tokens') or '?'})"
+            if sched.get("max_num_seqs") or sched.get("max_num_batched_tokens")
+            else ""
+        )
+        status = _one_line(
+            ("skipped: " + r["skipped"])
+            if r.get("skipped")
+            else ("FAILED: " + str(r.get("error"))[:120] if not r.get("ok") else "")
+        )
         modes = r.get("modes") or {}
         if not modes:
-            tput.append({"path": r["name"], "engine cfg (seqs/batched tok)": cfg, "mode": "-", "tokens/s": "-",
-                         "x LLM.generate": "-", "x HTTP": "-", "start s": _f(r.get("engine_start_s"), 0),
-                         "err": "-", "note": status})
+            tput.append(
+                {
+                    "path": r["name"],
+                    "engine cfg (seqs/batched tok)": cfg,
+                    "mode": "-",
+                    "tokens/s": "-",
+                    "x LLM.generate": "-",
+                    "x HTTP": "-",
+                    "start s": _f(r.get("engine_start_s"), 0),
+                    "err": "-",
+                    "note": status,
+                }
+            )
         for mode, m in modes.items():
             tps = m.get("tokens_per_s")
             href = http_tps.get(r["config"]) or http_tps["defaults"]
-            note = status or ("" if m.get("tokens") == m.get("expected_tokens") else
-                              f"{m.get('tokens')}/{m.get('expected_tokens')} tokens") or m.get("error", "")
+            note = (
+                status
+                or (
+                    ""
+                    if m.get("tokens") == m.get("expected_tokens")
+                    else f"{m.get('tokens')}/{m.get('expected_tokens')} tokens"
+                )
+                or m.get("error", "")
+            )
             if m.get("error"):
                 note = _one_line("FAILED: " + m["error"][:120])
-            tput.append({"path": r["name"], "engine cfg (seqs/batched tok)": cfg, "mode": mode,
-                         "tokens/s": _f(tps, 0), "x LLM.generate": _ratio(tps, llm_tps), "x HTTP": _ratio(tps, href),
-                         "start s": _f(r.get("engine_start_s"), 0), "err": str(m.get("errors", "-")), "note": note})
+            tput.append(
+                {
+                    "path": r["name"],
+                    "engine cfg (seqs/batched tok)": cfg,
+                    "mode": mode,
+                    "tokens/s": _f(tps, 0),
+                    "x LLM.generate": _ratio(tps, llm_tps),
+                    "x HTTP": _ratio(tps, href),
+                    "start s": _f(r.get("engine_start_s"), 0),
+                    "err": str(m.get("errors", "-")),
+                    "note": note,
+                }
+            )
         t = r.get("ttft")
         if t:
-            ttft.append({"path": r["name"], "engine cfg": r["config"], "n": str(t["n"]),
-                         "TTFT p50 ms": _f(t.get("p50_ms"), 1), "TTFT p99 ms": _f(t.get("p99_ms"), 1),
-                         "p50 - AsyncLLM ms": _delta(t.get("p50_ms"), ttft_ref, "p50_ms"),
-                         "p99 - AsyncLLM ms": _delta(t.get("p99_ms"), ttft_ref, "p99_ms"),
-                         "err": str(t.get("errors", 0))})
+            ttft.append(
+                {
+                    "path": r["name"],
+                    "engine cfg": r["config"],
+                    "n": str(t["n"]),
+                    "TTFT p50 ms": _f(t.get("p50_ms"), 1),
+                    "TTFT p99 ms": _f(t.get("p99_ms"), 1),
+                    "p50 - AsyncLLM ms": _delta(t.get("p50_ms"), ttft_ref, "p50_ms"),
+                    "p99 - AsyncLLM ms": _delta(t.get("p99_ms"), ttft_ref, "p99_ms"),
+                    "err": str(t.get("errors", 0)),
+                }
+            )
     return tput, ttft
 
 
@@ -252,14 +335,19 @@ def report(doc: dict[str, Any]) -> str:
     s = doc.get("spec", {})
     p = s.get("prompts", {})
     env = doc.get("env", {})
-    title = (f"Throughput, one GPU ({env.get('gpu_name') or 'CPU'}; vllm {env.get('vllm_version', '-')}): "
-             f"{p.get('n')} prompts of {p.get('min_len')}-{p.get('max_len')} random ids, {s.get('max_tokens')} new "
-             f"tokens each, temperature {s.get('temperature')}, ignore_eos; model {s.get('model')}\n"
-             "(x HTTP: against the HTTP row of the same engine config, its defaults when that one did not run)")
+    title = (
+        f"Throughput, one GPU ({env.get('gpu_name') or 'CPU'}; vllm {env.get('vllm_version', '-')}): "
+        f"{p.get('n')} prompts of {p.get('min_len')}-{p.get('max_len')} random ids, {s.get('max_tokens')} new "
+        f"tokens each, temperature {s.get('temperature')}, ignore_eos; model {s.get('model')}\n"
+        "(x HTTP: against the HTTP row of the same engine config, its defaults when that one did not run)"
+    )
     text = H.print_table(tput, title=title)
     t = s.get("ttft") or {}
-    text += "\n\n" + H.print_table(ttft, title=f"Time to first token: {t.get('n')} concurrent, max_tokens "
-                                                f"{t.get('max_tokens')}, {t.get('rounds')} rounds pooled")
+    text += "\n\n" + H.print_table(
+        ttft,
+        title=f"Time to first token: {t.get('n')} concurrent, max_tokens "
+        f"{t.get('max_tokens')}, {t.get('rounds')} rounds pooled",
+    )
     return text
 
 
@@ -269,11 +357,15 @@ def plot(doc: dict[str, Any], png: Path) -> Path | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         print(f"no PNG ({e!r}); later, on CPU: python -m bench.gpu_throughput --plot-from JSON", flush=True)
         return None
-    bars = [(f"{r['name']}\n{mode} [{r['config']}]", m["tokens_per_s"])
-            for r in doc["runs"] for mode, m in (r.get("modes") or {}).items() if m.get("tokens_per_s")]
+    bars = [
+        (f"{r['name']}\n{mode} [{r['config']}]", m["tokens_per_s"])
+        for r in doc["runs"]
+        for mode, m in (r.get("modes") or {}).items()
+        if m.get("tokens_per_s")
+    ]
     tt = [(f"{r['name']} [{r['config']}]", r["ttft"]) for r in doc["runs"] if (r.get("ttft") or {}).get("p50_ms")]
     fig, axes = plt.subplots(1, 2, figsize=(15, 0.55 * max(len(bars), len(tt), 4) + 1.5))
     ax = axes[0]
@@ -296,8 +388,10 @@ def plot(doc: dict[str, Any], png: Path) -> Path | None:
     ax.legend(fontsize=8)
     ax.grid(True, axis="x", alpha=0.3)
     env = doc.get("env", {})
-    fig.suptitle(f"rollout-bus vs vLLM paths, {env.get('gpu_name') or 'CPU'} ({doc.get('machine', {}).get('time_utc', '')})",
-                 fontsize=11)
+    fig.suptitle(
+        f"rollout-bus vs vLLM paths, {env.get('gpu_name') or 'CPU'} ({doc.get('machine', {}).get('time_utc', '')})",
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -317,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = run(a)
     try:
         plot(doc, G.out_dir(a.out_dir) / f"{NAME}.png")
-    except Exception as e:  # noqa: BLE001 - the JSON is the result; the PNG can be made later
+    except Exception as e:
         print(f"PNG failed: {e!r}", flush=True)
     print(f"\n{NAME} finished in {time.monotonic() - t0:.0f}s\n", flush=True)
     report(doc)

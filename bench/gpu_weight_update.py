@@ -61,7 +61,7 @@ class StreamLoad:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="stream-load", daemon=True)
 
-    def start(self) -> "StreamLoad":
+    def start(self) -> StreamLoad:
         self._thread.start()
         return self
 
@@ -94,7 +94,7 @@ class StreamLoad:
                         self.finished += 1
                     elif not self._stop.is_set():
                         self.errors.append(f"stream ended with {got}/{self.max_tokens} tokens")
-                except Exception as e:  # noqa: BLE001 - a lost request is a finding
+                except Exception as e:
                     if not self._stop.is_set():
                         self.errors.append(repr(e)[:300])
                 finally:
@@ -120,8 +120,10 @@ class StreamLoad:
             if self.active >= self.n and self.tokens > t0 + 4 * self.n:
                 return
             time.sleep(0.02)
-        raise TimeoutError(f"{self.n} streams not flowing after {timeout_s:.0f}s "
-                           f"(active {self.active}, tokens {self.tokens}, errors {self.errors[:2]})")
+        raise TimeoutError(
+            f"{self.n} streams not flowing after {timeout_s:.0f}s "
+            f"(active {self.active}, tokens {self.tokens}, errors {self.errors[:2]})"
+        )
 
     def stop(self) -> None:
         self._stop.set()
@@ -166,12 +168,25 @@ def copy_floor(named: list[tuple[str, Any]], nbytes: int, reps: int = 10) -> dic
     with torch.no_grad():
         flat = timed(lambda: dst.copy_(src))
         per = timed(lambda: [d.copy_(t) for d, (_, t) in zip(dsts, named)])
-    return {"bytes": nbytes, "device": str(dev), "flat_copy_ms": flat * 1e3, "per_tensor_copy_ms": per * 1e3,
-            "flat_GBps": nbytes / flat / 1e9 if flat else None}
+    return {
+        "bytes": nbytes,
+        "device": str(dev),
+        "flat_copy_ms": flat * 1e3,
+        "per_tensor_copy_ms": per * 1e3,
+        "flat_GBps": nbytes / flat / 1e9 if flat else None,
+    }
 
 
-def timed_updates(client: Any, named: list[tuple[str, Any]], load: StreamLoad, transport: str, n: int,
-                  gap_s: float, first_token_timeout_s: float, options: dict[str, Any]) -> list[dict[str, Any]]:
+def timed_updates(
+    client: Any,
+    named: list[tuple[str, Any]],
+    load: StreamLoad,
+    transport: str,
+    n: int,
+    gap_s: float,
+    first_token_timeout_s: float,
+    options: dict[str, Any],
+) -> list[dict[str, Any]]:
     """n pause+update+resume blocks under load; one dict of timings each."""
     out = []
     for i in range(n):
@@ -186,18 +201,29 @@ def timed_updates(client: Any, named: list[tuple[str, Any]], load: StreamLoad, t
             t3 = time.perf_counter()
             res = next(iter(r.values()))
             v = res.get("weight_version")
-            rec.update(pause_ms=(t1 - t0) * 1e3, update_ms=(t2 - t1) * 1e3, resume_ms=(t3 - t2) * 1e3,
-                       e2e_ms=(t3 - t0) * 1e3, weight_version=v, engine_result=res)
+            rec.update(
+                pause_ms=(t1 - t0) * 1e3,
+                update_ms=(t2 - t1) * 1e3,
+                resume_ms=(t3 - t2) * 1e3,
+                e2e_ms=(t3 - t0) * 1e3,
+                weight_version=v,
+                engine_result=res,
+            )
             end = time.monotonic() + first_token_timeout_s
             while v not in load.first_seen and time.monotonic() < end:
                 time.sleep(0.0005)
             # resume is sent when the `with` block exits (t2): resume -> first token of the new version
             rec["first_token_ms"] = (load.first_seen[v] - t2) * 1e3 if v in load.first_seen else None
-        except Exception as e:  # noqa: BLE001 - recorded, the next update still runs
+        except Exception as e:
             rec["error"] = f"{type(e).__name__}: {e}"[:500]
         out.append(rec)
-        print(f"  update {i}: " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v)
-                                               for k, v in rec.items() if k != "engine_result"}), flush=True)
+        print(
+            f"  update {i}: "
+            + json.dumps(
+                {k: (round(v, 2) if isinstance(v, float) else v) for k, v in rec.items() if k != "engine_result"}
+            ),
+            flush=True,
+        )
     return out
 
 
@@ -217,18 +243,31 @@ def summarize(updates: list[dict[str, Any]], skip_first: bool) -> dict[str, Any]
 
 
 def _prompts(spec: dict[str, Any]) -> list[list[int]]:
-    return G.make_prompts(max(2 * spec["streams"], 8), spec["prompt_min"], spec["prompt_max"],
-                          G.model_vocab(spec["model"]), spec["seed"])
+    return G.make_prompts(
+        max(2 * spec["streams"], 8), spec["prompt_min"], spec["prompt_max"], G.model_vocab(spec["model"]), spec["seed"]
+    )
 
 
-def _run_under_load(spec: dict[str, Any], gpus: str | None, trainer_device: str, transport: str,
-                    out: dict[str, Any], floor: bool) -> None:
+def _run_under_load(
+    spec: dict[str, Any], gpus: str | None, trainer_device: str, transport: str, out: dict[str, Any], floor: bool
+) -> None:
     from trainer_bridge import Client
 
     cpu = spec["cpu"]
-    eng = {} if cpu else {"gpu_memory_utilization": spec["gpu_memory_utilization"], "max_model_len": spec["max_model_len"]}
-    with G.RbCluster(spec["model"], "torch" if cpu else "vllm", engines=1, gpus=None if cpu else gpus,
-                     ready_timeout_s=spec["ready_timeout_s"], log_dir=Path(spec["log_dir"]), **eng) as cl:
+    eng = (
+        {}
+        if cpu
+        else {"gpu_memory_utilization": spec["gpu_memory_utilization"], "max_model_len": spec["max_model_len"]}
+    )
+    with G.RbCluster(
+        spec["model"],
+        "torch" if cpu else "vllm",
+        engines=1,
+        gpus=None if cpu else gpus,
+        ready_timeout_s=spec["ready_timeout_s"],
+        log_dir=Path(spec["log_dir"]),
+        **eng,
+    ) as cl:
         out["engine_start_s"], out["engines"] = cl.wait_ready()
         spec["_partial"].update(out)
         _, named, nbytes = load_trainer_model(spec["model"], cpu, trainer_device)
@@ -237,21 +276,28 @@ def _run_under_load(spec: dict[str, Any], gpus: str | None, trainer_device: str,
         if floor:
             out["floor"] = copy_floor(named, nbytes)
             spec["_partial"].update(out)
-        load = StreamLoad(cl.address, spec["streams"], _prompts(spec), spec["stream_max_tokens"],
-                          spec["request_timeout_s"]).start()
+        load = StreamLoad(
+            cl.address, spec["streams"], _prompts(spec), spec["stream_max_tokens"], spec["request_timeout_s"]
+        ).start()
         client = Client(cl.address, timeout_s=spec["request_timeout_s"], control_timeout_s=spec["control_timeout_s"])
         try:
             load.wait_flowing(spec["ready_timeout_s"])
             opts = {"device": trainer_device} if transport != "zmq" and not cpu else {}
-            out["updates"] = timed_updates(client, named, load, transport, spec["updates"] + 1, spec["gap_s"],
-                                           spec["first_token_timeout_s"], opts)
+            out["updates"] = timed_updates(
+                client, named, load, transport, spec["updates"] + 1, spec["gap_s"], spec["first_token_timeout_s"], opts
+            )
             out["summary"] = summarize(out["updates"], skip_first=True)
         finally:
             load.stop()
             client.close()
-        out["load"] = {"streams": spec["streams"], "stream_max_tokens": spec["stream_max_tokens"],
-                       "tokens": load.tokens, "streams_finished": load.finished, "stream_errors": len(load.errors),
-                       "stream_error_sample": load.errors[:3]}
+        out["load"] = {
+            "streams": spec["streams"],
+            "stream_max_tokens": spec["stream_max_tokens"],
+            "tokens": load.tokens,
+            "streams_finished": load.finished,
+            "stream_errors": len(load.errors),
+            "stream_error_sample": load.errors[:3],
+        }
 
 
 def phase_ipc(spec: dict[str, Any]) -> dict[str, Any]:
@@ -271,7 +317,7 @@ def phase_nccl(spec: dict[str, Any]) -> dict[str, Any]:
     spec["_partial"].update(out)
     try:
         out["raw_broadcast_engine_like"] = raw_broadcast(nbytes, spec, engine_like=True)
-    except Exception as e:  # noqa: BLE001 - informative only
+    except Exception as e:
         out["raw_broadcast_engine_like"] = {"error": repr(e)[:500]}
     spec["_partial"].update(out)
     _run_under_load(spec, "1", "cuda:0", "nccl", out, floor=False)
@@ -309,12 +355,33 @@ def raw_broadcast(nbytes: int, spec: dict[str, Any], engine_like: bool = False) 
     try:
         for rank in (0, 1):
             restrict = engine_like and rank == 1
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "bench.gpu_weight_update", "--raw-rank", str(rank), "--raw-port", str(port),
-                 "--raw-bytes", str(nbytes), "--raw-bucket", str(DEFAULT_BUCKET_BYTES), "--raw-reps", str(spec["raw_reps"]),
-                 "--raw-device", "0" if restrict else str(rank)],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(G.REPO_ROOT), start_new_session=True,
-                env=G.child_env({"CUDA_VISIBLE_DEVICES": "1"} if restrict else None)))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "bench.gpu_weight_update",
+                        "--raw-rank",
+                        str(rank),
+                        "--raw-port",
+                        str(port),
+                        "--raw-bytes",
+                        str(nbytes),
+                        "--raw-bucket",
+                        str(DEFAULT_BUCKET_BYTES),
+                        "--raw-reps",
+                        str(spec["raw_reps"]),
+                        "--raw-device",
+                        "0" if restrict else str(rank),
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    cwd=str(G.REPO_ROOT),
+                    start_new_session=True,
+                    env=G.child_env({"CUDA_VISIBLE_DEVICES": "1"} if restrict else None),
+                )
+            )
         for p in procs:
             o, _ = p.communicate(timeout=spec["raw_timeout_s"])
             outs.append(o)
@@ -325,9 +392,14 @@ def raw_broadcast(nbytes: int, spec: dict[str, Any], engine_like: bool = False) 
     if len(res) != 2:
         raise RuntimeError("raw broadcast failed (--raw-timeout-s):\n" + "\n".join(o[-1500:] for o in outs))
     # the slower rank's median: the bytes are there only when both are done
-    return {"bytes": nbytes, "bucket_bytes": DEFAULT_BUCKET_BYTES, "receiver_sees_only_gpu1": engine_like,
-            "whole_ms": max(r["whole_ms"] for r in res), "bucketed_ms": max(r["bucketed_ms"] for r in res),
-            "per_rank": res}
+    return {
+        "bytes": nbytes,
+        "bucket_bytes": DEFAULT_BUCKET_BYTES,
+        "receiver_sees_only_gpu1": engine_like,
+        "whole_ms": max(r["whole_ms"] for r in res),
+        "bucketed_ms": max(r["bucketed_ms"] for r in res),
+        "per_rank": res,
+    }
 
 
 def raw_rank_main(a: argparse.Namespace) -> None:
@@ -337,7 +409,7 @@ def raw_rank_main(a: argparse.Namespace) -> None:
     torch.cuda.set_device(a.raw_device)
     dist.init_process_group("nccl", init_method=f"tcp://{H.LOOPBACK}:{a.raw_port}", rank=a.raw_rank, world_size=2)
     buf = torch.empty(a.raw_bytes, dtype=torch.uint8, device="cuda")
-    chunks = [buf[i:i + a.raw_bucket] for i in range(0, a.raw_bytes, a.raw_bucket)]
+    chunks = [buf[i : i + a.raw_bucket] for i in range(0, a.raw_bytes, a.raw_bucket)]
 
     def timed(fn: Any) -> float:
         vals = []
@@ -353,8 +425,10 @@ def raw_rank_main(a: argparse.Namespace) -> None:
 
     whole = timed(lambda: dist.broadcast(buf, src=0))
     bucketed = timed(lambda: [dist.broadcast(c, src=0) for c in chunks])
-    print("RAW " + json.dumps({"rank": a.raw_rank, "whole_ms": whole, "bucketed_ms": bucketed,
-                               "buckets": len(chunks)}), flush=True)
+    print(
+        "RAW " + json.dumps({"rank": a.raw_rank, "whole_ms": whole, "bucketed_ms": bucketed, "buckets": len(chunks)}),
+        flush=True,
+    )
     dist.destroy_process_group()
 
 
@@ -370,8 +444,15 @@ def report(doc: dict[str, Any]) -> None:
         return ((s or {}).get(k) or {}).get("median")
 
     def row(what: str, val: float | None, target: str, ok: bool | None, note: str = "") -> None:
-        rows.append({"measure": what, "value": "-" if val is None else f"{val:.2f}", "target": target,
-                     "meets": "-" if ok is None else ("yes" if ok else "NO"), "note": note})
+        rows.append(
+            {
+                "measure": what,
+                "value": "-" if val is None else f"{val:.2f}",
+                "target": target,
+                "meets": "-" if ok is None else ("yes" if ok else "NO"),
+                "note": note,
+            }
+        )
 
     s = ipc.get("summary")
     tr = ipc.get("transport", "cuda_ipc")
@@ -380,20 +461,33 @@ def report(doc: dict[str, Any]) -> None:
     else:
         e2e, ft = m(s, "e2e_ms"), m(s, "first_token_ms")
         inflight = [u.get("streams_in_flight") for u in ipc.get("updates", [])]
-        row(f"pause+{tr} update+resume, ms (median of {s['n']}, {max(inflight or [0])} streams)", e2e,
-            f"<= {TARGETS['e2e_ms']:.0f}", None if e2e is None else e2e <= TARGETS["e2e_ms"])
+        row(
+            f"pause+{tr} update+resume, ms (median of {s['n']}, {max(inflight or [0])} streams)",
+            e2e,
+            f"<= {TARGETS['e2e_ms']:.0f}",
+            None if e2e is None else e2e <= TARGETS["e2e_ms"],
+        )
         row("  pause(abort) ms", m(s, "pause_ms"), "", None)
         row(f"  update alone ms ({(ipc.get('bytes') or 0) / 1e9:.2f} GB)", m(s, "update_ms"), "", None)
         row("  resume ms", m(s, "resume_ms"), "", None)
-        row("resume -> first new token ms", ft, f"<= {TARGETS['first_token_ms']:.0f}",
-            None if ft is None else ft <= TARGETS["first_token_ms"])
+        row(
+            "resume -> first new token ms",
+            ft,
+            f"<= {TARGETS['first_token_ms']:.0f}",
+            None if ft is None else ft <= TARGETS["first_token_ms"],
+        )
         row("first update (excluded above): e2e ms", (s.get("first") or {}).get("e2e_ms"), "", None)
         fl = ipc.get("floor") or {}
         row(f"floor: one flat copy of the same bytes ({fl.get('device')}) ms", fl.get("flat_copy_ms"), "", None)
         row("floor: the same tensors copied one by one ms", fl.get("per_tensor_copy_ms"), "", None)
         ld = ipc.get("load") or {}
-        row("streams lost/truncated during the updates", float(ld.get("stream_errors", 0)), "0",
-            ld.get("stream_errors", 0) == 0, "; ".join(ld.get("stream_error_sample", []))[:150])
+        row(
+            "streams lost/truncated during the updates",
+            float(ld.get("stream_errors", 0)),
+            "0",
+            ld.get("stream_errors", 0) == 0,
+            "; ".join(ld.get("stream_error_sample", []))[:150],
+        )
     if nccl.get("skipped") or not nccl:
         row("nccl phase", None, "", None, nccl.get("skipped", "not run"))
     elif not nccl.get("summary"):
@@ -405,22 +499,43 @@ def report(doc: dict[str, Any]) -> None:
         raw = nccl.get("raw_broadcast") or {}
         first = (s.get("first") or {}).get("update_ms")
         steady = m(s, "update_ms")
-        row("first NCCL update (group set-up) s", None if first is None else first / 1e3,
-            f"<= {TARGETS['nccl_first_s']:.0f}", None if first is None else first / 1e3 <= TARGETS["nccl_first_s"])
+        row(
+            "first NCCL update (group set-up) s",
+            None if first is None else first / 1e3,
+            f"<= {TARGETS['nccl_first_s']:.0f}",
+            None if first is None else first / 1e3 <= TARGETS["nccl_first_s"],
+        )
         row(f"steady NCCL update ms (median of {s['n']})", steady, "", None)
-        row("raw NCCL broadcast, same bytes, whole / bucketed ms", raw.get("whole_ms"), "", None,
-            f"bucketed {raw.get('bucketed_ms', 0):.2f} ms")
+        row(
+            "raw NCCL broadcast, same bytes, whole / bucketed ms",
+            raw.get("whole_ms"),
+            "",
+            None,
+            f"bucketed {raw.get('bucketed_ms', 0):.2f} ms",
+        )
         x = steady / raw["whole_ms"] if steady and raw.get("whole_ms") else None
-        row("steady / raw broadcast", x, f"<= {TARGETS['nccl_steady_x_raw']:.0f}x",
-            None if x is None else x <= TARGETS["nccl_steady_x_raw"])
+        row(
+            "steady / raw broadcast",
+            x,
+            f"<= {TARGETS['nccl_steady_x_raw']:.0f}x",
+            None if x is None else x <= TARGETS["nccl_steady_x_raw"],
+        )
         el = nccl.get("raw_broadcast_engine_like") or {}
-        row("raw broadcast, receiver sees only GPU 1 (as the engine), whole ms", el.get("whole_ms"), "", None,
-            f"bucketed {el['bucketed_ms']:.2f} ms" if el.get("bucketed_ms") else str(el.get("error", ""))[:100])
+        row(
+            "raw broadcast, receiver sees only GPU 1 (as the engine), whole ms",
+            el.get("whole_ms"),
+            "",
+            None,
+            f"bucketed {el['bucketed_ms']:.2f} ms" if el.get("bucketed_ms") else str(el.get("error", ""))[:100],
+        )
         row("NCCL pause+update+resume ms (median)", m(s, "e2e_ms"), "", None)
         row("NCCL resume -> first new token ms", m(s, "first_token_ms"), "", None)
     env = doc.get("env", {})
-    H.print_table(rows, title=f"Weight update under load ({env.get('gpu_name') or 'CPU'}, {env.get('gpus', 0)} GPU(s); "
-                              f"model {doc.get('config', {}).get('model')})")
+    H.print_table(
+        rows,
+        title=f"Weight update under load ({env.get('gpu_name') or 'CPU'}, {env.get('gpus', 0)} GPU(s); "
+        f"model {doc.get('config', {}).get('model')})",
+    )
 
 
 def plot(doc: dict[str, Any], png: Path) -> None:
@@ -429,7 +544,7 @@ def plot(doc: dict[str, Any], png: Path) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         print(f"no PNG ({e!r})", flush=True)
         return
     series = []
@@ -463,11 +578,17 @@ def plot(doc: dict[str, Any], png: Path) -> None:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     ap.add_argument("--model", default=None)
-    ap.add_argument("--cpu", "--dry-run", dest="cpu", action="store_true",
-                    help="CPU dry run: torch backend + tiny model, zmq transport, 8 streams; NCCL skipped")
+    ap.add_argument(
+        "--cpu",
+        "--dry-run",
+        dest="cpu",
+        action="store_true",
+        help="CPU dry run: torch backend + tiny model, zmq transport, 8 streams; NCCL skipped",
+    )
     ap.add_argument("--nccl", action="store_true", help="also the NCCL phase (2 GPUs: trainer 0, engine 1)")
     ap.add_argument("--no-ipc", dest="ipc", action="store_false", help="skip the cuda_ipc phase")
     ap.add_argument("--streams", type=int, default=64)
@@ -501,8 +622,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.cpu:
         given = " ".join(argv if argv is not None else sys.argv[1:])
-        for k, v in dict(streams=8, stream_max_tokens=256, prompt_min=8, prompt_max=32, updates=3, gap_s=0.3,
-                         budget_s=240.0, ready_timeout_s=120.0).items():
+        for k, v in dict(
+            streams=8,
+            stream_max_tokens=256,
+            prompt_min=8,
+            prompt_max=32,
+            updates=3,
+            gap_s=0.3,
+            budget_s=240.0,
+            ready_timeout_s=120.0,
+        ).items():
             if "--" + k.replace("_", "-") not in given:
                 setattr(a, k, v)
     return a
@@ -528,20 +657,47 @@ def main(argv: list[str] | None = None) -> int:
         from engine_node.tiny_model import ensure_tiny_model
 
         a.model = ensure_tiny_model()
-    spec = {"model": a.model, "cpu": a.cpu, "streams": a.streams, "stream_max_tokens": a.stream_max_tokens,
-            "prompt_min": a.prompt_min, "prompt_max": a.prompt_max, "seed": a.seed, "updates": a.updates,
-            "gap_s": a.gap_s, "gpu_memory_utilization": a.gpu_memory_utilization, "max_model_len": a.max_model_len,
-            "ready_timeout_s": a.ready_timeout_s, "request_timeout_s": a.request_timeout_s,
-            "control_timeout_s": a.control_timeout_s, "first_token_timeout_s": a.first_token_timeout_s,
-            "raw_reps": a.raw_reps, "raw_timeout_s": a.raw_timeout_s, "log_dir": str(log_dir),
-            "ipc_transport": "zmq" if a.cpu else "cuda_ipc"}
-    doc: dict[str, Any] = {"benchmark": NAME, "machine": H.machine_info(), "env": env, "config": vars(a),
-                           "targets": TARGETS}
+    spec = {
+        "model": a.model,
+        "cpu": a.cpu,
+        "streams": a.streams,
+        "stream_max_tokens": a.stream_max_tokens,
+        "prompt_min": a.prompt_min,
+        "prompt_max": a.prompt_max,
+        "seed": a.seed,
+        "updates": a.updates,
+        "gap_s": a.gap_s,
+        "gpu_memory_utilization": a.gpu_memory_utilization,
+        "max_model_len": a.max_model_len,
+        "ready_timeout_s": a.ready_timeout_s,
+        "request_timeout_s": a.request_timeout_s,
+        "control_timeout_s": a.control_timeout_s,
+        "first_token_timeout_s": a.first_token_timeout_s,
+        "raw_reps": a.raw_reps,
+        "raw_timeout_s": a.raw_timeout_s,
+        "log_dir": str(log_dir),
+        "ipc_transport": "zmq" if a.cpu else "cuda_ipc",
+    }
+    doc: dict[str, Any] = {
+        "benchmark": NAME,
+        "machine": H.machine_info(),
+        "env": env,
+        "config": vars(a),
+        "targets": TARGETS,
+    }
     path = od / f"{NAME}.json"
     print(f"{NAME}: model {a.model}, env {json.dumps(env)}, budget {a.budget_s:.0f}s", flush=True)
-    phases = [("ipc", "bench.gpu_weight_update:phase_ipc", a.ipc, None),
-              ("nccl", "bench.gpu_weight_update:phase_nccl", a.nccl,
-               "--cpu dry run" if a.cpu else (None if env.get("gpus", 0) >= 2 else f"needs 2 GPUs, have {env.get('gpus', 0)}"))]
+    phases = [
+        ("ipc", "bench.gpu_weight_update:phase_ipc", a.ipc, None),
+        (
+            "nccl",
+            "bench.gpu_weight_update:phase_nccl",
+            a.nccl,
+            "--cpu dry run"
+            if a.cpu
+            else (None if env.get("gpus", 0) >= 2 else f"needs 2 GPUs, have {env.get('gpus', 0)}"),
+        ),
+    ]
     with H.Procs():  # SIGTERM → SystemExit: phases unwind and kill their trees
         for key, target, wanted, reason in phases:
             if not wanted:
@@ -562,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {path}", flush=True)
     try:
         plot(doc, od / f"{NAME}.png")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         print(f"PNG failed: {e!r}", flush=True)
     report(doc)
     return 0 if any((doc.get(k) or {}).get("ok") for k in ("ipc", "nccl")) else 1

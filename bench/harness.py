@@ -25,9 +25,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 LOOPBACK = "127.0.0.1"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -172,7 +173,7 @@ async def run_load(
             t1 = time.perf_counter()
             if not finished or got != expected_tokens:
                 raise RuntimeError(f"incomplete: {got}/{expected_tokens} tokens, finished={finished}")
-        except Exception as e:  # noqa: BLE001 - counted, a sample kept
+        except Exception as e:
             errors += 1
             if len(err_sample) < 3:
                 err_sample.append(repr(e)[:300])
@@ -221,7 +222,7 @@ async def interleaved(
     *,
     reps: int,
     warmup: int = 1,
-    deadline: "Deadline | None" = None,
+    deadline: Deadline | None = None,
     on_run: Callable[[str, int, RunResult], None] | None = None,
 ) -> dict[str, list[RunResult]]:
     """Run every setup once per repetition, in rotating order, after `warmup`
@@ -234,7 +235,7 @@ async def interleaved(
             await setups[name]()
     out: dict[str, list[RunResult]] = {n: [] for n in names}
     for rep in range(reps):
-        order = names[rep % len(names):] + names[: rep % len(names)]
+        order = names[rep % len(names) :] + names[: rep % len(names)]
         for name in order:
             if deadline:
                 deadline.check(f"rep {rep} {name}")
@@ -292,9 +293,12 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = 
 
 def _git_commit() -> str | None:
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
-        ).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
     except Exception:
         return None
 
@@ -409,7 +413,9 @@ def plot_lines(
     return _finish_figure(plt, fig, list(axes.flat)[n:], name, suptitle, note, top=0.96)
 
 
-def _finish_figure(plt: Any, fig: Any, unused_axes: list[Any], name: str, suptitle: str | None, note: str | None, *, top: float) -> Path:
+def _finish_figure(
+    plt: Any, fig: Any, unused_axes: list[Any], name: str, suptitle: str | None, note: str | None, *, top: float
+) -> Path:
     """Hide unused panels, title, footnote, save as bench/results/<name>.png."""
     for ax in unused_axes:
         ax.axis("off")
@@ -508,7 +514,7 @@ class Procs:
         self.log_dir = log_dir or (Path(tempfile.gettempdir()) / "rollout-bus-bench" / str(os.getpid()))
         self._prev_term = None
 
-    def __enter__(self) -> "Procs":
+    def __enter__(self) -> Procs:
         if _is_main_thread():
             self._prev_term = signal.signal(signal.SIGTERM, _raise_exit)
         return self
@@ -683,8 +689,9 @@ def run_main(coro_fn: Callable[[], Awaitable[int | None]]) -> None:
     sys.exit(rc or 0)
 
 
-def plot_bar_panels(name: str, panels: Sequence[dict[str, Any]], *, suptitle: str | None = None,
-                    note: str | None = None) -> Path:
+def plot_bar_panels(
+    name: str, panels: Sequence[dict[str, Any]], *, suptitle: str | None = None, note: str | None = None
+) -> Path:
     """Several grouped-bar panels in one PNG.
 
     panel = {"title", "ylabel", "groups": [x labels], "series": {label: [y per group]},
@@ -704,8 +711,10 @@ def plot_bar_panels(name: str, panels: Sequence[dict[str, Any]], *, suptitle: st
             yerr = None
             if p.get("errs") and label in p["errs"]:
                 lo, hi = p["errs"][label]
-                yerr = [[max(0.0, y - (lv or 0)) for y, lv in zip(ys, lo)],
-                        [max(0.0, (h or 0) - y) for y, h in zip(ys, hi)]]
+                yerr = [
+                    [max(0.0, y - (lv or 0)) for y, lv in zip(ys, lo)],
+                    [max(0.0, (h or 0) - y) for y, h in zip(ys, hi)],
+                ]
             ax.bar(xs, ys, width=width, label=label, yerr=yerr, capsize=2 if yerr else 0, color=color_for(label))
         ax.set_xticks(range(len(groups)))
         ax.set_xticklabels(groups, fontsize=8)

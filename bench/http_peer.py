@@ -43,8 +43,9 @@ _CONTROL_ROUTES = ("/pause", "/resume", "/sleep", "/wake_up", "/reset_prefix_cac
 class Peer:
     """State shared by every connection of one server process."""
 
-    def __init__(self, model: str, vocab: int, tokens_per_event: int, port: int, log_requests: bool,
-                 step_delay_s: float = 0.0) -> None:
+    def __init__(
+        self, model: str, vocab: int, tokens_per_event: int, port: int, log_requests: bool, step_delay_s: float = 0.0
+    ) -> None:
         self.step_delay_s = step_delay_s
         self.paused = False
         self.model = model
@@ -57,7 +58,7 @@ class Peer:
         self.started = int(time.time())
 
     # -------------------------------------------------------------- routes
-    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes, w: "_Writer") -> None:
+    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes, w: _Writer) -> None:
         self.requests += 1
         if self.log_requests:
             print(f"{method} {path} {len(body)}B hdr={sorted(headers)}", flush=True)
@@ -75,9 +76,21 @@ class Peer:
         if path in ("/health", "/ping"):
             return w.raw(200, b"", b"text/plain")
         if path == "/v1/models":
-            return w.json(200, {"object": "list", "data": [
-                {"id": self.model, "object": "model", "created": self.started, "owned_by": "bench", "max_model_len": 1 << 20}
-            ]})
+            return w.json(
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": self.model,
+                            "object": "model",
+                            "created": self.started,
+                            "owned_by": "bench",
+                            "max_model_len": 1 << 20,
+                        }
+                    ],
+                },
+            )
         if path == "/get_model_info":
             return w.json(200, {"model_path": self.model, "is_generation": True, "tokenizer_path": None})
         if path == "/get_server_info":
@@ -88,7 +101,7 @@ class Peer:
             return w.json(200, {"version": "bench-http-peer"})
         return w.json(404, {"error": {"message": f"no route {path}"}})
 
-    def completions(self, body: bytes, w: "_Writer") -> None:
+    def completions(self, body: bytes, w: _Writer) -> None:
         try:
             req = _json_dec.decode(body)
             prompt = req.get("prompt")
@@ -108,7 +121,7 @@ class Peer:
             n = int(req.get("n") or 1)
             stream = bool(req.get("stream", False))
             want_lp = req.get("logprobs") is not None
-        except Exception as e:  # noqa: BLE001 - answer any malformed request with 400
+        except Exception as e:
             return w.json(400, {"error": {"message": str(e), "type": "BadRequestError", "code": 400}})
 
         rid = f"cmpl-{self.port}-{next(self.ids)}"
@@ -127,27 +140,46 @@ class Peer:
                 }
                 for k in range(n)
             ]
-            return w.json(200, {
-                "id": rid, "object": "text_completion", "created": created, "model": self.model,
-                "choices": choices,
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": max_tokens * n,
-                          "total_tokens": n_prompt + max_tokens * n},
-            })
+            return w.json(
+                200,
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model,
+                    "choices": choices,
+                    "usage": {
+                        "prompt_tokens": n_prompt,
+                        "completion_tokens": max_tokens * n,
+                        "total_tokens": n_prompt + max_tokens * n,
+                    },
+                },
+            )
         w.start_sse()
         tpe = self.tpe
 
         def event(k: int, i: int) -> bytes:
-            part = toks[i:i + tpe]
-            return _json_enc.encode({
-                "id": rid, "object": "text_completion", "created": created, "model": self.model,
-                "choices": [{
-                    "index": k, "text": "", "token_ids": part,
-                    "logprobs": {"token_logprobs": [0.0] * len(part)} if want_lp else None,
-                    "finish_reason": "length" if i + tpe >= max_tokens else None, "stop_reason": None,
-                }],
-                # bench-only field: server wall clock when the event was written
-                "emitted_at": time.time(),
-            })
+            part = toks[i : i + tpe]
+            return _json_enc.encode(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model,
+                    "choices": [
+                        {
+                            "index": k,
+                            "text": "",
+                            "token_ids": part,
+                            "logprobs": {"token_logprobs": [0.0] * len(part)} if want_lp else None,
+                            "finish_reason": "length" if i + tpe >= max_tokens else None,
+                            "stop_reason": None,
+                        }
+                    ],
+                    # bench-only field: server wall clock when the event was written
+                    "emitted_at": time.time(),
+                }
+            )
 
         if self.step_delay_s > 0:
             asyncio.get_running_loop().create_task(self._paced(w, n, max_tokens, event, req, rid, created, n_prompt))
@@ -157,8 +189,9 @@ class Peer:
                 w.sse(event(k, i))
         self._finish_sse(w, req, rid, created, n_prompt, max_tokens, n)
 
-    async def _paced(self, w: "_Writer", n: int, max_tokens: int, event: Any, req: dict, rid: str, created: int,
-                     n_prompt: int) -> None:
+    async def _paced(
+        self, w: _Writer, n: int, max_tokens: int, event: Any, req: dict, rid: str, created: int, n_prompt: int
+    ) -> None:
         """--step-delay-ms: one event per decode step, like an engine with that step time."""
         for i in range(0, max_tokens, self.tpe):
             await asyncio.sleep(self.step_delay_s)
@@ -168,15 +201,27 @@ class Peer:
                 w.sse(event(k, i))
         self._finish_sse(w, req, rid, created, n_prompt, max_tokens, n)
 
-    def _finish_sse(self, w: "_Writer", req: dict, rid: str, created: int, n_prompt: int, max_tokens: int,
-                    n: int) -> None:
+    def _finish_sse(
+        self, w: _Writer, req: dict, rid: str, created: int, n_prompt: int, max_tokens: int, n: int
+    ) -> None:
         so = req.get("stream_options") or {}
         if so.get("include_usage"):
-            w.sse(_json_enc.encode({
-                "id": rid, "object": "text_completion", "created": created, "model": self.model, "choices": [],
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": max_tokens * n,
-                          "total_tokens": n_prompt + max_tokens * n},
-            }))
+            w.sse(
+                _json_enc.encode(
+                    {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": self.model,
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": n_prompt,
+                            "completion_tokens": max_tokens * n,
+                            "total_tokens": n_prompt + max_tokens * n,
+                        },
+                    }
+                )
+            )
         w.sse(b"[DONE]")
         w.end_chunked()
 
@@ -194,7 +239,12 @@ class _Writer:
 
     def raw(self, status: int, body: bytes, ctype: bytes) -> None:
         head = b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\nconnection: %s\r\n\r\n" % (
-            status, _REASONS.get(status, b"X"), ctype, len(body), self._conn_hdr())
+            status,
+            _REASONS.get(status, b"X"),
+            ctype,
+            len(body),
+            self._conn_hdr(),
+        )
         self.t.write(head if self.head_only else head + body)
         if not self.keep_alive:
             self.t.close()
@@ -272,7 +322,7 @@ class _Conn(asyncio.Protocol):
                         # trailers not supported: expect the final CRLF
                         pos = nl + 4
                         break
-                    body_parts.append(bytes(self.buf[nl + 2:nl + 2 + size]))
+                    body_parts.append(bytes(self.buf[nl + 2 : nl + 2 + size]))
                     pos = nl + 2 + size + 2
                 body = b"".join(body_parts)
             else:
@@ -281,7 +331,7 @@ class _Conn(asyncio.Protocol):
                     return self._bad(413, "body too large")
                 if len(self.buf) < pos + cl:
                     return
-                body = bytes(self.buf[pos:pos + cl])
+                body = bytes(self.buf[pos : pos + cl])
                 pos += cl
             del self.buf[:pos]
             conn = headers.get("connection", "").lower()
@@ -371,8 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--tokens-per-event", type=int, default=1, help="tokens per SSE event when streaming")
     ap.add_argument("--impl", choices=["raw", "aiohttp"], default="raw")
-    ap.add_argument("--step-delay-ms", type=float, default=0.0,
-                    help="streaming: wait this long before each event (an engine's decode step time)")
+    ap.add_argument(
+        "--step-delay-ms",
+        type=float,
+        default=0.0,
+        help="streaming: wait this long before each event (an engine's decode step time)",
+    )
     ap.add_argument("--log-requests", action="store_true")
     a = ap.parse_args(argv)
     try:

@@ -22,6 +22,7 @@ Usage:
                              [--device cpu|cuda] [--layers N] [--hidden N] [--vocab N]
 Works on CPU (tiny/small take seconds; qwen05 about a minute on 2 cores).
 """
+
 import argparse
 import json
 import os
@@ -42,13 +43,14 @@ SENTENCES = [
 PRESETS = {
     "tiny": dict(arch="llama", hidden=256, layers=4, heads=4, kv_heads=2, inter=688, vocab=4096, max_pos=4096),
     "small": dict(arch="llama", hidden=512, layers=4, heads=8, kv_heads=4, inter=1376, vocab=8192, max_pos=4096),
-    "qwen05": dict(arch="qwen2", hidden=896, layers=24, heads=14, kv_heads=2, inter=4864, vocab=151936,
-                   max_pos=32768, tie=True),
+    "qwen05": dict(
+        arch="qwen2", hidden=896, layers=24, heads=14, kv_heads=2, inter=4864, vocab=151936, max_pos=32768, tie=True
+    ),
 }
 
 
 def build_tokenizer(out_dir, vocab_size):
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<unk>", "<s>", "</s>", "<pad>"]
@@ -61,7 +63,11 @@ def build_tokenizer(out_dir, vocab_size):
         tok.add_tokens([f"w{i}" for i in range(vocab_size - n)])
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
     )
     fast.model_max_length = 1 << 20
     fast.save_pretrained(out_dir)
@@ -72,10 +78,19 @@ def build_config(p, bos, eos):
     from transformers import LlamaConfig, Qwen2Config
 
     common = dict(
-        hidden_size=p["hidden"], num_hidden_layers=p["layers"], num_attention_heads=p["heads"],
-        num_key_value_heads=p["kv_heads"], intermediate_size=p["inter"], vocab_size=p["vocab"],
-        max_position_embeddings=p["max_pos"], rms_norm_eps=1e-6, rope_theta=10000.0,
-        bos_token_id=bos, eos_token_id=eos, pad_token_id=3, tie_word_embeddings=p.get("tie", False),
+        hidden_size=p["hidden"],
+        num_hidden_layers=p["layers"],
+        num_attention_heads=p["heads"],
+        num_key_value_heads=p["kv_heads"],
+        intermediate_size=p["inter"],
+        vocab_size=p["vocab"],
+        max_position_embeddings=p["max_pos"],
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=3,
+        tie_word_embeddings=p.get("tie", False),
     )
     if p["arch"] == "qwen2":
         cfg = Qwen2Config(**common, use_sliding_window=False)
@@ -96,10 +111,18 @@ def main():
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--tok-vocab", type=int, default=4096)
     ap.add_argument("--full-tokenizer", action="store_true")
-    ap.add_argument("--std", type=float, default=None,
-                    help="init std of the random weights (default 0.08 for tiny/small: varied greedy text; 0.02 for qwen05)")
-    ap.add_argument("--head-std", type=float, default=0.2,
-                    help="std of an untied lm_head (larger: peakier logits, stabler greedy argmax)")
+    ap.add_argument(
+        "--std",
+        type=float,
+        default=None,
+        help="init std of the random weights (default 0.08 for tiny/small: varied greedy text; 0.02 for qwen05)",
+    )
+    ap.add_argument(
+        "--head-std",
+        type=float,
+        default=0.2,
+        help="std of an untied lm_head (larger: peakier logits, stabler greedy argmax)",
+    )
     a = ap.parse_args()
 
     import torch
@@ -137,8 +160,15 @@ def main():
     model.generation_config.do_sample = False
     model.save_pretrained(a.out, safe_serialization=True)
     n = sum(x.numel() for x in model.parameters())
-    info = dict(preset=a.preset, seed=a.seed, params=n, dtype=a.dtype, tokenizer_vocab=len(tok),
-                vocab=p["vocab"], seconds=round(time.time() - t0, 1))
+    info = dict(
+        preset=a.preset,
+        seed=a.seed,
+        params=n,
+        dtype=a.dtype,
+        tokenizer_vocab=len(tok),
+        vocab=p["vocab"],
+        seconds=round(time.time() - t0, 1),
+    )
     with open(os.path.join(a.out, "tiny_model_info.json"), "w") as f:
         json.dump(info, f)
     print(json.dumps(info))

@@ -35,16 +35,29 @@ step, to imitate decode time).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from bus.tensors import unpack_bucket
 from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput
 
 _ITEMSIZE = {
-    "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8, "double": 8,
-    "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "double": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
 
 
@@ -251,7 +264,9 @@ class NullBackend:
         return BackendOp.done("reset_prefix_cache")
 
     # --------------------------------------------------------------- weights
-    def begin_weight_update(self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]) -> BackendOp:
+    def begin_weight_update(
+        self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]
+    ) -> BackendOp:
         # A begin while another is open replaces it (the node aborts first).
         self._wu_expect = None
         try:
@@ -304,12 +319,15 @@ class NullBackend:
 
     def receive_weights(self, handles: list[Any]) -> BackendOp:
         return BackendOp.failed(
-            "receive_weights", BackendError("null backend: GPU weight transports (cuda_ipc, nccl) are unsupported", field="transport")
+            "receive_weights",
+            BackendError("null backend: GPU weight transports (cuda_ipc, nccl) are unsupported", field="transport"),
         )
 
     def commit_weight_update(self) -> BackendOp:
         if self._wu_expect is None:
-            return BackendOp.failed("commit_weight_update", BackendError("commit_weight_update without begin_weight_update"))
+            return BackendOp.failed(
+                "commit_weight_update", BackendError("commit_weight_update without begin_weight_update")
+            )
         missing = sorted(set(self._wu_expect) - set(self._wu_staged))
         if missing:
             return BackendOp.failed(
@@ -337,9 +355,16 @@ class NullBackend:
         if not name:
             return BackendOp.failed("load_lora", BackendError("LoRA name must be non-empty", field="name"))
         if path is None and tensors is None:
-            return BackendOp.failed("load_lora", BackendError(f"load_lora({name!r}): give a path or staged tensors", field="path"))
+            return BackendOp.failed(
+                "load_lora", BackendError(f"load_lora({name!r}): give a path or staged tensors", field="path")
+            )
         nbytes = sum(_nbytes(t) for _, t in tensors) if tensors else 0
-        self._loras[name] = {"path": path, "num_tensors": len(tensors or ()), "bytes": nbytes, "config": dict(config or {})}
+        self._loras[name] = {
+            "path": path,
+            "num_tensors": len(tensors or ()),
+            "bytes": nbytes,
+            "config": dict(config or {}),
+        }
         return BackendOp.done("load_lora")
 
     def unload_lora(self, name: str) -> BackendOp:

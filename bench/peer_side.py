@@ -47,14 +47,34 @@ def prompt_ids(n: int = 512, start: int = 1000) -> list[int]:
 # ---------------------------------------------------------------- processes
 
 
-def start_http_peers(procs: H.Procs, k: int, *, tokens_per_event: int = 1, impl: str = "raw",
-                     tag: str = "peer", startup_s: float = 20.0, extra: list[str] | None = None) -> list[str]:
+def start_http_peers(
+    procs: H.Procs,
+    k: int,
+    *,
+    tokens_per_event: int = 1,
+    impl: str = "raw",
+    tag: str = "peer",
+    startup_s: float = 20.0,
+    extra: list[str] | None = None,
+) -> list[str]:
     ports = H.free_ports(k)
     started = []
     for i, port in enumerate(ports):
-        p = procs.start(f"{tag}{i}", [sys.executable, "-m", "bench.http_peer", "--port", str(port),
-                                      "--tokens-per-event", str(tokens_per_event), "--impl", impl,
-                                      *(extra or [])])
+        p = procs.start(
+            f"{tag}{i}",
+            [
+                sys.executable,
+                "-m",
+                "bench.http_peer",
+                "--port",
+                str(port),
+                "--tokens-per-event",
+                str(tokens_per_event),
+                "--impl",
+                impl,
+                *(extra or []),
+            ],
+        )
         started.append((p, port))
     for p, port in started:
         H.wait_port(port, startup_s, proc=p)
@@ -68,18 +88,36 @@ def vllm_router_binary() -> str:
     return exe
 
 
-def start_vllm_router(procs: H.Procs, worker_urls: list[str], policy: str, *, tag: str = "vllm_router",
-                      startup_s: float = 30.0, extra: list[str] | None = None) -> tuple[str, Any]:
+def start_vllm_router(
+    procs: H.Procs,
+    worker_urls: list[str],
+    policy: str,
+    *,
+    tag: str = "vllm_router",
+    startup_s: float = 30.0,
+    extra: list[str] | None = None,
+) -> tuple[str, Any]:
     port, prom = H.free_ports(2)
     argv = [
         vllm_router_binary(),
-        "--host", H.LOOPBACK, "--port", str(port),
-        "--worker-urls", *worker_urls,
-        "--policy", policy,
-        "--prometheus-host", H.LOOPBACK, "--prometheus-port", str(prom),
-        "--worker-startup-check-interval", "1",
-        "--worker-startup-timeout-secs", str(int(startup_s)),
-        "--log-level", "warning",
+        "--host",
+        H.LOOPBACK,
+        "--port",
+        str(port),
+        "--worker-urls",
+        *worker_urls,
+        "--policy",
+        policy,
+        "--prometheus-host",
+        H.LOOPBACK,
+        "--prometheus-port",
+        str(prom),
+        "--worker-startup-check-interval",
+        "1",
+        "--worker-startup-timeout-secs",
+        str(int(startup_s)),
+        "--log-level",
+        "warning",
         *(extra or []),
     ]
     p = procs.start(f"{tag}_{policy}", argv)
@@ -97,13 +135,14 @@ async def wait_ready(session: Any, url: str, deadline_s: float = 30.0) -> None:
     last: Any = None
     while time.monotonic() < end:
         try:
-            async with session.post(url + "/v1/completions", data=body,
-                                    headers={"content-type": "application/json"}) as r:
+            async with session.post(
+                url + "/v1/completions", data=body, headers={"content-type": "application/json"}
+            ) as r:
                 if r.status == 200:
                     await r.read()
                     return
                 last = f"HTTP {r.status}: {(await r.text())[:200]}"
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             last = e
         await asyncio.sleep(0.2)
     raise TimeoutError(f"{url} not ready after {deadline_s}s: {last}")
@@ -115,10 +154,20 @@ async def wait_ready(session: Any, url: str, deadline_s: float = 30.0) -> None:
 def make_session(concurrency: int, timeout_s: float = 120.0) -> Any:
     import aiohttp
 
-    conn = aiohttp.TCPConnector(limit=concurrency + 8, limit_per_host=concurrency + 8, keepalive_timeout=120,
-                                force_close=False, enable_cleanup_closed=True, ttl_dns_cache=None)
-    return aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                 auto_decompress=False, skip_auto_headers=("User-Agent",))
+    conn = aiohttp.TCPConnector(
+        limit=concurrency + 8,
+        limit_per_host=concurrency + 8,
+        keepalive_timeout=120,
+        force_close=False,
+        enable_cleanup_closed=True,
+        ttl_dns_cache=None,
+    )
+    return aiohttp.ClientSession(
+        connector=conn,
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent",),
+    )
 
 
 @dataclass
@@ -136,8 +185,14 @@ class HttpLoad:
 
 async def http_load(session: Any, spec: HttpLoad) -> H.RunResult:
     """N requests at concurrency C; per-request latency = send → last byte."""
-    base = {"model": "null", "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0.0,
-            "stream": spec.stream, "return_token_ids": True}
+    base = {
+        "model": "null",
+        "prompt": spec.prompt,
+        "max_tokens": spec.max_tokens,
+        "temperature": 0.0,
+        "stream": spec.stream,
+        "return_token_ids": True,
+    }
     body = msgspec.json.encode(base)
     url = spec.url + "/v1/completions"
     hdr = {"content-type": "application/json"}
@@ -205,24 +260,36 @@ async def measure_peer_side(args: argparse.Namespace) -> dict[str, Any]:
                     n = n_for(c, args.requests)
                     key = f"max_tokens={max_tokens}{' stream' if stream else ''} c={c}"
                     setups = {
-                        name: (lambda u=u, ss=(max(1, c) if "consistent" in name else 0):
-                               http_load(sess, HttpLoad(u, n, c, max_tokens, stream, prompt, sessions=ss)))
+                        name: (
+                            lambda u=u, ss=(max(1, c) if "consistent" in name else 0): http_load(
+                                sess, HttpLoad(u, n, c, max_tokens, stream, prompt, sessions=ss)
+                            )
+                        )
                         for name, u in targets.items()
                     }
                     setups = {name: H.with_cpu(router_pids.get(name, []), fn) for name, fn in setups.items()}
                     runs = await H.interleaved(setups, reps=args.reps, warmup=1, deadline=deadline)
                     results[key] = {
-                        "max_tokens": max_tokens, "stream": stream, "concurrency": c, "n": n,
-                        "setups": {name: {"summary": H.summarize_reps(rs), "runs": [r.summary() for r in rs]}
-                                   for name, rs in runs.items()},
+                        "max_tokens": max_tokens,
+                        "stream": stream,
+                        "concurrency": c,
+                        "n": n,
+                        "setups": {
+                            name: {"summary": H.summarize_reps(rs), "runs": [r.summary() for r in rs]}
+                            for name, rs in runs.items()
+                        },
                         "ratios_vs_direct": {
                             name: {
-                                "p50": H.paired_ratios([r.summary()["p50_ms"] for r in rs],
-                                                       [r.summary()["p50_ms"] for r in runs["direct (1 http_peer)"]]),
-                                "req_per_s": H.paired_ratios([r.rps for r in rs],
-                                                             [r.rps for r in runs["direct (1 http_peer)"]]),
+                                "p50": H.paired_ratios(
+                                    [r.summary()["p50_ms"] for r in rs],
+                                    [r.summary()["p50_ms"] for r in runs["direct (1 http_peer)"]],
+                                ),
+                                "req_per_s": H.paired_ratios(
+                                    [r.rps for r in rs], [r.rps for r in runs["direct (1 http_peer)"]]
+                                ),
                             }
-                            for name, rs in runs.items() if not name.startswith("direct")
+                            for name, rs in runs.items()
+                            if not name.startswith("direct")
                         },
                     }
                     print(f"  done {key} ({deadline.remaining():.0f}s left)", flush=True)
@@ -237,18 +304,23 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
         for name, s in r["setups"].items():
             sm = s["summary"]
             rat = r["ratios_vs_direct"].get(name)
-            rows.append({
-                "case": key,
-                "setup": name,
-                "p50 ms": H.fmt_spread(sm["p50_ms"]),
-                "p99 ms": H.fmt_spread(sm["p99_ms"]),
-                "req/s": H.fmt_spread(sm["req_per_s"], 0),
-                "p50 x direct": H.fmt(rat["p50"]["median"]) if rat else "1",
-                "req/s x direct": H.fmt(rat["req_per_s"]["median"]) if rat else "1",
-                "router CPU%": (H.fmt_spread(sm["cpu_pct"], 0)
-                                if "cpu_pct" in sm and sm["cpu_pct"]["reps"] and sm["cpu_pct"]["median"] > 0 else "-"),
-                "err": str(sm["errors"]),
-            })
+            rows.append(
+                {
+                    "case": key,
+                    "setup": name,
+                    "p50 ms": H.fmt_spread(sm["p50_ms"]),
+                    "p99 ms": H.fmt_spread(sm["p99_ms"]),
+                    "req/s": H.fmt_spread(sm["req_per_s"], 0),
+                    "p50 x direct": H.fmt(rat["p50"]["median"]) if rat else "1",
+                    "req/s x direct": H.fmt(rat["req_per_s"]["median"]) if rat else "1",
+                    "router CPU%": (
+                        H.fmt_spread(sm["cpu_pct"], 0)
+                        if "cpu_pct" in sm and sm["cpu_pct"]["reps"] and sm["cpu_pct"]["median"] > 0
+                        else "-"
+                    ),
+                    "err": str(sm["errors"]),
+                }
+            )
     return rows
 
 
@@ -269,10 +341,22 @@ def plot(results: dict[str, Any], name: str) -> None:
                     ys.append(sp["median"])
                     lo.append(sp["min"])
                     hi.append(sp["max"])
-            panels.append({"title": f"{label}: {ylabel}", "xlabel": "concurrency", "ylabel": ylabel,
-                           "series": series, "logx": True, "logy": metric == "p50_ms"})
-    H.plot_lines(name, panels, suptitle="HTTP side: http_peer direct vs behind vllm-router",
-                 note="median across repetitions, bars = min..max; one aiohttp client process; 2-core machine")
+            panels.append(
+                {
+                    "title": f"{label}: {ylabel}",
+                    "xlabel": "concurrency",
+                    "ylabel": ylabel,
+                    "series": series,
+                    "logx": True,
+                    "logy": metric == "p50_ms",
+                }
+            )
+    H.plot_lines(
+        name,
+        panels,
+        suptitle="HTTP side: http_peer direct vs behind vllm-router",
+        note="median across repetitions, bars = min..max; one aiohttp client process; 2-core machine",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,10 +378,18 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> int:
         t0 = time.monotonic()
         res = await measure_peer_side(args)
-        H.print_table(table_rows(res), title=f"HTTP side ({args.engines} http_peer servers, "
-                                             f"{args.reps} reps, median [min-max])")
-        H.write_json("peer_side", {"config": vars(args), "results": res, "elapsed_s": time.monotonic() - t0,
-                                   "driver": "aiohttp ClientSession, keep-alive pool, 1 process"})
+        H.print_table(
+            table_rows(res), title=f"HTTP side ({args.engines} http_peer servers, {args.reps} reps, median [min-max])"
+        )
+        H.write_json(
+            "peer_side",
+            {
+                "config": vars(args),
+                "results": res,
+                "elapsed_s": time.monotonic() - t0,
+                "driver": "aiohttp ClientSession, keep-alive pool, 1 process",
+            },
+        )
         plot(res, "peer_side")
         return 0
 

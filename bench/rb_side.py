@@ -51,16 +51,28 @@ def start_cluster(
     ready = procs.log_dir / f"{tag}_router_ready.json"
     procs.log_dir.mkdir(parents=True, exist_ok=True)
     ready.unlink(missing_ok=True)
-    router = procs.start(f"{tag}_router", [
-        sys.executable, "-m", "router_node",
-        "--frontend", f"tcp://{H.LOOPBACK}:{fe}",
-        "--events", f"tcp://{H.LOOPBACK}:{ev}",
-        "--control", f"tcp://{H.LOOPBACK}:{ctl}",
-        "--policy", policy,
-        "--heartbeat-interval-s", str(heartbeat_interval_s),
-        "--ready-file", str(ready),
-        *(router_args or []),
-    ], env=env)
+    router = procs.start(
+        f"{tag}_router",
+        [
+            sys.executable,
+            "-m",
+            "router_node",
+            "--frontend",
+            f"tcp://{H.LOOPBACK}:{fe}",
+            "--events",
+            f"tcp://{H.LOOPBACK}:{ev}",
+            "--control",
+            f"tcp://{H.LOOPBACK}:{ctl}",
+            "--policy",
+            policy,
+            "--heartbeat-interval-s",
+            str(heartbeat_interval_s),
+            "--ready-file",
+            str(ready),
+            *(router_args or []),
+        ],
+        env=env,
+    )
     H.wait_port(fe, 60, proc=router)
     data_ports = H.free_ports(2 * k)
     engines: dict[str, str] = {}
@@ -68,19 +80,35 @@ def start_cluster(
     for i in range(k):
         eid = f"{tag}-e{i}"
         data = f"tcp://{H.LOOPBACK}:{data_ports[2 * i]}"
-        p = procs.start(f"{tag}_engine{i}", [
-            sys.executable, "-m", "engine_node",
-            "--engine-id", eid,
-            "--head-events", f"tcp://{H.LOOPBACK}:{ev}",
-            "--head-control", f"tcp://{H.LOOPBACK}:{ctl}",
-            "--data-address", data,
-            "--weight-address", f"tcp://{H.LOOPBACK}:{data_ports[2 * i + 1]}",
-            "--backend", backend,
-            "--model", model,
-            "--backend-options", json.dumps(backend_options or {}),
-            "--heartbeat-interval-s", str(heartbeat_interval_s),
-            "--advertise-host", H.LOOPBACK,
-        ], env=env)
+        p = procs.start(
+            f"{tag}_engine{i}",
+            [
+                sys.executable,
+                "-m",
+                "engine_node",
+                "--engine-id",
+                eid,
+                "--head-events",
+                f"tcp://{H.LOOPBACK}:{ev}",
+                "--head-control",
+                f"tcp://{H.LOOPBACK}:{ctl}",
+                "--data-address",
+                data,
+                "--weight-address",
+                f"tcp://{H.LOOPBACK}:{data_ports[2 * i + 1]}",
+                "--backend",
+                backend,
+                "--model",
+                model,
+                "--backend-options",
+                json.dumps(backend_options or {}),
+                "--heartbeat-interval-s",
+                str(heartbeat_interval_s),
+                "--advertise-host",
+                H.LOOPBACK,
+            ],
+            env=env,
+        )
         engines[eid] = data
         pids[eid] = p.pid
     return Cluster(f"tcp://{H.LOOPBACK}:{fe}", engines, router.pid, pids, procs)
@@ -95,7 +123,7 @@ async def wait_healthy(client: Any, k: int, timeout_s: float, procs: H.Procs | N
             last = h
             if sum(1 for e in h["engines"].values() if e.get("healthy")) >= k:
                 return h
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             last = e
         if procs is not None:
             dead = [n for n, p in procs.procs if p.poll() is not None]
@@ -218,8 +246,9 @@ class RawDriver:
             if not st[0].done():
                 st[0].set_exception(RuntimeError(f"{msg.code}: {msg.message}"))
 
-    async def generate(self, prompt_bytes: bytes, params: Any, *, stream: bool, session_id: str | None,
-                       timeout_s: float) -> tuple[int, float | None, str | None]:
+    async def generate(
+        self, prompt_bytes: bytes, params: Any, *, stream: bool, session_id: str | None, timeout_s: float
+    ) -> tuple[int, float | None, str | None]:
         from bus import protocol as P
 
         self._ensure_reader()
@@ -265,5 +294,3 @@ async def raw_load(driver: RawDriver, spec: RbLoad) -> H.RunResult:
         spec.n, spec.concurrency, request, expected_tokens=spec.max_tokens, timeout_s=spec.per_request_timeout_s,
         stream=spec.stream, lags=driver.lags,
     )  # fmt: skip
-
-

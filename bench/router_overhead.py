@@ -34,15 +34,20 @@ import time
 from typing import Any
 
 from bench import harness as H
-from bench.null_backend import NULL_BACKEND
 from bench import peer_side as PS
 from bench import rb_side as RB
+from bench.null_backend import NULL_BACKEND
 
 HTTP_DIRECT, VR_CH, VR_P2 = "http direct", "vllm-router c_hash", "vllm-router p2"
 RB_DIRECT, RB_ROUTER, RB_SESSION = "rb direct", "rb router", "rb router+session"
 RAW_DIRECT, RAW_ROUTER = "rb direct (raw)", "rb router (raw)"
-DIRECT_OF = {VR_CH: HTTP_DIRECT, VR_P2: HTTP_DIRECT, RB_ROUTER: RB_DIRECT, RB_SESSION: RB_DIRECT,
-             RAW_ROUTER: RAW_DIRECT}
+DIRECT_OF = {
+    VR_CH: HTTP_DIRECT,
+    VR_P2: HTTP_DIRECT,
+    RB_ROUTER: RB_DIRECT,
+    RB_SESSION: RB_DIRECT,
+    RAW_ROUTER: RAW_DIRECT,
+}
 ORDER = [HTTP_DIRECT, VR_CH, VR_P2, RB_DIRECT, RB_ROUTER, RB_SESSION, RAW_DIRECT, RAW_ROUTER]
 
 
@@ -54,8 +59,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     with H.Procs() as procs:
         # -- HTTP side
         peers = PS.start_http_peers(procs, args.engines, tokens_per_event=1)
-        vr = {VR_CH: PS.start_vllm_router(procs, peers, "consistent_hash"),
-              VR_P2: PS.start_vllm_router(procs, peers, "power_of_two")}
+        vr = {
+            VR_CH: PS.start_vllm_router(procs, peers, "consistent_hash"),
+            VR_P2: PS.start_vllm_router(procs, peers, "power_of_two"),
+        }
         # -- rollout-bus side
         cl = RB.start_cluster(procs, args.engines, backend=NULL_BACKEND, backend_options={"tokens_per_step": 1})
         rb_router = RB.make_client(cl.frontend)
@@ -63,8 +70,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         raw_router = RB.RawDriver(cl.frontend)
         raw_direct = RB.RawDriver(next(iter(cl.engines.values())))
         sess = PS.make_session(max(args.concurrency) + 8)
-        cpu_pids = {VR_CH: [vr[VR_CH][1].pid], VR_P2: [vr[VR_P2][1].pid],
-                    RB_ROUTER: [cl.router_pid], RB_SESSION: [cl.router_pid], RAW_ROUTER: [cl.router_pid]}
+        cpu_pids = {
+            VR_CH: [vr[VR_CH][1].pid],
+            VR_P2: [vr[VR_P2][1].pid],
+            RB_ROUTER: [cl.router_pid],
+            RB_SESSION: [cl.router_pid],
+            RAW_ROUTER: [cl.router_pid],
+        }
         try:
             await RB.wait_healthy(rb_router, args.engines, 120, procs)
             await PS.wait_ready(sess, peers[0])
@@ -76,10 +88,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     key = f"max_tokens={max_tokens}{' stream' if stream else ''} c={c}"
 
                     def http(url: str, sessions: int):
-                        return lambda: PS.http_load(sess, PS.HttpLoad(url, n, c, max_tokens, stream, prompt, sessions=sessions))
+                        return lambda: PS.http_load(
+                            sess, PS.HttpLoad(url, n, c, max_tokens, stream, prompt, sessions=sessions)
+                        )
 
                     def rbl(client: Any, sessions: int):
-                        return lambda: RB.rb_load(client, RB.RbLoad(n, c, max_tokens, stream, prompt, sessions=sessions))
+                        return lambda: RB.rb_load(
+                            client, RB.RbLoad(n, c, max_tokens, stream, prompt, sessions=sessions)
+                        )
 
                     def raw(drv: Any, sessions: int):
                         return lambda: RB.raw_load(drv, RB.RbLoad(n, c, max_tokens, stream, prompt, sessions=sessions))
@@ -143,18 +159,20 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             sm = r["setups"][name]["summary"]
             ov = r["overhead_vs_own_direct"].get(name)
             cpu = sm.get("cpu_pct")
-            rows.append({
-                "case": key,
-                "setup": name,
-                "p50 ms": H.fmt_spread(sm["p50_ms"]),
-                "p99 ms": H.fmt_spread(sm["p99_ms"]),
-                "req/s": H.fmt_spread(sm["req_per_s"], 0),
-                "p50 x direct": H.fmt(ov["p50"]["median"]) if ov else "",
-                "+ms p50": H.fmt(ov["p50_added_ms"]["median"]) if ov else "",
-                "req/s x direct": H.fmt(ov["req_per_s"]["median"]) if ov else "",
-                "router CPU%": H.fmt(cpu["median"], 0) if ov and cpu and cpu["reps"] else "",
-                "err": str(sm["errors"]),
-            })
+            rows.append(
+                {
+                    "case": key,
+                    "setup": name,
+                    "p50 ms": H.fmt_spread(sm["p50_ms"]),
+                    "p99 ms": H.fmt_spread(sm["p99_ms"]),
+                    "req/s": H.fmt_spread(sm["req_per_s"], 0),
+                    "p50 x direct": H.fmt(ov["p50"]["median"]) if ov else "",
+                    "+ms p50": H.fmt(ov["p50_added_ms"]["median"]) if ov else "",
+                    "req/s x direct": H.fmt(ov["req_per_s"]["median"]) if ov else "",
+                    "router CPU%": H.fmt(cpu["median"], 0) if ov and cpu and cpu["reps"] else "",
+                    "err": str(sm["errors"]),
+                }
+            )
     return rows
 
 
@@ -170,22 +188,53 @@ def plot(results: dict[str, Any], name: str, title: str) -> None:
             for setup in ORDER:
                 pts = [(v["concurrency"], v["setups"][setup]["summary"][metric]) for v in sub if setup in v["setups"]]
                 if pts:
-                    series[setup] = ([x for x, _ in pts], [s["median"] for _, s in pts],
-                                     [s["min"] for _, s in pts], [s["max"] for _, s in pts])
-            panels.append({"title": f"{label}: {ylabel}", "xlabel": "concurrency", "ylabel": ylabel,
-                           "series": series, "logx": True, "logy": logy})
+                    series[setup] = (
+                        [x for x, _ in pts],
+                        [s["median"] for _, s in pts],
+                        [s["min"] for _, s in pts],
+                        [s["max"] for _, s in pts],
+                    )
+            panels.append(
+                {
+                    "title": f"{label}: {ylabel}",
+                    "xlabel": "concurrency",
+                    "ylabel": ylabel,
+                    "series": series,
+                    "logx": True,
+                    "logy": logy,
+                }
+            )
         series = {}
         for setup in DIRECT_OF:
-            pts = [(v["concurrency"], v["overhead_vs_own_direct"][setup]["p50"]) for v in sub
-                   if setup in v["overhead_vs_own_direct"]]
+            pts = [
+                (v["concurrency"], v["overhead_vs_own_direct"][setup]["p50"])
+                for v in sub
+                if setup in v["overhead_vs_own_direct"]
+            ]
             if pts:
-                series[setup] = ([x for x, _ in pts], [s["median"] for _, s in pts],
-                                 [s["min"] for _, s in pts], [s["max"] for _, s in pts])
-        panels.append({"title": f"{label}: router p50 / its own direct p50", "xlabel": "concurrency",
-                       "ylabel": "x direct (1 = no overhead)", "series": series, "logx": True, "hline": 1.0})
-    H.plot_lines(name, panels, suptitle=title,
-                 note="median across repetitions, bars = min..max; each side driven by one asyncio client process "
-                      "(aiohttp keep-alive / trainer_bridge.AsyncClient); same machine, same run")
+                series[setup] = (
+                    [x for x, _ in pts],
+                    [s["median"] for _, s in pts],
+                    [s["min"] for _, s in pts],
+                    [s["max"] for _, s in pts],
+                )
+        panels.append(
+            {
+                "title": f"{label}: router p50 / its own direct p50",
+                "xlabel": "concurrency",
+                "ylabel": "x direct (1 = no overhead)",
+                "series": series,
+                "logx": True,
+                "hline": 1.0,
+            }
+        )
+    H.plot_lines(
+        name,
+        panels,
+        suptitle=title,
+        note="median across repetitions, bars = min..max; each side driven by one asyncio client process "
+        "(aiohttp keep-alive / trainer_bridge.AsyncClient); same machine, same run",
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,18 +257,29 @@ def main(argv: list[str] | None = None) -> None:
     async def go() -> int:
         t0 = time.monotonic()
         res = await run(args)
-        title = (f"Router overhead, {args.engines} engines per router, prompt {args.prompt_len} tokens "
-                 f"({args.reps} reps, median [min-max])")
+        title = (
+            f"Router overhead, {args.engines} engines per router, prompt {args.prompt_len} tokens "
+            f"({args.reps} reps, median [min-max])"
+        )
         H.print_table(table_rows(res), title=title)
-        print("drivers: HTTP side = aiohttp ClientSession (keep-alive pool); rollout-bus side = "
-              "trainer_bridge.AsyncClient, and (raw) = bench RawDriver (plain zmq DEALER + add_reader); "
-              "one asyncio process, C tasks per setup, responses fully parsed; setups interleaved per rep")
-        H.write_json(args.name, {
-            "config": vars(args), "elapsed_s": time.monotonic() - t0, "results": res,
-            "drivers": {"http": "aiohttp.ClientSession, TCPConnector keep-alive pool, one process",
-                        "rollout_bus": "trainer_bridge.AsyncClient (zmq DEALER), one process",
-                        "rollout_bus_raw": "bench.rb_side.RawDriver: plain zmq DEALER read via loop.add_reader, bus.codec"},
-        })
+        print(
+            "drivers: HTTP side = aiohttp ClientSession (keep-alive pool); rollout-bus side = "
+            "trainer_bridge.AsyncClient, and (raw) = bench RawDriver (plain zmq DEALER + add_reader); "
+            "one asyncio process, C tasks per setup, responses fully parsed; setups interleaved per rep"
+        )
+        H.write_json(
+            args.name,
+            {
+                "config": vars(args),
+                "elapsed_s": time.monotonic() - t0,
+                "results": res,
+                "drivers": {
+                    "http": "aiohttp.ClientSession, TCPConnector keep-alive pool, one process",
+                    "rollout_bus": "trainer_bridge.AsyncClient (zmq DEALER), one process",
+                    "rollout_bus_raw": "bench.rb_side.RawDriver: plain zmq DEALER read via loop.add_reader, bus.codec",
+                },
+            },
+        )
         plot(res, args.name, title)
         return 0
 

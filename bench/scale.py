@@ -24,9 +24,9 @@ import time
 from typing import Any
 
 from bench import harness as H
-from bench.null_backend import NULL_BACKEND
 from bench import peer_side as PS
 from bench import rb_side as RB
+from bench.null_backend import NULL_BACKEND
 
 
 async def timed_rounds(fn: Any, rounds: int) -> list[float]:
@@ -64,7 +64,7 @@ async def one_k(args: argparse.Namespace, k: int, deadline: H.Deadline) -> dict[
             try:
                 st = await client.stats()
                 res["router_counters"] = st.get("counters")
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
             await client.pause("abort")
             await client.resume()
@@ -91,8 +91,12 @@ async def one_k(args: argparse.Namespace, k: int, deadline: H.Deadline) -> dict[
             try:
                 await PS.wait_ready(sess, url)
                 spec_h = PS.HttpLoad(url, args.requests, args.concurrency, 1, False, prompt)
-                runs = await H.interleaved({f"vllm-router {pol}": H.with_cpu([vr.pid], lambda: PS.http_load(sess, spec_h))},
-                                           reps=args.reps, warmup=1, deadline=deadline)
+                runs = await H.interleaved(
+                    {f"vllm-router {pol}": H.with_cpu([vr.pid], lambda: PS.http_load(sess, spec_h))},
+                    reps=args.reps,
+                    warmup=1,
+                    deadline=deadline,
+                )
                 res["load"].update({name: H.summarize_reps(rs) for name, rs in runs.items()})
 
                 async def post_all(path: str) -> None:
@@ -101,6 +105,7 @@ async def one_k(args: argparse.Namespace, k: int, deadline: H.Deadline) -> dict[
                             await r.read()
                             if r.status != 200:
                                 raise RuntimeError(f"{u}{path}: HTTP {r.status}")
+
                     await asyncio.gather(*(one(u) for u in peers))
 
                 async def http_pause_resume() -> None:
@@ -141,31 +146,43 @@ def main(argv: list[str] | None = None) -> None:
         rows = []
         for r in res:
             for name, sm in r["load"].items():
-                rows.append({
-                    "engines": str(r["engines"]),
-                    "setup": name,
-                    "req/s": H.fmt_spread(sm["req_per_s"], 0),
-                    "p50 ms": H.fmt(sm["p50_ms"]["median"]),
-                    "p99 ms": H.fmt(sm["p99_ms"]["median"]),
-                    "router CPU%": H.fmt_spread(sm["cpu_pct"], 0) if "cpu_pct" in sm else "-",
-                    "err": str(sm["errors"]),
-                })
-        H.print_table(rows, title=f"Scale: router under load (max_tokens=1, c={args.concurrency}, "
-                                  f"{args.requests} requests, {args.reps} reps, median [min-max])")
+                rows.append(
+                    {
+                        "engines": str(r["engines"]),
+                        "setup": name,
+                        "req/s": H.fmt_spread(sm["req_per_s"], 0),
+                        "p50 ms": H.fmt(sm["p50_ms"]["median"]),
+                        "p99 ms": H.fmt(sm["p99_ms"]["median"]),
+                        "router CPU%": H.fmt_spread(sm["cpu_pct"], 0) if "cpu_pct" in sm else "-",
+                        "err": str(sm["errors"]),
+                    }
+                )
+        H.print_table(
+            rows,
+            title=f"Scale: router under load (max_tokens=1, c={args.concurrency}, "
+            f"{args.requests} requests, {args.reps} reps, median [min-max])",
+        )
         crow = []
         for r in res:
-            crow.append({
-                "engines": str(r["engines"]),
-                "startup s": H.fmt(r.get("startup_s")),
-                "pause+resume p50 ms": H.fmt(r["pause_resume_ms"]["p50_ms"]),
-                "p99 ms": H.fmt(r["pause_resume_ms"]["p99_ms"]),
-                "pause p50 ms": H.fmt(r["pause_only_ms"]["p50_ms"]),
-                "stats fan-out p50 ms": H.fmt(r["stats_fanout_ms"]["p50_ms"]),
-                "HTTP pause+resume p50 ms": H.fmt(r["http_pause_resume_ms"]["p50_ms"]) if "http_pause_resume_ms" in r else "-",
-                "HTTP p99 ms": H.fmt(r["http_pause_resume_ms"]["p99_ms"]) if "http_pause_resume_ms" in r else "-",
-            })
-        H.print_table(crow, title=f"Scale: control fan-out round trip ({args.rounds} rounds; rollout-bus: "
-                                  "client -> head -> PUB -> K acks; HTTP: asyncio.gather POST to K servers)")
+            crow.append(
+                {
+                    "engines": str(r["engines"]),
+                    "startup s": H.fmt(r.get("startup_s")),
+                    "pause+resume p50 ms": H.fmt(r["pause_resume_ms"]["p50_ms"]),
+                    "p99 ms": H.fmt(r["pause_resume_ms"]["p99_ms"]),
+                    "pause p50 ms": H.fmt(r["pause_only_ms"]["p50_ms"]),
+                    "stats fan-out p50 ms": H.fmt(r["stats_fanout_ms"]["p50_ms"]),
+                    "HTTP pause+resume p50 ms": H.fmt(r["http_pause_resume_ms"]["p50_ms"])
+                    if "http_pause_resume_ms" in r
+                    else "-",
+                    "HTTP p99 ms": H.fmt(r["http_pause_resume_ms"]["p99_ms"]) if "http_pause_resume_ms" in r else "-",
+                }
+            )
+        H.print_table(
+            crow,
+            title=f"Scale: control fan-out round trip ({args.rounds} rounds; rollout-bus: "
+            "client -> head -> PUB -> K acks; HTTP: asyncio.gather POST to K servers)",
+        )
         H.write_json("scale", {"config": vars(args), "elapsed_s": time.monotonic() - t0, "results": res})
         ks = [r["engines"] for r in res]
         names = sorted({n for r in res for n in r["load"]}, key=lambda n: (not n.startswith("rb"), n))
@@ -173,23 +190,49 @@ def main(argv: list[str] | None = None) -> None:
         series_cpu = {}
         for n in names:
             pts = [(r["engines"], r["load"][n]) for r in res if n in r["load"]]
-            series_rps[n] = ([x for x, _ in pts], [s["req_per_s"]["median"] for _, s in pts],
-                             [s["req_per_s"]["min"] for _, s in pts], [s["req_per_s"]["max"] for _, s in pts])
+            series_rps[n] = (
+                [x for x, _ in pts],
+                [s["req_per_s"]["median"] for _, s in pts],
+                [s["req_per_s"]["min"] for _, s in pts],
+                [s["req_per_s"]["max"] for _, s in pts],
+            )
             series_cpu[n] = ([x for x, _ in pts], [s["cpu_pct"]["median"] for _, s in pts])
-        fan = {"rollout-bus pause+resume p50": (ks, [r["pause_resume_ms"]["p50_ms"] for r in res]),
-               "rollout-bus pause+resume p99": (ks, [r["pause_resume_ms"]["p99_ms"] for r in res])}
+        fan = {
+            "rollout-bus pause+resume p50": (ks, [r["pause_resume_ms"]["p50_ms"] for r in res]),
+            "rollout-bus pause+resume p99": (ks, [r["pause_resume_ms"]["p99_ms"] for r in res]),
+        }
         if all("http_pause_resume_ms" in r for r in res):
             fan["HTTP gather pause+resume p50"] = (ks, [r["http_pause_resume_ms"]["p50_ms"] for r in res])
             fan["HTTP gather pause+resume p99"] = (ks, [r["http_pause_resume_ms"]["p99_ms"] for r in res])
-        H.plot_lines("scale", [
-            {"title": "router requests/s (max_tokens=1)", "xlabel": "engines", "ylabel": "requests/s",
-             "series": series_rps, "logx": True},
-            {"title": "router process CPU % (100 = one core)", "xlabel": "engines", "ylabel": "CPU %",
-             "series": series_cpu, "logx": True},
-            {"title": "control fan-out: pause + resume round trip", "xlabel": "engines", "ylabel": "ms",
-             "series": fan, "logx": True, "logy": True},
-        ], suptitle=f"Scale on {H.machine_info()['cpu_count']} cores: null engines behind one router",
-            note="all engines, routers and the client share this machine")
+        H.plot_lines(
+            "scale",
+            [
+                {
+                    "title": "router requests/s (max_tokens=1)",
+                    "xlabel": "engines",
+                    "ylabel": "requests/s",
+                    "series": series_rps,
+                    "logx": True,
+                },
+                {
+                    "title": "router process CPU % (100 = one core)",
+                    "xlabel": "engines",
+                    "ylabel": "CPU %",
+                    "series": series_cpu,
+                    "logx": True,
+                },
+                {
+                    "title": "control fan-out: pause + resume round trip",
+                    "xlabel": "engines",
+                    "ylabel": "ms",
+                    "series": fan,
+                    "logx": True,
+                    "logy": True,
+                },
+            ],
+            suptitle=f"Scale on {H.machine_info()['cpu_count']} cores: null engines behind one router",
+            note="all engines, routers and the client share this machine",
+        )
         return 0
 
     H.run_main(go)

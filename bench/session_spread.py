@@ -83,10 +83,12 @@ async def main_async(args: argparse.Namespace) -> int:
     for placement in PLACEMENTS:
         try:
             rows.append(await one_placement(args, placement, deadline))
-        except Exception as e:  # noqa: BLE001 — recorded, the other placement still runs
+        except Exception as e:
             rows.append({"placement": placement, "error": f"{type(e).__name__}: {e}"})
-    H.print_table([{k: v for k, v in r.items() if k != "per_engine"} for r in rows],
-                  title=f"{args.sessions} open sessions over {args.engines} null engines")
+    H.print_table(
+        [{k: v for k, v in r.items() if k != "per_engine"} for r in rows],
+        title=f"{args.sessions} open sessions over {args.engines} null engines",
+    )
     H.write_json("session_spread", {"args": vars(args), "rows": rows, "machine": H.machine_info()})
     ok = [r for r in rows if "per_engine" in r]
     if ok:

@@ -28,9 +28,9 @@ import time
 from typing import Any
 
 from bench import harness as H
-from bench.null_backend import NULL_BACKEND
 from bench import peer_side as PS
 from bench import rb_side as RB
+from bench.null_backend import NULL_BACKEND
 
 ORDER = ["rb router", "rb direct", "rb router (raw)", "rb direct (raw)", "vllm-router p2", "http direct"]
 
@@ -39,11 +39,21 @@ async def run_delay(args: argparse.Namespace, delay_ms: float, deadline: H.Deadl
     prompt = PS.prompt_ids(args.prompt_len)
     out: dict[str, Any] = {}
     with H.Procs() as procs:
-        peers = PS.start_http_peers(procs, args.engines, tokens_per_event=1, tag=f"peer_d{delay_ms:g}_",
-                                    extra=["--step-delay-ms", str(delay_ms)])
+        peers = PS.start_http_peers(
+            procs,
+            args.engines,
+            tokens_per_event=1,
+            tag=f"peer_d{delay_ms:g}_",
+            extra=["--step-delay-ms", str(delay_ms)],
+        )
         vr_url, _ = PS.start_vllm_router(procs, peers, "power_of_two", tag=f"vr_d{delay_ms:g}")
-        cl = RB.start_cluster(procs, args.engines, backend=NULL_BACKEND, tag=f"rb_d{delay_ms:g}",
-                              backend_options={"tokens_per_step": 1, "step_delay_s": delay_ms / 1e3})
+        cl = RB.start_cluster(
+            procs,
+            args.engines,
+            backend=NULL_BACKEND,
+            tag=f"rb_d{delay_ms:g}",
+            backend_options={"tokens_per_step": 1, "step_delay_s": delay_ms / 1e3},
+        )
         rb_router = RB.make_client(cl.frontend)
         rb_direct = RB.make_client(next(iter(cl.engines.values())))
         raw_router = RB.RawDriver(cl.frontend)
@@ -56,8 +66,7 @@ async def run_delay(args: argparse.Namespace, delay_ms: float, deadline: H.Deadl
             for c in args.streams:
                 n = max(c, args.min_streams)
                 spec = RB.RbLoad(n, c, args.max_tokens, True, prompt, record_stream_lag=True)
-                hspec = lambda url: PS.HttpLoad(url, n, c, args.max_tokens, True, prompt,  # noqa: E731
-                                                record_stream_lag=True)
+                hspec = lambda url: PS.HttpLoad(url, n, c, args.max_tokens, True, prompt, record_stream_lag=True)
                 setups = {
                     "rb router": lambda: RB.rb_load(rb_router, spec),
                     "rb direct": lambda: RB.rb_load(rb_direct, spec),
@@ -72,9 +81,14 @@ async def run_delay(args: argparse.Namespace, delay_ms: float, deadline: H.Deadl
                     per_rep = []
                     for r in rs:
                         lags = r.extra.pop("lags_s", [])
-                        per_rep.append({"lag_p50_ms": H.percentile(lags, 50) * 1e3,
-                                        "lag_p99_ms": H.percentile(lags, 99) * 1e3,
-                                        "chunks": len(lags), **r.summary()})
+                        per_rep.append(
+                            {
+                                "lag_p50_ms": H.percentile(lags, 50) * 1e3,
+                                "lag_p99_ms": H.percentile(lags, 99) * 1e3,
+                                "chunks": len(lags),
+                                **r.summary(),
+                            }
+                        )
                     case["setups"][name] = {
                         "lag_p50_ms": H.spread([p["lag_p50_ms"] for p in per_rep]),
                         "lag_p99_ms": H.spread([p["lag_p99_ms"] for p in per_rep]),
@@ -120,26 +134,53 @@ def main(argv: list[str] | None = None) -> None:
             for name in ORDER:
                 s = case["setups"].get(name)
                 if s:
-                    rows.append({"case": key, "setup": name,
-                                 "lag p50 ms": H.fmt_spread(s["lag_p50_ms"], 3),
-                                 "lag p99 ms": H.fmt_spread(s["lag_p99_ms"], 3),
-                                 "stream p50 ms": H.fmt(s["stream_p50_ms"]["median"]),
-                                 "err": str(s["errors"])})
-        title = (f"Token streaming latency: engine emit -> client receive, {args.max_tokens} tokens per stream, "
-                 f"1 token per chunk, {args.engines} null engines ({args.reps} reps, median [min-max])")
+                    rows.append(
+                        {
+                            "case": key,
+                            "setup": name,
+                            "lag p50 ms": H.fmt_spread(s["lag_p50_ms"], 3),
+                            "lag p99 ms": H.fmt_spread(s["lag_p99_ms"], 3),
+                            "stream p50 ms": H.fmt(s["stream_p50_ms"]["median"]),
+                            "err": str(s["errors"]),
+                        }
+                    )
+        title = (
+            f"Token streaming latency: engine emit -> client receive, {args.max_tokens} tokens per stream, "
+            f"1 token per chunk, {args.engines} null engines ({args.reps} reps, median [min-max])"
+        )
         H.print_table(rows, title=title)
         H.write_json("stream_latency", {"config": vars(args), "elapsed_s": time.monotonic() - t0, "results": res})
         groups = list(res)
         panels = []
         for metric, label in (("lag_p50_ms", "p50 lag (ms)"), ("lag_p99_ms", "p99 lag (ms)")):
-            series = {n: [res[g]["setups"][n][metric]["median"] for g in groups] for n in ORDER
-                      if all(n in res[g]["setups"] for g in groups)}
-            errs = {n: ([res[g]["setups"][n][metric]["min"] for g in groups],
-                        [res[g]["setups"][n][metric]["max"] for g in groups]) for n in series}
-            panels.append({"title": label, "ylabel": "ms", "groups": [g.replace(" ", "\n") for g in groups],
-                           "series": series, "errs": errs, "logy": True})
-        H.plot_bar_panels("stream_latency", panels, suptitle=title,
-                          note="lag = client time.time() - emitted_at stamped by the engine (same machine clock)")
+            series = {
+                n: [res[g]["setups"][n][metric]["median"] for g in groups]
+                for n in ORDER
+                if all(n in res[g]["setups"] for g in groups)
+            }
+            errs = {
+                n: (
+                    [res[g]["setups"][n][metric]["min"] for g in groups],
+                    [res[g]["setups"][n][metric]["max"] for g in groups],
+                )
+                for n in series
+            }
+            panels.append(
+                {
+                    "title": label,
+                    "ylabel": "ms",
+                    "groups": [g.replace(" ", "\n") for g in groups],
+                    "series": series,
+                    "errs": errs,
+                    "logy": True,
+                }
+            )
+        H.plot_bar_panels(
+            "stream_latency",
+            panels,
+            suptitle=title,
+            note="lag = client time.time() - emitted_at stamped by the engine (same machine clock)",
+        )
         return 0
 
     H.run_main(go)

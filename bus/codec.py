@@ -8,12 +8,13 @@ meant to be shared across threads).
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
 from bus import protocol as P
-from bus.errors import ProtocolError, BadRequest
+from bus.errors import BadRequest, ProtocolError
 
 _PATH_INDEX = re.compile(r"\[(\d+)\]")
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import zmq
 
@@ -30,7 +31,7 @@ class PendingCommand:
     op: Any
     targets: set[str]
     deadline: float
-    on_done: Callable[["PendingCommand"], None]
+    on_done: Callable[[PendingCommand], None]
     acks: dict[str, P.Ack] = dataclasses.field(default_factory=dict)
     gone: set[str] = dataclasses.field(default_factory=set)  # targets known dead: not waited on
     published_at: float = 0.0

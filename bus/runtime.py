@@ -60,6 +60,7 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
             libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
         except OSError:
             pass
+
     # The parent may have died before prctl ran, or we are not on Linux.
     def watch() -> None:
         while True:

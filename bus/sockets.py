@@ -36,7 +36,7 @@ def make_socket(
     router_mandatory: bool = True,
     identity: bytes | None = None,
     subscribe: list[bytes] | None = None,
-    curve: "CurveKeys | None" = None,
+    curve: CurveKeys | None = None,
     curve_server: bool = False,
 ) -> zmq.Socket:
     s = ctx.socket(kind)
@@ -78,7 +78,7 @@ class CurveKeys:
             s.curve_serverkey = self.server_public
 
     @classmethod
-    def load(cls, key_dir: str) -> "CurveKeys":
+    def load(cls, key_dir: str) -> CurveKeys:
         import zmq.auth
 
         pub, sec = zmq.auth.load_certificate(os.path.join(key_dir, "rollout-bus.key_secret"))

@@ -7,7 +7,8 @@ raw bytes on the wire and unpacking is slicing, not parsing.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from bus.protocol import TensorMeta
 
@@ -74,7 +75,9 @@ def unpack_bucket(index: int, metas: list[Any], buffer: Any) -> list[tuple[str, 
 
     if isinstance(buffer, torch.Tensor):
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
-            raise ValueError(f"bucket {index}: expected a flat uint8 tensor, got {buffer.dtype} of shape {list(buffer.shape)}")
+            raise ValueError(
+                f"bucket {index}: expected a flat uint8 tensor, got {buffer.dtype} of shape {list(buffer.shape)}"
+            )
         flat = buffer
     else:
         try:
@@ -101,7 +104,9 @@ def unpack_bucket(index: int, metas: list[Any], buffer: Any) -> list[tuple[str, 
         if nbytes != want:
             raise ValueError(f"tensor {name}: nbytes {nbytes} != {want} for shape {shape} x {dtype}")
         if offset < 0 or offset + nbytes > size:
-            raise ValueError(f"tensor {name} needs bytes [{offset}, {offset + nbytes}) of bucket {index}, which is {size} bytes")
+            raise ValueError(
+                f"tensor {name} needs bytes [{offset}, {offset + nbytes}) of bucket {index}, which is {size} bytes"
+            )
         raw = flat[offset : offset + nbytes]
         if offset % itemsize:
             raw = raw.clone()  # a dtype view needs an aligned storage offset

@@ -21,13 +21,17 @@ def prompt_from_frames(msg: Generate, buffers: list[Any], *, max_prompt_tokens: 
     """The prompt as an int32 array (a view of the frame, no copy)."""
     rid = msg.request_id
     if not buffers:
-        raise BadRequest("missing prompt frame (int32 token ids after the body)", request_id=rid, field="prompt_token_ids")
+        raise BadRequest(
+            "missing prompt frame (int32 token ids after the body)", request_id=rid, field="prompt_token_ids"
+        )
     raw = buffers[0]
     n = len(raw)
     if n == 0:
         raise BadRequest("empty prompt", request_id=rid, field="prompt_token_ids")
     if n % 4:
-        raise BadRequest(f"prompt frame is {n} bytes, not a multiple of 4 (int32)", request_id=rid, field="prompt_token_ids")
+        raise BadRequest(
+            f"prompt frame is {n} bytes, not a multiple of 4 (int32)", request_id=rid, field="prompt_token_ids"
+        )
     if n // 4 > max_prompt_tokens:
         raise BadRequest(
             f"prompt has {n // 4} tokens, more than max_prompt_tokens={max_prompt_tokens}",

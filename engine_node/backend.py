@@ -29,7 +29,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-from typing import Any, Iterable, Protocol, runtime_checkable
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
 
 from bus.protocol import SamplingParams
 
@@ -103,20 +104,20 @@ class BackendOp:
     knob: str
 
     @classmethod
-    def done(cls, what: str, result: dict[str, Any] | None = None) -> "BackendOp":
+    def done(cls, what: str, result: dict[str, Any] | None = None) -> BackendOp:
         """An op that finished synchronously (cheap bookkeeping)."""
         f: concurrent.futures.Future = concurrent.futures.Future()
         f.set_result(dict(result or {}))
         return cls(what, f, float("inf"), "")
 
     @classmethod
-    def failed(cls, what: str, error: BaseException) -> "BackendOp":
+    def failed(cls, what: str, error: BaseException) -> BackendOp:
         f: concurrent.futures.Future = concurrent.futures.Future()
         f.set_exception(error)
         return cls(what, f, float("inf"), "")
 
     @classmethod
-    def pending(cls, what: str, timeout_s: float, knob: str) -> "BackendOp":
+    def pending(cls, what: str, timeout_s: float, knob: str) -> BackendOp:
         return cls(what, concurrent.futures.Future(), time.monotonic() + timeout_s, knob)
 
     def timeout_error(self) -> BackendTimeout:
@@ -175,7 +176,9 @@ class Backend(Protocol):
     def reset_prefix_cache(self) -> BackendOp: ...
 
     # -- weights: a transaction, nothing visible before commit; abort restores
-    def begin_weight_update(self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]) -> BackendOp:
+    def begin_weight_update(
+        self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]
+    ) -> BackendOp:
         """`tensors`: the BeginWeightUpdate's TensorMeta list; `args` carries
         "bucket_sizes" and the transport's arguments. Fails naming the tensor
         when a name / shape / dtype is wrong."""

@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 from typing import Any
 
 

@@ -34,7 +34,8 @@ import collections
 import dataclasses
 import sys
 from array import array
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from bus import protocol as P
 from bus.codec import Outbox
@@ -133,7 +134,9 @@ class RequestCore:
                 field="params.max_tokens",
             )
         if msg.lora is not None and msg.lora not in self.backend.loras():
-            raise BadRequest(f"LoRA adapter {msg.lora!r} is not loaded on {self.engine_id}", request_id=rid, field="lora")
+            raise BadRequest(
+                f"LoRA adapter {msg.lora!r} is not loaded on {self.engine_id}", request_id=rid, field="lora"
+            )
         req = new_request(client, msg, prompt, self.now)
         self.requests[req.key] = req
         self.pending.extend((req, s) for s in req.samples)

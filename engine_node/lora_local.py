@@ -95,7 +95,7 @@ def _targets_match(targets: Any, module: str) -> bool:
 def _resolve_module(raw: str, linears: dict[str, nn.Linear]) -> str | None:
     """Map a tensor's module path to one of the model's Linear names."""
     if raw.startswith(_PEFT_PREFIX):
-        raw = raw[len(_PEFT_PREFIX):]
+        raw = raw[len(_PEFT_PREFIX) :]
     for cand in (raw, "model." + raw):
         if cand in linears:
             return cand

@@ -77,7 +77,11 @@ class EngineNode:
         curve = CurveKeys.load(cfg.curve_dir) if cfg.curve_dir else None
         tcp = lambda a: a.startswith("tcp://")
         self.data = make_socket(
-            self.ctx, zmq.ROUTER, bind=cfg.data_address, curve=curve if tcp(cfg.data_address) else None, curve_server=True
+            self.ctx,
+            zmq.ROUTER,
+            bind=cfg.data_address,
+            curve=curve if tcp(cfg.data_address) else None,
+            curve_server=True,
         )
         self.weights = make_socket(
             self.ctx,
@@ -238,7 +242,9 @@ class EngineNode:
         self._snapshot_at = now
         if not self._registered:
             if now > self._register_deadline:
-                raise _Fatal(f"the head never answered Register within register_timeout_s={self.cfg.register_timeout_s}")
+                raise _Fatal(
+                    f"the head never answered Register within register_timeout_s={self.cfg.register_timeout_s}"
+                )
             if now - self._register_sent_at > 1.0:
                 self._send_register()
                 self._register_sent_at = now
@@ -423,7 +429,9 @@ class EngineNode:
         except Exception as e:  # refused (BackendError/ValueError) or a bug: answer it, keep serving
             if not isinstance(e, (BackendError, ValueError)):
                 self.log.exception("weight_bucket_crashed", update_id=msg.update_id, bucket=msg.bucket)
-            ack = P.WeightBucketAck(update_id=msg.update_id, bucket=msg.bucket, ok=False, error=f"{self.engine_id}: {e}")
+            ack = P.WeightBucketAck(
+                update_id=msg.update_id, bucket=msg.bucket, ok=False, error=f"{self.engine_id}: {e}"
+            )
             self.updates.abort_current(msg.update_id, str(e))
         self._send(self.weights, peer, ack)
 

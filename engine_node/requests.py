@@ -44,7 +44,7 @@ ALLOWED: frozenset[tuple[SampleState, SampleState]] = frozenset(
 )
 
 
-def transition(s: "Sample", new: SampleState) -> None:
+def transition(s: Sample, new: SampleState) -> None:
     """THE way a sample changes state (the core never assigns `state` itself)."""
     if (s.state, new) not in ALLOWED:
         raise IllegalTransition(f"sample {s.index}: {s.state.value} -> {new.value} is not allowed")

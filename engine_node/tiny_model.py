@@ -121,9 +121,7 @@ def _build_config(p: dict[str, Any], bos: int, eos: int, pad: int) -> Any:
     )
 
 
-def _redraw_weights(
-    model: Any, seed: int, std: float = 0.08, embed_std: float = 1.0, head_std: float = 0.2
-) -> None:
+def _redraw_weights(model: Any, seed: int, std: float = 0.08, embed_std: float = 1.0, head_std: float = 0.2) -> None:
     """Draw every weight from one seeded generator, in named_parameters order,
     so the result does not depend on transformers' own init order."""
     import torch
@@ -157,8 +155,15 @@ def build_tiny_model(
     from transformers import AutoModelForCausalLM
 
     p = _params(
-        seed=seed, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, inter=inter,
-        vocab=vocab, max_pos=max_pos, tie_embeddings=tie_embeddings,
+        seed=seed,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        inter=inter,
+        vocab=vocab,
+        max_pos=max_pos,
+        tie_embeddings=tie_embeddings,
     )
     os.makedirs(out_dir, exist_ok=True)
     tok = _build_tokenizer(out_dir, vocab)
@@ -220,9 +225,7 @@ def _module_shapes(model_dir: str) -> dict[str, tuple[int, int]]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     return {
-        name: (m.in_features, m.out_features)
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear)
+        name: (m.in_features, m.out_features) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
     }
 
 

@@ -149,7 +149,9 @@ class WeightUpdates:
         if up.phase is not Phase.PREPARED:
             missing = up.missing
             self._abort("incomplete")
-            raise BackendError(f"update {op.update_id} finished with bucket(s) {missing} never received", field="update_id")
+            raise BackendError(
+                f"update {op.update_id} finished with bucket(s) {missing} never received", field="update_id"
+            )
         up.to(Phase.COMMITTING)
         t0 = self.core.now
         if up.is_model:

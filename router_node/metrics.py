@@ -8,14 +8,15 @@ GIL before iterating them).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from router_node.router import Router
 
 
 class RouterCollector:
-    def __init__(self, router: "Router") -> None:
+    def __init__(self, router: Router) -> None:
         self.router = router
 
     def collect(self) -> Iterator[object]:
@@ -29,7 +30,9 @@ class RouterCollector:
         yield GaugeMetricFamily("rollout_bus_sessions", "live sticky sessions", value=r.sessions.count())
         engines = list(r.engines.values())
         healthy = GaugeMetricFamily("rollout_bus_engine_healthy", "1 when the engine gets traffic", labels=["engine"])
-        outstanding = GaugeMetricFamily("rollout_bus_engine_outstanding", "sequences in flight per engine", labels=["engine"])
+        outstanding = GaugeMetricFamily(
+            "rollout_bus_engine_outstanding", "sequences in flight per engine", labels=["engine"]
+        )
         version = GaugeMetricFamily("rollout_bus_engine_weight_version", "weight version per engine", labels=["engine"])
         kv = GaugeMetricFamily("rollout_bus_engine_kv_usage", "KV cache usage per engine (0-1)", labels=["engine"])
         for e in engines:
@@ -40,7 +43,7 @@ class RouterCollector:
         yield from (healthy, outstanding, version, kv)
 
 
-def serve_metrics(router: "Router", port: int, host: str = "127.0.0.1") -> int:
+def serve_metrics(router: Router, port: int, host: str = "127.0.0.1") -> int:
     """Expose /metrics on host:port (0: any free port); returns the port."""
     from prometheus_client import CollectorRegistry, start_http_server
 

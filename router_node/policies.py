@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import random
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from router_node.registry import EngineEntry
 
@@ -48,7 +48,7 @@ POLICIES: dict[str, Callable[[Sequence[EngineEntry], random.Random], EngineEntry
 }
 
 
-def pick_for_new_session(cands: Sequence[EngineEntry], sessions: "Sessions", rng: random.Random) -> EngineEntry:
+def pick_for_new_session(cands: Sequence[EngineEntry], sessions: Sessions, rng: random.Random) -> EngineEntry:
     """Fewest (open sessions + outstanding requests) per unit of capacity; ties at random."""
 
     def load(e: EngineEntry) -> float:
@@ -59,12 +59,12 @@ def pick_for_new_session(cands: Sequence[EngineEntry], sessions: "Sessions", rng
     return ties[rng.randrange(len(ties))]
 
 
-def pick_by_outstanding(cands: Sequence[EngineEntry], sessions: "Sessions", rng: random.Random) -> EngineEntry:
+def pick_by_outstanding(cands: Sequence[EngineEntry], sessions: Sessions, rng: random.Random) -> EngineEntry:
     """Outstanding requests only: idle open sessions weigh nothing (pre-0.2)."""
     return pick_least_loaded_exact(cands, rng)
 
 
-SESSION_PLACEMENTS: dict[str, Callable[[Sequence[EngineEntry], "Sessions", random.Random], EngineEntry]] = {
+SESSION_PLACEMENTS: dict[str, Callable[[Sequence[EngineEntry], Sessions, random.Random], EngineEntry]] = {
     "open_sessions": pick_for_new_session,
     "outstanding": pick_by_outstanding,
 }

@@ -73,7 +73,10 @@ class EngineEntry:
             return EngineState.SILENT, f"no heartbeat for {now - self.last_seen:.1f}s (> {deadline_s:.1f}s)"
         hb = self.hb
         if hb is not None and hb.running > 0 and not hb.busy and now - self.steps_changed_at > stall_timeout_s:
-            return EngineState.STALLED, f"step counter stuck at {hb.steps} for {now - self.steps_changed_at:.1f}s with {hb.running} running (stall_timeout_s={stall_timeout_s})"
+            return (
+                EngineState.STALLED,
+                f"step counter stuck at {hb.steps} for {now - self.steps_changed_at:.1f}s with {hb.running} running (stall_timeout_s={stall_timeout_s})",
+            )
         return EngineState.HEALTHY, "ok"
 
     def describe(self, now: float) -> dict[str, Any]:

@@ -17,7 +17,8 @@ import os
 import random
 import signal
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import structlog
@@ -109,7 +110,9 @@ class Router:
         self.outbox = Outbox()  # chunks for clients, flushed per engine message
         self.sessions = Sessions(cfg.session_ttl_s)
         if cfg.session_placement not in SESSION_PLACEMENTS:
-            raise ValueError(f"--session-placement must be one of {sorted(SESSION_PLACEMENTS)}, got {cfg.session_placement!r}")
+            raise ValueError(
+                f"--session-placement must be one of {sorted(SESSION_PLACEMENTS)}, got {cfg.session_placement!r}"
+            )
         self.place_session = SESSION_PLACEMENTS[cfg.session_placement]
         self.rng = random.Random(cfg.seed)
         self.pick = POLICIES[cfg.policy]
@@ -130,7 +133,11 @@ class Router:
         self._queries: dict[str, Callable[[], dict[str, Any]]] = {
             "health": self.health,
             "engines": lambda: {"engines": [e.describe(time.monotonic()) for e in self.engines.values()]},
-            "stats": lambda: {"counters": dict(self.counters), "in_flight": len(self.flights), "sessions": self.sessions.count()},
+            "stats": lambda: {
+                "counters": dict(self.counters),
+                "in_flight": len(self.flights),
+                "sessions": self.sessions.count(),
+            },
         }
         self._last_tick = 0.0
         # Cluster-wide pauses in force (scope -> Pause op): an engine that joins
@@ -368,7 +375,9 @@ class Router:
         if msg.lora is not None:
             cands = [e for e in cands if msg.lora in e.loras]
             if not cands:
-                raise BadRequest(f"LoRA adapter {msg.lora!r} is loaded on no healthy engine", request_id=msg.request_id, field="lora")
+                raise BadRequest(
+                    f"LoRA adapter {msg.lora!r} is loaded on no healthy engine", request_id=msg.request_id, field="lora"
+                )
         now = time.monotonic()
         if msg.session_id:
             eid = self.sessions.engine_for(msg.session_id, now)
@@ -435,7 +444,9 @@ class Router:
     def _on_query(self, client: bytes, msg: P.Query, _: list[Any]) -> None:
         fn = self._queries.get(msg.what)
         if fn is None:
-            raise BadRequest(f"unknown query {msg.what!r} (one of {sorted(self._queries)})", request_id=msg.request_id, field="what")
+            raise BadRequest(
+                f"unknown query {msg.what!r} (one of {sorted(self._queries)})", request_id=msg.request_id, field="what"
+            )
         self._send(self.frontend, client, P.QueryReply(request_id=msg.request_id, body=fn()))
 
     def _on_control(self, client: bytes, msg: P.Control, _: list[Any]) -> None:
@@ -568,11 +579,19 @@ class Router:
                 if target is not None:
                     fl.failovers += 1
                     self.counters["failovers"] += 1
-                    log.info("failover", request_id=fl.msg.request_id, engine_id=e.engine_id, to=target.engine_id, samples=len(left))
+                    log.info(
+                        "failover",
+                        request_id=fl.msg.request_id,
+                        engine_id=e.engine_id,
+                        to=target.engine_id,
+                        samples=len(left),
+                    )
                     self._dispatch(fl, target, left)
                     continue
             self.counters["engine_dead"] += 1
-            self._fail_flight(fl, ErrorCode.ENGINE_DEAD, f"engine {e.engine_id} died with the request in flight: {reason}")
+            self._fail_flight(
+                fl, ErrorCode.ENGINE_DEAD, f"engine {e.engine_id} died with the request in flight: {reason}"
+            )
         e.outstanding = max(0, e.outstanding)
 
     def _fail_flight(self, fl: Flight, code: ErrorCode, message: str, field: str | None = None) -> None:
@@ -601,7 +620,9 @@ class Router:
     def _send_raw(self, client: bytes, frames: list[Any]) -> None:
         self._send(self.frontend, client, None, frames=[client, *frames])
 
-    def _send(self, sock: zmq.Socket, peer: bytes, msg: Any, buffers: list[Any] = (), frames: list[Any] | None = None) -> None:  # type: ignore[assignment]
+    def _send(
+        self, sock: zmq.Socket, peer: bytes, msg: Any, buffers: list[Any] = (), frames: list[Any] | None = None
+    ) -> None:  # type: ignore[assignment]
         try:
             sock.send_multipart(frames if frames is not None else [peer, *self.codec.encode(msg, buffers)])
         except zmq.ZMQError as err:
@@ -635,7 +656,9 @@ def run_router_node(argv: list[str] | None = None) -> int:
     if cfg.metrics_port >= 0:
         from router_node.metrics import serve_metrics
 
-        router.addresses["metrics"] = f"http://{cfg.metrics_host}:{serve_metrics(router, cfg.metrics_port, cfg.metrics_host)}/metrics"
+        router.addresses["metrics"] = (
+            f"http://{cfg.metrics_host}:{serve_metrics(router, cfg.metrics_port, cfg.metrics_host)}/metrics"
+        )
     signal.signal(signal.SIGTERM, router.request_stop)
     signal.signal(signal.SIGINT, router.request_stop)
     ready = getattr(cfg, "ready_file", None)

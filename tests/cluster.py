@@ -138,7 +138,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 pass
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput
 
@@ -49,7 +50,9 @@ class _Seq:
 
 
 class ScriptedBackend:
-    def __init__(self, *, granularity: str = "seq", capacity: int = 8, max_model_len: int = 4096, seed: int = 0) -> None:
+    def __init__(
+        self, *, granularity: str = "seq", capacity: int = 8, max_model_len: int = 4096, seed: int = 0
+    ) -> None:
         self.freeze_granularity = granularity
         self.capacity = capacity
         self.max_model_len = max_model_len
@@ -63,7 +66,9 @@ class ScriptedBackend:
         self.handed: dict[tuple[int, int], int] = {}  # (request seed, sample) -> output position handed over
 
     def info(self) -> BackendInfo:
-        return BackendInfo("scripted", "scripted", VOCAB, [EOS], capacity=self.capacity, max_model_len=self.max_model_len)
+        return BackendInfo(
+            "scripted", "scripted", VOCAB, [EOS], capacity=self.capacity, max_model_len=self.max_model_len
+        )
 
     # ---------------------------------------------------------------- data path
     def add(self, seq: SeqRequest) -> None:
@@ -84,7 +89,9 @@ class ScriptedBackend:
         handed = self.handed.get((rseed, index))
         if handed is not None:
             assert pos == handed, f"sample {index} re-submitted at position {pos}, but {handed} tokens were handed over"
-            assert list(seq.prompt[-pos:] if pos else []) == [expected_token(rseed, index, i) for i in range(pos)][-pos:]
+            assert (
+                list(seq.prompt[-pos:] if pos else []) == [expected_token(rseed, index, i) for i in range(pos)][-pos:]
+            )
         self.seqs[seq.seq_id] = _Seq(seq, rseed, index, pos)
         self.handed.setdefault((rseed, index), pos)
 
@@ -182,7 +189,9 @@ class ScriptedBackend:
     def reset_prefix_cache(self) -> BackendOp:
         return BackendOp.done("reset_prefix_cache")
 
-    def begin_weight_update(self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]) -> BackendOp:
+    def begin_weight_update(
+        self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]
+    ) -> BackendOp:
         self.staged = {}
         return BackendOp.done("begin_weight_update")
 

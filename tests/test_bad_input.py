@@ -73,7 +73,11 @@ CASES = {
         "bad_request",
         "prompt_token_ids",
     ),
-    "negative token": ([b"G", gen("r-neg"), np.asarray([-4], dtype="<i4").tobytes()], "bad_request", "prompt_token_ids"),
+    "negative token": (
+        [b"G", gen("r-neg"), np.asarray([-4], dtype="<i4").tobytes()],
+        "bad_request",
+        "prompt_token_ids",
+    ),
     "too large message": (
         [b"G", gen("r-huge"), np.zeros(40_000, dtype="<i4").tobytes()],
         "bad_request",

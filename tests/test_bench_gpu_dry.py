@@ -17,15 +17,33 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 
 def _run(module: str, out: str, *args: str) -> dict:
-    p = subprocess.run([sys.executable, "-m", module, "--cpu", "--out-dir", out, *args], cwd=ROOT,
-                       env=child_env(ROLLOUT_BUS_LOG_LEVEL="WARNING"), capture_output=True, text=True, timeout=80)
+    p = subprocess.run(
+        [sys.executable, "-m", module, "--cpu", "--out-dir", out, *args],
+        cwd=ROOT,
+        env=child_env(ROLLOUT_BUS_LOG_LEVEL="WARNING"),
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(Path(out, module.split(".")[-1] + ".json").read_text())
 
 
 def test_gpu_throughput_dry_run(tmp_path):
-    doc = _run("bench.gpu_throughput", str(tmp_path), "--prompts", "6", "--max-tokens", "5", "--warmup-n", "2",
-               "--ttft-n", "2", "--ttft-rounds", "1")
+    doc = _run(
+        "bench.gpu_throughput",
+        str(tmp_path),
+        "--prompts",
+        "6",
+        "--max-tokens",
+        "5",
+        "--warmup-n",
+        "2",
+        "--ttft-n",
+        "2",
+        "--ttft-rounds",
+        "1",
+    )
     runs = {r["path"]: r for r in doc["runs"]}
     assert all("vLLM" in runs[p]["skipped"] for p in ("llm", "asyncllm", "http"))
     rb = runs["rb"]

@@ -17,7 +17,9 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, 500, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(4, 500, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 class Streams:
@@ -57,7 +59,10 @@ def lora_dirs(tiny_model, tmp_path_factory):
     from engine_node.tiny_model import make_random_lora
 
     root = tmp_path_factory.mktemp("loras")
-    return {name: make_random_lora(tiny_model, str(root / name), seed=seed) for name, seed in (("a", 1), ("b", 2), ("a2", 3))}
+    return {
+        name: make_random_lora(tiny_model, str(root / name), seed=seed)
+        for name, seed in (("a", 1), ("b", 2), ("a2", 3))
+    }
 
 
 # ---------------------------------------------------------------- pause modes

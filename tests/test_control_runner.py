@@ -30,7 +30,9 @@ class Rig:
             P.ResetPrefixCache: lambda op, seq: self._boom(),
         }
         self.busy_changes = 0
-        self.r = ControlRunner("e0", handlers, self.acks.append, on_busy_change=self._busy, log=structlog.get_logger("t"))
+        self.r = ControlRunner(
+            "e0", handlers, self.acks.append, on_busy_change=self._busy, log=structlog.get_logger("t")
+        )
 
     def _busy(self) -> None:
         self.busy_changes += 1

@@ -135,7 +135,9 @@ class Harness:
             assert not self.sleeping, "tokens emitted while sleeping"
             for scope in (ALL, msg.lora):
                 if scope is not None and self.pauses.get(scope) in ("keep", "abort"):
-                    raise AssertionError(f"tokens emitted for {ch.request_id} while {scope!r} is paused ({self.pauses[scope]})")
+                    raise AssertionError(
+                        f"tokens emitted for {ch.request_id} while {scope!r} is paused ({self.pauses[scope]})"
+                    )
         if msg.stream:
             assert not ch.version_changes
             if toks:
@@ -157,7 +159,9 @@ class Harness:
 
     # ------------------------------------------------------------ events
 
-    def generate(self, n: int, stream: bool, lora_i: int, resume: int, max_tokens: int, timeout: int, client_i: int) -> None:
+    def generate(
+        self, n: int, stream: bool, lora_i: int, resume: int, max_tokens: int, timeout: int, client_i: int
+    ) -> None:
         self.next_rid += 1
         rid = f"r{self.next_rid}"
         rseed = 10_000 * self.next_rid
@@ -211,7 +215,11 @@ class Harness:
         rec["accepted"] = True
 
     def cancel(self, pick: int) -> None:
-        live = [k for k, r in self.reqs.items() if r["accepted"] and not r["errors"] and len(r["finals"]) < r["msg"].num_samples]
+        live = [
+            k
+            for k, r in self.reqs.items()
+            if r["accepted"] and not r["errors"] and len(r["finals"]) < r["msg"].num_samples
+        ]
         if live:
             k = live[pick % len(live)]
             self.reqs[k]["cancelled"] = True

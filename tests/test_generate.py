@@ -49,7 +49,7 @@ def test_greedy_equals_transformers_generate(torch_cluster, hf_model):
         with torch.no_grad():
             ref = hf_model.generate(
                 torch.tensor([p]), max_new_tokens=10, do_sample=False, min_new_tokens=10, pad_token_id=0
-            )[0, len(p):].tolist()
+            )[0, len(p) :].tolist()
         assert ours == ref
 
 

@@ -40,8 +40,17 @@ HEAD_EVENT_FRAMES = {
     "ack loras not a list": [b"A", _raw_ack(_ENC({"epoch": 99, "weight_version": "x", "loras": 3}))],
     "register data_address ABORT": [
         b"R",
-        _ENC(P.Register(engine_id="evil", data_address="ABORT", weight_address="", backend="x", model="x",
-                        protocol_version=P.PROTOCOL_VERSION, incarnation="i")),
+        _ENC(
+            P.Register(
+                engine_id="evil",
+                data_address="ABORT",
+                weight_address="",
+                backend="x",
+                model="x",
+                protocol_version=P.PROTOCOL_VERSION,
+                incarnation="i",
+            )
+        ),
     ],
     "random bytes": [b"R", os.urandom(64)],
     "unknown kind": [b"\x00", b"\x90"],

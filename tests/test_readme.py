@@ -62,7 +62,7 @@ def test_readme_skyrl_block_runs(torch_cluster):
 
 # Stands in for skyrl's BasePPOExp where skyrl is not installed: it owns a
 # tokenizer and asks get_inference_client() for the engine, as SkyRL does.
-_FAKE_SKYRL = '''
+_FAKE_SKYRL = """
 import sys, types
 from engine_node.tiny_model import ensure_tiny_model
 from transformers import AutoTokenizer
@@ -76,7 +76,7 @@ except Exception:
     for name in ("skyrl", "skyrl.train", "skyrl.train.entrypoints"):
         sys.modules[name] = types.ModuleType(name)
     sys.modules[m.__name__] = m
-'''
+"""
 
 
 def test_readme_skyrl_entrypoint_lines_work(torch_cluster):

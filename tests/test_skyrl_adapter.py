@@ -101,7 +101,13 @@ def test_skyrl_default_params_translate_except_min_tokens():
         translate(SKYRL_DEFAULT_PARAMS, prefix="sampling_params.")
     assert e.value.field == "sampling_params.min_tokens" and isinstance(e.value, BadRequest)
     tr = translate({**params(), "repetition_penalty": 1.0, "n": 2})
-    assert (tr.params.top_k, tr.params.logprobs, tr.params.max_tokens, tr.num_samples, tr.skip_special_tokens) == (0, True, 8, 2, True)
+    assert (tr.params.top_k, tr.params.logprobs, tr.params.max_tokens, tr.num_samples, tr.skip_special_tokens) == (
+        0,
+        True,
+        8,
+        2,
+        True,
+    )
 
 
 # Values trainers send that the engines cannot honour yet. TODO(issue 10,
@@ -178,7 +184,9 @@ def test_multi_turn_with_session_ids_stays_and_is_released(engine, loop):
     before = run(loop, stats())
     ids = [5, 17, 42]
     for _ in range(3):  # token-in/token-out: append the response and an observation
-        out = run(loop, engine.generate({"prompt_token_ids": [ids], "session_ids": ["traj-7"], "sampling_params": params()}))
+        out = run(
+            loop, engine.generate({"prompt_token_ids": [ids], "session_ids": ["traj-7"], "sampling_params": params()})
+        )
         ids = ids + out["response_ids"][0] + [9, 9]
     assert run(loop, stats()) == before + 1
     run(loop, engine.finish_session("traj-7"))
@@ -195,7 +203,12 @@ def test_openai_shaped_chat_completion_and_completion(engine, loop):
     assert len(ch["token_ids"]) == 5 and ch["finish_reason"] == "length" and len(ch["logprobs"]["content"]) == 5
     assert ch["message"]["content"] == engine._text.decode(ch["token_ids"])
     assert r["usage"]["completion_tokens"] == 5
-    c = run(loop, engine.completion({"json": {"prompt": ["hello world", [5, 17]], "max_tokens": 4, "ignore_eos": True, "logprobs": 1}}))
+    c = run(
+        loop,
+        engine.completion(
+            {"json": {"prompt": ["hello world", [5, 17]], "max_tokens": 4, "ignore_eos": True, "logprobs": 1}}
+        ),
+    )
     assert c["object"] == "text_completion" and [len(x["token_ids"]) for x in c["choices"]] == [4, 4]
     assert len(c["choices"][0]["logprobs"]["token_logprobs"]) == 4
     with pytest.raises(Unsupported) as e:
@@ -312,12 +325,20 @@ def test_skyrl_weight_sync_strategy_sends_chunks(engine, loop, tiny_model):
 
     strategy = get_transfer_strategy_cls("nccl", colocate_all=False)
     assert strategy.create_init_info(types.SimpleNamespace(weight_sync_backend="nccl")).transport == "nccl"
-    assert get_transfer_strategy_cls("nccl", True).create_init_info(types.SimpleNamespace(weight_sync_backend="nccl")).transport == "cuda_ipc"
+    assert (
+        get_transfer_strategy_cls("nccl", True)
+        .create_init_info(types.SimpleNamespace(weight_sync_backend="nccl"))
+        .transport
+        == "cuda_ipc"
+    )
     info = strategy.create_init_info(types.SimpleNamespace(weight_sync_backend="gloo"), inference_world_size=2)
     assert info.transport == "zmq"  # CPU engines here
     sender = strategy.create_sender(info, engine)
     params = list(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).named_parameters())
-    chunks = [types.SimpleNamespace(names=[n for n, _ in params[i : i + 5]], tensors=[t for _, t in params[i : i + 5]]) for i in range(0, len(params), 5)]
+    chunks = [
+        types.SimpleNamespace(names=[n for n, _ in params[i : i + 5]], tensors=[t for _, t in params[i : i + 5]])
+        for i in range(0, len(params), 5)
+    ]
     before = {e["weight_version"] for e in run(loop, engine.client.engines())}
     res = run(loop, sender.send_chunks(iter(chunks)))
     assert {r["weight_version"] for r in res.values()} == {max(before) + 1} and len(res) == 2

@@ -18,7 +18,7 @@ try:
     from skyrl.train.config import GeneratorConfig, SamplingParams, SkyRLGymConfig
     from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
     from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
-except Exception as e:  # noqa: BLE001 - any import failure means "not installed here"
+except Exception as e:
     pytest.skip(f"skyrl / skyrl_gym not importable ({type(e).__name__}: {e})", allow_module_level=True)
 
 from tests.test_skyrl_adapter import CHAT_TEMPLATE
@@ -74,14 +74,21 @@ def test_skyrl_gym_generator_runs_multi_turn_over_rollout_bus(torch_cluster, tin
 
         engine.finish_session = recording_finish
         gen = SkyRLGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), engine, tok)
-        batch = {"prompts": prompts, "env_classes": ["rollout_bus_counting"] * 2, "env_extras": [{}, {}], "sampling_params": sp}
+        batch = {
+            "prompts": prompts,
+            "env_classes": ["rollout_bus_counting"] * 2,
+            "env_extras": [{}, {}],
+            "sampling_params": sp,
+        }
         # TODO(issue 10, server-side): SkyRL's defaults carry min_tokens=1, which needs
         # engine support; then SkyRL's defaults pass as they are and the filter below goes.
         with pytest.raises(UnsupportedParameter) as e:
             await engine.generate({"prompts": prompts, "sampling_params": sp})
         assert e.value.field == "sampling_params.min_tokens"
         sessions_before = (await client.stats())["sessions"]
-        out = await gen.generate({**batch, "sampling_params": {k: v for k, v in sp.items() if k != "min_tokens"}}, disable_tqdm=True)
+        out = await gen.generate(
+            {**batch, "sampling_params": {k: v for k, v in sp.items() if k != "min_tokens"}}, disable_tqdm=True
+        )
         sessions_after = (await client.stats())["sessions"]
         await client.close()
         return out, sessions_before, sessions_after, released

@@ -56,7 +56,11 @@ def test_a_40s_commit_keeps_the_engine_healthy_busy_and_serving(cluster_factory,
     def engines() -> dict:
         return probe.health()["engines"]
 
-    wait_until(lambda: all(v.get("busy") == "finish_weights" for v in engines().values()), 20, "both engines busy with the commit")
+    wait_until(
+        lambda: all(v.get("busy") == "finish_weights" for v in engines().values()),
+        20,
+        "both engines busy with the commit",
+    )
     busy_since = time.monotonic()
     assert sum(v["running"] for v in engines().values()) > 0, "streams must be in flight during the commit"
     beats: dict[str, list[float]] = {}
@@ -72,7 +76,9 @@ def test_a_40s_commit_keeps_the_engine_healthy_busy_and_serving(cluster_factory,
             t0 = time.monotonic()
             res = probe.control(op, timeout_s=5)
             assert set(res) == {"e0", "e1"}
-            assert time.monotonic() - t0 < 2.0, f"{type(op).__name__} took {time.monotonic() - t0:.2f}s during the commit"
+            assert time.monotonic() - t0 < 2.0, (
+                f"{type(op).__name__} took {time.monotonic() - t0:.2f}s during the commit"
+            )
         assert probe.is_paused() is False
         assert probe.stats()["counters"]["failovers"] == 0
         assert "res" not in outcome and "error" not in outcome, outcome  # still committing

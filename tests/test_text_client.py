@@ -32,7 +32,11 @@ def test_text_prompts_carry_text_and_match_token_prompts(torch_cluster, chat_tok
     by_text = c.generate("the quick brown fox", GREEDY)
     by_ids = c.generate(ids, GREEDY)
     assert by_text.token_ids == by_ids.token_ids and len(by_text.token_ids) == 6
-    assert by_text.text == c.detokenize(by_text.token_ids) == chat_tokenizer.decode(by_text.token_ids, skip_special_tokens=True)
+    assert (
+        by_text.text
+        == c.detokenize(by_text.token_ids)
+        == chat_tokenizer.decode(by_text.token_ids, skip_special_tokens=True)
+    )
     assert by_ids.text == by_text.text  # a client with a tokenizer decodes token prompts too
     batch = c.generate(["hello world", "one two three"], GREEDY)  # a batch of strings, order kept
     assert [r.token_ids for r in batch] == [c.generate(p, GREEDY).token_ids for p in ["hello world", "one two three"]]

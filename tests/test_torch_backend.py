@@ -87,8 +87,9 @@ class Result:
         self.finish: str | None = None
 
 
-def drain(b: TorchBackend, schedule: dict[int, list[SeqRequest]] | None = None,
-          max_steps: int = 1000) -> dict[str, Result]:
+def drain(
+    b: TorchBackend, schedule: dict[int, list[SeqRequest]] | None = None, max_steps: int = 1000
+) -> dict[str, Result]:
     """Step until idle; `schedule[i]` is added before step i (continuous batching)."""
     schedule = dict(schedule or {})
     out: dict[str, Result] = {}
@@ -117,10 +118,13 @@ def hf_greedy(model: Any, prompt: list[int], max_new: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new,
             pad_token_id=model.config.pad_token_id,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def hf_logprobs(model: Any, prompt: list[int], tokens: list[int]) -> list[float]:
@@ -143,8 +147,9 @@ def all_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
 
 def metas(named: list[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
     return [
-        TensorMeta(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), bucket=0, offset=0,
-                   nbytes=t.nbytes)
+        TensorMeta(
+            name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), bucket=0, offset=0, nbytes=t.nbytes
+        )
         for n, t in named
     ]
 
@@ -242,10 +247,13 @@ def test_seed_determinism(backend: TorchBackend) -> None:
     sp = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
     first = run_one(backend, PROMPTS[0], sp, seed=7).tokens
     # Same seed while batched with other sequences added at other steps.
-    res = drain(backend, {
-        0: [seq("n1", PROMPTS[1], sp, seed=1)],
-        2: [seq("same", PROMPTS[0], sp, seed=7), seq("other", PROMPTS[0], sp, seed=8)],
-    })
+    res = drain(
+        backend,
+        {
+            0: [seq("n1", PROMPTS[1], sp, seed=1)],
+            2: [seq("same", PROMPTS[0], sp, seed=7), seq("other", PROMPTS[0], sp, seed=8)],
+        },
+    )
     assert res["same"].tokens == first
     assert res["other"].tokens != first
 
@@ -259,7 +267,9 @@ def test_unseeded_sequences_differ(backend: TorchBackend) -> None:
 def test_top_k_1_and_tiny_top_p_equal_greedy(backend: TorchBackend) -> None:
     want = run_one(backend, PROMPTS[2], greedy(16)).tokens
     assert run_one(backend, PROMPTS[2], SamplingParams(max_tokens=16, temperature=1.5, top_k=1), seed=5).tokens == want
-    assert run_one(backend, PROMPTS[2], SamplingParams(max_tokens=16, temperature=1.5, top_p=1e-6), seed=5).tokens == want
+    assert (
+        run_one(backend, PROMPTS[2], SamplingParams(max_tokens=16, temperature=1.5, top_p=1e-6), seed=5).tokens == want
+    )
 
 
 def test_top_k_restricts_support(backend: TorchBackend, ref: Any) -> None:
@@ -648,8 +658,9 @@ def test_lora_applies_per_sequence(backend: TorchBackend, model_dir: str, ref: A
     merged = _merged_reference(model_dir, lora_dirs[0])
     p = PROMPTS[2]
     # Same step mixes an adapter sequence and a base sequence.
-    res = drain(backend, {0: [seq("lora", p, greedy(12, logprobs=True), lora="l0"),
-                              seq("base", p, greedy(12, logprobs=True))]})
+    res = drain(
+        backend, {0: [seq("lora", p, greedy(12, logprobs=True), lora="l0"), seq("base", p, greedy(12, logprobs=True))]}
+    )
     assert res["base"].tokens == hf_greedy(ref, p, 12)
     assert res["lora"].tokens != res["base"].tokens
     assert res["lora"].tokens == hf_greedy(merged, p, 12)
@@ -718,9 +729,7 @@ def test_tiny_model_is_deterministic(model_dir: str, tmp_path: Any) -> None:
     assert tok.decode(tok("the quick brown fox").input_ids) == "the quick brown fox"
 
 
-def test_ensure_tiny_model_builds_once_and_survives_a_race(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_ensure_tiny_model_builds_once_and_survives_a_race(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROLLOUT_BUS_CACHE", str(tmp_path))
     kw = dict(layers=1, vocab=128)
     final = tiny_model.default_model_dir(**kw)

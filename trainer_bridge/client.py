@@ -21,7 +21,8 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -149,7 +150,9 @@ class AsyncClient:
             reply = await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
             raise RequestTimeout(
-                f"no reply from the head at {self.address} within {knob}={timeout_s}", request_id=msg.request_id, field=knob
+                f"no reply from the head at {self.address} within {knob}={timeout_s}",
+                request_id=msg.request_id,
+                field=knob,
             ) from None
         finally:
             self._replies.pop(msg.request_id, None)
@@ -188,7 +191,13 @@ class AsyncClient:
         """Chunks as the engine produces them (per step, per sample). Ends
         after every sample's final chunk; raises a typed error instead."""
         async for ch, _ in self._chunks(
-            prompt_ids, params, num_samples=num_samples, session_id=session_id, lora=lora, timeout_s=timeout_s, request_id=request_id
+            prompt_ids,
+            params,
+            num_samples=num_samples,
+            session_id=session_id,
+            lora=lora,
+            timeout_s=timeout_s,
+            request_id=request_id,
         ):
             yield ch
 
@@ -226,7 +235,9 @@ class AsyncClient:
                 item, buffers = await q.get()
                 if item is _TIMED_OUT:
                     self._send(P.Cancel(request_id=rid))
-                    raise RequestTimeout(f"request did not finish within timeout_s={timeout}", request_id=rid, field="timeout_s")
+                    raise RequestTimeout(
+                        f"request did not finish within timeout_s={timeout}", request_id=rid, field="timeout_s"
+                    )
                 if item is _END:
                     raise ClosedByUs("the client was closed while streaming", request_id=rid)
                 if isinstance(item, P.Error):
@@ -237,18 +248,21 @@ class AsyncClient:
                 lps = np.frombuffer(buffers[1], dtype="<f4").tolist() if len(buffers) > 1 else None
                 if item.finish_reason is not None:
                     open_samples -= 1
-                yield StreamChunk(
-                    request_id=rid,
-                    sample_index=item.sample_index,
-                    token_ids=toks,
-                    logprobs=lps,
-                    weight_version=item.weight_version,
-                    finish_reason=item.finish_reason,
-                    emitted_at=item.emitted_at,
-                    received_at=time.time(),
-                    engine_id=item.engine_id,
-                    num_prompt_tokens=item.num_prompt_tokens,
-                ), item.version_changes
+                yield (
+                    StreamChunk(
+                        request_id=rid,
+                        sample_index=item.sample_index,
+                        token_ids=toks,
+                        logprobs=lps,
+                        weight_version=item.weight_version,
+                        finish_reason=item.finish_reason,
+                        emitted_at=item.emitted_at,
+                        received_at=time.time(),
+                        engine_id=item.engine_id,
+                        num_prompt_tokens=item.num_prompt_tokens,
+                    ),
+                    item.version_changes,
+                )
         finally:
             timer.cancel()
             self._streams.pop(rid, None)
@@ -257,10 +271,14 @@ class AsyncClient:
         samples: dict[int, SampleOutput] = {}
         n_prompt = 0
         rid = kw.pop("request_id", None) or self._new_id()
-        async for ch, changes in self._chunks(prompt_ids, params, num_samples=num_samples, request_id=rid, _stream=False, **kw):
+        async for ch, changes in self._chunks(
+            prompt_ids, params, num_samples=num_samples, request_id=rid, _stream=False, **kw
+        ):
             s = samples.get(ch.sample_index)
             if s is None:
-                s = samples[ch.sample_index] = SampleOutput(ch.sample_index, [], [] if ch.logprobs is not None else None, "", [])
+                s = samples[ch.sample_index] = SampleOutput(
+                    ch.sample_index, [], [] if ch.logprobs is not None else None, "", []
+                )
             s.token_ids.extend(ch.token_ids)
             if ch.logprobs is not None and s.logprobs is not None:
                 s.logprobs.extend(ch.logprobs)
@@ -269,7 +287,9 @@ class AsyncClient:
                 s.finish_reason = ch.finish_reason
                 s.engine_id = ch.engine_id
                 n_prompt = ch.num_prompt_tokens
-        return GenerationResult(request_id=rid, samples=[samples[i] for i in sorted(samples)], num_prompt_tokens=n_prompt)
+        return GenerationResult(
+            request_id=rid, samples=[samples[i] for i in sorted(samples)], num_prompt_tokens=n_prompt
+        )
 
     async def generate(
         self,
@@ -343,7 +363,9 @@ class AsyncClient:
     async def tokenize(self, prompt: Any, *, add_special_tokens: bool = True) -> list[int]:
         """Text → ids (`add_special_tokens` as the tokenizer's), or a chat → its template's ids."""
         t = await self.text()
-        return t.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) else t.prompt_ids(prompt)
+        return (
+            t.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) else t.prompt_ids(prompt)
+        )
 
     async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return (await self.text()).decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -353,7 +375,9 @@ class AsyncClient:
         self._send(P.Cancel(request_id=request_id))
 
     async def end_session(self, session_id: str) -> bool:
-        rep = await self._request(P.EndSession(request_id=self._new_id(), session_id=session_id), self.control_timeout_s, "control_timeout_s")
+        rep = await self._request(
+            P.EndSession(request_id=self._new_id(), session_id=session_id), self.control_timeout_s, "control_timeout_s"
+        )
         return bool(rep.body.get("ended"))
 
     # ------------------------------------------------------------ queries
@@ -381,7 +405,9 @@ class AsyncClient:
             if sum(1 for e in h["engines"].values() if e["healthy"]) >= num_engines:
                 return h
             if time.monotonic() > deadline:
-                raise RequestTimeout(f"fewer than {num_engines} healthy engine(s) after timeout_s={timeout_s}: {h}", field="timeout_s")
+                raise RequestTimeout(
+                    f"fewer than {num_engines} healthy engine(s) after timeout_s={timeout_s}: {h}", field="timeout_s"
+                )
             await asyncio.sleep(0.1)
 
     # ------------------------------------------------------------ control plane
@@ -408,7 +434,9 @@ class AsyncClient:
             )
         return {eid: dict(r) for eid, r in rep.results.items()}
 
-    async def pause(self, mode: str = "abort", *, lora: str | None = None, timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
+    async def pause(
+        self, mode: str = "abort", *, lora: str | None = None, timeout_s: float | None = None
+    ) -> dict[str, dict[str, Any]]:
         """Returns once every engine is quiescent for the scope; per engine:
         parked / frozen / held counts."""
         t = timeout_s or self.control_timeout_s
@@ -531,7 +559,9 @@ class Client:
             return fut.result(limit)
         except TimeoutError:
             fut.cancel()
-            raise RequestTimeout(f"client call did not return within {limit}s (timeout_s + 30)", field="timeout_s") from None
+            raise RequestTimeout(
+                f"client call did not return within {limit}s (timeout_s + 30)", field="timeout_s"
+            ) from None
 
     def generate(self, prompt_ids: Any, params: Any = None, **kw: Any) -> Any:
         return self._call(self._aclient.generate(prompt_ids, params, **kw), kw.get("timeout_s"))
@@ -637,7 +667,7 @@ class Client:
     def close(self) -> None:
         self._finalizer()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -50,8 +50,9 @@ from __future__ import annotations
 import pickle
 import time
 import uuid
+from collections.abc import Iterable
 from datetime import timedelta
-from typing import Any, Iterable
+from typing import Any
 
 from bus.tensors import DEFAULT_BUCKET_BYTES, pack_bucket, plan_buckets
 
@@ -142,15 +143,26 @@ class NcclSender:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sk:
                 sk.bind((host, 0))
                 port = sk.getsockname()[1]
-        self.store = TCPStore(host, int(port), is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=self.timeout_s), use_libuv=False)
+        self.store = TCPStore(
+            host,
+            int(port),
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.timeout_s),
+            use_libuv=False,
+        )
         self.port = int(self.store.port)
         self.comm = None
         self.last_send_seconds = 0.0
 
     def transport_args(self, bucket_sizes: list[int] | None = None) -> dict[str, Any]:
-        a: dict[str, Any] = {"host": self.host, "port": self.port, "world_size": self.world_size,
-                             "group_id": self.group_id, "timeout_s": self.timeout_s}
+        a: dict[str, Any] = {
+            "host": self.host,
+            "port": self.port,
+            "world_size": self.world_size,
+            "group_id": self.group_id,
+            "timeout_s": self.timeout_s,
+        }
         if bucket_sizes is not None:
             a["bucket_sizes"] = [int(s) for s in bucket_sizes]
         return a
@@ -182,14 +194,17 @@ class NcclSender:
             torch.cuda.synchronize(self.device)
         self.last_send_seconds = time.perf_counter() - t0
         nbytes = int(sum(sizes))
-        return {"bytes": nbytes, "seconds": self.last_send_seconds,
-                "GBps": nbytes / self.last_send_seconds / 1e9 if self.last_send_seconds > 0 else None}
+        return {
+            "bytes": nbytes,
+            "seconds": self.last_send_seconds,
+            "GBps": nbytes / self.last_send_seconds / 1e9 if self.last_send_seconds > 0 else None,
+        }
 
     def close(self) -> None:
         if self.comm is not None:
             try:
                 self.comm.destroy()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
             self.comm = None
         self.store = None
@@ -203,8 +218,14 @@ class NcclSender:
 _NCCL_SENDERS: dict[tuple[Any, ...], NcclSender] = {}
 
 
-def make_sender(transport: str, metas: list[Any], sizes: list[int], tensors: list[Any],
-                engines: list[dict[str, Any]], options: dict[str, Any]) -> Any:
+def make_sender(
+    transport: str,
+    metas: list[Any],
+    sizes: list[int],
+    tensors: list[Any],
+    engines: list[dict[str, Any]],
+    options: dict[str, Any],
+) -> Any:
     """options (update_weights(**transport_options)): device, nccl_host, nccl_port, nccl_timeout_s."""
     if transport == "cuda_ipc":
         return _IpcBridgeSender(metas, sizes, tensors, options)
@@ -234,8 +255,14 @@ class _IpcBridgeSender:
 
 
 class _NcclBridgeSender:
-    def __init__(self, metas: list[Any], sizes: list[int], tensors: list[Any], engines: list[dict[str, Any]],
-                 options: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        metas: list[Any],
+        sizes: list[int],
+        tensors: list[Any],
+        engines: list[dict[str, Any]],
+        options: dict[str, Any],
+    ) -> None:
         import torch
 
         self.metas, self.sizes, self.tensors = metas, sizes, tensors
@@ -248,8 +275,13 @@ class _NcclBridgeSender:
         if s is None:
             for k in list(_NCCL_SENDERS):  # another engine set: that group is done
                 _NCCL_SENDERS.pop(k).close()
-            s = NcclSender(world, host=host, port=int(options.get("nccl_port", 0)), device=dev,
-                           timeout_s=float(options.get("nccl_timeout_s", 300.0)))
+            s = NcclSender(
+                world,
+                host=host,
+                port=int(options.get("nccl_port", 0)),
+                device=dev,
+                timeout_s=float(options.get("nccl_timeout_s", 300.0)),
+            )
             _NCCL_SENDERS[key] = s
         self.key, self.sender = key, s
 
@@ -264,7 +296,8 @@ class _NcclBridgeSender:
         # The engines block inside ReceiveWeights until every bucket arrived: publish
         # it, broadcast meanwhile (on a thread: NCCL calls block), then gather the acks.
         acks = asyncio.ensure_future(
-            client.control(P.ReceiveWeights(update_id), targets=engine_ids, timeout_s=timeout_s))
+            client.control(P.ReceiveWeights(update_id), targets=engine_ids, timeout_s=timeout_s)
+        )
         try:
             await asyncio.sleep(0)
             await asyncio.to_thread(self.sender.send, self.metas, self.sizes, self.tensors)
@@ -273,7 +306,7 @@ class _NcclBridgeSender:
             self.sender.close()
             try:
                 await asyncio.wait_for(acks, timeout_s)
-            except BaseException:  # noqa: BLE001
+            except BaseException:
                 pass
             raise
         return await acks

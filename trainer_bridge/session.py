@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trainer_bridge.client import AsyncClient, Client
@@ -81,7 +82,7 @@ class _Trajectory:
 
             raise ClosedByUs(f"session {self.session_id} is closed")
 
-    def _record(self, s: "SampleOutput") -> Turn:
+    def _record(self, s: SampleOutput) -> Turn:
         turn = Turn("model", list(s.token_ids), s.logprobs, s.finish_reason, s.engine_id, s.text)
         self.turns.append(turn)
         return turn
@@ -99,7 +100,13 @@ class _Trajectory:
 
 class AsyncSession(_Trajectory):
     def __init__(
-        self, client: "AsyncClient", prompt: Any, *, params: Any = None, session_id: str | None = None, lora: str | None = None
+        self,
+        client: AsyncClient,
+        prompt: Any,
+        *,
+        params: Any = None,
+        session_id: str | None = None,
+        lora: str | None = None,
     ) -> None:
         """`prompt`: token ids, text or a chat (the last two need the client's tokenizer,
         turned into ids once, at the first `generate`)."""
@@ -133,7 +140,7 @@ class AsyncSession(_Trajectory):
             self.closed = True
             await self.client.end_session(self.session_id)
 
-    async def __aenter__(self) -> "AsyncSession":
+    async def __aenter__(self) -> AsyncSession:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -144,7 +151,7 @@ class Session(_Trajectory):
     """`AsyncSession` over the synchronous `Client`."""
 
     def __init__(
-        self, client: "Client", prompt: Any, *, params: Any = None, session_id: str | None = None, lora: str | None = None
+        self, client: Client, prompt: Any, *, params: Any = None, session_id: str | None = None, lora: str | None = None
     ) -> None:
         super().__init__(session_id, params, lora)
         self.client = client
@@ -171,7 +178,7 @@ class Session(_Trajectory):
             self.closed = True
             self.client.end_session(self.session_id)
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc: Any) -> None:

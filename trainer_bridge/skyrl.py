@@ -30,7 +30,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -41,7 +42,10 @@ from trainer_bridge.text import Text, load_text
 
 
 def _skyrl_base() -> type:
-    for mod in ("skyrl.backends.skyrl_train.inference_servers.base", "skyrl.backends.skyrl_train.inference_engines.base"):
+    for mod in (
+        "skyrl.backends.skyrl_train.inference_servers.base",
+        "skyrl.backends.skyrl_train.inference_engines.base",
+    ):
         with contextlib.suppress(Exception):
             return __import__(mod, fromlist=["InferenceEngineInterface"]).InferenceEngineInterface
     return object
@@ -125,7 +129,9 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         self._weight_version += 1
 
     @classmethod
-    async def connect(cls, client: AsyncClient | str, *, num_engines: int = 1, timeout_s: float = 120.0, **kw: Any) -> "RolloutBusEngine":
+    async def connect(
+        cls, client: AsyncClient | str, *, num_engines: int = 1, timeout_s: float = 120.0, **kw: Any
+    ) -> RolloutBusEngine:
         """Wait for `num_engines` healthy engines and learn the topology."""
         self = cls(client, **kw)
         await self.client.wait_ready(num_engines, timeout_s)
@@ -152,7 +158,10 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
 
     def _topology(self) -> list[dict[str, Any]]:
         if not self._engines:
-            raise BadRequest("topology unknown: build the engine with `await RolloutBusEngine.connect(...)` or call `await refresh()`", field="engines")
+            raise BadRequest(
+                "topology unknown: build the engine with `await RolloutBusEngine.connect(...)` or call `await refresh()`",
+                field="engines",
+            )
         return self._engines
 
     def tp_size(self) -> int:
@@ -189,7 +198,11 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
 
     async def _one(self, ids: list[int], tr: Translated, session_id: Hashable | None, lora: str | None) -> Any:
         return await self.client.generate(
-            ids, tr.params, num_samples=tr.num_samples, session_id=None if session_id is None else str(session_id), lora=lora
+            ids,
+            tr.params,
+            num_samples=tr.num_samples,
+            session_id=None if session_id is None else str(session_id),
+            lora=lora,
         )
 
     async def generate(self, input_batch: Mapping[str, Any], model: str | None = None) -> dict[str, Any]:
@@ -223,7 +236,9 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
             "rollout_expert_indices": None,
         }
 
-    async def sample(self, prompt_token_ids: Sequence[int], num_samples: int, sampling_params: Mapping[str, Any] | None) -> dict[str, Any]:
+    async def sample(
+        self, prompt_token_ids: Sequence[int], num_samples: int, sampling_params: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
         """Tinker semantics: `num_samples` samples of one prompt (one request,
         one engine), stop reasons "stop" or "length" only."""
         sp = dict(sampling_params if sampling_params is not None else self.default_sampling_params)
@@ -271,7 +286,9 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         tr = self._openai_params(body, chat=True)
         text = await self._tok()
         ids = text.chat(
-            body.get("messages") or [], add_generation_prompt=body.get("add_generation_prompt", True), **(body.get("chat_template_kwargs") or {})
+            body.get("messages") or [],
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            **(body.get("chat_template_kwargs") or {}),
         )
         res = await self._one(ids, tr, session_id, self._lora(body.get("model")))
         choices = []
@@ -306,7 +323,12 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
                 lp = None
                 if tr.params.logprobs:
                     toks = [text.decode([t], skip_special_tokens=False) for t in s.token_ids]
-                    lp = {"tokens": toks, "token_logprobs": list(s.logprobs or []), "top_logprobs": None, "text_offset": None}
+                    lp = {
+                        "tokens": toks,
+                        "token_logprobs": list(s.logprobs or []),
+                        "top_logprobs": None,
+                        "text_offset": None,
+                    }
                 choices.append({
                     "index": len(choices), "text": text.decode(s.token_ids, skip_special_tokens=tr.skip_special_tokens),
                     "finish_reason": s.finish_reason, "logprobs": lp, "token_ids": list(s.token_ids),
@@ -318,11 +340,15 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         _, body = self._body(request_payload)
         text = await self._tok()
         ids = text.chat(
-            body.get("messages") or [], add_generation_prompt=body.get("add_generation_prompt", True), **(body.get("chat_template_kwargs") or {})
+            body.get("messages") or [],
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            **(body.get("chat_template_kwargs") or {}),
         )
         return {"token_ids": ids, "prompt": text.decode(ids, skip_special_tokens=False), "features": None}
 
-    def _openai_reply(self, kind: str, body: Mapping[str, Any], res: Any, prompt_ids: list[int], choices: list[dict]) -> dict[str, Any]:
+    def _openai_reply(
+        self, kind: str, body: Mapping[str, Any], res: Any, prompt_ids: list[int], choices: list[dict]
+    ) -> dict[str, Any]:
         n_out = sum(len(c["token_ids"]) for c in choices)
         return {
             "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{res.request_id}",
@@ -331,7 +357,11 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
             "model": body.get("model") or self.model_name,
             "choices": choices,
             "prompt_token_ids": prompt_ids,
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out, "total_tokens": len(prompt_ids) + n_out},
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": n_out,
+                "total_tokens": len(prompt_ids) + n_out,
+            },
         }
 
     # ------------------------------------------------------------ sessions
@@ -384,7 +414,9 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         """Pick the transport from SkyRL's init info (NCCL broadcast → "nccl",
         CUDA IPC → "cuda_ipc", anything else → "zmq"); rollout-bus sets the
         transport up itself on the first update."""
-        self._transport = getattr(init_info, "transport", None) or TRANSPORT_OF_INIT_INFO.get(type(init_info).__name__, "zmq")
+        self._transport = getattr(init_info, "transport", None) or TRANSPORT_OF_INIT_INFO.get(
+            type(init_info).__name__, "zmq"
+        )
         if isinstance(init_info, Mapping):
             self._transport = init_info.get("transport", self._transport)
             self._transport_options = dict(init_info.get("options", {}))
@@ -430,4 +462,3 @@ def _named_tensors(request: Any) -> list[tuple[str, Any]]:
         "sender; rollout-bus moves them itself: pass the tensors (a WeightChunk, a dict or (name, tensor) pairs)",
         field="request",
     )
-

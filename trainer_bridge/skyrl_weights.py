@@ -16,7 +16,8 @@ one full copy of the weights during the update.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from bus.errors import Unsupported
 
@@ -49,7 +50,9 @@ class WeightSender:
         self.init_info = init_info
         self.engine = inference_client  # a trainer_bridge.skyrl.RolloutBusEngine
 
-    async def send_chunks(self, chunks: Iterable[Any], weight_metadata: dict[str, list] | None = None) -> dict[str, Any] | None:
+    async def send_chunks(
+        self, chunks: Iterable[Any], weight_metadata: dict[str, list] | None = None
+    ) -> dict[str, Any] | None:
         keep = _rank() == 0
         named: list[tuple[str, Any]] = []
         for chunk in chunks:  # every rank: the iterator all-gathers
@@ -75,7 +78,9 @@ class RolloutBusTransferStrategy:
 
     @staticmethod
     def get_vllm_transfer_engine() -> type:
-        raise Unsupported("rollout-bus engines receive weights themselves; there is no vLLM transfer engine to name", field="strategy")
+        raise Unsupported(
+            "rollout-bus engines receive weights themselves; there is no vLLM transfer engine to name", field="strategy"
+        )
 
     @staticmethod
     def create_sender(init_info: RolloutBusInitInfo, inference_client: Any) -> WeightSender:

@@ -16,7 +16,8 @@ Only local folders are read (no hub download).
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -38,15 +39,26 @@ class Text:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+    def chat(
+        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None) and "chat_template" not in template_kwargs:
-            raise BadRequest(f"the tokenizer of {self.name or 'this model'} has no chat template; pass token ids or text", field="messages")
+            raise BadRequest(
+                f"the tokenizer of {self.name or 'this model'} has no chat template; pass token ids or text",
+                field="messages",
+            )
         ids = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **template_kwargs
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            **template_kwargs,
         )
         return list(ids)
 
-    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+    def render(
+        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
         return self.tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
         )
@@ -61,7 +73,7 @@ class Text:
 
 
 def prompt_kind(prompt: Any) -> str:
-    """"ids" | "text" | "chat" for one prompt."""
+    """ "ids" | "text" | "chat" for one prompt."""
     if isinstance(prompt, str):
         return "text"
     if isinstance(prompt, np.ndarray):
@@ -78,7 +90,9 @@ def is_text_prompt(prompt: Any) -> bool:
     if isinstance(prompt, np.ndarray) or not prompt:
         return False
     first = prompt[0]
-    return isinstance(first, (str, dict)) or (isinstance(first, (list, tuple)) and bool(first) and isinstance(first[0], dict))
+    return isinstance(first, (str, dict)) or (
+        isinstance(first, (list, tuple)) and bool(first) and isinstance(first[0], dict)
+    )
 
 
 def is_text_batch(prompt: Any) -> bool:
@@ -93,7 +107,9 @@ def to_ids(text: Text, prompt: Any) -> Any:
     """One prompt or a batch, in any accepted form → token ids (same shape)."""
     if isinstance(prompt, np.ndarray):
         return prompt
-    if is_text_batch(prompt) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (list, tuple, np.ndarray))):
+    if is_text_batch(prompt) or (
+        isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (list, tuple, np.ndarray))
+    ):
         return [text.prompt_ids(p) for p in prompt]
     return text.prompt_ids(prompt)
 
@@ -113,10 +129,14 @@ def load_text(spec: Any) -> Text:
     if isinstance(spec, (str, os.PathLike)):
         path = os.fspath(spec)
         if not os.path.isdir(path):
-            raise BadRequest(f"tokenizer path {path!r} is not a local folder (rollout-bus never downloads)", field="tokenizer")
+            raise BadRequest(
+                f"tokenizer path {path!r} is not a local folder (rollout-bus never downloads)", field="tokenizer"
+            )
         from transformers import AutoTokenizer
 
         return Text(AutoTokenizer.from_pretrained(path, local_files_only=True), name=path)
     if hasattr(spec, "encode") and hasattr(spec, "decode"):
         return Text(spec)
-    raise BadRequest(f"tokenizer must be a tokenizer object or a local model folder, got {type(spec).__name__}", field="tokenizer")
+    raise BadRequest(
+        f"tokenizer must be a tokenizer object or a local model folder, got {type(spec).__name__}", field="tokenizer"
+    )

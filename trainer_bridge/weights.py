@@ -17,8 +17,6 @@ import asyncio
 import uuid
 from typing import TYPE_CHECKING, Any
 
-import zmq
-
 from bus import protocol as P
 from bus.codec import Codec
 from bus.errors import ControlError, RequestTimeout
@@ -32,7 +30,7 @@ GPU_TRANSPORTS = ("cuda_ipc", "nccl")
 
 
 async def push_weights(
-    client: "AsyncClient",
+    client: AsyncClient,
     named: list[tuple[str, Any]],
     *,
     transport: str,
@@ -72,7 +70,9 @@ async def push_weights(
     except BaseException:
         # Every engine drops what it staged; none changes weights or version.
         try:
-            await client.control(P.AbortWeightUpdate(update_id), targets=eids, timeout_s=min(timeout_s, 10.0), strict=False)
+            await client.control(
+                P.AbortWeightUpdate(update_id), targets=eids, timeout_s=min(timeout_s, 10.0), strict=False
+            )
         except Exception:
             pass
         raise
@@ -117,14 +117,18 @@ async def _send_buckets_zmq(
             frame = memoryview(buf.numpy())
             for s in socks.values():
                 s.send_multipart(codec.encode(P.WeightBucket(update_id, b), [frame]), copy=False)
-            await asyncio.gather(*(_bucket_ack(eid, s, codec, update_id, b, metas, timeout_s) for eid, s in socks.items()))
+            await asyncio.gather(
+                *(_bucket_ack(eid, s, codec, update_id, b, metas, timeout_s) for eid, s in socks.items())
+            )
     finally:
         for s in socks.values():
             s.close(linger=0)
         ctx.term()
 
 
-async def _bucket_ack(eid: str, sock: Any, codec: Codec, update_id: str, bucket: int, metas: list[P.TensorMeta], timeout_s: float) -> None:
+async def _bucket_ack(
+    eid: str, sock: Any, codec: Codec, update_id: str, bucket: int, metas: list[P.TensorMeta], timeout_s: float
+) -> None:
     try:
         frames = await asyncio.wait_for(sock.recv_multipart(), timeout_s)
     except asyncio.TimeoutError:

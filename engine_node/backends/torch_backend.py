@@ -300,7 +300,10 @@ class TorchBackend:
             raise BackendError(f"max_tokens must be >= 1, got {seq.max_new_tokens}", field="params.max_tokens")
         bad = next((t for t in seq.prompt if not 0 <= int(t) < self.vocab_size), None)
         if bad is not None:
-            raise BackendError(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})", field="prompt_token_ids")
+            raise BackendError(
+                f"prompt_token_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})",
+                field="prompt_token_ids",
+            )
         if len(seq.prompt) + seq.max_new_tokens > self.max_model_len:
             raise BackendError(
                 f"max_tokens: prompt ({len(seq.prompt)} tokens) + max_tokens ({seq.max_new_tokens}) "
@@ -481,7 +484,8 @@ class TorchBackend:
         unknown = wanted - set(_TAGS)
         if unknown:
             return BackendOp.failed(
-                "wake_up", BackendError(f"unknown wake_up tags {sorted(unknown)}; choose from {list(_TAGS)}", field="tags")
+                "wake_up",
+                BackendError(f"unknown wake_up tags {sorted(unknown)}; choose from {list(_TAGS)}", field="tags"),
             )
         return self._long_op("wake_up", self._wake_up, wanted)
 
@@ -522,7 +526,9 @@ class TorchBackend:
 
     # ------------------------------------------------------------ weights
 
-    def begin_weight_update(self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]) -> BackendOp:
+    def begin_weight_update(
+        self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]
+    ) -> BackendOp:
         """Open a transaction for `tensors` (TensorMeta). A begin while another
         is open replaces it: a trainer that died mid-transfer must not block
         the next update. Validation is cheap: the op is done at once."""
@@ -555,7 +561,9 @@ class TorchBackend:
         if spec is None:
             raise WeightUpdateError(f"tensor {name!r}: no such parameter in the model", field="tensors")
         if dtype != spec[0]:
-            raise WeightUpdateError(f"tensor {name!r}: dtype {dtype} does not match the model's {spec[0]}", field="tensors")
+            raise WeightUpdateError(
+                f"tensor {name!r}: dtype {dtype} does not match the model's {spec[0]}", field="tensors"
+            )
         if shape != spec[1]:
             raise WeightUpdateError(
                 f"tensor {name!r}: shape {list(shape)} does not match the model's {list(spec[1])}", field="tensors"
@@ -590,7 +598,9 @@ class TorchBackend:
     def receive_weights(self, handles: list[Any]) -> BackendOp:
         return BackendOp.failed(
             "receive_weights",
-            BackendError("receive_weights (cuda_ipc / nccl) not supported by torch backend (zmq only)", field="transport"),
+            BackendError(
+                "receive_weights (cuda_ipc / nccl) not supported by torch backend (zmq only)", field="transport"
+            ),
         )
 
     def commit_weight_update(self) -> BackendOp:
@@ -639,7 +649,9 @@ class TorchBackend:
         completely before it swaps in; running sequences of `name` use it from
         their next step (their KV so far stays)."""
         if (path is None) == (tensors is None):
-            return BackendOp.failed("load_lora", BackendError(f"load_lora {name!r}: give exactly one of path or tensors", field="path"))
+            return BackendOp.failed(
+                "load_lora", BackendError(f"load_lora {name!r}: give exactly one of path or tensors", field="path")
+            )
         return self._long_op("load_lora", self._load_lora, name, path, tensors, config)
 
     def _load_lora(self, name: str, path: str | None, tensors: Any, config: dict[str, Any] | None) -> dict[str, Any]:

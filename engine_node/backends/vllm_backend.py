@@ -40,7 +40,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import structlog
 
@@ -120,9 +121,15 @@ class VllmBackend:
         self._api = _api if _api is not None else load_vllm_api()
 
         engine_kw: dict[str, Any] = dict(
-            model=model, tensor_parallel_size=int(tp), gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len, enforce_eager=enforce_eager, enable_sleep_mode=enable_sleep_mode,
-            dtype=dtype, seed=seed, worker_extension_cls=WORKER_EXT,
+            model=model,
+            tensor_parallel_size=int(tp),
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            enable_sleep_mode=enable_sleep_mode,
+            dtype=dtype,
+            seed=seed,
+            worker_extension_cls=WORKER_EXT,
         )
         if enable_lora:
             engine_kw.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=max_loras)
@@ -156,8 +163,9 @@ class VllmBackend:
         try:
             client = self._api.make_client(cfg, bool(log_stats))
         except TimeoutError:
-            raise BackendTimeout("vLLM engine start", float(os.environ["VLLM_ENGINE_READY_TIMEOUT_S"]),
-                                 "start_timeout_s") from None
+            raise BackendTimeout(
+                "vLLM engine start", float(os.environ["VLLM_ENGINE_READY_TIMEOUT_S"]), "start_timeout_s"
+            ) from None
         except Exception as e:
             raise BackendError(f"the vLLM engine failed to start: {type(e).__name__}: {e}") from e
         self._link = CoreLink(client, self._api.UTILITY)
@@ -165,22 +173,31 @@ class VllmBackend:
         self._max_model_len = int(cfg.model_config.max_model_len)  # the core may have fitted it
         self.start_seconds = time.perf_counter() - t0
         self._info = self._make_info()
-        log.info("vllm_backend_ready", seconds=round(self.start_seconds, 1), capacity=self._info.capacity,
-                 max_num_batched_tokens=getattr(cfg.scheduler_config, "max_num_batched_tokens", None))
+        log.info(
+            "vllm_backend_ready",
+            seconds=round(self.start_seconds, 1),
+            capacity=self._info.capacity,
+            max_num_batched_tokens=getattr(cfg.scheduler_config, "max_num_batched_tokens", None),
+        )
 
     def _make_info(self) -> BackendInfo:
         cfg = self.vllm_config
         mc = cfg.model_config
         eos: list[int] = []
         for src in (self._eos, getattr(mc.hf_config, "eos_token_id", None), self._gen_cfg.get("eos_token_id")):
-            for e in (src if isinstance(src, (list, tuple)) else [src]):
+            for e in src if isinstance(src, (list, tuple)) else [src]:
                 if isinstance(e, int) and e not in eos:
                     eos.append(e)
         pc = cfg.parallel_config
         return BackendInfo(
-            backend="vllm", model=self.model, vocab_size=int(mc.get_vocab_size()), eos_token_ids=eos,
-            capacity=int(cfg.scheduler_config.max_num_seqs), max_model_len=self._max_model_len,
-            tp=int(pc.tensor_parallel_size), pp=int(pc.pipeline_parallel_size),
+            backend="vllm",
+            model=self.model,
+            vocab_size=int(mc.get_vocab_size()),
+            eos_token_ids=eos,
+            capacity=int(cfg.scheduler_config.max_num_seqs),
+            max_model_len=self._max_model_len,
+            tp=int(pc.tensor_parallel_size),
+            pp=int(pc.pipeline_parallel_size),
             dtype=str(getattr(mc, "dtype", "")).removeprefix("torch."),
         )
 
@@ -191,8 +208,9 @@ class VllmBackend:
     def add(self, seq: SeqRequest) -> None:
         if seq.seq_id in self._rid_of:
             raise BackendError(f"sequence {seq.seq_id!r} is already running", field="seq_id")
-        sp = sampling_params(self._api, seq, max_model_len=self._max_model_len, generation_config=self._gen_cfg,
-                             eos_token_id=self._eos)
+        sp = sampling_params(
+            self._api, seq, max_model_len=self._max_model_len, generation_config=self._gen_cfg, eos_token_id=self._eos
+        )
         lr = self._lora_request(seq.lora)
         self._n += 1
         rid = f"{seq.seq_id}#{self._n}"
@@ -239,23 +257,36 @@ class VllmBackend:
 
     def has_work(self) -> bool:
         self._sweep()
-        return bool(self._out.items) or self._link.has_output() or len(self._rid_of) > len(self._frozen) \
-            or self._link.dead
+        return (
+            bool(self._out.items) or self._link.has_output() or len(self._rid_of) > len(self._frozen) or self._link.dead
+        )
 
     def num_running(self) -> int:
         return len(self._rid_of)
 
     def stats(self) -> dict[str, Any]:
         self._sweep()
-        return {"kv_usage": 0.0, **self._out.kv_stats, "sleep_level": self._sleep_level,
-                "frozen": self._paused, "engine_dead": self._link.dead, "pending_ops": len(self._ops)}
+        return {
+            "kv_usage": 0.0,
+            **self._out.kv_stats,
+            "sleep_level": self._sleep_level,
+            "frozen": self._paused,
+            "engine_dead": self._link.dead,
+            "pending_ops": len(self._ops),
+        }
 
     def wake_fd(self) -> int | None:
         return self._link.fileno()
 
     # ================================================================ control plumbing
-    def _op(self, what: str, knob: str, calls: list[tuple[str, tuple]], result: Callable[[list[Any]], dict] | None = None,
-            after: Callable[[bool], None] | None = None) -> BackendOp:
+    def _op(
+        self,
+        what: str,
+        knob: str,
+        calls: list[tuple[str, tuple]],
+        result: Callable[[list[Any]], dict] | None = None,
+        after: Callable[[bool], None] | None = None,
+    ) -> BackendOp:
         """Send `calls` (utility name, args) back to back; one BackendOp for all.
         `result(results)` makes the op's dict; `after(ok)` runs once when all are
         done (on vLLM's output thread: flags and file cleanup only, no sends)."""
@@ -277,12 +308,12 @@ class VllmBackend:
             if err is None and result is not None:
                 try:
                     res = result([f.result() for f in futs])
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     err = e
             if after is not None:
                 try:
                     after(err is None)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.exception("vllm_op_cleanup_failed", op=what)
             _settle(op.future, res, None if err is None else _backend_error(what, err))
 
@@ -340,8 +371,10 @@ class VllmBackend:
 
     def sleep(self, level: int) -> BackendOp:
         if self._rid_of:
-            return BackendOp.failed("sleep", BackendError(
-                f"sleep with {len(self._rid_of)} live sequence(s): pause(mode='abort') them first"))
+            return BackendOp.failed(
+                "sleep",
+                BackendError(f"sleep with {len(self._rid_of)} live sequence(s): pause(mode='abort') them first"),
+            )
         level = int(level)
         t0 = time.perf_counter()
         op = BackendOp.pending(f"sleep({level})", self.sleep_timeout_s, "sleep_timeout_s")
@@ -356,7 +389,7 @@ class VllmBackend:
             try:
                 free0 = sum(int(r["gpu_free"]) for r in before.result(0))
                 slept.result(0)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 _settle(op.future, None, _backend_error(op.what, e))
                 return
             self._sleep_level = level
@@ -364,7 +397,9 @@ class VllmBackend:
 
             def done(f: Any) -> None:
                 freed = None if f.exception() else sum(int(r["gpu_free"]) for r in f.result()) - free0
-                _settle(op.future, {"backend_seconds": round(time.perf_counter() - t0, 4), "gpu_freed_bytes": freed}, None)
+                _settle(
+                    op.future, {"backend_seconds": round(time.perf_counter() - t0, 4), "gpu_freed_bytes": freed}, None
+                )
 
             after.add_done_callback(done)
 
@@ -389,23 +424,42 @@ class VllmBackend:
             if ok and full:
                 self._sleep_level = 0
 
-        return self._op("wake_up", "sleep_timeout_s", calls,
-                        lambda rs: {"backend_seconds": round(time.perf_counter() - t0, 4)}, after)
+        return self._op(
+            "wake_up",
+            "sleep_timeout_s",
+            calls,
+            lambda rs: {"backend_seconds": round(time.perf_counter() - t0, 4)},
+            after,
+        )
 
     def reset_prefix_cache(self) -> BackendOp:
-        return self._op("reset_prefix_cache", "rpc_timeout_s", [("reset_prefix_cache", (False, False))],
-                        lambda rs: {"reset": bool(rs[0])})
+        return self._op(
+            "reset_prefix_cache",
+            "rpc_timeout_s",
+            [("reset_prefix_cache", (False, False))],
+            lambda rs: {"reset": bool(rs[0])},
+        )
 
     def collective_rpc(self, method: str, *args: Any) -> BackendOp:
         """Any worker-extension method on every worker (results: one per worker)."""
-        return self._op(f"collective_rpc({method})", "rpc_timeout_s",
-                        [self._rpc(method, *args, timeout=self.rpc_timeout_s)], lambda rs: {"results": rs[0]})
+        return self._op(
+            f"collective_rpc({method})",
+            "rpc_timeout_s",
+            [self._rpc(method, *args, timeout=self.rpc_timeout_s)],
+            lambda rs: {"results": rs[0]},
+        )
 
     # ================================================================ weights
-    def begin_weight_update(self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]) -> BackendOp:
+    def begin_weight_update(
+        self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]
+    ) -> BackendOp:
         if transport not in W.TRANSPORTS:
-            return BackendOp.failed("begin_weight_update", BackendError(
-                f"vllm backend: unknown transport {transport!r} ({', '.join(W.TRANSPORTS)})", field="transport"))
+            return BackendOp.failed(
+                "begin_weight_update",
+                BackendError(
+                    f"vllm backend: unknown transport {transport!r} ({', '.join(W.TRANSPORTS)})", field="transport"
+                ),
+            )
         if self._update is not None:  # a new begin replaces an unfinished update
             self.abort_weight_update()
         metas = [W.meta_list(t) for t in tensors]
@@ -425,9 +479,12 @@ class VllmBackend:
             self._update = up
             return BackendOp.done("begin_weight_update", {"bytes": sum(sizes), "staging": up.stage.path})
         self._update = up
-        return self._op("begin_weight_update", "weight_timeout_s",
-                        [self._rpc("rollout_bus_begin", up.uid, metas, sizes, timeout=self.weight_timeout_s)],
-                        lambda rs: {"tensors": len(metas)})
+        return self._op(
+            "begin_weight_update",
+            "weight_timeout_s",
+            [self._rpc("rollout_bus_begin", up.uid, metas, sizes, timeout=self.weight_timeout_s)],
+            lambda rs: {"tensors": len(metas)},
+        )
 
     def _require(self, transport: str | None = None) -> W.WeightUpdate:
         up = self._update
@@ -456,23 +513,33 @@ class VllmBackend:
         def result(rs: list[Any]) -> dict[str, Any]:
             dt = time.perf_counter() - t0
             up.received = True
-            r = {"bytes": nbytes, "backend_seconds": round(dt, 4), "GBps": round(nbytes / dt / 1e9, 3) if dt > 0 else None,
-                 "worker_seconds": [round(x["seconds"], 4) for x in rs[0]]}
+            r = {
+                "bytes": nbytes,
+                "backend_seconds": round(dt, 4),
+                "GBps": round(nbytes / dt / 1e9, 3) if dt > 0 else None,
+                "worker_seconds": [round(x["seconds"], 4) for x in rs[0]],
+            }
             if up.transport == "nccl":
                 r["nccl"] = {k: rs[0][0].get(k) for k in ("reused", "setup_seconds")}
             return r
 
         if up.transport == "cuda_ipc":
             if len(handles) != len(up.sizes):
-                return BackendOp.failed("receive_weights", BackendError(
-                    f"cuda_ipc: {len(handles)} handle(s) for {len(up.sizes)} bucket(s)", field="handles"))
+                return BackendOp.failed(
+                    "receive_weights",
+                    BackendError(f"cuda_ipc: {len(handles)} handle(s) for {len(up.sizes)} bucket(s)", field="handles"),
+                )
             call = self._rpc("rollout_bus_recv_ipc", up.uid, list(handles), timeout=self.weight_timeout_s)
         elif up.transport == "nccl":
             a = {**up.args, "timeout_s": float(up.args.get("timeout_s", self.weight_timeout_s))}
             call = self._rpc("rollout_bus_recv_nccl", up.uid, a, timeout=self.weight_timeout_s)
         else:
-            return BackendOp.failed("receive_weights", BackendError(
-                "receive_weights is for the GPU transports (cuda_ipc, nccl); zmq stages buckets", field="transport"))
+            return BackendOp.failed(
+                "receive_weights",
+                BackendError(
+                    "receive_weights is for the GPU transports (cuda_ipc, nccl); zmq stages buckets", field="transport"
+                ),
+            )
         return self._op("receive_weights", "weight_timeout_s", [call], result)
 
     def commit_weight_update(self) -> BackendOp:
@@ -485,7 +552,9 @@ class VllmBackend:
             assert up.stage is not None
             missing = up.stage.missing()
             if missing:
-                return BackendOp.failed("commit_weight_update", BackendError(f"zmq: bucket(s) {missing[:8]} never staged"))
+                return BackendOp.failed(
+                    "commit_weight_update", BackendError(f"zmq: bucket(s) {missing[:8]} never staged")
+                )
             # The workers never saw a begin for zmq: begin + commit go together.
             shm = up.stage.spec()
         elif not up.received:
@@ -498,13 +567,20 @@ class VllmBackend:
         # load, then reset the prefix cache once: the core runs them in this order.
         calls.append(self._rpc("rollout_bus_commit", up.uid, shm, timeout=self.weight_timeout_s))
         calls.append(("reset_prefix_cache", (False, False)))
-        return self._op("commit_weight_update", "weight_timeout_s", calls,
-                        # prefix_cache_reset False: sequences held (keep-paused) own KV blocks, and
-                        # vLLM resets only with none in use (it logs a warning); their KV is pre-update.
-                        lambda rs: {"backend_seconds": round(time.perf_counter() - t0, 4), "bytes": int(sum(up.sizes)),
-                                    "worker_seconds": [round(x["seconds"], 4) for x in rs[-2]],
-                                    "prefix_cache_reset": bool(rs[-1])},
-                        lambda ok: up.close())
+        return self._op(
+            "commit_weight_update",
+            "weight_timeout_s",
+            calls,
+            # prefix_cache_reset False: sequences held (keep-paused) own KV blocks, and
+            # vLLM resets only with none in use (it logs a warning); their KV is pre-update.
+            lambda rs: {
+                "backend_seconds": round(time.perf_counter() - t0, 4),
+                "bytes": int(sum(up.sizes)),
+                "worker_seconds": [round(x["seconds"], 4) for x in rs[-2]],
+                "prefix_cache_reset": bool(rs[-1]),
+            },
+            lambda ok: up.close(),
+        )
 
     def abort_weight_update(self) -> BackendOp:
         up, self._update = self._update, None
@@ -513,8 +589,12 @@ class VllmBackend:
         if up.transport == "zmq":  # the workers never saw it
             up.close()
             return BackendOp.done("abort_weight_update", {"had_update": True})
-        return self._op("abort_weight_update", "rpc_timeout_s", [self._rpc("rollout_bus_abort", up.uid)],
-                        lambda rs: {"had_update": True})
+        return self._op(
+            "abort_weight_update",
+            "rpc_timeout_s",
+            [self._rpc("rollout_bus_abort", up.uid)],
+            lambda rs: {"had_update": True},
+        )
 
     # ================================================================ LoRA
     def _lora_request(self, name: str | None) -> Any:
@@ -525,11 +605,18 @@ class VllmBackend:
             raise BackendError(f"LoRA adapter {name!r} is not loaded (loaded: {self._loras.names()})", field="lora")
         return self._api.LoRARequest(lora_name=name, lora_int_id=a.lora_id, lora_path=a.path)
 
-    def load_lora(self, name: str, *, path: str | None = None, tensors: list[tuple[str, Any]] | None = None,
-                  config: dict[str, Any] | None = None) -> BackendOp:
+    def load_lora(
+        self,
+        name: str,
+        *,
+        path: str | None = None,
+        tensors: list[tuple[str, Any]] | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> BackendOp:
         if not self.enable_lora:
-            return BackendOp.failed("load_lora", BackendError(
-                "this vllm engine was started without LoRA (backend option enable_lora=True)"))
+            return BackendOp.failed(
+                "load_lora", BackendError("this vllm engine was started without LoRA (backend option enable_lora=True)")
+            )
         if (path is None) == (tensors is None):
             return BackendOp.failed("load_lora", BackendError("load_lora needs exactly one of path or tensors"))
         wrote = None
@@ -557,8 +644,12 @@ class VllmBackend:
         if a is None:
             return BackendOp.failed("unload_lora", BackendError(f"LoRA adapter {name!r} is not loaded", field="lora"))
         self._loras.removed(name)
-        return self._op(f"unload_lora({name})", "lora_timeout_s", [("remove_lora", (a.lora_id,))],
-                        lambda rs: {"removed": bool(rs[0])})
+        return self._op(
+            f"unload_lora({name})",
+            "lora_timeout_s",
+            [("remove_lora", (a.lora_id,))],
+            lambda rs: {"removed": bool(rs[0])},
+        )
 
     def loras(self) -> list[str]:
         return self._loras.names()
@@ -573,7 +664,7 @@ class VllmBackend:
             self._update = None
         try:
             self._link.close(self.shutdown_timeout_s)  # stops the engine core and its workers
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("vllm_shutdown_failed")
         for op, _ in self._ops:
             _settle(op.future, None, BackendError(f"{op.what}: the vllm backend was closed"))

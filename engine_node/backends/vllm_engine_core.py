@@ -215,8 +215,13 @@ def load_vllm_api() -> Any:
 
     def make_client(cfg: Any, log_stats: bool) -> Any:
         # SyncMPClient: the engine core in its own process, zmq in between.
-        return EngineCoreClient.make_client(multiprocess_mode=True, asyncio_mode=False, vllm_config=cfg,
-                                            executor_class=Executor.get_class(cfg), log_stats=log_stats)
+        return EngineCoreClient.make_client(
+            multiprocess_mode=True,
+            asyncio_mode=False,
+            vllm_config=cfg,
+            executor_class=Executor.get_class(cfg),
+            log_stats=log_stats,
+        )
 
     def tokenizer_eos(cfg: Any) -> int | None:
         """The tokenizer's eos id, as InputProcessor passes it (None without a tokenizer)."""
@@ -226,7 +231,12 @@ def load_vllm_api() -> Any:
         return None if tok is None else tok.eos_token_id
 
     return types.SimpleNamespace(
-        SamplingParams=SamplingParams, RequestOutputKind=RequestOutputKind, EngineCoreRequest=EngineCoreRequest,
-        UTILITY=EngineCoreRequestType.UTILITY, LoRARequest=LoRARequest, build_config=build_config,
-        make_client=make_client, tokenizer_eos=tokenizer_eos,
+        SamplingParams=SamplingParams,
+        RequestOutputKind=RequestOutputKind,
+        EngineCoreRequest=EngineCoreRequest,
+        UTILITY=EngineCoreRequestType.UTILITY,
+        LoRARequest=LoRARequest,
+        build_config=build_config,
+        make_client=make_client,
+        tokenizer_eos=tokenizer_eos,
     )

@@ -32,9 +32,19 @@ def write_peft(root: str, model: str, name: str, tensors: list[tuple[str, Any]],
         cfg["r"] = next((int(t.shape[0]) for n, t in tensors if "lora_A" in n), 8)
     if "target_modules" not in cfg:
         cfg["target_modules"] = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in tensors if ".lora_" in n})
-    full = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "bias": "none", "lora_dropout": 0.0,
-            "base_model_name_or_path": model, "lora_alpha": cfg.get("r", 8), "fan_in_fan_out": False,
-            "modules_to_save": None, "use_rslora": False, "use_dora": False, **cfg}
+    full = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "bias": "none",
+        "lora_dropout": 0.0,
+        "base_model_name_or_path": model,
+        "lora_alpha": cfg.get("r", 8),
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        **cfg,
+    }
     d = os.path.join(root, f"lora_{name}_{uuid.uuid4().hex[:8]}")
     os.makedirs(d)
     sd = {}

@@ -21,8 +21,9 @@ from engine_node.backend import BackendError, SeqRequest, StepOutput
 FINISH_REASONS: dict[int, str] = {0: "stop", 1: "length", 2: "abort", 3: "error", 4: "stop"}
 
 
-def sampling_params(api: Any, seq: SeqRequest, *, max_model_len: int, generation_config: dict[str, Any],
-                    eos_token_id: int | None) -> Any:
+def sampling_params(
+    api: Any, seq: SeqRequest, *, max_model_len: int, generation_config: dict[str, Any], eos_token_id: int | None
+) -> Any:
     """vLLM SamplingParams for one sequence, with InputProcessor's defaults:
     max_tokens capped by the room left in max_model_len, eos / stop ids from the
     model's generation config (update_from_generation_config), DELTA outputs,
@@ -30,8 +31,9 @@ def sampling_params(api: Any, seq: SeqRequest, *, max_model_len: int, generation
     p = seq.params
     room = max_model_len - len(seq.prompt)
     if room < 1:
-        raise BackendError(f"prompt of {len(seq.prompt)} tokens leaves no room in max_model_len={max_model_len}",
-                           field="prompt")
+        raise BackendError(
+            f"prompt of {len(seq.prompt)} tokens leaves no room in max_model_len={max_model_len}", field="prompt"
+        )
     if not seq.prompt:
         raise BackendError("empty prompt", field="prompt")
     sp = api.SamplingParams(

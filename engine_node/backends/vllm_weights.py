@@ -36,8 +36,9 @@ def meta_list(t: Any) -> list[Any]:
     return [t.name, t.dtype, list(t.shape), int(t.bucket), int(t.offset), int(t.nbytes)]
 
 
-def validate(metas: list[list[Any]], sizes: list[int], shapes: dict[str, list[int]], tied: bool,
-             model: str) -> tuple[str, str] | None:
+def validate(
+    metas: list[list[Any]], sizes: list[int], shapes: dict[str, list[int]], tied: bool, model: str
+) -> tuple[str, str] | None:
     """(tensor name, why) for the first bad tensor, else None. Checks what a
     worker would trip on: dtype, nbytes vs shape, bucket bounds, and (when the
     checkpoint's shapes are known) that the name is a weight of the model with
@@ -56,7 +57,10 @@ def validate(metas: list[list[Any]], sizes: list[int], shapes: dict[str, list[in
         if not 0 <= bucket < len(sizes):
             return name, f"tensor {name!r}: bucket {bucket} of {len(sizes)}"
         if offset < 0 or offset + nbytes > sizes[bucket]:
-            return name, f"tensor {name!r}: bytes [{offset}, {offset + nbytes}) outside bucket {bucket} of {sizes[bucket]} bytes"
+            return (
+                name,
+                f"tensor {name!r}: bytes [{offset}, {offset + nbytes}) outside bucket {bucket} of {sizes[bucket]} bytes",
+            )
         if name in seen:
             return name, f"tensor {name!r} appears twice"
         seen.add(name)
@@ -91,7 +95,7 @@ def checkpoint_shapes(model: str) -> dict[str, list[int]]:
             from huggingface_hub import snapshot_download
 
             path = snapshot_download(model, local_files_only=True, allow_patterns=["*.safetensors", "*.json"])
-        except Exception:  # noqa: BLE001 - not cached / offline: names are checked by load_weights
+        except Exception:
             return {}
     shapes: dict[str, list[int]] = {}
     try:
@@ -102,7 +106,7 @@ def checkpoint_shapes(model: str) -> dict[str, list[int]]:
                 with safe_open(os.path.join(path, fn), framework="pt") as f:
                     for k in f.keys():
                         shapes[k] = list(f.get_slice(k).get_shape())
-    except Exception:  # noqa: BLE001
+    except Exception:
         return {}
     return shapes
 

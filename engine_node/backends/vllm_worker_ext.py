@@ -132,7 +132,7 @@ class _LoraUnwrapped:
         self.model = model
         self.swaps: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
 
-    def __enter__(self) -> "_LoraUnwrapped":
+    def __enter__(self) -> _LoraUnwrapped:
         for name, mod in list(self.model.named_modules()):
             base = getattr(mod, "base_layer", None)
             if name and isinstance(base, torch.nn.Module):
@@ -184,7 +184,9 @@ class RolloutBusWorkerExtension:
     def _rb_check(self, uid: str) -> dict[str, Any]:
         st = self._rb()
         if st["uid"] != uid:
-            raise RuntimeError(f"worker {getattr(self, 'rank', '?')}: no weight update {uid!r} begun (current: {st['uid']!r})")
+            raise RuntimeError(
+                f"worker {getattr(self, 'rank', '?')}: no weight update {uid!r} begun (current: {st['uid']!r})"
+            )
         return st
 
     def _rb_load(self, named: Any) -> int:
@@ -197,8 +199,14 @@ class RolloutBusWorkerExtension:
     def rollout_bus_info(self) -> dict[str, Any]:
         dev = self._rb_device()
         free, total = torch.cuda.mem_get_info(dev)
-        return {"rank": int(getattr(self, "rank", 0)), "device": dev.index, "parent_death": PARENT_DEATH,
-                "uuid": str(torch.cuda.get_device_properties(dev).uuid), "gpu_free": int(free), "gpu_total": int(total)}
+        return {
+            "rank": int(getattr(self, "rank", 0)),
+            "device": dev.index,
+            "parent_death": PARENT_DEATH,
+            "uuid": str(torch.cuda.get_device_properties(dev).uuid),
+            "gpu_free": int(free),
+            "gpu_total": int(total),
+        }
 
     def rollout_bus_begin(self, uid: str, metas: list[Any], sizes: list[int]) -> int:
         st = self._rb()
@@ -236,8 +244,12 @@ class RolloutBusWorkerExtension:
             torch.cuda.synchronize(dev)
         for i, buf in st["buckets"].items():
             unpack_bucket(i, st["metas"], buf)
-        return {"bytes": int(sum(st["sizes"])), "seconds": time.perf_counter() - t0,
-                "setup_seconds": round(t1 - t0, 4), **setup}
+        return {
+            "bytes": int(sum(st["sizes"])),
+            "seconds": time.perf_counter() - t0,
+            "setup_seconds": round(t1 - t0, 4),
+            **setup,
+        }
 
     def _rb_nccl(self, a: dict[str, Any]) -> dict[str, Any]:
         """Join the trainer's NCCL group once per group id (trainer = rank 0,
@@ -256,8 +268,14 @@ class RolloutBusWorkerExtension:
             return {"rank": st["nccl"].rank, "reused": True}
         self.rollout_bus_nccl_close()
         timeout = float(a.get("timeout_s", 300.0))
-        store = TCPStore(a["host"], int(a["port"]), is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout), use_libuv=False)
+        store = TCPStore(
+            a["host"],
+            int(a["port"]),
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout),
+            use_libuv=False,
+        )
         if a.get("rank_offset") is not None:
             rank = int(a["rank_offset"]) + int(getattr(self, "rank", 0))
         else:
@@ -272,7 +290,7 @@ class RolloutBusWorkerExtension:
         if comm is not None:
             try:
                 comm.destroy()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
     def rollout_bus_commit(self, uid: str, shm: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -309,8 +327,11 @@ class RolloutBusWorkerExtension:
             for i, size in enumerate(st["sizes"]):
                 with warnings.catch_warnings():  # read-only map: we only read it
                     warnings.simplefilter("ignore", UserWarning)
-                    host = torch.frombuffer(mm, dtype=torch.uint8, count=int(size), offset=offsets[i]) if size else \
-                        torch.empty(0, dtype=torch.uint8)
+                    host = (
+                        torch.frombuffer(mm, dtype=torch.uint8, count=int(size), offset=offsets[i])
+                        if size
+                        else torch.empty(0, dtype=torch.uint8)
+                    )
                 gpu = host.to(dev)
                 del host
                 loaded += max(0, self._rb_load(iter(unpack_bucket(i, st["metas"], gpu))))

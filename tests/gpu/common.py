@@ -11,6 +11,7 @@ import time
 from bus.protocol import SamplingParams
 from engine_node.backend import SeqRequest
 
+
 def _count_gpus() -> int:
     try:
         import torch
@@ -69,8 +70,14 @@ def drive(backend, seq_ids, timeout_s: float = 60.0):
 VOCAB = 4096
 N_NEW = 24
 ENGINE_OPTS = dict(
-    gpu_memory_utilization=0.3, max_model_len=2048, enforce_eager=True, dtype="bfloat16", seed=0,
-    enable_lora=True, max_lora_rank=16, max_loras=4,
+    gpu_memory_utilization=0.3,
+    max_model_len=2048,
+    enforce_eager=True,
+    dtype="bfloat16",
+    seed=0,
+    enable_lora=True,
+    max_lora_rank=16,
+    max_loras=4,
 )
 
 

@@ -99,8 +99,13 @@ def llm_reference(model_dirs):
     o2 = llm.generate([{"prompt_token_ids": p} for p in many], sp2, use_tqdm=False)
     dt = time.perf_counter() - t0
     ntok = sum(len(o.outputs[0].token_ids) for o in o2)
-    record_timing("llm_generate_throughput", engine_start_s=round(t_start, 2), new_tokens=ntok,
-                  seconds=round(dt, 3), tok_per_s=round(ntok / dt))
+    record_timing(
+        "llm_generate_throughput",
+        engine_start_s=round(t_start, 2),
+        new_tokens=ntok,
+        seconds=round(dt, 3),
+        tok_per_s=round(ntok / dt),
+    )
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()

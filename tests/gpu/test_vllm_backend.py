@@ -18,8 +18,19 @@ import pytest
 from bus.protocol import SamplingParams
 from engine_node.backend import SeqRequest
 from tests.gpu.common import (
-    ENGINE_OPTS, HF_GAP_TOL, N_NEW, PROMPTS, VOCAB, drive, gpu_count, greedy, hf_check, match_frac, prompts,
-    record_timing, run_greedy,
+    ENGINE_OPTS,
+    HF_GAP_TOL,
+    N_NEW,
+    PROMPTS,
+    VOCAB,
+    drive,
+    gpu_count,
+    greedy,
+    hf_check,
+    match_frac,
+    prompts,
+    record_timing,
+    run_greedy,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -57,9 +68,12 @@ def test_info(backend):
     assert isinstance(backend.wake_fd(), int)
     assert info.capacity == backend.vllm_config.scheduler_config.max_num_seqs >= 256, "LLM-class defaults"
     w = wait(backend.collective_rpc("rollout_bus_info"))["results"]
-    record_timing("engine_defaults", max_num_seqs=info.capacity,
-                  max_num_batched_tokens=backend.vllm_config.scheduler_config.max_num_batched_tokens,
-                  parent_death=[r["parent_death"] for r in w])
+    record_timing(
+        "engine_defaults",
+        max_num_seqs=info.capacity,
+        max_num_batched_tokens=backend.vllm_config.scheduler_config.max_num_batched_tokens,
+        parent_death=[r["parent_death"] for r in w],
+    )
     assert all(r["parent_death"] in ("watch-parent", "watch-node") for r in w)
 
 
@@ -162,8 +176,12 @@ def test_keep_pause_freezes_and_resumes(backend):
     wait(backend.thaw(ids))
     _step_until(backend, res, lambda r: all(r.get(s, {}).get("finish") for s in ids), 60)
     exact = [res[s]["tokens"] for s in ids] == [ref[r]["tokens"] for r in ref_ids]
-    record_timing("keep_pause", pause_to_quiescent_s=round(t_freeze, 4), tokens_at_pause=sum(counts.values()),
-                  same_as_unpaused=exact)
+    record_timing(
+        "keep_pause",
+        pause_to_quiescent_s=round(t_freeze, 4),
+        tokens_at_pause=sum(counts.values()),
+        same_as_unpaused=exact,
+    )
     for s in ids:
         assert res[s]["finish"] == "length" and len(res[s]["tokens"]) == mt
     # batch composition may flip a near-tie in bf16; the probe saw bit-identical output
@@ -201,9 +219,13 @@ def test_abort_returns_partial_tokens_and_resubmit_continues(backend):
     full = [res.get(s, {"tokens": []})["tokens"] + res2[s + "r"]["tokens"] for s in ids]
     assert all(len(f) == mt for f in full)
     assert match_frac(full, [ref[r]["tokens"] for r in ref_ids]) > 0.97  # recompute of KV may flip near-ties
-    record_timing("abort", sequences=n, abort_s=round(t_abort, 4),
-                  partial_tokens=sum(len(res.get(s, {"tokens": []})["tokens"]) for s in ids),
-                  resubmit_exact=full == [ref[r]["tokens"] for r in ref_ids])
+    record_timing(
+        "abort",
+        sequences=n,
+        abort_s=round(t_abort, 4),
+        partial_tokens=sum(len(res.get(s, {"tokens": []})["tokens"]) for s in ids),
+        resubmit_exact=full == [ref[r]["tokens"] for r in ref_ids],
+    )
 
 
 def test_abort_before_first_output(backend):
@@ -224,9 +246,13 @@ def test_sleep_wake_same_output_and_memory_released(backend, llm_reference):
     free1 = torch.cuda.mem_get_info()[0]
     r2 = wait(backend.wake_up(None))
     after, _ = run_greedy(backend)
-    record_timing("sleep_wake_level1", sleep_s=r1["backend_seconds"], wake_s=r2["backend_seconds"],
-                  freed_GiB=round((free1 - free0) / 2**30, 3),
-                  freed_by_worker_GiB=round((r1["gpu_freed_bytes"] or 0) / 2**30, 3))
+    record_timing(
+        "sleep_wake_level1",
+        sleep_s=r1["backend_seconds"],
+        wake_s=r2["backend_seconds"],
+        freed_GiB=round((free1 - free0) / 2**30, 3),
+        freed_by_worker_GiB=round((r1["gpu_freed_bytes"] or 0) / 2**30, 3),
+    )
     assert r1["gpu_freed_bytes"] > 64 << 20
     assert free1 - free0 > 64 << 20, "sleep(1) released GPU memory"
     assert after == before == llm_reference
@@ -259,10 +285,19 @@ def test_weight_update_cuda_ipc_then_zmq_back(backend, model_dirs, llm_reference
     t_all = time.perf_counter() - t0
     sender.release()  # only after the commit: the workers loaded from views of these buckets
     nbytes = sum(sizes)
-    record_timing("weight_update_cuda_ipc", bytes=nbytes, buckets=len(sizes), pack_s=round(t_pack, 4),
-                  begin_s=round(t1 - t0, 4), receive_s=round(t2 - t1, 4), commit_s=round(t_all - (t2 - t0), 4),
-                  receive_worker_s=rr["worker_seconds"], commit_worker_s=rc["worker_seconds"],
-                  prefix_cache_reset=rc["prefix_cache_reset"], begin_to_finish_s=round(t_all, 4))
+    record_timing(
+        "weight_update_cuda_ipc",
+        bytes=nbytes,
+        buckets=len(sizes),
+        pack_s=round(t_pack, 4),
+        begin_s=round(t1 - t0, 4),
+        receive_s=round(t2 - t1, 4),
+        commit_s=round(t_all - (t2 - t0), 4),
+        receive_worker_s=rr["worker_seconds"],
+        commit_worker_s=rc["worker_seconds"],
+        prefix_cache_reset=rc["prefix_cache_reset"],
+        begin_to_finish_s=round(t_all, 4),
+    )
     # a second round (new buckets, as a trainer's next step): shapes cached, kernels warm
     metas, sizes, handles = sender.prepare(list(sdB.items()))
     t0 = time.perf_counter()
@@ -270,7 +305,9 @@ def test_weight_update_cuda_ipc_then_zmq_back(backend, model_dirs, llm_reference
     wait(backend.receive_weights(handles))
     rc = wait(backend.commit_weight_update())
     t_all = time.perf_counter() - t0
-    record_timing("weight_update_cuda_ipc_round2", begin_to_finish_s=round(t_all, 4), commit_worker_s=rc["worker_seconds"])
+    record_timing(
+        "weight_update_cuda_ipc_round2", begin_to_finish_s=round(t_all, 4), commit_worker_s=rc["worker_seconds"]
+    )
     sender.release()
     outB, _ = run_greedy(backend)
     assert outB != llm_reference
@@ -299,7 +336,6 @@ def test_bad_weight_update_keeps_weights(backend, llm_reference):
     import torch
 
     from bus.protocol import TensorMeta
-
     from engine_node.backend import BackendError
 
     bad = [TensorMeta("model.layers.0.self_attn.q_proj.weight", "bfloat16", [3, 3], 0, 0, 18)]
@@ -337,8 +373,13 @@ def test_lora_load_changes_output_and_inplace_reload(backend, model_dirs, llm_re
     d2 = make_random_lora(model_dirs["A"], str(tmp_path / "l2"), r=8, seed=2, b_std=0.5)
     tensors = list(load_file(os.path.join(d2, "adapter_model.safetensors")).items())
     t0 = time.perf_counter()
-    wait(backend.load_lora("l1", tensors=tensors, config={"r": 8, "lora_alpha": 16,
-                                                          "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}))
+    wait(
+        backend.load_lora(
+            "l1",
+            tensors=tensors,
+            config={"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        )
+    )
     t_reload = time.perf_counter() - t0
     out2, _ = run_greedy(backend, lora="l1")
     assert out2 != out1 and out2 != llm_reference
@@ -364,12 +405,18 @@ def test_engine_processes_die_with_a_killed_node(model_dirs, tmp_path):
 
     import psutil
 
-    code = ("import sys, time; from engine_node.backends.vllm_backend import make_backend; "
-            f"b = make_backend({model_dirs['A']!r}, gpu_memory_utilization=0.15, max_model_len=512, "
-            "enforce_eager=True, dtype='bfloat16'); print('READY', flush=True); time.sleep(600)")
+    code = (
+        "import sys, time; from engine_node.backends.vllm_backend import make_backend; "
+        f"b = make_backend({model_dirs['A']!r}, gpu_memory_utilization=0.15, max_model_len=512, "
+        "enforce_eager=True, dtype='bfloat16'); print('READY', flush=True); time.sleep(600)"
+    )
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    p = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     try:
         line = ""
         while "READY" not in line:
@@ -382,8 +429,12 @@ def test_engine_processes_die_with_a_killed_node(model_dirs, tmp_path):
         p.wait(10)
         t1 = time.perf_counter()
         _, alive = psutil.wait_procs(kids, timeout=20)
-        record_timing("node_kill9_children_gone", children=len(kids), seconds=round(time.perf_counter() - t1, 2),
-                      alive=[k.pid for k in alive])
+        record_timing(
+            "node_kill9_children_gone",
+            children=len(kids),
+            seconds=round(time.perf_counter() - t1, 2),
+            alive=[k.pid for k in alive],
+        )
         desc = [(k.pid, k.name()) for k in alive]
         for k in alive:
             k.kill()
@@ -432,9 +483,15 @@ def test_nccl_update_trainer_gpu0_engine_gpu1(model_dirs):
             wait(be.commit_weight_update())
             times.append((time.perf_counter() - t0, sres, rres))
         for i, (dt, sres, rres) in enumerate(times):
-            record_timing(f"weight_update_nccl_round{i}", bytes=sum(sizes), begin_to_finish_s=round(dt, 4),
-                          broadcast_s=round(sres["seconds"], 4), broadcast_GBps=round(sres["GBps"], 2),
-                          engine_receive_s=rres["backend_seconds"], nccl=rres.get("nccl"))
+            record_timing(
+                f"weight_update_nccl_round{i}",
+                bytes=sum(sizes),
+                begin_to_finish_s=round(dt, 4),
+                broadcast_s=round(sres["seconds"], 4),
+                broadcast_GBps=round(sres["GBps"], 2),
+                engine_receive_s=rres["backend_seconds"],
+                nccl=rres.get("nccl"),
+            )
         assert times[1][2]["nccl"]["reused"] and not times[0][2]["nccl"]["reused"]
         outB, _ = run_greedy(be)
         gap, agree = hf_check(model_dirs["B"], outB)
@@ -447,16 +504,26 @@ def test_nccl_update_trainer_gpu0_engine_gpu1(model_dirs):
 
         big = [(f"x{i}", torch.empty(64 << 20, dtype=torch.uint8, device="cuda:0")) for i in range(16)]
         bm, bs, bt = sender.plan(big)
-        up = WeightUpdate("big", "nccl", [[m.name, m.dtype, m.shape, m.bucket, m.offset, m.nbytes] for m in bm],
-                          list(bs), sender.transport_args(bs))
+        up = WeightUpdate(
+            "big",
+            "nccl",
+            [[m.name, m.dtype, m.shape, m.bucket, m.offset, m.nbytes] for m in bm],
+            list(bs),
+            sender.transport_args(bs),
+        )
         wait(be.collective_rpc("rollout_bus_begin", up.uid, up.metas, up.sizes))
         be._update = up
         op = be.receive_weights([])
         sres = sender.send(bm, bs, bt)
         rres = wait(op)
         wait(be.abort_weight_update())
-        record_timing("nccl_broadcast_1GiB", bytes=sum(bs), broadcast_s=round(sres["seconds"], 4),
-                      GBps=round(sres["GBps"], 2), engine_receive_s=rres["backend_seconds"])
+        record_timing(
+            "nccl_broadcast_1GiB",
+            bytes=sum(bs),
+            broadcast_s=round(sres["seconds"], 4),
+            GBps=round(sres["GBps"], 2),
+            engine_receive_s=rres["backend_seconds"],
+        )
         sender.close()
     finally:
         be.close()
@@ -472,7 +539,9 @@ def test_tp2_engine_receives_cuda_ipc(model_dirs):
 
     if True:
         t0 = time.perf_counter()
-        be = make_backend(model_dirs["A"], tp=2, **{**ENGINE_OPTS, "enable_lora": False, "gpu_memory_utilization": 0.25})
+        be = make_backend(
+            model_dirs["A"], tp=2, **{**ENGINE_OPTS, "enable_lora": False, "gpu_memory_utilization": 0.25}
+        )
         record_timing("backend_start_tp2", seconds=round(time.perf_counter() - t0, 2))
         try:
             assert be.info().tp == 2
@@ -485,8 +554,12 @@ def test_tp2_engine_receives_cuda_ipc(model_dirs):
             rr = wait(be.receive_weights(handles))
             wait(be.commit_weight_update())
             sender.release()
-            record_timing("weight_update_cuda_ipc_tp2", bytes=sum(sizes), seconds=round(time.perf_counter() - t0, 4),
-                          worker_seconds=rr["worker_seconds"])
+            record_timing(
+                "weight_update_cuda_ipc_tp2",
+                bytes=sum(sizes),
+                seconds=round(time.perf_counter() - t0, 4),
+                worker_seconds=rr["worker_seconds"],
+            )
             outB, _ = run_greedy(be)
             gap, agree = hf_check(model_dirs["B"], outB)
             record_timing("tp2_greedy_vs_hf_B", max_logprob_gap=round(gap, 4), argmax_agreement=round(agree, 3))
@@ -543,10 +616,17 @@ def test_bench_model(backend):
         res = drive(be, [f"b{i}" for i in range(256)], 120)
         dt_be = time.perf_counter() - t0
         ntok_be = sum(len(r["tokens"]) for r in res.values())
-        record_timing("bench_throughput", model=BENCH_MODEL, prompts=256, new_tokens_each=128,
-                      llm_start_s=round(t_llm, 1), backend_start_s=round(t_be, 1),
-                      llm_generate_tok_s=round(ntok / dt_llm), backend_tok_s=round(ntok_be / dt_be),
-                      ratio=round((ntok_be / dt_be) / (ntok / dt_llm), 3))
+        record_timing(
+            "bench_throughput",
+            model=BENCH_MODEL,
+            prompts=256,
+            new_tokens_each=128,
+            llm_start_s=round(t_llm, 1),
+            backend_start_s=round(t_be, 1),
+            llm_generate_tok_s=round(ntok / dt_llm),
+            backend_tok_s=round(ntok_be / dt_be),
+            ratio=round((ntok_be / dt_be) / (ntok / dt_llm), 3),
+        )
 
         # pause(keep) and abort with 64 running streams
         long = SamplingParams(max_tokens=1000, temperature=1.0, ignore_eos=True)
@@ -569,9 +649,14 @@ def test_bench_model(backend):
         t0 = time.perf_counter()
         outs = be.abort(ids)
         t_abort = time.perf_counter() - t0
-        record_timing("bench_pause", streams=64, keep_pause_to_quiescent_s=round(t_keep, 4),
-                      resume_to_first_token_s=round(t_first, 4), abort_s=round(t_abort, 4),
-                      abort_returned_tokens=sum(len(x.token_ids) for x in outs))
+        record_timing(
+            "bench_pause",
+            streams=64,
+            keep_pause_to_quiescent_s=round(t_keep, 4),
+            resume_to_first_token_s=round(t_first, 4),
+            abort_s=round(t_abort, 4),
+            abort_returned_tokens=sum(len(x.token_ids) for x in outs),
+        )
 
         # cuda_ipc weight update of the whole model (its own weights, bf16)
         sd = load_file(os.path.join(BENCH_MODEL, "model.safetensors"), device="cuda")
@@ -588,10 +673,17 @@ def test_bench_model(backend):
             t3 = time.perf_counter()
             sender.release()
             nb = sum(sizes)
-            record_timing(f"bench_weight_update_cuda_ipc_round{rnd}", GB=round(nb / 1e9, 3), buckets=len(sizes),
-                          pack_s=round(t1 - t0, 4), begin_receive_s=round(t2 - t1, 4), receive_GBps=rr["GBps"],
-                          finish_load_s=round(t3 - t2, 4), total_s=round(t3 - t0, 4),
-                          GBps_total=round(nb / (t3 - t0) / 1e9, 2))
+            record_timing(
+                f"bench_weight_update_cuda_ipc_round{rnd}",
+                GB=round(nb / 1e9, 3),
+                buckets=len(sizes),
+                pack_s=round(t1 - t0, 4),
+                begin_receive_s=round(t2 - t1, 4),
+                receive_GBps=rr["GBps"],
+                finish_load_s=round(t3 - t2, 4),
+                total_s=round(t3 - t0, 4),
+                GBps_total=round(nb / (t3 - t0) / 1e9, 2),
+            )
 
         # pause(keep) + cuda_ipc update + resume with 64 streams in flight (issue 8:
         # <= 25 ms end to end, resume -> first new token <= 30 ms)
@@ -618,10 +710,17 @@ def test_bench_model(backend):
                 pass
             t5 = time.perf_counter()
             sender.release()
-            record_timing(f"bench_pause_update_resume_round{rnd}", streams=64, pause_s=round(t1 - t0, 4),
-                          pack_s=round(t2 - t1, 4), update_s=round(t3 - t2, 4), commit_worker_s=rc["worker_seconds"],
-                          resume_s=round(t4 - t3, 4), pause_update_resume_s=round(t4 - t0, 4),
-                          resume_to_first_token_s=round(t5 - t3, 4))
+            record_timing(
+                f"bench_pause_update_resume_round{rnd}",
+                streams=64,
+                pause_s=round(t1 - t0, 4),
+                pack_s=round(t2 - t1, 4),
+                update_s=round(t3 - t2, 4),
+                commit_worker_s=rc["worker_seconds"],
+                resume_s=round(t4 - t3, 4),
+                pause_update_resume_s=round(t4 - t0, 4),
+                resume_to_first_token_s=round(t5 - t3, 4),
+            )
             for _ in range(5):
                 be.step()
         be.abort(ids2)
@@ -629,8 +728,12 @@ def test_bench_model(backend):
         torch.cuda.empty_cache()
         r1 = wait(be.sleep(1), be=be)
         r2 = wait(be.wake_up(None))
-        record_timing("bench_sleep_wake", sleep_s=r1["backend_seconds"], wake_s=r2["backend_seconds"],
-                      freed_GiB=round((r1["gpu_freed_bytes"] or 0) / 2**30, 2))
+        record_timing(
+            "bench_sleep_wake",
+            sleep_s=r1["backend_seconds"],
+            wake_s=r2["backend_seconds"],
+            freed_GiB=round((r1["gpu_freed_bytes"] or 0) / 2**30, 2),
+        )
         be.add(SeqRequest("after", many[0], bsp, 16, seed=0))
         assert len(drive(be, ["after"], 60)["after"]["tokens"]) == 16
     finally:

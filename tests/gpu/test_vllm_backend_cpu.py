@@ -182,8 +182,14 @@ class FakeEngineCoreClient:
                     outs.append(FakeOut(rid, [tok], lps, fin))
                     if fin is not None:
                         del self.requests[rid]
-                self.outputs_queue.put_nowait(FakeBatch(outs, types.SimpleNamespace(
-                    kv_cache_usage=0.25, num_running_reqs=len(self.requests), num_waiting_reqs=0)))
+                self.outputs_queue.put_nowait(
+                    FakeBatch(
+                        outs,
+                        types.SimpleNamespace(
+                            kv_cache_usage=0.25, num_running_reqs=len(self.requests), num_waiting_reqs=0
+                        ),
+                    )
+                )
             time.sleep(0.002)
 
     def _handle(self, kind, payload):
@@ -200,7 +206,7 @@ class FakeEngineCoreClient:
                 return
             try:
                 res, err = getattr(self, "u_" + method)(*args), None
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 res, err = None, e
             fut = self.utility_results.pop(call_id)  # as vLLM's _process_utility_output
             if err is not None:
@@ -243,12 +249,17 @@ def fake_api(tmp_model: str):
         build_config.kw = kw
         return types.SimpleNamespace(
             model_config=types.SimpleNamespace(
-                max_model_len=kw.get("max_model_len", 64), hf_config=types.SimpleNamespace(eos_token_id=EOS,
-                                                                                           tie_word_embeddings=False),
-                try_get_generation_config=lambda: {"eos_token_id": [EOS, 3]}, get_vocab_size=lambda: VOCAB,
-                dtype="torch.float32"),
-            scheduler_config=types.SimpleNamespace(max_num_seqs=kw.get("max_num_seqs", 1024), max_num_batched_tokens=16384),
-            parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+                max_model_len=kw.get("max_model_len", 64),
+                hf_config=types.SimpleNamespace(eos_token_id=EOS, tie_word_embeddings=False),
+                try_get_generation_config=lambda: {"eos_token_id": [EOS, 3]},
+                get_vocab_size=lambda: VOCAB,
+                dtype="torch.float32",
+            ),
+            scheduler_config=types.SimpleNamespace(
+                max_num_seqs=kw.get("max_num_seqs", 1024), max_num_batched_tokens=16384
+            ),
+            parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        )
 
     def make_client(cfg, log_stats):
         global FAKE
@@ -256,9 +267,15 @@ def fake_api(tmp_model: str):
         return FAKE
 
     return types.SimpleNamespace(
-        SamplingParams=FakeSamplingParams, RequestOutputKind=types.SimpleNamespace(DELTA="delta"),
-        EngineCoreRequest=FakeRequest, UTILITY="UTILITY", LoRARequest=FakeLoRARequest, build_config=build_config,
-        make_client=make_client, tokenizer_eos=lambda cfg: EOS)
+        SamplingParams=FakeSamplingParams,
+        RequestOutputKind=types.SimpleNamespace(DELTA="delta"),
+        EngineCoreRequest=FakeRequest,
+        UTILITY="UTILITY",
+        LoRARequest=FakeLoRARequest,
+        build_config=build_config,
+        make_client=make_client,
+        tokenizer_eos=lambda cfg: EOS,
+    )
 
 
 # ---------------------------------------------------------------- fixtures / helpers
@@ -277,8 +294,9 @@ def model_dir(tmp_path):
 def be(model_dir):
     from engine_node.backends.vllm_backend import make_backend
 
-    b = make_backend(model_dir, max_model_len=64, enable_lora=True, rpc_timeout_s=0.3, weight_timeout_s=0.3,
-                     _api=fake_api(model_dir))
+    b = make_backend(
+        model_dir, max_model_len=64, enable_lora=True, rpc_timeout_s=0.3, weight_timeout_s=0.3, _api=fake_api(model_dir)
+    )
     yield b
     b.close()
 
@@ -464,7 +482,9 @@ def test_zmq_weights_staged_once_in_shm_and_cleaned(be):
     r = wait(be.commit_weight_update())
     assert r["prefix_cache_reset"] is True
     assert torch.equal(FAKE.worker.weights["w.a"], named[0][1]) and torch.equal(FAKE.worker.weights["w.b"], named[1][1])
-    assert FAKE.calls[-3:] == ["collective_rpc", "collective_rpc", "reset_prefix_cache"], "prefix cache reset once, after"
+    assert FAKE.calls[-3:] == ["collective_rpc", "collective_rpc", "reset_prefix_cache"], (
+        "prefix cache reset once, after"
+    )
     assert FAKE.worker.shm_seen == [path] and not os.path.exists(path), "shm file removed after commit"
 
 
@@ -483,12 +503,15 @@ def test_zmq_abort_and_bad_bucket(be):
         be.stage_bucket(0, memoryview(b""))
 
 
-@pytest.mark.parametrize("bad,match", [
-    (("w.a", "float32", [3, 3], 0, 0, 36), "w.a"),
-    (("w.nope", "float32", [2], 0, 0, 8), "not a weight"),
-    (("w.b", "float32", [8], 0, 0, 31), "nbytes"),
-    (("w.b", "complex999", [8], 0, 0, 32), "dtype"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (("w.a", "float32", [3, 3], 0, 0, 36), "w.a"),
+        (("w.nope", "float32", [2], 0, 0, 8), "not a weight"),
+        (("w.b", "float32", [8], 0, 0, 31), "nbytes"),
+        (("w.b", "complex999", [8], 0, 0, 32), "dtype"),
+    ],
+)
 def test_bad_tensor_refused_naming_it(be, bad, match):
     from bus.protocol import TensorMeta
 
@@ -505,7 +528,9 @@ def test_unknown_transport_and_ipc_handle_count(be):
     with pytest.raises(BackendError, match="transport"):
         wait(be.begin_weight_update("u", "carrier-pigeon", [], {}))
     FAKE.worker.rollout_bus_recv_ipc = lambda uid, h: {"seconds": 0.0}
-    wait(be.begin_weight_update("u", "cuda_ipc", [TensorMeta("w.b", "float32", [8], 0, 0, 32)], {"bucket_sizes": [256]}))
+    wait(
+        be.begin_weight_update("u", "cuda_ipc", [TensorMeta("w.b", "float32", [8], 0, 0, 32)], {"bucket_sizes": [256]})
+    )
     with pytest.raises(BackendError, match="handle"):
         wait(be.receive_weights([b"a", b"b"]))
     with pytest.raises(BackendError, match="before receive"):
@@ -528,8 +553,10 @@ def test_weight_deadline_names_weight_timeout(be):
 def test_lora_folders_and_inplace_reload(be):
     import torch
 
-    t = [("model.layers.0.self_attn.q_proj.lora_A.weight", torch.zeros(4, 16)),
-         ("model.layers.0.self_attn.q_proj.lora_B.weight", torch.zeros(16, 4))]
+    t = [
+        ("model.layers.0.self_attn.q_proj.lora_A.weight", torch.zeros(4, 16)),
+        ("model.layers.0.self_attn.q_proj.lora_B.weight", torch.zeros(16, 4)),
+    ]
     r = wait(be.load_lora("l1", tensors=t))
     assert r == {"lora_id": 1, "in_place": False} and be.loras() == ["l1"]
     d1 = FAKE.loras[1].lora_path
@@ -571,13 +598,16 @@ def test_close_stops_the_client(model_dir):
     b.close()  # idempotent
 
 
-@pytest.mark.parametrize("meta,match", [
-    (("x", "float32", [4], 0, 10**6, 16), "needs bytes"),
-    (("x", "float32", [4], 0, -8, 16), "needs bytes"),
-    (("x", "nope", [4], 0, 0, 16), "dtype"),
-    (("x", "float32", [4], 0, 0, 15), "nbytes"),
-    (("x", "float32", [-4], 0, 0, 16), "shape"),
-])
+@pytest.mark.parametrize(
+    "meta,match",
+    [
+        (("x", "float32", [4], 0, 10**6, 16), "needs bytes"),
+        (("x", "float32", [4], 0, -8, 16), "needs bytes"),
+        (("x", "nope", [4], 0, 0, 16), "dtype"),
+        (("x", "float32", [4], 0, 0, 15), "nbytes"),
+        (("x", "float32", [-4], 0, 0, 16), "shape"),
+    ],
+)
 def test_unpack_bucket_is_total(meta, match):
     """The one unpacker (torch backend, vLLM workers, tests): a lying meta is a
     ValueError naming the tensor, for bytes, memoryviews and uint8 tensors."""

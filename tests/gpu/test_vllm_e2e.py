@@ -17,7 +17,15 @@ import pytest
 
 from tests.cluster import wait_until
 from tests.gpu.common import (
-    ENGINE_OPTS, HF_GAP_TOL, N_NEW, PROMPTS, gpu_count, hf_check, match_frac, prompts, record_timing,
+    ENGINE_OPTS,
+    HF_GAP_TOL,
+    N_NEW,
+    PROMPTS,
+    gpu_count,
+    hf_check,
+    match_frac,
+    prompts,
+    record_timing,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -108,7 +116,7 @@ def _streams(cl, n, max_tokens):
                     last[0] = time.monotonic()
                 if ch.finish_reason:
                     res[i]["finish"] = ch.finish_reason
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             res[i]["error"] = repr(e)
 
     ths = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
@@ -146,12 +154,19 @@ def test_e2e_pause_32_streams(e2e, mode):
         t.join(120)
     errors = [r["error"] for r in res if r["error"]]
     assert not errors, errors
-    assert all(r["finish"] == "length" and len(r["tokens"]) == mt for r in res), \
-        [(r["finish"], len(r["tokens"])) for r in res]
+    assert all(r["finish"] == "length" and len(r["tokens"]) == mt for r in res), [
+        (r["finish"], len(r["tokens"])) for r in res
+    ]
     frac = match_frac([r["tokens"] for r in res], [r["tokens"] for r in ref])
-    record_timing(f"e2e_pause_{mode}", streams=n, pause_to_quiescent_s=round(t_pause, 4),
-                  resume_to_first_token_s=round(t_first, 4), tokens_at_pause=sum(counts),
-                  result=list(pr.values())[0], same_tokens_as_unpaused=round(frac, 4))
+    record_timing(
+        f"e2e_pause_{mode}",
+        streams=n,
+        pause_to_quiescent_s=round(t_pause, 4),
+        resume_to_first_token_s=round(t_first, 4),
+        tokens_at_pause=sum(counts),
+        result=list(pr.values())[0],
+        same_tokens_as_unpaused=round(frac, 4),
+    )
     assert frac > 0.97
 
 
@@ -171,8 +186,14 @@ def test_e2e_update_weights_cuda_ipc_then_zmq(e2e, model_dirs, llm_reference):
         t2 = time.perf_counter()
     t3 = time.perf_counter()
     res = list(r.values())[0]
-    record_timing("e2e_update_cuda_ipc", bytes=nbytes, update_s=round(t2 - t1, 4), GBps=round(nbytes / (t2 - t1) / 1e9, 3),
-                  pause_update_resume_s=round(t3 - t0, 4), engine_result=res)
+    record_timing(
+        "e2e_update_cuda_ipc",
+        bytes=nbytes,
+        update_s=round(t2 - t1, 4),
+        GBps=round(nbytes / (t2 - t1) / 1e9, 3),
+        pause_update_resume_s=round(t3 - t0, 4),
+        engine_result=res,
+    )
     assert res["weight_version"] == v0 + 1
     toks, out = _greedy_tokens(e2e)
     assert all(set(o.samples[0].token_versions) == {v0 + 1} for o in out), "tokens stamped with the new version"
@@ -188,7 +209,9 @@ def test_e2e_update_weights_cuda_ipc_then_zmq(e2e, model_dirs, llm_reference):
     t0 = time.perf_counter()
     with e2e.paused("abort"):
         e2e.update_weights(list(sdA.items()), transport="zmq")
-    record_timing("e2e_update_zmq", bytes=sum(v.numel() * 2 for v in sdA.values()), seconds=round(time.perf_counter() - t0, 4))
+    record_timing(
+        "e2e_update_zmq", bytes=sum(v.numel() * 2 for v in sdA.values()), seconds=round(time.perf_counter() - t0, 4)
+    )
     toks, out = _greedy_tokens(e2e)
     assert toks == llm_reference
     assert out[0].samples[0].token_versions[0] == v0 + 2
@@ -228,8 +251,11 @@ def test_e2e_lora(e2e, model_dirs, llm_reference, tmp_path):
     assert out1 != llm_reference
     d2 = make_random_lora(model_dirs["A"], str(tmp_path / "l2"), r=8, seed=2, b_std=0.5)
     tensors = list(load_file(os.path.join(d2, "adapter_model.safetensors")).items())
-    e2e.load_lora("l1", tensors=tensors, config={"r": 8, "lora_alpha": 16,
-                                                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
+    e2e.load_lora(
+        "l1",
+        tensors=tensors,
+        config={"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+    )
     out2, _ = _greedy_tokens(e2e, lora="l1")
     assert out2 != out1 and out2 != llm_reference
     base, _ = _greedy_tokens(e2e)
@@ -261,8 +287,14 @@ def test_e2e_nccl_trainer_gpu0(model_dirs, gpus, tp):
             with cl.paused("abort"):
                 r = cl.update_weights(named, transport="nccl")
             times.append(time.perf_counter() - t0)
-        record_timing(f"e2e_update_nccl_tp{tp}", bytes=nbytes, engine_start_s=round(dt, 1), first_s=round(times[0], 4),
-                      second_s=round(times[1], 4), engine_result=list(r.values())[0])
+        record_timing(
+            f"e2e_update_nccl_tp{tp}",
+            bytes=nbytes,
+            engine_start_s=round(dt, 1),
+            first_s=round(times[0], 4),
+            second_s=round(times[1], 4),
+            engine_result=list(r.values())[0],
+        )
         toks, out = _greedy_tokens(cl)
         assert all(set(o.samples[0].token_versions) == {2} for o in out)
         gap, agree = hf_check(model_dirs["B"], toks)
