@@ -196,6 +196,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--curve", action="store_true", help="secure TCP sockets with CURVE (keys in --curve-dir)")
     ap.add_argument("--curve-dir", default=None, help="key folder: made here when missing; copy it to joining nodes")
     ap.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics of the head (-1: off)")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="cluster seed (default 0): every engine's stream for unseeded sampling is derived from it, the "
+        "engine id and the engine's incarnation, so no two engines (nor two lives of one) draw the same samples; "
+        "seeded requests (params seed) are the same on every engine",
+    )
     ap.add_argument("--max-restarts", type=int, default=3)
     ap.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM → SIGKILL grace on shutdown")
     ap.add_argument("--ready-timeout-s", type=float, default=300.0)
@@ -327,7 +335,7 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
             "--head-events", events, "--head-control", control,
             "--data-address", data, "--weight-address", weights,
             "--backend", backend, "--model", model, "--backend-options", opts,
-            "--heartbeat-interval-s", str(a.heartbeat_interval_s),
+            "--heartbeat-interval-s", str(a.heartbeat_interval_s), "--seed", str(a.seed),
         ]  # fmt: skip
         if multi_node:
             eargv += ["--advertise-host", advertise_host(a)]

@@ -63,6 +63,12 @@ class Generate(_Msg, tag="gen"):
     # Sample indexes of this request start here (a resumed single sample of a
     # multi-sample request keeps its index).
     sample_offset: int = 0
+    # Staleness bound: when a weight update lands and a sample's oldest token
+    # (of the tokens the engine generated for it) comes from a version older
+    # than current - max_staleness, the engine drops that sample's tokens and
+    # regenerates it from the prompt on the new weights (Chunk.restarts counts
+    # it). None: no bound (tokens of several versions, each stamped).
+    max_staleness: int | None = None
 
 
 class Cancel(_Msg, tag="cancel"):
@@ -85,6 +91,12 @@ class Chunk(_Msg, tag="chunk"):
     emitted_at: float = 0.0  # engine wall clock when the tokens were produced
     num_prompt_tokens: int = 0  # set on the final chunk
     engine_id: str = ""  # set on the final chunk: the engine that finished the sample
+    # How many times this sample was restarted by the staleness bound so far
+    # (Generate.max_staleness). A chunk whose `restarts` is higher than the
+    # previous chunk's of the same sample says: discard every token of this
+    # sample received before it (the request's own resume prefix excepted);
+    # its tokens begin the new attempt. The final chunk carries the total.
+    restarts: int = 0
 
 
 class ChunkBatch(_Msg, tag="chunks"):
@@ -165,6 +177,10 @@ class ReceiveWeights(_Msg, tag="receive_weights"):
 
 class FinishWeightUpdate(_Msg, tag="finish_weights"):
     update_id: str
+    # The weight version the engine takes when the update commits (the
+    # trainer's cluster-wide version: a stale engine jumps to it). None: the
+    # engine's own version + 1.
+    version: int | None = None
 
 
 class AbortWeightUpdate(_Msg, tag="abort_weights"):

@@ -69,6 +69,8 @@ def check_generate(msg: Generate, prompt: np.ndarray, *, vocab_size: int = 0) ->
     if not 0 <= msg.resume_len < len(prompt) or msg.resume_len >= p.max_tokens:
         if msg.resume_len:
             raise bad("resume_len", f"resume_len={msg.resume_len} must be < the prompt length and < max_tokens")
+    if msg.max_staleness is not None and msg.max_staleness < 0:
+        raise bad("max_staleness", f"max_staleness must be >= 0 (or None: no bound), got {msg.max_staleness}")
     if msg.resume_len and msg.num_samples != 1:
         raise bad("resume_len", "a resumed request carries exactly one sample")
     lo = int(prompt.min())

@@ -45,6 +45,10 @@ class SeqRequest:
     max_new_tokens: int  # tokens still to generate (>= 1)
     seed: int | None = None  # per-sequence seed (None: the backend's own stream)
     lora: str | None = None
+    # Opaque generator state a backend returned for this sample when it was
+    # last aborted (StepOutput.rng_state): continue from it instead of
+    # re-seeding, so a parked sample draws exactly what it would have drawn.
+    rng_state: Any = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -57,6 +61,9 @@ class StepOutput:
     #          the node re-submits prompt + tokens so far.
     # "error": the backend failed this sequence only; the node fails its request.
     finish_reason: str | None = None
+    # abort() only, optional: the sequence's generator state now (opaque), which
+    # the node hands back in SeqRequest.rng_state when it re-submits the sample.
+    rng_state: Any = None
 
 
 @dataclasses.dataclass

@@ -25,6 +25,9 @@ class EngineNodeConfig:
     register_timeout_s: float = 120.0  # give up when the head never answers
     advertise_host: str = ""  # how other nodes reach tcp://*:port binds
     curve_dir: str | None = None
+    # The cluster seed (launch.py --seed): this node's sampling stream is
+    # derived from it, the engine id and the incarnation (engine_node/seeding.py).
+    seed: int = 0
 
 
 def parse_args(argv: list[str] | None = None) -> EngineNodeConfig:
@@ -47,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> EngineNodeConfig:
         help="host name the head should use for this node's TCP sockets (default: as bound; host name for 0.0.0.0)",
     )
     ap.add_argument("--curve-dir", default=None)
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="cluster seed: unseeded sampling streams derive from it, the engine id and the incarnation",
+    )
     a = ap.parse_args(argv)
     return EngineNodeConfig(
         engine_id=a.engine_id,
@@ -63,4 +72,5 @@ def parse_args(argv: list[str] | None = None) -> EngineNodeConfig:
         register_timeout_s=a.register_timeout_s,
         advertise_host=a.advertise_host,
         curve_dir=a.curve_dir,
+        seed=a.seed,
     )

@@ -21,8 +21,16 @@ Hazards this module owns:
 - exactly one final chunk per sample, or one Error per request, never both:
   every sample state change goes through requests.transition(), DONE is terminal;
 - a parked sample keeps every token it streamed; re-submission sends prompt +
-  tokens so far with the remaining max_tokens and a seed that depends on the
-  submission count (bounded by _MAX_RESUBMITS);
+  tokens so far with the remaining max_tokens, the SAME seed (fixed at its
+  first submission: request seed + index, or one drawn from the node's seed
+  stream, engine_node/seeding.py) and the backend's generator state at the
+  park when the backend gives one (torch: exact continuation); bounded by
+  _MAX_RESUBMITS;
+- staleness bound (Generate.max_staleness = k): when the weights change, a
+  sample whose oldest generated token is older than version - k is dropped
+  (tokens, logprobs, generator state) and re-queued from its prompt; its next
+  chunk carries restarts + 1 (streamed at once, empty, so a consumer discards
+  what it had), and every later chunk carries the count;
 - keep-mode pause on a backend that can only freeze everything ("all") parks
   the LoRA subset instead;
 - chunk timestamps and deadlines use the times given by the last clock event.
@@ -42,6 +50,7 @@ from bus.codec import Outbox
 from bus.errors import BadRequest, ErrorCode, RolloutBusError
 from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput
 from engine_node.requests import NodeRequest, Sample, SampleState, new_request, transition
+from engine_node.seeding import SeedStream, request_seed
 
 assert sys.byteorder == "little", "token frames are int32 little-endian: array('i') must match"
 
@@ -77,8 +86,11 @@ class Pending:
 
 
 class RequestCore:
-    def __init__(self, backend: Any, info: BackendInfo, engine_id: str) -> None:
+    def __init__(self, backend: Any, info: BackendInfo, engine_id: str, sample_seed: int = 0) -> None:
         self.backend = backend
+        # Seeds of unseeded samples (derived from cluster seed, engine id and
+        # incarnation by the shell: engine_node/seeding.py).
+        self.seeds = SeedStream(sample_seed)
         self.info = info
         self.engine_id = engine_id
         self.eos = frozenset(info.eos_token_ids)
@@ -259,14 +271,16 @@ class RequestCore:
         self._seq_counter += 1
         seq_id = str(self._seq_counter)
         p = req.msg.params
-        seed = None if p.seed is None else p.seed + s.index + 7919 * s.submissions
+        if s.seed is None:  # fixed once: a parked / restarted sample keeps its seed
+            s.seed = self.seeds.next() if p.seed is None else request_seed(p.seed, s.index)
         seq = SeqRequest(
             seq_id=seq_id,
             prompt=req.base_prompt + s.tokens,
             params=p,
             max_new_tokens=p.max_tokens - len(s.tokens),
-            seed=seed,
+            seed=s.seed,
             lora=req.lora,
+            rng_state=s.rng_state,
         )
         try:
             self.backend.add(seq)
@@ -303,6 +317,8 @@ class RequestCore:
                     marks = s.version_marks
                     if not marks or marks[-1][1] != version:
                         marks.append([len(s.tokens) - s.sent, version])
+                if s.first_version is None:
+                    s.first_version = version
                 s.tokens.extend(toks)
                 if out.logprobs is not None:
                     s.logprobs.extend(out.logprobs[: len(toks)])
@@ -364,6 +380,7 @@ class RequestCore:
             emitted_at=self.wall,
             num_prompt_tokens=len(req.base_prompt) if finish else 0,
             engine_id=self.engine_id if finish else "",
+            restarts=s.restarts,
         )
         s.sent = len(s.tokens)
         self.outbox.add(req.client, chunk, buffers)
@@ -417,6 +434,9 @@ class RequestCore:
             return 0
         outs = self.backend.abort([s.seq_id for _, s in entries if s.seq_id])
         if outs:
+            for o in outs:  # the generator state to continue from on re-submission
+                if o.rng_state is not None and o.seq_id in self.seqs:
+                    self.seqs[o.seq_id][1].rng_state = o.rng_state
             # Leftovers were produced before the pause: stream them, so nothing is lost.
             self._emit([o for o in outs if o.finish_reason is None])
         parked = 0
@@ -567,6 +587,7 @@ class RequestCore:
                 self._weights_discarded = False
                 self.weight_version += 1
                 self.config_epoch += 1
+                res["restarted"] = self._enforce_staleness()
                 res["weights_reloaded_from_checkpoint"] = True
                 res.update(self.config_result())
             if op.tags is None or {"weights", "kv_cache"} <= set(op.tags):
@@ -584,10 +605,52 @@ class RequestCore:
 
     # -- weights / LoRA bookkeeping (the transactions live in weight_update.py)
 
-    def weights_changed(self) -> None:
-        """A model weight update committed: tokens from now on carry the new version."""
-        self.weight_version += 1
+    def weights_changed(self, version: int | None = None) -> int:
+        """A model weight update committed: tokens from now on carry the new
+        version — `version` when the update named one (the cluster's: a stale
+        engine jumps to it), else the current one + 1. Returns how many samples
+        the staleness bound restarted."""
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
         self.config_epoch += 1
+        return self._enforce_staleness()
+
+    def _enforce_staleness(self) -> int:
+        """Restart every live sample whose request bounds staleness and whose
+        oldest generated token is now more than max_staleness versions old."""
+        v = self.weight_version
+        victims = [
+            (req, s)
+            for req in self.requests.values()
+            if req.msg.max_staleness is not None
+            for s in req.samples
+            if s.state is not _DONE and s.first_version is not None and s.first_version < v - req.msg.max_staleness
+        ]
+        for req, s in victims:
+            self._restart(req, s)
+        return len(victims)
+
+    def _restart(self, req: NodeRequest, s: Sample) -> None:
+        """Drop what the sample generated here and queue it again from its
+        prompt (+ the request's own resume prefix); same seed, fresh generator."""
+        if s.seq_id is not None:
+            self.backend.abort([s.seq_id])  # leftovers come from the old weights: dropped
+            self.seqs.pop(s.seq_id, None)
+            s.seq_id = None
+        if s.state is not _PENDING:
+            transition(s, _PENDING)
+            self.pending.append((req, s))
+        # else: parked or queued, already in self.pending
+        keep = req.msg.resume_len
+        del s.tokens[keep:]
+        del s.logprobs[keep:]
+        s.sent = min(s.sent, keep)
+        s.version_marks.clear()
+        s.first_version = None
+        s.rng_state = None
+        s.restarts += 1
+        self.admit_dirty = True
+        if req.msg.stream:
+            self._send_chunk(req, s, None)  # empty: "discard this sample's tokens so far"
 
     def config_changed(self) -> None:
         """LoRA set changed."""

@@ -46,6 +46,7 @@ from engine_node.backend import Backend, BackendError, load_backend
 from engine_node.config import EngineNodeConfig
 from engine_node.control import ControlRunner
 from engine_node.core import Pending, RequestCore
+from engine_node.seeding import backend_seed, derive_seed
 from engine_node.weight_update import WeightUpdates
 
 log = structlog.get_logger("engine_node")
@@ -62,12 +63,15 @@ class Lifecycle(enum.Enum):
 
 
 class EngineNode:
-    def __init__(self, cfg: EngineNodeConfig, backend: Backend, ctx: zmq.Context | None = None) -> None:
+    def __init__(
+        self, cfg: EngineNodeConfig, backend: Backend, ctx: zmq.Context | None = None, *, incarnation: str | None = None
+    ) -> None:
         self.cfg = cfg
         self.backend = backend
         self.info = backend.info()
         self.engine_id = cfg.engine_id
-        self.incarnation = uuid.uuid4().hex[:12]
+        self.incarnation = incarnation or new_incarnation()
+        self.sample_seed = derive_seed(cfg.seed, cfg.engine_id, self.incarnation)
         self.lifecycle = Lifecycle.STARTING
         self.ctx = ctx or zmq.Context()
         self._own_ctx = ctx is None
@@ -122,7 +126,7 @@ class EngineNode:
         }
 
         # -- the core and the weight transaction (loop thread only)
-        self.core = RequestCore(backend, self.info, self.engine_id)
+        self.core = RequestCore(backend, self.info, self.engine_id, self.sample_seed)
         self.core.work_appeared = self._work_appeared
         self.updates = WeightUpdates(backend, self.core, self.engine_id, self.weight_address)
         self.updates.log_aborted = lambda uid, why: self.log.info("weight_update_aborted", update_id=uid, reason=why)
@@ -473,6 +477,13 @@ class EngineNode:
         return out
 
 
+SEEDED_BACKENDS = ("torch", "vllm")  # backends whose `seed` option run_engine_node derives
+
+
+def new_incarnation() -> str:
+    return uuid.uuid4().hex[:12]
+
+
 class _Fatal(Exception):
     """The node cannot go on (registration refused, head never answered)."""
 
@@ -484,9 +495,14 @@ def run_engine_node(argv: list[str] | None = None) -> int:
 
     cfg = parse_args(argv)
     become_child_process(f"rollout-bus engine_node {cfg.engine_id}")
-    log.info("engine_starting", engine_id=cfg.engine_id, backend=cfg.backend, model=cfg.model)
-    backend = load_backend(cfg.backend, cfg.model, **cfg.backend_options)
-    node = EngineNode(cfg, backend)
+    incarnation = new_incarnation()
+    options = dict(cfg.backend_options)
+    if cfg.backend in SEEDED_BACKENDS and "seed" not in options:
+        # The engine-level generator differs per engine and per restart too.
+        options["seed"] = backend_seed(cfg.backend, derive_seed(cfg.seed, cfg.engine_id, incarnation))
+    log.info("engine_starting", engine_id=cfg.engine_id, backend=cfg.backend, model=cfg.model, incarnation=incarnation)
+    backend = load_backend(cfg.backend, cfg.model, **options)
+    node = EngineNode(cfg, backend, incarnation=incarnation)
     signal.signal(signal.SIGTERM, node.request_stop)
     signal.signal(signal.SIGINT, node.request_stop)
     return node.run()

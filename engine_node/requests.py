@@ -62,6 +62,16 @@ class Sample:
     submissions: int = 0  # how many times it entered the backend
     # Non-streamed requests: [token offset, weight version] at each change.
     version_marks: list[list[int]] = dataclasses.field(default_factory=list)
+    # Sampling: the sequence seed, fixed at the first submission and kept across
+    # every park / re-submission (request seed + index, or one drawn from the
+    # node's stream); the backend's generator state at the last park (torch:
+    # a re-submitted sample continues its random stream exactly), None if none.
+    seed: int | None = None
+    rng_state: object = None
+    # Staleness bound: weight version of the oldest token the node generated
+    # for this attempt (None: none yet), and how many attempts were dropped.
+    first_version: int | None = None
+    restarts: int = 0
 
 
 @dataclasses.dataclass(slots=True, eq=False)

@@ -165,11 +165,17 @@ class WeightUpdates:
             up.to(Phase.COMMITTED)
             if self.current is up:
                 self.current = None
+            restarted = 0
             if up.is_model:
-                self.core.weights_changed()
+                restarted = self.core.weights_changed(op.version)
             else:
                 self.core.config_changed()
-            return {**self.core.config_result(), "bytes": up.bytes, "seconds": round(self.core.now - t0, 4)}
+            return {
+                **self.core.config_result(),
+                "bytes": up.bytes,
+                "seconds": round(self.core.now - t0, 4),
+                "restarted": restarted,
+            }
 
         return Pending(bop, then, lambda e: self._abort("finish failed", up))
 

@@ -23,6 +23,9 @@ class EngineState(enum.Enum):
     HEALTHY = "healthy"
     STALLED = "stalled"  # heartbeats arrive, steps do not move while it has work
     SILENT = "silent"  # missed heartbeats: presumed dead
+    # alive, but its weight version is below the cluster's (restarted from its
+    # checkpoint, joined late, missed an update): no traffic until synced
+    STALE = "stale"
 
 
 @dataclasses.dataclass(eq=False)
@@ -65,7 +68,9 @@ class EngineEntry:
             self.weight_version = weight_version
             self.loras = set(loras)
 
-    def evaluate(self, now: float, *, deadline_s: float, stall_timeout_s: float) -> tuple[EngineState, str]:
+    def evaluate(
+        self, now: float, *, deadline_s: float, stall_timeout_s: float, cluster_version: int = 0
+    ) -> tuple[EngineState, str]:
         """The state this engine should be in now (JOINING is left by the join ack)."""
         if self.state is EngineState.JOINING:
             return self.state, self.reason
@@ -77,6 +82,13 @@ class EngineEntry:
                 EngineState.STALLED,
                 f"step counter stuck at {hb.steps} for {now - self.steps_changed_at:.1f}s with {hb.running} running (stall_timeout_s={stall_timeout_s})",
             )
+        if self.weight_version < cluster_version:
+            return (
+                EngineState.STALE,
+                f"weight version {self.weight_version} < cluster weight version {cluster_version} "
+                "(restarted from its checkpoint, joined late or missed an update): no traffic until "
+                "the next update_weights or Client.sync_stale() brings it up to date",
+            )
         return EngineState.HEALTHY, "ok"
 
     def describe(self, now: float) -> dict[str, Any]:
@@ -85,6 +97,7 @@ class EngineEntry:
         return {
             "engine_id": r.engine_id,
             "healthy": self.healthy,
+            "stale": self.state is EngineState.STALE,
             "state": self.state.value,
             "reason": self.reason,
             "data_address": r.data_address,

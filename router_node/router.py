@@ -30,6 +30,7 @@ from bus.control_bus import ControlBus, PendingCommand
 from bus.errors import BadRequest, ErrorCode, ProtocolError, RolloutBusError
 from bus.sockets import CONTROL_HWM, CurveKeys, bound_address, check_endpoint, make_socket
 from bus.validate import check_generate, prompt_from_frames
+from router_node.cluster_state import ClusterWeights
 from router_node.config import RouterConfig
 from router_node.policies import POLICIES, SESSION_PLACEMENTS, Sessions
 from router_node.registry import EngineEntry, EngineState
@@ -50,6 +51,8 @@ class SampleTrack:
     logprobs: bytearray = dataclasses.field(default_factory=bytearray)  # float32
     marks: list[list[int]] = dataclasses.field(default_factory=list)  # [offset, version]
     done: bool = False
+    restarts: int = 0  # staleness restarts over every leg (what the client sees)
+    leg_restarts: int = 0  # the current leg's own count (Chunk.restarts from its engine)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -75,6 +78,7 @@ class Part:
     engine_id: str
     open: int  # samples of it not finished
     indices: list[int]  # the flight's sample indexes it carries
+    prefix: int = 0  # tokens of the sample's track it was sent with (a restart keeps them)
 
 
 class Router:
@@ -143,6 +147,8 @@ class Router:
         # Cluster-wide pauses in force (scope -> Pause op): an engine that joins
         # or restarts meanwhile is paused the same way before it gets traffic.
         self.cluster_pauses: dict[str, P.Pause] = {}
+        # The cluster weight version; engines below it are STALE (no traffic).
+        self.cluster = ClusterWeights()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -202,16 +208,21 @@ class Router:
     # ------------------------------------------------------------ health
 
     def _tick(self, now: float) -> None:
+        self._evaluate_engines(now)
+        self.bus.tick(now)
+        self.sessions.expire(now)
+
+    def _evaluate_engines(self, now: float) -> None:
         deadline = self.cfg.missed_heartbeats * self.cfg.heartbeat_interval_s
         for e in list(self.engines.values()):
-            state, reason = e.evaluate(now, deadline_s=deadline, stall_timeout_s=self.cfg.stall_timeout_s)
+            state, reason = e.evaluate(
+                now, deadline_s=deadline, stall_timeout_s=self.cfg.stall_timeout_s, cluster_version=self.cluster.version
+            )
             if state is not e.state:
                 self._set_state(e, state, reason, now)
             e.reason = reason
             if e.state is EngineState.SILENT and e.silent_since and now - e.silent_since > self.cfg.forget_after_s:
                 self._forget(e)
-        self.bus.tick(now)
-        self.sessions.expire(now)
 
     def _set_state(self, e: EngineEntry, state: EngineState, reason: str, now: float) -> None:
         old = e.state
@@ -235,7 +246,12 @@ class Router:
     def health(self) -> dict[str, Any]:
         now = time.monotonic()
         engines = {eid: {**e.describe(now), "sessions": self.sessions.count(eid)} for eid, e in self.engines.items()}
-        return {"healthy": any(e.healthy for e in self.engines.values()), "engines": engines}
+        return {
+            "healthy": any(e.healthy for e in self.engines.values()),
+            "engines": engines,
+            **self.cluster.describe(),
+            "stale": sorted(eid for eid, e in self.engines.items() if e.state is EngineState.STALE),
+        }
 
     # ------------------------------------------------------------ events
 
@@ -280,6 +296,7 @@ class Router:
         e = EngineEntry(reg=reg, sock=sock, registered_at=now, last_seen=now, steps_changed_at=now)
         e.loras = set(reg.loras)
         e.weight_version = reg.weight_version
+        self.cluster.on_register(reg.weight_version)
         self.engines[reg.engine_id] = e
         self._by_sock[sock] = e
         self.poller.register(sock, zmq.POLLIN)
@@ -304,7 +321,9 @@ class Router:
             e.state = EngineState.HEALTHY
             e.reason = "ok"
             e.last_seen = e.steps_changed_at = time.monotonic()
-            log.info("engine_joined", engine_id=e.engine_id, paused=sorted(self.cluster_pauses))
+            if self.cluster.is_stale(e.weight_version):  # never routable before it is synced
+                self._set_state(e, EngineState.STALE, "joined below the cluster weight version", e.last_seen)
+            log.info("engine_joined", engine_id=e.engine_id, paused=sorted(self.cluster_pauses), state=e.state.value)
 
         next_step(None)
 
@@ -415,7 +434,16 @@ class Router:
                     timeout_s=max(left, 1e-3) if left is not None else None,
                 )
                 prompt = fl.prompt + bytes(tr.tokens)
-            part = Part(rid=rid, flight=fl, engine_id=e.engine_id, open=len(group), indices=group)
+            part = Part(
+                rid=rid,
+                flight=fl,
+                engine_id=e.engine_id,
+                open=len(group),
+                indices=group,
+                prefix=0 if whole else len(fl.samples[group[0]].tokens) // 4,
+            )
+            for i in group:
+                fl.samples[i].leg_restarts = 0
             self.parts[rid] = part
             fl.parts.add(rid)
             e.outstanding += len(group)
@@ -460,9 +488,12 @@ class Router:
         silent = [t for t in targets if self.engines[t].state is EngineState.SILENT]
         if msg.targets is None:
             self._track_cluster_pause(msg.op)
+        self.cluster.on_control(msg.op)
 
         def done(pc: PendingCommand) -> None:
             results = {eid: dict(a.result) for eid, a in pc.acks.items() if a.ok}
+            if self.cluster.on_control_done(msg.op, results):
+                self._evaluate_engines(time.monotonic())  # stale / synced engines change state now
             errors = {eid: a.error or "failed" for eid, a in pc.acks.items() if not a.ok}
             reply = P.ControlReply(request_id=msg.request_id, results=results, errors=errors, missing=pc.missing)
             self._send(self.frontend, client, reply)
@@ -513,6 +544,18 @@ class Router:
             return
         toks = buffers[0].bytes if buffers else b""
         lps = buffers[1].bytes if len(buffers) > 1 else b""
+        if ch.restarts > tr.leg_restarts:
+            # The staleness bound restarted the sample on its engine: what this
+            # leg produced before is dropped; the client is told by `restarts`.
+            keep = part.prefix
+            del tr.tokens[4 * keep :]
+            del tr.logprobs[4 * keep :]
+            tr.marks = [m for m in tr.marks if m[0] < keep]
+            tr.restarts += ch.restarts - tr.leg_restarts
+            tr.leg_restarts = ch.restarts
+        if ch.restarts != tr.restarts:
+            ch = msgspec.structs.replace(ch, restarts=tr.restarts)
+            frames = None  # the engine's frames carry the leg's count, not the flight's
         if toks and (not tr.marks or tr.marks[-1][1] != ch.weight_version):
             tr.marks.append([len(tr.tokens) // 4, ch.weight_version])
         tr.tokens += toks
@@ -541,6 +584,7 @@ class Router:
                 emitted_at=ch.emitted_at,
                 num_prompt_tokens=len(fl.prompt) // 4 - skip,
                 engine_id=ch.engine_id,
+                restarts=tr.restarts,
             )
             bufs = [bytes(tr.tokens[4 * skip :])]
             if fl.msg.params.logprobs:

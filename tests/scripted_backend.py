@@ -3,9 +3,10 @@ for property tests of the request core (no sockets, no threads).
 
 Token `i` (0-based output position) of sample `index` of the request whose
 params.seed is `rseed` is `expected_token(rseed, index, i)`. The core derives
-a sequence's seed as `params.seed + index + 7919 * submissions`, so the
-backend recovers (request, sample) from the seed and the output position from
-the prompt length (the test registers each request's base prompt length).
+a sequence's seed as `params.seed + index` (the same at every re-submission),
+so the backend recovers (request, sample) from the seed and the output
+position from the prompt length (the test registers each request's base
+prompt length).
 A re-submitted sample therefore continues exactly where it left off, and any
 token lost, duplicated or reordered by the core shows up as a mismatch.
 
@@ -64,6 +65,7 @@ class ScriptedBackend:
         self.rng = random.Random(seed)
         self.commits = 0
         self.handed: dict[tuple[int, int], int] = {}  # (request seed, sample) -> output position handed over
+        self.seeds_seen: dict[tuple[int, int], int] = {}  # (request seed, sample) -> the sequence seed it came with
 
     def info(self) -> BackendInfo:
         return BackendInfo(
@@ -92,8 +94,14 @@ class ScriptedBackend:
             assert (
                 list(seq.prompt[-pos:] if pos else []) == [expected_token(rseed, index, i) for i in range(pos)][-pos:]
             )
+        # The seed of a sample never changes across park / re-submission / restart.
+        assert self.seeds_seen.setdefault((rseed, index), seq.seed) == seq.seed, "a sample's seed changed"
         self.seqs[seq.seq_id] = _Seq(seq, rseed, index, pos)
         self.handed.setdefault((rseed, index), pos)
+
+    def restarted(self, rseed: int, index: int, pos: int) -> None:
+        """The core dropped the sample's tokens (staleness bound): it comes back at `pos`."""
+        self.handed[(rseed, index)] = pos
 
     def abort(self, seq_ids: Iterable[str]) -> list[StepOutput]:
         out = []

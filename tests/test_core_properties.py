@@ -15,7 +15,12 @@ Invariants:
 - max_tokens is never exceeded;
 - no step emits tokens for a sample whose scope is paused in keep/abort mode
   (or while the engine sleeps);
-- weight versions on a sample's chunks never go backwards.
+- weight versions on a sample's chunks never go backwards;
+- staleness bound (max_staleness = k): after every weight update, no live
+  sample of such a request holds a token (core state, and what a stream
+  consumer kept after discarding at each `restarts` increase) older than
+  version - k; a restarted sample regenerates the same tokens (same seed)
+  and its final chunk reports the restart count; a sample's seed never changes.
 
 Cost: the "ci" profile (default) is derandomized and bounded (~20 s). For a
 long hunt: ROLLOUT_BUS_HYPOTHESIS_PROFILE=long (or set
@@ -101,7 +106,7 @@ class Harness:
         return res
 
     def collect(self, *, during_step: bool) -> None:
-        for seq, ok, result, error, code in self.core.take_acks():
+        for seq, ok, result, error, _code in self.core.take_acks():
             assert seq not in self.acks, f"command {seq} acked twice"
             self.acks[seq] = (ok, result if ok else error)
         for peer, msg, buffers in self.core.take_sends():
@@ -131,6 +136,12 @@ class Harness:
         assert idx not in r["finals"], f"chunk after the final of sample {idx} of {ch.request_id}"
         toks = list(array("i", bytes(bufs[0]))) if bufs else []
         msg: P.Generate = r["msg"]
+        assert ch.restarts >= r["restarts"][idx], "restart count went backwards"
+        if ch.restarts > r["restarts"][idx]:
+            assert msg.max_staleness is not None, "a restart without max_staleness"
+            r["restarts"][idx] = ch.restarts
+            r["tokens"][idx].clear()  # what a consumer does: discard the earlier attempt
+            r["versions"][idx].clear()
         if toks and during_step:
             assert not self.sleeping, "tokens emitted while sleeping"
             for scope in (ALL, msg.lora):
@@ -143,6 +154,7 @@ class Harness:
             if toks:
                 assert ch.weight_version >= r["version"][idx], "weight version went backwards"
                 r["version"][idx] = ch.weight_version
+                r["versions"][idx].extend([ch.weight_version] * len(toks))
         r["tokens"][idx].extend(toks)
         got = r["tokens"][idx]
         exp = r["expected"][idx]
@@ -160,7 +172,15 @@ class Harness:
     # ------------------------------------------------------------ events
 
     def generate(
-        self, n: int, stream: bool, lora_i: int, resume: int, max_tokens: int, timeout: int, client_i: int
+        self,
+        n: int,
+        stream: bool,
+        lora_i: int,
+        resume: int,
+        max_tokens: int,
+        timeout: int,
+        client_i: int,
+        max_staleness: int | None = None,
     ) -> None:
         self.next_rid += 1
         rid = f"r{self.next_rid}"
@@ -182,6 +202,7 @@ class Harness:
             timeout_s=float(timeout) if timeout else None,
             resume_len=resume,
             sample_offset=offset,
+            max_staleness=max_staleness,
         )
         self.backend.base_len[rseed] = len(base)
         expected, reason = {}, {}
@@ -201,6 +222,8 @@ class Harness:
             "expected": expected,
             "reason": reason,
             "tokens": {i: [] for i in expected},
+            "versions": {i: [] for i in expected},  # per kept token (streams)
+            "restarts": {i: 0 for i in expected},
             "version": {i: 0 for i in expected},
             "finals": {},
             "errors": [],
@@ -246,20 +269,50 @@ class Harness:
 
     def wake(self) -> None:
         before = self.core.weight_version
+        restarts_before = self._core_restarts()
         self.control(self.core.wake_up, P.WakeUp(tags=None))
         self.sleeping = False
         assert self.core.weight_version >= before
+        self._after_weights_changed(restarts_before)
 
-    def update(self) -> None:
+    def update(self, jump: int | None = None) -> None:
+        """A weight update; `jump`: the finish names version + jump (a stale
+        engine catching up), else the engine increments."""
         self.seq += 1
         uid = f"u{self.seq}"
         before = self.core.weight_version
+        restarts_before = self._core_restarts()
         meta = P.TensorMeta("w", "float32", [1], 0, 0, 4)
         self.control(self.updates.begin, P.BeginWeightUpdate(uid, "zmq", [meta], [4]))
         self.updates.on_bucket(uid, 0, memoryview(b"\0\0\0\0"))
-        self.control(self.updates.commit, P.FinishWeightUpdate(uid))
-        assert self.core.weight_version == before + 1
+        version = None if jump is None else before + jump
+        self.control(self.updates.commit, P.FinishWeightUpdate(uid, version=version))
+        assert self.core.weight_version == before + (jump or 1)
         assert self.updates.current is None
+        self._after_weights_changed(restarts_before)
+
+    def _core_restarts(self) -> dict[int, int]:
+        return {id(s): s.restarts for req in self.core.requests.values() for s in req.samples}
+
+    def _after_weights_changed(self, restarts_before: dict[int, int]) -> None:
+        """The staleness bound held, and the scripted backend is told which
+        samples come back from their prompt."""
+        v = self.core.weight_version
+        for (peer, rid), req in self.core.requests.items():
+            k = req.msg.max_staleness
+            for s in req.samples:
+                if s.restarts != restarts_before.get(id(s), s.restarts):
+                    assert k is not None
+                    self.backend.restarted(req.msg.params.seed, s.index, req.msg.resume_len)
+                if k is None or s.state.value == "done":
+                    continue
+                if s.first_version is not None:
+                    assert s.first_version >= v - k, f"{rid}/{s.index}: token of version {s.first_version} kept at {v}"
+                if len(s.tokens) > req.msg.resume_len:
+                    assert s.first_version is not None
+                rec = self.reqs[(peer, rid)]
+                if req.msg.stream and rec["versions"][s.index]:
+                    assert min(rec["versions"][s.index]) >= v - k, f"{rid}/{s.index}: consumer kept a stale token"
 
     def step(self, per_seq: int) -> None:
         if self.core.admit_dirty:
@@ -322,6 +375,7 @@ EVENTS = st.one_of(
         st.integers(1, 12),
         st.sampled_from([0, 0, 0, 3, 8]),
         st.integers(0, 1),
+        st.sampled_from([None, None, 0, 1]),
     ),
     st.tuples(st.just("step"), st.integers(1, 3)),
     st.tuples(st.just("step"), st.integers(1, 3)),
@@ -330,7 +384,7 @@ EVENTS = st.one_of(
     st.tuples(st.just("cancel"), st.integers(0, 50)),
     st.tuples(st.just("pause"), st.sampled_from(["abort", "keep", "wait"]), st.integers(0, 2)),
     st.tuples(st.just("resume"), st.integers(0, 2)),
-    st.tuples(st.just("update")),
+    st.tuples(st.just("update"), st.sampled_from([None, None, 2])),
     st.tuples(st.just("sleep"), st.integers(1, 2)),
     st.tuples(st.just("wake")),
     st.tuples(st.just("fault"), st.sampled_from(["abort", "abort", "error"]), st.integers(0, 50)),

@@ -193,7 +193,8 @@ def test_continuous_batching_staggered(backend: TorchBackend, ref: Any) -> None:
         for s in schedule.pop(i, []):
             backend.add(s)
         if i == 6:
-            assert backend.abort(["gone"]) == []
+            # nothing unreturned: only the generator state (kept for a re-submission)
+            assert [(o.seq_id, o.token_ids, o.finish_reason) for o in backend.abort(["gone"])] == [("gone", [], None)]
         if not backend.has_work() and not schedule:
             break
         outs = backend.step()
@@ -414,7 +415,9 @@ def test_abort_drops_and_reports_nothing(backend: TorchBackend) -> None:
     backend.add(seq("a", PROMPTS[0], greedy(10)))
     backend.add(seq("b", PROMPTS[1], greedy(10)))
     backend.step()
-    assert backend.abort(["a", "never-added"]) == []
+    left = backend.abort(["a", "never-added"])
+    assert [(o.seq_id, o.token_ids, o.finish_reason) for o in left] == [("a", [], None)]
+    assert isinstance(left[0].rng_state, bytes)
     assert backend.num_running() == 1
     assert {o.seq_id for o in backend.step()} == {"b"}
 
@@ -750,3 +753,28 @@ def test_ensure_tiny_model_builds_once_and_survives_a_race(tmp_path: Any, monkey
     assert ensure_tiny_model(**kw) == final
     assert os.listdir(tmp_path) == [os.path.basename(final)]  # loser's temp dir removed
     assert ensure_tiny_model(**kw) == final and len(calls) == 1  # cached: no rebuild
+
+
+def test_resubmission_with_rng_state_continues_the_stream_exactly(backend: TorchBackend) -> None:
+    """A parked sample (abort → re-submit prompt + tokens so far with the
+    generator state abort returned) draws exactly what it would have drawn."""
+    p = SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
+
+    def run(s: SeqRequest, steps: int | None = None) -> list[int]:
+        backend.add(s)
+        out: list[int] = []
+        n = 0
+        while backend.has_work() and (steps is None or n < steps):
+            for o in backend.step():
+                out += o.token_ids
+            n += 1
+        return out
+
+    whole = run(SeqRequest("w", list(PROMPTS[0]), p, 24, seed=11))
+    head = run(SeqRequest("h", list(PROMPTS[0]), p, 24, seed=11), steps=9)
+    (left,) = backend.abort(["h"])
+    tail = run(SeqRequest("t", list(PROMPTS[0]) + head, p, 24 - len(head), seed=11, rng_state=left.rng_state))
+    assert head + tail == whole
+    # Without the state the stream restarts from the seed: not the same continuation.
+    again = run(SeqRequest("r", list(PROMPTS[0]) + head, p, 24 - len(head), seed=11))
+    assert head + again != whole

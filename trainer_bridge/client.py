@@ -187,9 +187,13 @@ class AsyncClient:
         lora: str | None = None,
         timeout_s: float | None = None,
         request_id: str | None = None,
+        max_staleness: int | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """Chunks as the engine produces them (per step, per sample). Ends
-        after every sample's final chunk; raises a typed error instead."""
+        after every sample's final chunk; raises a typed error instead.
+        `max_staleness=k`: a sample whose oldest token falls more than k weight
+        versions behind is regenerated; a chunk whose `restarts` grew says
+        "discard this sample's earlier tokens"."""
         async for ch, _ in self._chunks(
             prompt_ids,
             params,
@@ -198,6 +202,7 @@ class AsyncClient:
             lora=lora,
             timeout_s=timeout_s,
             request_id=request_id,
+            max_staleness=max_staleness,
         ):
             yield ch
 
@@ -211,6 +216,7 @@ class AsyncClient:
         lora: str | None = None,
         timeout_s: float | None = None,
         request_id: str | None = None,
+        max_staleness: int | None = None,
         _stream: bool = True,
     ) -> AsyncIterator[tuple[StreamChunk, list[list[int]]]]:
         rid = request_id or self._new_id()
@@ -224,6 +230,7 @@ class AsyncClient:
             lora=lora,
             stream=_stream,
             timeout_s=timeout,
+            max_staleness=max_staleness,
         )
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
@@ -260,6 +267,7 @@ class AsyncClient:
                         received_at=time.time(),
                         engine_id=item.engine_id,
                         num_prompt_tokens=item.num_prompt_tokens,
+                        restarts=item.restarts,
                     ),
                     item.version_changes,
                 )
@@ -279,6 +287,12 @@ class AsyncClient:
                 s = samples[ch.sample_index] = SampleOutput(
                     ch.sample_index, [], [] if ch.logprobs is not None else None, "", []
                 )
+            if ch.restarts > s.restarts:  # the staleness bound regenerated it: keep the new attempt only
+                s.restarts = ch.restarts
+                s.token_ids.clear()
+                s.token_versions.clear()
+                if s.logprobs is not None:
+                    s.logprobs.clear()
             s.token_ids.extend(ch.token_ids)
             if ch.logprobs is not None and s.logprobs is not None:
                 s.logprobs.extend(ch.logprobs)
@@ -300,11 +314,21 @@ class AsyncClient:
         session_id: str | None = None,
         lora: str | None = None,
         timeout_s: float | None = None,
+        max_staleness: int | None = None,
     ) -> GenerationResult | list[GenerationResult]:
         """One prompt → a GenerationResult; a batch → a list in input order.
         A prompt is token ids, a string or a chat (a list of messages: the
-        model's chat template); with a tokenizer, samples carry `text`."""
-        kw = dict(num_samples=num_samples, session_id=session_id, lora=lora, timeout_s=timeout_s)
+        model's chat template); with a tokenizer, samples carry `text`.
+        `max_staleness=k`: every sample's tokens come from at most k weight
+        versions before the current one when it finished (regenerated
+        otherwise; SampleOutput.restarts counts it)."""
+        kw = dict(
+            num_samples=num_samples,
+            session_id=session_id,
+            lora=lora,
+            timeout_s=timeout_s,
+            max_staleness=max_staleness,
+        )
         text = await self._text_for(prompt_ids)
         if text is not None:
             from trainer_bridge.text import attach_text, to_ids
@@ -324,11 +348,14 @@ class AsyncClient:
         *,
         lora: str | None = None,
         timeout_s: float | None = None,
+        max_staleness: int | None = None,
     ) -> SampleResponse:
         """Tinker semantics: num_samples sequences, each with tokens, logprobs
         and stop_reason "stop" or "length" (all samples share one engine)."""
         sp = _params(params, logprobs=True)
-        res = await self._collect(prompt_ids, sp, num_samples, lora=lora, timeout_s=timeout_s)
+        res = await self._collect(
+            prompt_ids, sp, num_samples, lora=lora, timeout_s=timeout_s, max_staleness=max_staleness
+        )
         seqs = []
         for s in res.samples:
             if s.finish_reason not in ("stop", "length"):
@@ -491,6 +518,37 @@ class AsyncClient:
             targets=targets,
             timeout_s=timeout_s or self.control_timeout_s,
             options=transport_options,
+        )
+
+    async def sync_stale(
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        *,
+        transport: str = "zmq",
+        bucket_bytes: int | None = None,
+        timeout_s: float | None = None,
+        **transport_options: Any,
+    ) -> dict[str, dict[str, Any]]:
+        """Bring every STALE engine (below the cluster weight version: restarted
+        from its checkpoint, joined late) up to date from the trainer's current
+        tensors — the ones the cluster serves. Only the stale engines receive
+        them; each ends at the cluster version (set, not incremented) and serves
+        again. {} when none is stale. No pause needed: stale engines serve nothing."""
+        h = await self.health()
+        stale = list(h.get("stale") or [eid for eid, e in h["engines"].items() if e.get("state") == "stale"])
+        if not stale:
+            return {}
+        from trainer_bridge.weights import push_weights
+
+        return await push_weights(
+            self,
+            list(named_tensors),
+            transport=transport,
+            bucket_bytes=bucket_bytes,
+            targets=stale,
+            timeout_s=timeout_s or self.control_timeout_s,
+            options=transport_options,
+            version=int(h.get("weight_version", 0)),
         )
 
     async def load_lora(
@@ -657,6 +715,9 @@ class Client:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], **kw: Any) -> dict[str, dict[str, Any]]:
         return self._call(self._aclient.update_weights(named_tensors, **kw), kw.get("timeout_s"))
+
+    def sync_stale(self, named_tensors: Iterable[tuple[str, Any]], **kw: Any) -> dict[str, dict[str, Any]]:
+        return self._call(self._aclient.sync_stale(named_tensors, **kw), kw.get("timeout_s"))
 
     def load_lora(self, name: str, **kw: Any) -> dict[str, dict[str, Any]]:
         return self._call(self._aclient.load_lora(name, **kw))

@@ -14,6 +14,9 @@ class SampleOutput:
     token_versions: list[int]  # weight version that produced each token
     engine_id: str = ""  # the engine that finished it
     text: str | None = None  # decoded token_ids, when the client has a tokenizer
+    # Times the staleness bound (max_staleness) dropped the sample's tokens and
+    # regenerated it on newer weights; token_ids are the last attempt's only.
+    restarts: int = 0
 
     @property
     def stop_reason(self) -> str:
@@ -64,6 +67,11 @@ class StreamChunk:
     received_at: float  # client clock (time.time()) when received
     engine_id: str = ""  # on the final chunk
     num_prompt_tokens: int = 0  # on the final chunk
+    # Staleness restarts of this sample so far (max_staleness). When it is
+    # higher than on the sample's previous chunk, discard every token received
+    # for the sample before this chunk: this chunk's tokens begin the new
+    # attempt (a restart chunk may carry no token). The final chunk has the total.
+    restarts: int = 0
 
 
 # Tinker-style sampling results: stop reason is only ever "stop" or "length".

@@ -40,12 +40,24 @@ async def push_weights(
     options: dict[str, Any],
     target: str = "model",
     extra_args: dict[str, Any] | None = None,
+    version: int | None = None,
 ) -> dict[str, dict[str, Any]]:
+    """`version`: the weight version the engines take at commit (a model
+    update). None: one above everything the cluster has served (the head's
+    cluster version and every engine's), so versions never repeat or go back,
+    and stale engines that take part jump to it."""
     if transport not in ("zmq", *GPU_TRANSPORTS):
         raise ValueError(f"unknown transport {transport!r} (zmq, cuda_ipc, nccl)")
-    engines = [e for e in await client.engines() if e["healthy"] and (targets is None or e["engine_id"] in targets)]
+    h = await client.health()
+    every = list(h["engines"].values())
+    # Stale engines take part: an update is what brings them up to date.
+    engines = [e for e in every if _updatable(e) and (targets is None or e["engine_id"] in targets)]
     if not engines:
         raise ControlError("no healthy engine to update", missing=list(targets or []))
+    if target == "model" and version is None:
+        version = 1 + max([int(h.get("weight_version", 0))] + [int(e.get("weight_version", 0)) for e in every])
+    elif target != "model":
+        version = None
     eids = [e["engine_id"] for e in engines]
     named = [(n, t.detach()) for n, t in named]
     if target == "model":
@@ -66,7 +78,7 @@ async def push_weights(
             await _send_buckets_zmq(engines, update_id, metas, sizes, tensors, timeout_s)
         else:
             await sender.send(client, update_id, eids, timeout_s)
-        return await client.control(P.FinishWeightUpdate(update_id), targets=eids, timeout_s=timeout_s)
+        return await client.control(P.FinishWeightUpdate(update_id, version=version), targets=eids, timeout_s=timeout_s)
     except BaseException:
         # Every engine drops what it staged; none changes weights or version.
         try:
@@ -82,6 +94,10 @@ async def push_weights(
         release = getattr(sender, "release", None)
         if release is not None:
             release()
+
+
+def _updatable(e: dict[str, Any]) -> bool:
+    return bool(e.get("healthy")) or e.get("state") == "stale"
 
 
 def _cast_to_engine_dtype(named: list[tuple[str, Any]], engines: list[dict[str, Any]]) -> list[tuple[str, Any]]:

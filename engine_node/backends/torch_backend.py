@@ -13,7 +13,9 @@ of engine_node/backend.py:
 - Sampling (per sequence, on CPU in fp32): temperature (< 1e-5: greedy argmax,
   the first maximal index as in HF), then top-k, then top-p, then a draw from
   the sequence's own `torch.Generator` (seeded from SeqRequest.seed; unseeded
-  sequences get a seed from the backend's generator).
+  sequences get a seed from the backend's generator). abort() returns each
+  sequence's generator state and add() continues from SeqRequest.rng_state,
+  so a parked and re-submitted sequence draws exactly what it would have.
 - Logprobs are log_softmax of the fp32 logits *before* temperature, top-k and
   top-p: the model's raw distribution, i.e. what a trainer recomputes.
 - Stops: a token in stop_token_ids, or in eos_token_ids unless ignore_eos,
@@ -283,12 +285,15 @@ class TorchBackend:
         stop = set(seq.params.stop_token_ids or ())
         if not seq.params.ignore_eos:
             stop.update(self.eos_token_ids)
-        self._seqs[seq.seq_id] = _Seq(
-            req=seq,
-            stop_ids=frozenset(stop),
-            gen=torch.Generator().manual_seed(seed & _SEED_MASK),
-            pending=list(seq.prompt),
-        )
+        gen = torch.Generator().manual_seed(seed & _SEED_MASK)
+        if seq.rng_state is not None:
+            # A re-submitted (parked) sample: continue its stream where the abort
+            # left it, so it draws exactly what it would have drawn unparked.
+            try:
+                gen.set_state(torch.as_tensor(bytearray(seq.rng_state), dtype=torch.uint8))
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise BackendError(f"rng_state of seq {seq.seq_id!r} is not a torch CPU generator state: {e}") from None
+        self._seqs[seq.seq_id] = _Seq(req=seq, stop_ids=frozenset(stop), gen=gen, pending=list(seq.prompt))
 
     def _validate(self, seq: SeqRequest) -> None:
         p = seq.params
@@ -320,10 +325,15 @@ class TorchBackend:
             raise BackendError(f"lora {seq.lora!r} is not loaded (loaded: {sorted(self._lora.adapters)})", field="lora")
 
     def abort(self, seq_ids: Iterable[str]) -> list[StepOutput]:
-        # step() returns every token it makes, so there is never anything unreturned.
+        # step() returns every token it makes, so there is never anything
+        # unreturned: each output only carries the sequence's generator state
+        # (bytes), which the node hands back when it re-submits the sample.
+        out = []
         for sid in seq_ids:
-            self._seqs.pop(sid, None)
-        return []
+            s = self._seqs.pop(sid, None)
+            if s is not None:
+                out.append(StepOutput(sid, [], None, None, rng_state=bytes(s.gen.get_state().numpy().tobytes())))
+        return out
 
     def step(self) -> list[StepOutput]:
         self._check_open()
