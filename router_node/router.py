@@ -322,7 +322,7 @@ class Router:
             e.reason = "ok"
             e.last_seen = e.steps_changed_at = time.monotonic()
             if self.cluster.is_stale(e.weight_version):  # never routable before it is synced
-                self._set_state(e, EngineState.STALE, "joined below the cluster weight version", e.last_seen)
+                self._evaluate_engines(e.last_seen)
             log.info("engine_joined", engine_id=e.engine_id, paused=sorted(self.cluster_pauses), state=e.state.value)
 
         next_step(None)

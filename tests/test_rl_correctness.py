@@ -1,0 +1,264 @@
+"""RL correctness on real processes (issue 9): independent samples on every
+engine and across restarts, seeded requests reproducible on any engine and
+across a pause(abort), no stale weights served, and the staleness bound.
+
+The tiny model has a 512-token vocabulary and random weights: at temperature
+1.0 its next-token distributions are broad, so two independent 24-token
+samples collide with a probability far below 1e-30.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.cluster import wait_until
+
+PROMPT = [11, 12, 13, 14]
+UNSEEDED = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def _perturbed(tiny_model: str, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, prm in m.named_parameters():
+            prm.add_(torch.randn(prm.shape, generator=g) * 0.05)
+    return m.eval()
+
+
+class Streams:
+    """Streaming requests in threads, recording every chunk."""
+
+    def __init__(self, client, ps, params, **kw):
+        self.chunks: list[list] = [[] for _ in ps]
+        self.errors: list[Exception | None] = [None] * len(ps)
+        self.threads = []
+        for i, p in enumerate(ps):
+            t = threading.Thread(target=self._run, args=(client, i, p, params, kw), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _run(self, client, i, p, params, kw):
+        try:
+            for ch in client.stream(p, params, **kw):
+                self.chunks[i].append(ch)
+        except Exception as e:
+            self.errors[i] = e
+
+    def count(self, i: int) -> int:
+        return sum(len(c.token_ids) for c in self.chunks[i])
+
+    def kept(self, i: int, sample: int = 0) -> tuple[list[int], list[int], int]:
+        """What a consumer keeps: tokens (and versions) since the last restart."""
+        toks: list[int] = []
+        vers: list[int] = []
+        restarts = 0
+        for c in self.chunks[i]:
+            if c.sample_index != sample:
+                continue
+            if c.restarts > restarts:
+                restarts = c.restarts
+                toks.clear()
+                vers.clear()
+            toks += c.token_ids
+            vers += [c.weight_version] * len(c.token_ids)
+        return toks, vers, restarts
+
+    def join(self, timeout: float = 120) -> None:
+        for t in self.threads:
+            t.join(timeout)
+        assert not any(t.is_alive() for t in self.threads), "a stream never finished"
+        assert self.errors == [None] * len(self.errors), self.errors
+
+
+def _sixty_four(c) -> list[tuple[int, ...]]:
+    """64 unseeded samples of one prompt: a batch, streams and one `sample`."""
+    batch = c.generate([PROMPT] * 24, UNSEEDED)
+    s = Streams(c, [PROMPT] * 20, UNSEEDED)
+    tinker = c.sample(PROMPT, 20, UNSEEDED)
+    s.join()
+    out = [tuple(r.token_ids) for r in batch]
+    out += [tuple(s.kept(i)[0]) for i in range(20)]
+    out += [tuple(q.tokens) for q in tinker.sequences]
+    assert len(out) == 64 and all(len(x) == 24 for x in out)
+    return out
+
+
+def _direct(cl, eid: str, n: int, params: dict) -> list[tuple[int, ...]]:
+    """n requests straight to one engine (no router): its own stream only."""
+    d = cl.client(cl.data_address(eid))
+    return [tuple(d.generate(PROMPT, params).token_ids) for _ in range(n)]
+
+
+@pytest.mark.timeout(240)
+def test_unseeded_samples_are_independent_across_engines_requests_and_restarts(cluster_factory):
+    cl = cluster_factory(3)
+    cl.wait_ready(3)
+    c = cl.client()
+    first = _sixty_four(c)
+    assert len(set(first)) == 64, "two unseeded samples were identical"
+    # Engine by engine, the k-th request of each: the bug this guards against
+    # made them equal (every engine started its stream from the same seed).
+    per_engine = {eid: _direct(cl, eid, 6, UNSEEDED) for eid in ("e0", "e1", "e2")}
+    every = list(itertools.chain(first, *per_engine.values()))
+    assert len(set(every)) == len(every)
+
+    # kill -9 an engine and start it again under the same id: a new incarnation,
+    # so a new stream (not a replay of its last life).
+    inc = {e["engine_id"]: e["incarnation"] for e in c.engines()}
+    cl.kill("e1", signal.SIGKILL)
+    wait_until(lambda: not c.health()["engines"].get("e1", {}).get("healthy", False), 10, "e1 to be seen dead")
+    cl.start_engine("e1")
+    wait_until(
+        lambda: (e := c.health()["engines"].get("e1")) and e["healthy"] and e["incarnation"] != inc["e1"],
+        90,
+        "e1 to come back",
+    )
+    again = _direct(cl, "e1", 6, UNSEEDED)
+    second = _sixty_four(c)
+    every += again + second
+    assert len(set(every)) == len(every), "a restarted engine replayed samples of its earlier life"
+
+
+@pytest.mark.timeout(240)
+def test_seeded_requests_are_identical_on_every_engine_and_across_a_pause(cluster_factory):
+    cl = cluster_factory(2)
+    cl.wait_ready(2)
+    c = cl.client()
+    seeded = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True, "seed": 1234}
+    on = {eid: cl.client(cl.data_address(eid)) for eid in ("e0", "e1")}
+    r0 = on["e0"].generate(PROMPT, seeded, num_samples=3)
+    r1 = on["e1"].generate(PROMPT, seeded, num_samples=3)
+    assert [s.token_ids for s in r0.samples] == [s.token_ids for s in r1.samples]
+    assert len({tuple(s.token_ids) for s in r0.samples}) == 3  # sample i uses seed + i
+    assert c.generate(PROMPT, seeded).token_ids == r0.samples[0].token_ids  # through the router too
+
+    # A long seeded stream, once straight through and once parked by a
+    # pause(abort) in the middle: the torch backend keeps the sequence's
+    # generator state across the park, so the tokens are the same.
+    long = {"max_tokens": 1200, "temperature": 1.0, "ignore_eos": True, "seed": 99}
+    ref = c.generate(PROMPT, long, num_samples=2)
+    s = Streams(c, [PROMPT], long, num_samples=2)
+    wait_until(lambda: s.count(0) >= 40, 60, "the stream to start")
+    res = c.pause("abort")
+    parked = sum(r["parked"] for r in res.values())
+    time.sleep(0.2)
+    c.resume()
+    s.join()
+    assert parked >= 1, f"the pause parked nothing (the stream had {s.count(0)} tokens): {res}"
+    for i in range(2):
+        got, _, restarts = s.kept(0, sample=i)
+        assert restarts == 0
+        assert got == ref.samples[i].token_ids, f"sample {i} differs after the pause(abort)"
+
+
+@pytest.mark.timeout(240)
+def test_a_restarted_engine_is_stale_gets_no_traffic_until_synced(cluster_factory, tiny_model):
+    cl = cluster_factory(2)
+    cl.wait_ready(2)
+    c = cl.client()
+    policy = None
+    for v in (1, 2, 3):
+        policy = _perturbed(tiny_model, seed=v)
+        res = c.update_weights(policy.named_parameters())
+        assert {r["weight_version"] for r in res.values()} == {v}
+    assert c.health()["weight_version"] == 3
+    inc = c.health()["engines"]["e1"]["incarnation"]
+    cl.kill("e1", signal.SIGKILL)
+    cl.start_engine("e1")  # back on its checkpoint: version 0
+
+    def e1_back():
+        e = c.health()["engines"].get("e1")
+        return e if e and e["incarnation"] != inc and e["state"] == "stale" else None
+
+    e1 = wait_until(e1_back, 90, "the restarted e1 to report stale")
+    assert not e1["healthy"] and e1["stale"] and e1["weight_version"] == 0
+    assert "cluster weight version 3" in e1["reason"]
+    h = c.health()
+    assert h["stale"] == ["e1"] and sum(e["healthy"] for e in h["engines"].values()) == 1
+    p = [21, 22, 23, 24]
+    rs = c.generate([p] * 12, {**GREEDY, "max_tokens": 8})
+    assert {r.engine_id for r in rs} == {"e0"}, "a stale engine got traffic"
+    assert {v for r in rs for v in r.token_versions} == {3}
+
+    res = c.sync_stale(policy.named_parameters())
+    assert set(res) == {"e1"} and res["e1"]["weight_version"] == 3
+    wait_until(lambda: c.health()["engines"]["e1"]["healthy"], 10, "e1 to serve again")
+    assert c.health()["stale"] == [] and c.health()["weight_version"] == 3
+    assert c.sync_stale(policy.named_parameters()) == {}  # nothing left to sync
+    rs = c.generate([p] * 12, {**GREEDY, "max_tokens": 8})
+    assert {r.engine_id for r in rs} == {"e0", "e1"}
+    assert {v for r in rs for v in r.token_versions} == {3}
+    assert len({tuple(r.token_ids) for r in rs}) == 1  # the same (current) weights on both
+
+
+@pytest.mark.timeout(240)
+def test_an_update_brings_a_stale_engine_up_to_the_new_version(cluster_factory, tiny_model):
+    cl = cluster_factory(2)
+    cl.wait_ready(2)
+    c = cl.client()
+    c.update_weights(_perturbed(tiny_model, seed=1).named_parameters())
+    cl.kill("e0", signal.SIGKILL)
+    cl.start_engine("e0")
+    wait_until(lambda: c.health()["stale"] == ["e0"], 90, "e0 to come back stale")
+    res = c.update_weights(_perturbed(tiny_model, seed=2).named_parameters())
+    assert {e: r["weight_version"] for e, r in res.items()} == {"e0": 2, "e1": 2}
+    wait_until(lambda: all(e["healthy"] for e in c.health()["engines"].values()), 10, "both engines to serve")
+
+
+@pytest.mark.timeout(240)
+def test_max_staleness_regenerates_on_the_new_weights_and_reports_restarts(cluster_factory, tiny_model):
+    cl = cluster_factory(1)
+    cl.wait_ready(1)
+    c = cl.client()
+    p = [31, 32, 33]
+    params = {**GREEDY, "max_tokens": 1200}
+
+    # Streamed, max_staleness=0, an update in the middle.
+    s = Streams(c, [p, p], params, max_staleness=0)
+    wait_until(lambda: min(s.count(0), s.count(1)) >= 10, 60, "the streams to start")
+    new = _perturbed(tiny_model, seed=7)
+    with c.paused("abort"):
+        res = c.update_weights(new.named_parameters())
+    assert res["e0"]["restarted"] >= 2
+    s.join()
+    expected = c.generate(p, params).token_ids  # the new weights from the prompt (greedy)
+    for i in range(2):
+        toks, vers, restarts = s.kept(i)
+        assert restarts == 1 and s.chunks[i][-1].restarts == 1
+        assert any(ch.restarts == 1 and not ch.token_ids for ch in s.chunks[i])  # told at once
+        assert set(vers) == {1} and len(toks) == 1200
+        assert toks == expected
+
+    # Not streamed: the result holds only the last attempt, and says so.
+    out = [None]
+    t = threading.Thread(target=lambda: out.__setitem__(0, c.generate(p, params, max_staleness=0)))
+    t.start()
+    wait_until(lambda: c.health()["engines"]["e0"]["running"] == 1, 30, "the request to run")
+    time.sleep(0.1)
+    newer = _perturbed(tiny_model, seed=8)
+    with c.paused("abort"):
+        c.update_weights(newer.named_parameters())
+    t.join(120)
+    r = out[0]
+    assert r.samples[0].restarts == 1 and set(r.token_versions) == {2} and len(r.token_ids) == 1200
+    assert r.token_ids == c.generate(p, params).token_ids
+
+    # Without a bound the tokens of both versions are kept, each stamped.
+    s = Streams(c, [p], params)
+    wait_until(lambda: s.count(0) >= 10, 60, "the stream to start")
+    with c.paused("abort"):
+        c.update_weights(_perturbed(tiny_model, seed=9).named_parameters())
+    s.join()
+    toks, vers, restarts = s.kept(0)
+    assert restarts == 0 and len(toks) == 1200
+    assert vers[0] == 2 and vers[-1] == 3 and vers == sorted(vers)
