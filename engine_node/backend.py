@@ -137,6 +137,11 @@ class Backend(Protocol):
     # "seq": freeze() works on any subset of sequences (keep mode per LoRA);
     # "all": only every sequence at once (the node parks a subset instead).
     freeze_granularity: str
+    # Optional (default True): the node gives unseeded sequences a seed drawn
+    # from its own stream (engine_node/seeding.py). False: they reach the
+    # backend with seed=None and draw from its engine-level generator, which
+    # the node seeds per engine and incarnation (the `seed` backend option).
+    # seeds_unseeded: bool
 
     def info(self) -> BackendInfo: ...
 

@@ -91,6 +91,9 @@ class RequestCore:
         # Seeds of unseeded samples (derived from cluster seed, engine id and
         # incarnation by the shell: engine_node/seeding.py).
         self.seeds = SeedStream(sample_seed)
+        # A backend may prefer unseeded sequences left unseeded (vLLM: its engine
+        # generator, seeded per engine and incarnation, is the fast path).
+        self.seed_unseeded = bool(getattr(backend, "seeds_unseeded", True))
         self.info = info
         self.engine_id = engine_id
         self.eos = frozenset(info.eos_token_ids)
@@ -271,7 +274,8 @@ class RequestCore:
         self._seq_counter += 1
         seq_id = str(self._seq_counter)
         p = req.msg.params
-        if s.seed is None:  # fixed once: a parked / restarted sample keeps its seed
+        if s.seed is None and (p.seed is not None or self.seed_unseeded):
+            # fixed once: a parked / restarted sample keeps its seed
             s.seed = self.seeds.next() if p.seed is None else request_seed(p.seed, s.index)
         seq = SeqRequest(
             seq_id=seq_id,

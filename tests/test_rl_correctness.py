@@ -262,3 +262,72 @@ def test_max_staleness_regenerates_on_the_new_weights_and_reports_restarts(clust
     toks, vers, restarts = s.kept(0)
     assert restarts == 0 and len(toks) == 1200
     assert vers[0] == 2 and vers[-1] == 3 and vers == sorted(vers)
+
+
+# ---------------------------------------------------------------- no processes
+
+
+class _Recorder:
+    """A backend stub that records the seeds the core hands it."""
+
+    freeze_granularity = "seq"
+
+    def __init__(self, seeds_unseeded: bool = True) -> None:
+        from engine_node.backend import BackendInfo
+
+        self.seeds_unseeded = seeds_unseeded
+        self._info = BackendInfo("rec", "rec", 64, [2], capacity=64)
+        self.added: list = []
+
+    def info(self):
+        return self._info
+
+    def loras(self):
+        return []
+
+    def num_running(self):
+        return 0
+
+    def add(self, seq):
+        self.added.append(seq)
+
+
+def _core(sample_seed: int, **kw):
+    from engine_node.core import RequestCore
+
+    b = _Recorder(**kw)
+    return RequestCore(b, b.info(), "e0", sample_seed), b
+
+
+def _submit(core, rid: str, seed: int | None, n: int = 2) -> None:
+    from bus import protocol as P
+
+    core.generate(b"c", P.Generate(request_id=rid, params=P.SamplingParams(seed=seed), num_samples=n), [5, 6])
+    core.admit()
+
+
+def test_seed_derivation_differs_by_engine_incarnation_and_cluster_seed():
+    from engine_node.seeding import SEED_MASK, backend_seed, derive_seed
+
+    seeds = {derive_seed(cs, eid, inc) for cs in (0, 1) for eid in ("e0", "e1") for inc in ("a", "b")}
+    assert len(seeds) == 8 and all(0 <= s <= SEED_MASK for s in seeds)
+    assert derive_seed(0, "e0", "a") == derive_seed(0, "e0", "a")
+    assert backend_seed("vllm", 1 << 40 | 7) == 7 and backend_seed("torch", 1 << 40) == 1 << 40
+
+
+def test_core_seeds_unseeded_samples_from_its_stream_and_keeps_request_seeds():
+    from engine_node.seeding import derive_seed
+
+    a, ba = _core(derive_seed(0, "e0", "x"))
+    b, bb = _core(derive_seed(0, "e1", "y"))
+    for core in (a, b):
+        _submit(core, "u", None)
+        _submit(core, "s", 40)
+    ua, ub = [s.seed for s in ba.added[:2]], [s.seed for s in bb.added[:2]]
+    assert len(set(ua + ub)) == 4  # unseeded: never the same on two engines
+    assert [s.seed for s in ba.added[2:]] == [s.seed for s in bb.added[2:]] == [40, 41]  # seed + index
+    # vLLM-style backends keep unseeded sequences unseeded (their engine seed differs).
+    v, bv = _core(1, seeds_unseeded=False)
+    _submit(v, "u", None)
+    _submit(v, "s", 3, n=1)
+    assert [s.seed for s in bv.added] == [None, None, 3]

@@ -79,6 +79,13 @@ def _prepare_env() -> None:
 
 class VllmBackend:
     freeze_granularity = "all"
+    # Unseeded sequences stay unseeded (seed=None): vLLM samples them from the
+    # worker's global generator, which `seed` (derived per engine and incarnation
+    # by the node) seeds — different on every engine and every restart. A
+    # per-request seed would put every request on vLLM's per-request generator
+    # path (one exponential_ per seeded request per step). seed_every_request=True
+    # opts in (then unseeded samples, too, keep one seed across a park).
+    seeds_unseeded = False
 
     def __init__(
         self,
@@ -103,6 +110,7 @@ class VllmBackend:
         start_timeout_s: float = 900.0,
         shutdown_timeout_s: float = 30.0,
         step_wait_s: float = 0.005,
+        seed_every_request: bool = False,
         _api: Any = None,  # vLLM's classes (tests pass a fake)
         **passthrough: Any,  # any other EngineArgs field: max_num_seqs, max_num_batched_tokens, …
     ) -> None:
@@ -118,6 +126,7 @@ class VllmBackend:
         self.shutdown_timeout_s = float(shutdown_timeout_s)
         self.step_wait_s = float(step_wait_s)
         self.enable_lora = bool(enable_lora)
+        self.seeds_unseeded = bool(seed_every_request)
         self._api = _api if _api is not None else load_vllm_api()
 
         engine_kw: dict[str, Any] = dict(
