@@ -54,9 +54,11 @@ class ClusterWeights:
             return False
         versions = []
         for r in results.values():
+            # a result dict, or a typed result struct
+            v = r.get("weight_version") if isinstance(r, dict) else getattr(r, "weight_version", None)
             try:
-                versions.append(int(r["weight_version"]))
-            except (KeyError, TypeError, ValueError):
+                versions.append(int(v))  # type: ignore[arg-type]
+            except (TypeError, ValueError):
                 continue
         if not versions:
             return False

@@ -28,6 +28,14 @@ class RouterCollector:
             yield CounterMetricFamily(f"rollout_bus_{name}", f"rollout-bus head: {name.replace('_', ' ')}", value=value)
         yield GaugeMetricFamily("rollout_bus_in_flight", "requests the head is forwarding", value=len(r.flights))
         yield GaugeMetricFamily("rollout_bus_sessions", "live sticky sessions", value=r.sessions.count())
+        yield GaugeMetricFamily(
+            "rollout_bus_cluster_weight_version", "version of the last committed model update", value=r.cluster.version
+        )
+        yield GaugeMetricFamily(
+            "rollout_bus_stale_engines",
+            "engines below the cluster weight version (no traffic until synced)",
+            value=sum(1 for e in r.engines.values() if e.state.value == "stale"),
+        )
         engines = list(r.engines.values())
         healthy = GaugeMetricFamily("rollout_bus_engine_healthy", "1 when the engine gets traffic", labels=["engine"])
         outstanding = GaugeMetricFamily(

@@ -331,3 +331,34 @@ def test_core_seeds_unseeded_samples_from_its_stream_and_keeps_request_seeds():
     _submit(v, "u", None)
     _submit(v, "s", 3, n=1)
     assert [s.seed for s in bv.added] == [None, None, 3]
+
+
+def test_cluster_weights_follow_model_finishes_only():
+    from bus import protocol as P
+    from router_node.cluster_state import ClusterWeights
+
+    cw = ClusterWeights()
+    cw.on_register(2)  # a fresh head adopts what engines registered with
+    assert cw.version == 2 and cw.source == "registration"
+    meta = [P.TensorMeta("w", "float32", [1], 0, 0, 4)]
+    cw.on_control(P.BeginWeightUpdate("u1", "zmq", meta, [4]))
+    assert cw.on_control_done(P.FinishWeightUpdate("u1", version=3), {"e0": {"weight_version": 3}, "e1": {}})
+    assert cw.version == 3 and cw.is_stale(2) and not cw.is_stale(3)
+    cw.on_register(9)  # after an update, a registration never moves it
+    assert cw.version == 3
+    cw.on_control(P.BeginWeightUpdate("l1", "zmq", meta, [4], target="lora:a"))
+    assert not cw.on_control_done(P.FinishWeightUpdate("l1"), {"e0": {"weight_version": 0}})
+    assert cw.version == 3
+
+
+def test_registry_reports_stale_below_the_cluster_version():
+    from bus import protocol as P
+    from router_node.registry import EngineEntry, EngineState
+
+    reg = P.Register("e0", "ipc://d", "ipc://w", "torch", "m", P.PROTOCOL_VERSION, "inc")
+    e = EngineEntry(reg=reg, sock=None, registered_at=0.0, state=EngineState.HEALTHY, last_seen=10.0)  # type: ignore[arg-type]
+    state, reason = e.evaluate(10.0, deadline_s=1.0, stall_timeout_s=5.0, cluster_version=3)
+    assert state is EngineState.STALE and "cluster weight version 3" in reason
+    e.weight_version = 3
+    assert e.evaluate(10.0, deadline_s=1.0, stall_timeout_s=5.0, cluster_version=3)[0] is EngineState.HEALTHY
+    assert e.evaluate(20.0, deadline_s=1.0, stall_timeout_s=5.0, cluster_version=4)[0] is EngineState.SILENT
