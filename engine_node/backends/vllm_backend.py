@@ -215,6 +215,7 @@ class VllmBackend:
         self._n += 1
         rid = f"{seq.seq_id}#{self._n}"
         self._link.add(build_request(self._api, rid, seq, sp, lr))
+        self._out.expect(rid, seq)
         self._seq_of[rid] = seq.seq_id
         self._rid_of[seq.seq_id] = rid
 
@@ -247,6 +248,7 @@ class VllmBackend:
             if rid is None:
                 continue
             self._seq_of.pop(rid, None)  # late outputs of rid are dropped from now on
+            self._out.forget(rid)
             rids.append(rid)
             so = self._out.pop(rid)
             if so is not None and so.token_ids:
