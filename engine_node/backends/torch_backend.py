@@ -16,6 +16,12 @@ of engine_node/backend.py:
   sequences get a seed from the backend's generator).
 - Logprobs are log_softmax of the fp32 logits *before* temperature, top-k and
   top-p: the model's raw distribution, i.e. what a trainer recomputes.
+- Issue 10 (engine_node/sampling_features.py, vLLM's definitions and order):
+  min_tokens masks the stop ids, then repetition / presence / frequency
+  penalties (the last `output_prefix` prompt tokens count as output), then
+  greedy, or temperature → min_p → top-k → top-p. logprobs=k adds the top-k of
+  the raw log_softmax; prompt_logprobs (SeqRequest.prompt_logprobs) keeps every
+  position's logits in the prefill and reports them with the first token.
 - Stops: a token in stop_token_ids, or in eos_token_ids unless ignore_eos,
   ends the sequence with "stop" and IS part of the output (as vLLM keeps eos
   ids in output_token_ids); max_new_tokens ends it with "length".
