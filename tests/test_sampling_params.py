@@ -187,6 +187,18 @@ def test_matcher_rebuilt_from_tokens_equals_incremental(tiny_model):
 # ------------------------------------------------------------------ through the node
 
 
+def late_stop(text, after):
+    """Two consecutive words whose first occurrence starts after `after` chars."""
+    pos = 0
+    words = text.split()
+    for i in range(len(words) - 1):
+        pos = text.index(words[i], pos)
+        cand = f"{words[i]} {words[i + 1]}"
+        if pos > after and text.index(cand) == pos:
+            return cand
+    raise AssertionError("no late stop string in the text")
+
+
 def incremental_text(tiny_model, prompt, ids):
     return StopMatcher(load_tokenizer(tiny_model), prompt, [], prior=ids).text
 
@@ -223,13 +235,13 @@ def test_stop_strings_end_to_end_both_ways(torch_cluster, tiny_model):
 
 def test_stop_strings_across_pause_abort_and_resume(torch_cluster, tiny_model):
     c = torch_cluster.client()
-    greedy = {"max_tokens": 200, "temperature": 0.0, "ignore_eos": True}
+    # greedy cycles on the random tiny model; a frequency penalty keeps the text new
+    greedy = {"max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "frequency_penalty": 0.5}
     prompts = [[7, 8 + i, 9] for i in range(6)]
     refs = [c.generate(p, greedy).token_ids for p in prompts]
     stops = []
     for p, ref in zip(prompts, refs, strict=True):
-        words = incremental_text(tiny_model, p, ref).split()
-        stops.append(" ".join(words[150:152]))  # two words: not earlier in the text
+        stops.append(late_stop(incremental_text(tiny_model, p, ref), 500))
     out: list = [None] * len(prompts)
 
     def one(i):
@@ -252,7 +264,7 @@ def test_stop_strings_across_pause_abort_and_resume(torch_cluster, tiny_model):
         assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_str == stops[i]
         assert chunks[-1].text == text[: text.index(stops[i])]
         assert sum(len(ch.top_ids) for ch in chunks) == len(ids)
-        assert all(ch.top_ids[j][0] == ch.token_ids[j] for ch in chunks for j in range(len(ch.token_ids)))  # greedy
+        assert all(len(row) == 2 for ch in chunks for row in ch.top_ids)
     assert parked >= 1
 
 
@@ -321,3 +333,56 @@ def test_a_bad_request_leaves_a_co_running_one_unaffected(torch_cluster):
     t.join(60)
     assert got[0].token_ids == ref.token_ids and got[0].samples[0].top_ids == ref.samples[0].top_ids
     wait_until(lambda: c.health()["healthy"], 10, "the cluster to stay healthy")
+
+
+def test_stop_strings_top_k_and_prompt_logprobs_survive_failover(cluster_factory, tiny_model):
+    """An engine dies mid-request: the router re-submits prompt + tokens so far
+    (resume_len) to the other engine, which rebuilds the detokenizer from them."""
+    cl = cluster_factory(2)
+    cl.wait_ready(2)
+    c = cl.client()
+    prompt = [9, 8, 7, 6]
+    # a frequency penalty keeps greedy from cycling (and is exact across failover)
+    greedy = {"max_tokens": 300, "temperature": 0.0, "ignore_eos": True, "frequency_penalty": 0.5}
+    reference = c.generate(prompt, greedy).token_ids
+    text = incremental_text(tiny_model, prompt, reference)
+    stop = late_stop(text, 1000)
+    params = {**greedy, "stop": [stop], "logprobs": 2, "prompt_logprobs": 1}
+    chunks: list = []
+    got: list = []
+    errors: list = []
+
+    def streamed():
+        try:
+            chunks.extend(c.stream(prompt, params, session_id="pin"))
+        except Exception as e:
+            errors.append(e)
+
+    def whole():
+        try:
+            got.append(c.generate(prompt, params, session_id="pin"))
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (streamed, whole)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(chunks) >= 5, 30, "first tokens")
+    victim = c.generate([1], {"max_tokens": 1}, session_id="pin").engine_id
+    cl.kill(victim)
+    for t in threads:
+        t.join(90)
+    assert not errors, errors
+    want_text = text[: text.index(stop)]
+    r = got[0]
+    ids = [t for ch in chunks for t in ch.token_ids]
+    assert ids == r.token_ids == reference[: len(ids)]
+    assert stop in incremental_text(tiny_model, prompt, ids) and stop not in incremental_text(
+        tiny_model, prompt, ids[:-1]
+    )
+    assert chunks[-1].finish_reason == r.finish_reason == "stop" and chunks[-1].engine_id != victim
+    assert chunks[-1].text == r.text == want_text and r.samples[0].stop_str == stop
+    assert len(r.samples[0].top_ids) == len(ids) and all(len(row) == 2 for row in r.samples[0].top_ids)
+    assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[0] is None
+    assert chunks[-1].prompt is not None and chunks[-1].prompt.logprobs[1:] == pytest.approx(r.prompt_logprobs[1:])
+    assert c.stats()["counters"]["failovers"] >= 1
