@@ -26,7 +26,9 @@ class RouterCollector:
         counters = dict(r.counters)
         for name, value in counters.items():
             yield CounterMetricFamily(f"rollout_bus_{name}", f"rollout-bus head: {name.replace('_', ' ')}", value=value)
-        yield GaugeMetricFamily("rollout_bus_in_flight", "requests the head is forwarding", value=len(r.flights))
+        yield GaugeMetricFamily(
+            "rollout_bus_in_flight", "requests the head is forwarding", value=len(r.forwarding.flights)
+        )
         yield GaugeMetricFamily("rollout_bus_sessions", "live sticky sessions", value=r.sessions.count())
         engines = list(r.engines.values())
         healthy = GaugeMetricFamily("rollout_bus_engine_healthy", "1 when the engine gets traffic", labels=["engine"])
