@@ -20,6 +20,7 @@ from typing import Any
 
 from bench import harness as H
 from bus.codec import split_chunks
+from bus.frames import pack_tokens, token_count
 
 
 @dataclass
@@ -195,11 +196,11 @@ class RawDriver:
         import zmq
 
         from bus.codec import Codec
-        from bus.sockets import make_socket
+        from bus.endpoint import open_socket
 
         self._zmq = zmq
         self.ctx = zmq.Context()
-        self.sock = make_socket(self.ctx, zmq.DEALER, connect=address)
+        self.sock = open_socket(self.ctx, zmq.DEALER, connect=address)
         self.codec = Codec()
         self.pending: dict[str, list[Any]] = {}  # rid -> [future, tokens, t_first, finish]
         self._ids = 0
@@ -230,7 +231,7 @@ class RawDriver:
         if st is None:
             return
         if isinstance(msg, P.Chunk):
-            n = len(bufs[0]) // 4 if bufs else 0
+            n = token_count(bufs[0]) if bufs else 0
             if n and st[2] is None:
                 st[2] = time.perf_counter()
             st[1] += n
@@ -275,12 +276,10 @@ class RawDriver:
 
 async def raw_load(driver: RawDriver, spec: RbLoad) -> H.RunResult:
     """Same shape as rb_load, through RawDriver."""
-    import numpy as np
-
     from bus.protocol import SamplingParams
 
     params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
-    prompt = np.asarray(spec.prompt, dtype="<i4").tobytes()
+    prompt = pack_tokens(list(spec.prompt))
     driver.lags = [] if spec.record_stream_lag else None
 
     async def request(i: int) -> tuple[int, float | None, bool]:
