@@ -36,11 +36,20 @@ def gpu_count() -> int:
 def record_timing(name: str, **values) -> None:
     """Print (and append to $ROLLOUT_BUS_GPU_TIMINGS, JSON lines) one timing row for RESULTS.md."""
     row = {"name": name, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **values}
-    print("TIMING " + json.dumps(row), flush=True)
+    line = json.dumps(row, default=_plain)
+    print("TIMING " + line, flush=True)
     path = os.environ.get("ROLLOUT_BUS_GPU_TIMINGS")
     if path:
         with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(line + "\n")
+
+
+def _plain(o):
+    """Typed control results (bus.protocol *Result) as the dicts they read as."""
+    to_dict = getattr(o, "to_dict", None)
+    if to_dict is None:
+        raise TypeError(f"{type(o).__name__} is not JSON serializable")
+    return to_dict()
 
 
 def drive(backend, seq_ids, timeout_s: float = 60.0):
