@@ -350,6 +350,7 @@ class RequestCore:
         buffers = [pack_tokens(s.tokens[sent:])]
         if req.msg.params.logprobs:
             buffers.append(pack_logprobs(s.logprobs[sent:]))
+        changes: list[list[int]]
         if req.msg.stream:
             version, changes = self.weight_version, []
         else:

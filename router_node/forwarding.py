@@ -24,7 +24,7 @@ import dataclasses
 import itertools
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -77,7 +77,8 @@ class Part:
     indices: list[int]  # the flight's sample indexes it carries
 
 
-Placement = Callable[[list[EngineEntry], Sessions, random.Random], EngineEntry]
+Pick = Callable[[Sequence[EngineEntry], random.Random], EngineEntry]  # policies.POLICIES
+PlaceSession = Callable[[Sequence[EngineEntry], Sessions, random.Random], EngineEntry]  # policies.SESSION_PLACEMENTS
 
 
 class Forwarder:
@@ -88,8 +89,8 @@ class Forwarder:
         engines: dict[str, EngineEntry],
         sessions: Sessions,
         *,
-        pick: Placement,
-        place_session: Callable[..., EngineEntry],
+        pick: Pick,
+        place_session: PlaceSession,
         counters: dict[str, int],
     ) -> None:
         self.cfg = cfg
@@ -213,7 +214,7 @@ class Forwarder:
             rid = f"~{next(self._rid):x}"
         return rid
 
-    def _to_engine(self, e: EngineEntry, msg: Any, buffers: list[Any] = (), flags: int = 0) -> None:  # type: ignore[assignment]
+    def _to_engine(self, e: EngineEntry, msg: Any, buffers: Sequence[Any] = (), flags: int = 0) -> None:
         e.sock.send_multipart(self.codec.encode(msg, buffers), flags)
 
     # ------------------------------------------------------------ engine replies
