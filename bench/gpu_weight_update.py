@@ -199,7 +199,7 @@ def timed_updates(
                 r = client.update_weights(named, transport=transport, **options)
                 t2 = time.perf_counter()
             t3 = time.perf_counter()
-            res = next(iter(r.values()))
+            res = dict(next(iter(r.values())))  # a typed result, read as the dict it was
             v = res.get("weight_version")
             rec.update(
                 pause_ms=(t1 - t0) * 1e3,
