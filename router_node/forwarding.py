@@ -36,6 +36,7 @@ from bus.codec import Codec, Outbox, split_chunks
 from bus.endpoint import Endpoint
 from bus.errors import EXCEPTION_OF, BadRequest, ErrorCode, RolloutBusError
 from bus.frames import chunk_payload, chunk_versions, note_version, shift_marks, token_bytes, token_count
+from bus.logprob_frames import logprobs_wanted, prompt_frame_count, top_k_of
 from bus.validate import check_generate, prompt_from_frames
 from router_node.config import RouterConfig
 from router_node.policies import Sessions
@@ -50,6 +51,8 @@ class SampleTrack:
     logprobs: bytearray = dataclasses.field(default_factory=bytearray)
     marks: list[list[int]] = dataclasses.field(default_factory=list)  # [offset, version]
     done: bool = False
+    top_ids: bytearray = dataclasses.field(default_factory=bytearray)  # k per token (bus.logprob_frames)
+    top_logprobs: bytearray = dataclasses.field(default_factory=bytearray)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -247,12 +250,17 @@ class Forwarder:
         tr = fl.samples.get(ch.sample_index)
         if tr is None or tr.done:
             return
-        toks, lps = chunk_payload(buffers)
+        npf = prompt_frame_count(ch)  # the final chunk's prompt logprobs frames come last
+        head = buffers[: len(buffers) - npf]
+        toks, lps = chunk_payload(head)
         if toks:
             note_version(tr.marks, token_count(tr.tokens), ch.weight_version)
         tr.tokens += toks
         if lps is not None:
             tr.logprobs += lps
+        if ch.top_logprobs and len(head) >= 4:
+            tr.top_ids += head[2]
+            tr.top_logprobs += head[3]
         final = ch.finish_reason is not None
         if fl.msg.stream:
             if frames is not None and part.rid == fl.msg.request_id and len(part.indices) == len(fl.samples):
@@ -266,7 +274,7 @@ class Forwarder:
             return
         tr.done = True
         if not fl.msg.stream:
-            self.outbox.add(fl.client, *self._aggregate(fl, tr, ch))
+            self.outbox.add(fl.client, *self._aggregate(fl, tr, ch, buffers[len(buffers) - npf :] if npf else []))
         part.open -= 1
         e.outstanding -= 1
         if part.open == 0:
@@ -276,7 +284,9 @@ class Forwarder:
         if fl.open == 0:
             self.flights.pop((fl.client, fl.msg.request_id), None)
 
-    def _aggregate(self, fl: Flight, tr: SampleTrack, last: P.Chunk) -> tuple[P.Chunk, list[bytes]]:
+    def _aggregate(
+        self, fl: Flight, tr: SampleTrack, last: P.Chunk, prompt_frames: list[Any]
+    ) -> tuple[P.Chunk, list[bytes]]:
         """The one chunk of a finished sample of a non-streamed request."""
         skip = fl.msg.resume_len  # the client already has those tokens
         version, changes = chunk_versions(shift_marks(tr.marks, skip), last.weight_version)
@@ -289,10 +299,18 @@ class Forwarder:
             emitted_at=last.emitted_at,
             num_prompt_tokens=token_count(fl.prompt) - skip,
             engine_id=last.engine_id,
+            top_logprobs=last.top_logprobs,
+            prompt_logprobs=last.prompt_logprobs,
+            stop_reason=last.stop_reason,
+            text=last.text,
         )
         bufs = [bytes(tr.tokens[token_bytes(skip) :])]
-        if fl.msg.params.logprobs:
+        if logprobs_wanted(fl.msg.params.logprobs):
             bufs.append(bytes(tr.logprobs[token_bytes(skip) :]))
+            k = top_k_of(fl.msg.params.logprobs)
+            if k:
+                bufs += [bytes(tr.top_ids[token_bytes(k * skip) :]), bytes(tr.top_logprobs[token_bytes(k * skip) :])]
+        bufs += [bytes(b) for b in prompt_frames]
         return out, bufs
 
     # ------------------------------------------------------------ failover and failure
