@@ -108,29 +108,12 @@ class Supervisor:
         return procs
 
     def shutdown(self) -> None:
-        """SIGTERM the whole tree, wait grace_s, SIGKILL the rest."""
-        procs = self.alive()
-        # Engines first so they stop producing; then the head answers what's left.
-        for p in procs:
-            try:
-                p.send_signal(signal.SIGTERM)
-            except psutil.NoSuchProcess:
-                pass
-        gone, left = psutil.wait_procs(procs, timeout=self.grace_s)
-        for p in left:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(left, timeout=5)
-        for c in self.children.values():
-            if c.proc is not None:
-                try:
-                    c.proc.wait(timeout=1)
-                except subprocess.TimeoutExpired:
-                    pass
-        if left:
-            log.warning("killed_after_grace", pids=[p.pid for p in left], grace_s=self.grace_s)
+        """SIGTERM the whole tree, wait grace_s, SIGKILL the rest (bus.proctree)."""
+        from bus.proctree import terminate_tree
+
+        killed = terminate_tree([c.proc for c in self.children.values() if c.proc is not None], self.grace_s)
+        if killed:
+            log.warning("killed_after_grace", pids=killed, grace_s=self.grace_s)
 
 
 def pick_backend(name: str) -> str:
