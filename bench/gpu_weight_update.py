@@ -38,6 +38,7 @@ from typing import Any
 
 from bench import gpu_common as G
 from bench import harness as H
+from bus.proctree import terminate_tree
 
 NAME = "gpu_weight_update"
 TARGETS = {"e2e_ms": 25.0, "first_token_ms": 30.0, "nccl_steady_x_raw": 3.0, "nccl_first_s": 1.0}
@@ -387,7 +388,7 @@ def raw_broadcast(nbytes: int, spec: dict[str, Any], engine_like: bool = False) 
             outs.append(o)
     finally:
         for p in procs:
-            H._kill_tree(p, 2.0)
+            terminate_tree(p, 2.0)
     res = [json.loads(line[4:]) for o in outs for line in o.splitlines() if line.startswith("RAW ")]
     if len(res) != 2:
         raise RuntimeError("raw broadcast failed (--raw-timeout-s):\n" + "\n".join(o[-1500:] for o in outs))
