@@ -363,7 +363,7 @@ def print_table(engines: list[dict[str, Any]], front: str, backend: str) -> None
         model = e["model"] if len(e["model"]) <= 48 else "…" + e["model"][-47:]
         rows.append((e["engine_id"], e["data_address"], e["backend"], model, e["state"]))
     widths = [max(len(str(r[i])) for r in rows) for i in range(5)]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True))
     print(line(rows[0]), flush=False)
     print("  ".join("-" * w for w in widths))
     for r in rows[1:]:

@@ -168,7 +168,7 @@ def copy_floor(named: list[tuple[str, Any]], nbytes: int, reps: int = 10) -> dic
 
     with torch.no_grad():
         flat = timed(lambda: dst.copy_(src))
-        per = timed(lambda: [d.copy_(t) for d, (_, t) in zip(dsts, named)])
+        per = timed(lambda: [d.copy_(t) for d, (_, t) in zip(dsts, named, strict=True)])
     return {
         "bytes": nbytes,
         "device": str(dev),
@@ -561,7 +561,7 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     for k, c in (("pause_ms", "C0"), ("update_ms", "C1"), ("resume_ms", "C2")):
         vals = [u.get(k) or 0 for _, u in series]
         ax.bar(range(len(series)), vals, bottom=bottoms, label=k[:-3], color=c)
-        bottoms = [b + v for b, v in zip(bottoms, vals)]
+        bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
     ax.plot(range(len(series)), [u.get("first_token_ms") or 0 for _, u in series], "k.", label="resume -> first token")
     ax.axhline(TARGETS["e2e_ms"], color="gray", ls="--", lw=0.8)
     ax.set_xticks(range(len(series)))

@@ -261,8 +261,8 @@ async def measure_peer_side(args: argparse.Namespace) -> dict[str, Any]:
                     key = f"max_tokens={max_tokens}{' stream' if stream else ''} c={c}"
                     setups = {
                         name: (
-                            lambda u=u, ss=(max(1, c) if "consistent" in name else 0): http_load(
-                                sess, HttpLoad(u, n, c, max_tokens, stream, prompt, sessions=ss)
+                            lambda u=u, ss=(max(1, c) if "consistent" in name else 0), n=n, c=c, mt=max_tokens, st=stream: (
+                                http_load(sess, HttpLoad(u, n, c, mt, st, prompt, sessions=ss))
                             )
                         )
                         for name, u in targets.items()

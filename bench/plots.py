@@ -55,12 +55,12 @@ def plot_lines(
     cols = min(n, 2)
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.2 * cols, 4.2 * rows), squeeze=False)
-    for ax, panel in zip(axes.flat, panels):
+    for ax, panel in zip(axes.flat, panels, strict=False):
         for label, s in panel["series"].items():
             xs, ys = list(s[0]), list(s[1])
             if len(s) >= 4 and s[2] is not None:
-                lo = [max(0.0, y - lv) for y, lv in zip(ys, s[2])]
-                hi = [max(0.0, h - y) for y, h in zip(ys, s[3])]
+                lo = [max(0.0, y - lv) for y, lv in zip(ys, s[2], strict=True)]
+                hi = [max(0.0, h - y) for y, h in zip(ys, s[3], strict=True)]
                 ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=label, color=color_for(label))
             else:
                 ax.plot(xs, ys, marker="o", label=label, color=color_for(label))
@@ -120,7 +120,10 @@ def plot_bars(
         yerr = None
         if errs and label in errs:
             lo, hi = errs[label]
-            yerr = [[max(0.0, y - lv) for y, lv in zip(ys, lo)], [max(0.0, h - y) for y, h in zip(ys, hi)]]
+            yerr = [
+                [max(0.0, y - lv) for y, lv in zip(ys, lo, strict=True)],
+                [max(0.0, h - y) for y, h in zip(ys, hi, strict=True)],
+            ]
         ax.bar(xs, ys, width=width, label=label, yerr=yerr, capsize=3 if yerr else 0, color=color_for(label))
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(groups, fontsize=8)
@@ -146,7 +149,7 @@ def plot_bar_panels(
     cols = min(n, 2)
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.8 * cols, 4.4 * rows), squeeze=False)
-    for ax, p in zip(axes.flat, panels):
+    for ax, p in zip(axes.flat, panels, strict=False):
         groups, series = p["groups"], p["series"]
         k = max(1, len(series))
         width = 0.8 / k
@@ -157,8 +160,8 @@ def plot_bar_panels(
             if p.get("errs") and label in p["errs"]:
                 lo, hi = p["errs"][label]
                 yerr = [
-                    [max(0.0, y - (lv or 0)) for y, lv in zip(ys, lo)],
-                    [max(0.0, (h or 0) - y) for y, h in zip(ys, hi)],
+                    [max(0.0, y - (lv or 0)) for y, lv in zip(ys, lo, strict=True)],
+                    [max(0.0, (h or 0) - y) for y, h in zip(ys, hi, strict=True)],
                 ]
             ax.bar(xs, ys, width=width, label=label, yerr=yerr, capsize=2 if yerr else 0, color=color_for(label))
         ax.set_xticks(range(len(groups)))

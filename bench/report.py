@@ -36,10 +36,12 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = 
     lines = []
     if title:
         lines.append(title)
-    lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cols, widths))))
+    lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cols, widths, strict=True))))
     lines.append("  ".join("-" * w for w in widths))
     for row in cells:
-        lines.append("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths))))
+        lines.append(
+            "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True)))
+        )
     text = "\n".join(lines)
     print(text, flush=True)
     return text

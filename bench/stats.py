@@ -60,7 +60,7 @@ def ratio(a: float, b: float) -> float:
 
 def paired_ratios(num: Sequence[float], den: Sequence[float]) -> dict[str, float]:
     """Per-repetition ratios num[i]/den[i] (measured side by side), summarized."""
-    return spread([ratio(a, b) for a, b in zip(num, den)])
+    return spread([ratio(a, b) for a, b in zip(num, den, strict=True)])
 
 
 def fmt(v: Any, nd: int = 2) -> str:

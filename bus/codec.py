@@ -90,7 +90,7 @@ def split_chunks(msg: Any, buffers: list[Any]) -> list[tuple[Any, list[Any]]]:
     if not isinstance(msg, P.ChunkBatch):
         return [(msg, buffers)]
     out, i = [], 0
-    for ch, n in zip(msg.chunks, msg.nbufs):
+    for ch, n in zip(msg.chunks, msg.nbufs, strict=False):
         out.append((ch, buffers[i : i + n]))
         i += n
     return out

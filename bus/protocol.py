@@ -15,7 +15,7 @@ default. Removing or reordering fields is a protocol-version bump.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -186,22 +186,22 @@ class Stats(_Msg, tag="stats"):
     pass
 
 
-Op = Union[
-    Ping,
-    Pause,
-    Resume,
-    IsPaused,
-    Sleep,
-    WakeUp,
-    ResetPrefixCache,
-    BeginWeightUpdate,
-    ReceiveWeights,
-    FinishWeightUpdate,
-    AbortWeightUpdate,
-    LoadLora,
-    UnloadLora,
-    Stats,
-]
+Op = (
+    Ping
+    | Pause
+    | Resume
+    | IsPaused
+    | Sleep
+    | WakeUp
+    | ResetPrefixCache
+    | BeginWeightUpdate
+    | ReceiveWeights
+    | FinishWeightUpdate
+    | AbortWeightUpdate
+    | LoadLora
+    | UnloadLora
+    | Stats
+)
 
 
 class Command(_Msg, tag="cmd"):

@@ -220,7 +220,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
             raise BadRequest(f"{len(sessions)} session_ids for {len(ids)} prompts", field="session_ids")
         lora = self._lora(model)
         # cache_salt only scopes vLLM's prefix-cache sharing; outputs do not depend on it.
-        results = await asyncio.gather(*(self._one(list(p), tr, s, lora) for p, s in zip(ids, sessions)))
+        results = await asyncio.gather(*(self._one(list(p), tr, s, lora) for p, s in zip(ids, sessions, strict=True)))
         samples = [s for r in results for s in r.samples]  # prompt-major, like vLLM's n
         return self._output(samples, text, tr)
 
@@ -298,7 +298,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
             if tr.params.logprobs:
                 lp = {"content": [
                     {"token": text.decode([t], skip_special_tokens=False), "logprob": x, "bytes": None, "top_logprobs": []}
-                    for t, x in zip(s.token_ids, s.logprobs or [])
+                    for t, x in zip(s.token_ids, s.logprobs or [], strict=False)
                 ]}  # fmt: skip
             choices.append({
                 "index": s.index, "message": {"role": "assistant", "content": content}, "finish_reason": s.finish_reason,
@@ -452,7 +452,7 @@ def _fresh(options: dict[str, Any]) -> AsyncClient:
 
 def _named_tensors(request: Any) -> list[tuple[str, Any]]:
     if hasattr(request, "tensors") and hasattr(request, "names"):
-        return list(zip(request.names, request.tensors))
+        return list(zip(request.names, request.tensors, strict=True))
     if isinstance(request, Mapping):
         return list(request.items())
     if isinstance(request, Iterable) and not isinstance(request, (str, bytes)):
