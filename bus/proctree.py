@@ -19,10 +19,11 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterable
+from typing import TypeAlias
 
 import psutil
 
-Root = int | psutil.Process | subprocess.Popen
+Root: TypeAlias = int | psutil.Process | subprocess.Popen
 
 
 def _pid(root: Root) -> int:
@@ -118,9 +119,7 @@ def terminate_tree(
     `roots`: pids, psutil.Process or subprocess.Popen objects (one or many).
     `extra`: processes seen earlier that may have been orphaned since (they
     are ended with the trees). Returns the pids that needed SIGKILL."""
-    if isinstance(roots, (int, psutil.Process, subprocess.Popen)):
-        roots = [roots]
-    roots = list(roots)
+    roots = [roots] if isinstance(roots, (int, psutil.Process, subprocess.Popen)) else list(roots)
     groups = _group_leaders(roots)
     procs = {p.pid: p for p in [*tree(roots), *extra]}
     _signal(procs.values(), signal.SIGTERM)

@@ -347,4 +347,4 @@ KIND_OF: dict[type, bytes] = {
 TYPE_OF: dict[bytes, type] = {v: k for k, v in KIND_OF.items()}
 assert len(TYPE_OF) == len(KIND_OF), "duplicate kind byte"
 
-OP_NAMES: dict[type, str] = {t: t.__struct_config__.tag for t in Op.__args__}  # type: ignore[attr-defined]
+OP_NAMES: dict[type, str] = {t: t.__struct_config__.tag for t in Op.__args__}

@@ -73,7 +73,7 @@ class Pending:
 
     op: BackendOp
     then: Callable[[dict[str, Any]], dict[str, Any]]
-    on_error: Callable[[BaseException], None] | None = None
+    on_error: Callable[[BaseException], object] | None = None
 
 
 class RequestCore:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import itertools
 import json
 import os
 import random
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -169,7 +170,7 @@ class Router:
             else:
                 entry = self._by_sock.get(sock)
                 if entry is not None:
-                    self._drain(sock, lambda f, e=entry: self._on_engine(e, f))
+                    self._drain(sock, functools.partial(self._on_engine, entry))
         now = time.monotonic()
         if now - self._last_tick >= 0.05:
             self._last_tick = now
@@ -621,8 +622,8 @@ class Router:
         self._send(self.frontend, client, None, frames=[client, *frames])
 
     def _send(
-        self, sock: zmq.Socket, peer: bytes, msg: Any, buffers: list[Any] = (), frames: list[Any] | None = None
-    ) -> None:  # type: ignore[assignment]
+        self, sock: zmq.Socket, peer: bytes, msg: Any, buffers: Sequence[Any] = (), frames: list[Any] | None = None
+    ) -> None:
         try:
             sock.send_multipart(frames if frames is not None else [peer, *self.codec.encode(msg, buffers)])
         except zmq.ZMQError as err:

@@ -215,6 +215,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         text = await self._tok()
         if prompts is not None:
             ids = [text.chat(p) for p in prompts]
+        assert ids is not None  # exactly one of the two was given (checked above)
         sessions = input_batch.get("session_ids") or [None] * len(ids)
         if len(sessions) != len(ids):
             raise BadRequest(f"{len(sessions)} session_ids for {len(ids)} prompts", field="session_ids")
@@ -259,8 +260,8 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         sp: dict[str, Any] = {}
         for k, v in body.items():
             if k in OPENAI_KEYS:
-                if OPENAI_KEYS[k]:
-                    sp[OPENAI_KEYS[k]] = v
+                if name := OPENAI_KEYS[k]:
+                    sp[name] = v
             else:
                 sp[k] = v
         if body.get("stream"):
@@ -312,12 +313,12 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         session_id, body = self._body(request_payload)
         tr = self._openai_params(body, chat=False)
         text = await self._tok()
-        prompt = body.get("prompt")
+        prompt: Any = body.get("prompt")
         batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
         prompts = [text.prompt_ids(p) for p in (prompt if batch else [prompt])]
         lora = self._lora(body.get("model"))
         results = await asyncio.gather(*(self._one(p, tr, session_id, lora) for p in prompts))
-        choices = []
+        choices: list[dict[str, Any]] = []
         for r in results:
             for s in r.samples:
                 lp = None
