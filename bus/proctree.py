@@ -88,6 +88,19 @@ def _group_leaders(roots: Iterable[Root]) -> list[int]:
     return out
 
 
+def _group_members(pgids: Iterable[int]) -> list[psutil.Process]:
+    """Live processes of these process groups (orphans re-parented away from the tree included)."""
+    wanted = set(pgids)
+    if not wanted:
+        return []
+    out = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(OSError, psutil.Error):
+            if os.getpgid(p.pid) in wanted:
+                out.append(p)
+    return out
+
+
 def _signal(procs: Iterable[psutil.Process], sig: int) -> None:
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
@@ -121,14 +134,14 @@ def terminate_tree(
     are ended with the trees). Returns the pids that needed SIGKILL."""
     roots = [roots] if isinstance(roots, (int, psutil.Process, subprocess.Popen)) else list(roots)
     groups = _group_leaders(roots)
-    procs = {p.pid: p for p in [*tree(roots), *extra]}
+    procs = {p.pid: p for p in [*tree(roots), *_group_members(groups), *extra]}
     _signal(procs.values(), signal.SIGTERM)
     _signal_groups(groups, signal.SIGTERM)
     _continue_stopped(procs.values())
     _signal_groups(groups, signal.SIGCONT)
     _, left = psutil.wait_procs(list(procs.values()), timeout=max(0.0, grace_s))
     # Anything started during the grace period belongs to the tree too.
-    for p in tree(roots):
+    for p in [*tree(roots), *_group_members(groups)]:
         if p.pid not in procs:
             left.append(p)
     _signal(left, signal.SIGKILL)
