@@ -114,6 +114,7 @@ async def _bench_n(n: int, model: str, reps: int, named: list, nbytes: int) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
+    H.setup_logging()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--engines", default=None, help="comma list, default 1,2,4 (quick: 1,2)")

@@ -219,6 +219,7 @@ def _phase_main(argv: list[str]) -> int:
     """Child side of run_phase: call the function, write {"ok": True, **result}
     or {"ok": False, "error", "traceback"} (partial results a phase saved in
     spec["_partial"] are kept)."""
+    H.setup_logging()
     target, spec_path, out_path = argv
     spec = json.loads(Path(spec_path).read_text())
     partial: dict[str, Any] = {}

@@ -639,6 +639,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    H.setup_logging()
     a = parse(argv)
     if a.raw_rank is not None:
         raw_rank_main(a)

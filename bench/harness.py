@@ -32,6 +32,7 @@ from bench.procs import (
     free_port,
     free_ports,
     run_main,
+    setup_logging,
     wait_port,
 )
 from bench.report import REPO_ROOT, RESULTS_DIR, jsonable, machine_info, print_table, write_json
@@ -66,6 +67,7 @@ __all__ = [
     "ratio",
     "run_load",
     "run_main",
+    "setup_logging",
     "spread",
     "summarize_reps",
     "wait_port",

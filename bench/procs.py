@@ -161,13 +161,19 @@ def _raise_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def setup_logging() -> None:
+    """structlog for a benchmark process (entry points configure logging, libraries
+    never do): WARNING unless ROLLOUT_BUS_LOG_LEVEL says otherwise, on stderr."""
+    from bus.runtime import configure_logging
+
+    configure_logging(os.environ.get("ROLLOUT_BUS_LOG_LEVEL", "WARNING"))
+
+
 def run_main(coro_fn: Callable[[], Awaitable[int | None]]) -> None:
     """The benchmarks' entry point: structlog configured (an entry point's job;
     WARNING unless ROLLOUT_BUS_LOG_LEVEL says otherwise, on stderr so tables stay
     clean), asyncio.run, Ctrl-C → exit 130 (Procs context managers still unwind)."""
-    from bus.runtime import configure_logging
-
-    configure_logging(os.environ.get("ROLLOUT_BUS_LOG_LEVEL", "WARNING"))
+    setup_logging()
     try:
         rc = asyncio.run(coro_fn())
     except KeyboardInterrupt:
