@@ -24,7 +24,9 @@ from typing import Any
 from bench import harness as H
 from bench import rb_side as RB
 
-BIG = dict(hidden=512, layers=14, heads=8, kv_heads=8, inter=1376, vocab=8192, max_pos=2048)  # ~52M params
+BIG: dict[str, Any] = dict(
+    hidden=512, layers=14, heads=8, kv_heads=8, inter=1376, vocab=8192, max_pos=2048
+)  # ~52M params
 
 
 async def _one_rep(client: Any, n_streams: int, vocab: int) -> dict[str, float]:

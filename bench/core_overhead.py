@@ -14,6 +14,7 @@ Run: ``python -m bench.core_overhead`` (``--quick``: fewer requests/reps).
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import time
 from typing import Any
@@ -45,10 +46,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 spec = RB.RbLoad(n, c, 1, False, prompt)
                 setups = {
                     "bridge -> engine (direct)": H.with_cpu(
-                        [cl.engine_pids[next(iter(cl.engines))]], lambda spec=spec: RB.rb_load(direct, spec)
+                        [cl.engine_pids[next(iter(cl.engines))]], functools.partial(RB.rb_load, direct, spec)
                     ),
                     "bridge -> router -> engine": H.with_cpu(
-                        [cl.router_pid], lambda spec=spec: RB.rb_load(router, spec)
+                        [cl.router_pid], functools.partial(RB.rb_load, router, spec)
                     ),
                 }
                 runs = await H.interleaved(setups, reps=args.reps, warmup=1, deadline=deadline)

@@ -455,7 +455,7 @@ def report(doc: dict[str, Any]) -> None:
             }
         )
 
-    s = ipc.get("summary")
+    s: Any = ipc.get("summary")
     tr = ipc.get("transport", "cuda_ipc")
     if ipc.get("skipped") or not ipc.get("ok", False) and not s:
         row(f"{tr} phase", None, "", None, ipc.get("skipped") or f"FAILED: {str(ipc.get('error'))[:150]}")
@@ -680,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         "log_dir": str(log_dir),
         "ipc_transport": "zmq" if a.cpu else "cuda_ipc",
     }
-    doc: dict[str, Any] = {
+    doc = {
         "benchmark": NAME,
         "machine": H.machine_info(),
         "env": env,

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +88,7 @@ class Procs:
         self.grace_s = grace_s
         # Logs stay out of the repository: /tmp/rollout-bus-bench/<pid>/<name>.log
         self.log_dir = log_dir or (Path(tempfile.gettempdir()) / "rollout-bus-bench" / str(os.getpid()))
-        self._prev_term = None
+        self._prev_term: Any = None
 
     def __enter__(self) -> Procs:
         if _is_main_thread():
@@ -110,7 +110,7 @@ class Procs:
         log: bool = True,
     ) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_dir / f"{name}.log", "wb") if log else subprocess.DEVNULL
+        out: Any = open(self.log_dir / f"{name}.log", "wb") if log else subprocess.DEVNULL
         full_env = dict(os.environ)
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         pp = str(REPO_ROOT)
@@ -169,11 +169,12 @@ def setup_logging() -> None:
     configure_logging(os.environ.get("ROLLOUT_BUS_LOG_LEVEL", "WARNING"))
 
 
-def run_main(coro_fn: Callable[[], Awaitable[int | None]]) -> None:
+def run_main(coro_fn: Callable[[], Coroutine[Any, Any, int | None]]) -> None:
     """The benchmarks' entry point: structlog configured (an entry point's job;
     WARNING unless ROLLOUT_BUS_LOG_LEVEL says otherwise, on stderr so tables stay
     clean), asyncio.run, Ctrl-C → exit 130 (Procs context managers still unwind)."""
     setup_logging()
+    rc: int | None
     try:
         rc = asyncio.run(coro_fn())
     except KeyboardInterrupt:

@@ -31,7 +31,7 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = 
         print(text, flush=True)
         return text
     cols = list(columns) if columns else list(rows[0].keys())
-    cells = [[fmt(r.get(c)) if not isinstance(r.get(c), str) else r.get(c) for c in cols] for r in rows]
+    cells = [[fmt(r.get(c)) for c in cols] for r in rows]  # fmt(str) is the string itself
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     lines = []
     if title:
