@@ -81,6 +81,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_false",
         help="do not re-run the peers with LLM's max_num_seqs / max_num_batched_tokens",
     )
+    ap.add_argument(
+        "--reps", type=int, default=3, help="measure each mode this many times (prefix cache reset before each); median"
+    )
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--min-len", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=512)
@@ -126,6 +129,7 @@ def base_spec(a: argparse.Namespace, model: str, log_dir: Path) -> dict[str, Any
         "prompts": {"n": a.prompts, "min_len": a.min_len, "max_len": a.max_len, "seed": a.seed},
         "max_tokens": a.max_tokens,
         "temperature": a.temperature,
+        "reps": 1 if a.cpu else max(1, a.reps),  # the CPU dry run checks the plumbing, not the figures
         "warmup": {"n": a.warmup_n, "max_tokens": a.warmup_max_tokens},
         "ttft": {"n": a.ttft_n, "max_tokens": a.ttft_max_tokens, "rounds": a.ttft_rounds} if a.ttft_n > 0 else None,
         "ready_timeout_s": a.ready_timeout_s,

@@ -151,6 +151,14 @@ class VllmBackend:
         self._later: collections.deque[Callable[[], None]] = collections.deque()
         self._update: W.WeightUpdate | None = None
         self._loras = LoraTable()
+        # Prefix-cache salt, bumped whenever the weights change (commit, wake
+        # from a level-2 sleep). vLLM hashes the salt into a request's first
+        # block, so blocks cached under older weights can never be hit again:
+        # no reset_prefix_cache walk over every KV block (tens of ms on a big
+        # cache) on the update's critical path. Bumped when the change is SENT:
+        # the core runs inputs in order, so every request added after it runs
+        # on the new weights and must not share blocks cached before it.
+        self._weights_epoch = 0
         self._ckpt_shapes: dict[str, list[int]] | None = None
         self._closed = False
 
@@ -214,7 +222,8 @@ class VllmBackend:
         lr = self._lora_request(seq.lora)
         self._n += 1
         rid = f"{seq.seq_id}#{self._n}"
-        self._link.add(build_request(self._api, rid, seq, sp, lr))
+        salt = f"w{self._weights_epoch}" if self._weights_epoch else None
+        self._link.add(build_request(self._api, rid, seq, sp, lr, salt))
         self._seq_of[rid] = seq.seq_id
         self._rid_of[seq.seq_id] = rid
 
@@ -416,6 +425,8 @@ class VllmBackend:
         t0 = time.perf_counter()
         calls: list[tuple[str, tuple]] = [("wake_up", (list(tags) if tags is not None else None,))]
         full = tags is None or {"weights", "kv_cache"} <= set(tags)
+        if self._sleep_level >= 2 and (tags is None or "weights" in tags):
+            self._weights_epoch += 1  # checkpoint weights come back: a new cache salt
         if full and self._paused:
             # The core resumes its scheduler once fully awake: keep our freeze.
             calls.append(("pause_scheduler", ("keep", False)))
@@ -564,20 +575,19 @@ class VllmBackend:
         calls = []
         if up.transport == "zmq":
             calls.append(self._rpc("rollout_bus_begin", up.uid, up.metas, up.sizes, timeout=self.weight_timeout_s))
-        # load, then reset the prefix cache once: the core runs them in this order.
         calls.append(self._rpc("rollout_bus_commit", up.uid, shm, timeout=self.weight_timeout_s))
-        calls.append(("reset_prefix_cache", (False, False)))
+        # The prefix cache is invalidated by a new salt, not a reset (see __init__).
+        self._weights_epoch += 1
         return self._op(
             "commit_weight_update",
             "weight_timeout_s",
             calls,
-            # prefix_cache_reset False: sequences held (keep-paused) own KV blocks, and
-            # vLLM resets only with none in use (it logs a warning); their KV is pre-update.
             lambda rs: {
                 "backend_seconds": round(time.perf_counter() - t0, 4),
                 "bytes": int(sum(up.sizes)),
-                "worker_seconds": [round(x["seconds"], 4) for x in rs[-2]],
-                "prefix_cache_reset": bool(rs[-1]),
+                "worker_seconds": [round(x["seconds"], 4) for x in rs[-1]],
+                "prefix_cache_reset": True,
+                "prefix_cache_salt": f"w{self._weights_epoch}",
             },
             lambda ok: up.close(),
         )

@@ -53,7 +53,9 @@ def sampling_params(
     return sp
 
 
-def build_request(api: Any, request_id: str, seq: SeqRequest, params: Any, lora_request: Any) -> Any:
+def build_request(
+    api: Any, request_id: str, seq: SeqRequest, params: Any, lora_request: Any, cache_salt: str | None = None
+) -> Any:
     return api.EngineCoreRequest(
         request_id=request_id,
         prompt_token_ids=list(seq.prompt),
@@ -62,7 +64,7 @@ def build_request(api: Any, request_id: str, seq: SeqRequest, params: Any, lora_
         pooling_params=None,
         arrival_time=time.time(),
         lora_request=lora_request,
-        cache_salt=None,
+        cache_salt=cache_salt,
         data_parallel_rank=None,
         external_req_id=request_id,
     )

@@ -223,13 +223,24 @@ class RolloutBusWorkerExtension:
         if len(handles) != len(st["sizes"]):
             raise ValueError(f"cuda_ipc: {len(handles)} handle(s) for {len(st['sizes'])} bucket(s)")
         my_uuid = str(torch.cuda.get_device_properties(dev).uuid)
+        copied = 0
         for i, h in enumerate(handles):
             if isinstance(h, dict):  # one handle per GPU (uuid -> bytes): take ours, else any
                 h = h.get(my_uuid) or next(iter(h.values()))
             src = open_ipc_handle(bytes(h), dev.index).view(torch.uint8).reshape(-1)
+            if src.device != dev:
+                # The trainer's buffer lives on another GPU (a TP>1 engine fed from
+                # one trainer GPU). load_weights would copy strided shards straight
+                # out of peer IPC memory, which CUDA refuses (invalid argument)
+                # without peer access: one contiguous copy into our GPU first.
+                local = torch.empty(src.numel(), dtype=torch.uint8, device=dev)
+                local.copy_(src)
+                torch.cuda.synchronize(dev)
+                src = local
+                copied += 1
             unpack_bucket(i, st["metas"], src)  # validate now: a lie fails the receive, naming the tensor
-            st["buckets"][i] = src  # a view of the trainer's buffer, alive until the commit's ack
-        return {"bytes": int(sum(st["sizes"])), "seconds": time.perf_counter() - t0, "copied": False}
+            st["buckets"][i] = src  # same GPU: a view of the trainer's buffer, alive until the commit's ack
+        return {"bytes": int(sum(st["sizes"])), "seconds": time.perf_counter() - t0, "copied": copied}
 
     def rollout_bus_recv_nccl(self, uid: str, args: dict[str, Any]) -> dict[str, Any]:
         st = self._rb_check(uid)

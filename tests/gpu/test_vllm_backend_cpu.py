@@ -129,6 +129,7 @@ class FakeEngineCoreClient:
         self.utility_results = {}
         self.resources = types.SimpleNamespace(engine_dead=False)
         self.requests = {}  # rid -> [req, generated]
+        self.salts = []  # cache_salt of every request added, in order
         self.paused = False
         self.sleeping = False
         self.loras = {}
@@ -143,6 +144,7 @@ class FakeEngineCoreClient:
 
     # the surface the backend uses (called on the node's loop thread)
     def add_request(self, req):
+        self.salts.append(req.cache_salt)
         self.inbox.put(("add", req))
 
     def abort_requests(self, rids):
@@ -482,9 +484,12 @@ def test_zmq_weights_staged_once_in_shm_and_cleaned(be):
     r = wait(be.commit_weight_update())
     assert r["prefix_cache_reset"] is True
     assert torch.equal(FAKE.worker.weights["w.a"], named[0][1]) and torch.equal(FAKE.worker.weights["w.b"], named[1][1])
-    assert FAKE.calls[-3:] == ["collective_rpc", "collective_rpc", "reset_prefix_cache"], (
-        "prefix cache reset once, after"
-    )
+    # No walk over every KV block on the critical path: a new cache salt makes
+    # every block cached under the old weights unreachable.
+    assert FAKE.calls[-2:] == ["collective_rpc", "collective_rpc"] and "reset_prefix_cache" not in FAKE.calls
+    assert r["prefix_cache_salt"] == "w1"
+    be.add(SeqRequest("after-update", [1, 2, 3], SamplingParams(), 2))
+    assert FAKE.salts[-1] == "w1", FAKE.salts
     assert FAKE.worker.shm_seen == [path] and not os.path.exists(path), "shm file removed after commit"
 
 
