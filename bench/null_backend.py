@@ -172,7 +172,7 @@ class NullBackend:
             last=int(seq.prompt[-1]),
             max_new=int(seq.max_new_tokens),
             produced=0,
-            logprobs=bool(p.logprobs),
+            logprobs=p.logprobs is not False and p.logprobs is not None,  # True, 0 or k
             stop=frozenset(stop),
             lora=seq.lora,
         )

@@ -41,7 +41,22 @@ class SamplingParams(_Part):
     seed: int | None = None  # sample i of a request uses seed + i
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    logprobs: bool = False  # return the chosen token's logprob per token
+    # False: none. True or 0: the chosen token's logprob per token. k >= 1: the
+    # chosen token's logprob, then the top-k alternatives per token (frames in
+    # bus/logprob_frames.py).
+    logprobs: bool | int = False
+    # -- issue 10 (appended: compatibility rule) ---------------------------
+    stop: list[str] = []  # stop strings, matched on the engine node's detokenized text
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # eos / stop_token_ids masked until this many tokens exist
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt + output (vLLM's definition)
+    presence_penalty: float = 0.0  # over the output
+    frequency_penalty: float = 0.0  # over the output
+    # None: off. k >= 0: each prompt token's logprob (+ top-k alternatives),
+    # once per sample, on its final chunk.
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True  # text only (stop-string matching, Chunk.text)
 
 
 class Generate(_Msg, tag="gen"):
@@ -85,6 +100,11 @@ class Chunk(_Msg, tag="chunk"):
     emitted_at: float = 0.0  # engine wall clock when the tokens were produced
     num_prompt_tokens: int = 0  # set on the final chunk
     engine_id: str = ""  # set on the final chunk: the engine that finished the sample
+    # -- issue 10 (appended) ---------------------------------------------
+    top_logprobs: int = 0  # k > 0: frames carry top-k ids + logprobs (bus/logprob_frames.py)
+    prompt_logprobs: int = -1  # >= 0: the LAST frames carry prompt logprobs (+ top-k if > 0)
+    stop_reason: str | None = None  # final chunk: the stop string that ended the sample
+    text: str | None = None  # final chunk of a stop-string request: the output text, truncated as vLLM does
 
 
 class ChunkBatch(_Msg, tag="chunks"):

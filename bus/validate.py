@@ -15,6 +15,9 @@ from bus.errors import BadRequest
 from bus.protocol import Generate
 
 MAX_NUM_SAMPLES = 1024
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: top-k (and prompt top-k) at most this
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 
 
 def prompt_from_frames(msg: Generate, buffers: list[Any], *, max_prompt_tokens: int) -> np.ndarray:
@@ -71,6 +74,7 @@ def check_generate(msg: Generate, prompt: np.ndarray, *, vocab_size: int = 0) ->
             raise bad("resume_len", f"resume_len={msg.resume_len} must be < the prompt length and < max_tokens")
     if msg.resume_len and msg.num_samples != 1:
         raise bad("resume_len", "a resumed request carries exactly one sample")
+    _check_issue10(p, bad)
     lo = int(prompt.min())
     if lo < 0:
         raise bad("prompt_token_ids", f"token id {lo} is negative")
@@ -81,3 +85,40 @@ def check_generate(msg: Generate, prompt: np.ndarray, *, vocab_size: int = 0) ->
         for t in p.stop_token_ids:
             if not 0 <= t < vocab_size:
                 raise bad("params.stop_token_ids", f"stop token id {t} is outside the vocabulary (size {vocab_size})")
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_issue10(p: Any, bad: Any) -> None:
+    """The issue-10 sampling fields, with vLLM's ranges (SamplingParams._verify_args)."""
+    lp = p.logprobs
+    if not isinstance(lp, bool) and not 0 <= lp <= MAX_LOGPROBS:
+        raise bad("params.logprobs", f"logprobs must be a bool or an int in [0, {MAX_LOGPROBS}], got {lp}")
+    if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= MAX_LOGPROBS:
+        raise bad(
+            "params.prompt_logprobs",
+            f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {p.prompt_logprobs}",
+        )
+    if len(p.stop) > MAX_STOP_STRINGS:
+        raise bad("params.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(p.stop)}")
+    for st in p.stop:
+        if not st:
+            raise bad("params.stop", "stop strings must be non-empty")
+        if len(st) > MAX_STOP_STRING_CHARS:
+            raise bad("params.stop", f"a stop string is longer than {MAX_STOP_STRING_CHARS} characters")
+    if p.min_tokens < 0:
+        raise bad("params.min_tokens", f"min_tokens must be >= 0, got {p.min_tokens}")
+    if p.min_tokens > p.max_tokens:
+        raise bad("params.min_tokens", f"min_tokens ({p.min_tokens}) must be <= max_tokens ({p.max_tokens})")
+    if not _finite(p.min_p) or not 0.0 <= p.min_p <= 1.0:
+        raise bad("params.min_p", f"min_p must be in [0, 1], got {p.min_p}")
+    if not _finite(p.repetition_penalty) or p.repetition_penalty <= 0.0:
+        raise bad(
+            "params.repetition_penalty", f"repetition_penalty must be a finite number > 0, got {p.repetition_penalty}"
+        )
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(p, name)
+        if not _finite(v) or not -2.0 <= v <= 2.0:
+            raise bad(f"params.{name}", f"{name} must be in [-2, 2], got {v}")

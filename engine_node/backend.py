@@ -45,6 +45,12 @@ class SeqRequest:
     max_new_tokens: int  # tokens still to generate (>= 1)
     seed: int | None = None  # per-sequence seed (None: the backend's own stream)
     lora: str | None = None
+    # -- issue 10. The last `output_prefix` prompt tokens are output generated
+    # before a re-submission: presence/frequency penalties count them as output.
+    output_prefix: int = 0
+    # Prompt logprobs to compute for this submission (None: none; the node asks
+    # once per sample, whatever params.prompt_logprobs says).
+    prompt_logprobs: int | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -57,6 +63,24 @@ class StepOutput:
     #          the node re-submits prompt + tokens so far.
     # "error": the backend failed this sequence only; the node fails its request.
     finish_reason: str | None = None
+    # -- issue 10: top-k alternatives (params.logprobs = k >= 1), row-major
+    # [len(token_ids) * k], best first; and the prompt logprobs of a submission
+    # that asked for them (once, on any output of that submission).
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class PromptLogprobsOut:
+    """Per token of the submitted prompt: logprobs[i] = log p(prompt[i] | prompt[:i])
+    (NaN at 0); top_ids / top_logprobs: the k best at each position, row-major
+    [len(prompt) * k] (row 0 zeros / NaN)."""
+
+    k: int
+    logprobs: list[float]
+    top_ids: list[int] = dataclasses.field(default_factory=list)
+    top_logprobs: list[float] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -37,10 +37,14 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
+from bus import logprob_frames as LF
 from bus import protocol as P
 from bus.codec import Outbox
 from bus.errors import BadRequest, ErrorCode, RolloutBusError
 from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput
+from engine_node.detokenize import load_tokenizer, make_matcher
 from engine_node.requests import NodeRequest, Sample, SampleState, new_request, transition
 
 assert sys.byteorder == "little", "token frames are int32 little-endian: array('i') must match"
@@ -105,6 +109,8 @@ class RequestCore:
         self.acks: list[tuple[int, bool, dict[str, Any], str | None, str | None]] = []
         self._waits: list[tuple[int, str, float, float, dict[str, Any]]] = []  # seq, scope, deadline, timeout_s, result
         self.work_appeared: Callable[[], None] = lambda: None  # shell hook (stall visibility)
+        # Stop strings: the engine model's tokenizer, loaded on the first request that sets `stop`.
+        self.tokenizer_of: Callable[[], Any] = lambda: load_tokenizer(info.model)
 
     # ================================================================ events
 
@@ -138,6 +144,11 @@ class RequestCore:
                 f"LoRA adapter {msg.lora!r} is not loaded on {self.engine_id}", request_id=rid, field="lora"
             )
         req = new_request(client, msg, prompt, self.now)
+        if msg.params.stop:
+            # Detokenizer state from prompt + tokens so far (a failover resubmission
+            # carries them); refused here, before the request exists, if no tokenizer.
+            for s in req.samples:
+                s.matcher = make_matcher(self.tokenizer_of, req.base_prompt, msg.params, s.tokens, rid)
         self.requests[req.key] = req
         self.pending.extend((req, s) for s in req.samples)
         self.admit_dirty = True
@@ -260,13 +271,19 @@ class RequestCore:
         seq_id = str(self._seq_counter)
         p = req.msg.params
         seed = None if p.seed is None else p.seed + s.index + 7919 * s.submissions
+        done = len(s.tokens)
+        if p.min_tokens and done:
+            # min_tokens counts the whole output: a re-submission needs only the rest.
+            p = msgspec.structs.replace(p, min_tokens=max(0, p.min_tokens - done))
         seq = SeqRequest(
             seq_id=seq_id,
             prompt=req.base_prompt + s.tokens,
             params=p,
-            max_new_tokens=p.max_tokens - len(s.tokens),
+            max_new_tokens=p.max_tokens - done,
             seed=seed,
             lora=req.lora,
+            output_prefix=done,
+            prompt_logprobs=p.prompt_logprobs if s.prompt_logprobs is None else None,
         )
         try:
             self.backend.add(seq)
@@ -290,6 +307,8 @@ class RequestCore:
             req, s = entry
             toks = out.token_ids
             finish = out.finish_reason
+            if out.prompt_logprobs is not None and s.prompt_logprobs is None:
+                s.prompt_logprobs = _base_prompt_logprobs(out.prompt_logprobs, len(req.base_prompt))
             if toks:
                 room = req.msg.params.max_tokens - len(s.tokens)
                 if len(toks) >= room:
@@ -299,6 +318,17 @@ class RequestCore:
                     if finish is None:
                         self.backend.abort([out.seq_id])
                         finish = "abort"  # -> _backend_ended: natural finish
+                if s.matcher is not None:
+                    for i, t in enumerate(toks):
+                        hit = s.matcher.feed(t)
+                        if hit is not None:
+                            # The token that completed the stop string is the last one.
+                            toks = toks[: i + 1]
+                            if finish is None:
+                                self.backend.abort([out.seq_id])
+                            s.stop_reason = hit
+                            finish = "stop"
+                            break
                 if not req.msg.stream:
                     marks = s.version_marks
                     if not marks or marks[-1][1] != version:
@@ -306,6 +336,10 @@ class RequestCore:
                 s.tokens.extend(toks)
                 if out.logprobs is not None:
                     s.logprobs.extend(out.logprobs[: len(toks)])
+                if out.top_ids is not None and out.top_logprobs is not None:
+                    k = len(out.top_ids) // max(1, len(out.token_ids))
+                    s.top_ids.extend(out.top_ids[: k * len(toks)])
+                    s.top_logprobs.extend(out.top_logprobs[: k * len(toks)])
                 self.tokens_out += len(toks)
             if finish is None:
                 # Frozen: a backend whose freeze is not instant may still hand
@@ -350,9 +384,25 @@ class RequestCore:
 
     def _send_chunk(self, req: NodeRequest, s: Sample, finish: str | None) -> None:
         sent = s.sent
+        p = req.msg.params
         buffers = [array("i", s.tokens[sent:]).tobytes()]
-        if req.msg.params.logprobs:
+        top_k = prompt_k = -1
+        if LF.logprobs_wanted(p.logprobs):
             buffers.append(array("f", s.logprobs[sent:]).tobytes())
+            top_k = LF.top_k_of(p.logprobs)
+            if top_k > 0:
+                buffers.append(array("i", s.top_ids[sent * top_k : len(s.tokens) * top_k]).tobytes())
+                buffers.append(array("f", s.top_logprobs[sent * top_k : len(s.tokens) * top_k]).tobytes())
+        text = None
+        if finish is not None:
+            pl = s.prompt_logprobs
+            if p.prompt_logprobs is not None and pl is not None:
+                prompt_k = pl.k
+                buffers += LF.encode_prompt(pl.k, pl.logprobs, pl.top_ids, pl.top_logprobs)
+            if s.matcher is not None:
+                last = s.tokens[-1] if len(s.tokens) > req.msg.resume_len else None
+                stop_id = last is not None and (last in p.stop_token_ids or (not p.ignore_eos and last in self.eos))
+                text = s.matcher.final_text(finish == "stop" and stop_id)
         stream = req.msg.stream
         marks = s.version_marks
         chunk = P.Chunk(
@@ -364,6 +414,10 @@ class RequestCore:
             emitted_at=self.wall,
             num_prompt_tokens=len(req.base_prompt) if finish else 0,
             engine_id=self.engine_id if finish else "",
+            top_logprobs=max(0, top_k),
+            prompt_logprobs=prompt_k,
+            stop_reason=s.stop_reason if finish else None,
+            text=text,
         )
         s.sent = len(s.tokens)
         self.outbox.add(req.client, chunk, buffers)
@@ -595,6 +649,18 @@ class RequestCore:
 
     def config_result(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version, "loras": self.backend.loras(), "epoch": self.config_epoch}
+
+
+def _base_prompt_logprobs(pl: Any, base_len: int) -> Any:
+    """A submission's prompt logprobs cut to the client's prompt (a re-submitted
+    prompt ends with output tokens)."""
+    k = pl.k
+    return dataclasses.replace(
+        pl,
+        logprobs=list(pl.logprobs[:base_len]),
+        top_ids=list(pl.top_ids[: base_len * k]),
+        top_logprobs=list(pl.top_logprobs[: base_len * k]),
+    )
 
 
 _PAUSE_MODES: dict[str, Callable[..., Any]] = {

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
+from bus.logprob_frames import top_k_of
 from bus.protocol import Generate
 
 
@@ -62,6 +64,12 @@ class Sample:
     submissions: int = 0  # how many times it entered the backend
     # Non-streamed requests: [token offset, weight version] at each change.
     version_marks: list[list[int]] = dataclasses.field(default_factory=list)
+    # -- issue 10
+    top_ids: list[int] = dataclasses.field(default_factory=list)  # k per token, row-major
+    top_logprobs: list[float] = dataclasses.field(default_factory=list)
+    prompt_logprobs: Any = None  # backend.PromptLogprobsOut of the base prompt, once computed
+    matcher: Any = None  # detokenize.StopMatcher, for requests with stop strings
+    stop_reason: str | None = None  # the stop string that ended it
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -90,8 +98,16 @@ class NodeRequest:
 def new_request(client: bytes, msg: Generate, prompt: list[int], now: float) -> NodeRequest:
     resumed = prompt[len(prompt) - msg.resume_len :] if msg.resume_len else []
     base = prompt[: len(prompt) - msg.resume_len] if msg.resume_len else prompt
+    k = top_k_of(msg.params.logprobs) * len(resumed)  # placeholders, never sent
     samples = [
-        Sample(index=msg.sample_offset + i, tokens=list(resumed), logprobs=[0.0] * len(resumed), sent=len(resumed))
+        Sample(
+            index=msg.sample_offset + i,
+            tokens=list(resumed),
+            logprobs=[0.0] * len(resumed),
+            sent=len(resumed),
+            top_ids=[0] * k,
+            top_logprobs=[0.0] * k,
+        )
         for i in range(msg.num_samples)
     ]
     deadline = now + msg.timeout_s if msg.timeout_s else None

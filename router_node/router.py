@@ -29,6 +29,7 @@ from bus import protocol as P
 from bus.codec import Codec, Outbox, request_id_of, split_chunks
 from bus.control_bus import ControlBus, PendingCommand
 from bus.errors import BadRequest, ErrorCode, ProtocolError, RolloutBusError
+from bus.logprob_frames import logprobs_wanted, prompt_frame_count, top_k_of
 from bus.sockets import CONTROL_HWM, CurveKeys, bound_address, check_endpoint, make_socket
 from bus.validate import check_generate, prompt_from_frames
 from router_node.config import RouterConfig
@@ -51,6 +52,8 @@ class SampleTrack:
     logprobs: bytearray = dataclasses.field(default_factory=bytearray)  # float32
     marks: list[list[int]] = dataclasses.field(default_factory=list)  # [offset, version]
     done: bool = False
+    top_ids: bytearray = dataclasses.field(default_factory=bytearray)  # int32, k per token (issue 10)
+    top_logprobs: bytearray = dataclasses.field(default_factory=bytearray)  # float32
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -512,12 +515,17 @@ class Router:
         tr = fl.samples.get(ch.sample_index)
         if tr is None or tr.done:
             return
-        toks = buffers[0].bytes if buffers else b""
-        lps = buffers[1].bytes if len(buffers) > 1 else b""
+        npf = prompt_frame_count(ch)  # the final chunk's prompt logprobs frames come last
+        head = buffers[: len(buffers) - npf]
+        toks = head[0].bytes if head else b""
+        lps = head[1].bytes if len(head) > 1 else b""
         if toks and (not tr.marks or tr.marks[-1][1] != ch.weight_version):
             tr.marks.append([len(tr.tokens) // 4, ch.weight_version])
         tr.tokens += toks
         tr.logprobs += lps
+        if ch.top_logprobs and len(head) >= 4:
+            tr.top_ids += head[2].bytes
+            tr.top_logprobs += head[3].bytes
         final = ch.finish_reason is not None
         if fl.msg.stream:
             if frames is not None and part.rid == fl.msg.request_id and len(part.indices) == len(fl.samples):
@@ -542,10 +550,19 @@ class Router:
                 emitted_at=ch.emitted_at,
                 num_prompt_tokens=len(fl.prompt) // 4 - skip,
                 engine_id=ch.engine_id,
+                top_logprobs=ch.top_logprobs,
+                prompt_logprobs=ch.prompt_logprobs,
+                stop_reason=ch.stop_reason,
+                text=ch.text,
             )
             bufs = [bytes(tr.tokens[4 * skip :])]
-            if fl.msg.params.logprobs:
+            if logprobs_wanted(fl.msg.params.logprobs):
                 bufs.append(bytes(tr.logprobs[4 * skip :]))
+                k = top_k_of(fl.msg.params.logprobs)
+                if k:
+                    bufs += [bytes(tr.top_ids[4 * k * skip :]), bytes(tr.top_logprobs[4 * k * skip :])]
+            if npf:
+                bufs += [b.bytes for b in buffers[len(buffers) - npf :]]
             self.outbox.add(fl.client, out, bufs)
         part.open -= 1
         e.outstanding -= 1

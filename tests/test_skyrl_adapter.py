@@ -13,7 +13,7 @@ import pytest
 
 from bus.errors import BadRequest, ClosedByUs, Unsupported
 from trainer_bridge import AsyncClient
-from trainer_bridge.sampling import PARAMS, UnsupportedParameter, needs_server, translate
+from trainer_bridge.sampling import PARAMS, needs_server, translate
 from trainer_bridge.skyrl import RolloutBusEngine
 
 CHAT_TEMPLATE = (
@@ -68,9 +68,8 @@ def run(loop, coro):
 
 
 def params(**kw):
-    # SkyRL's defaults minus min_tokens (needs the engines: see test_skyrl_default_params_*)
-    p = {k: v for k, v in SKYRL_DEFAULT_PARAMS.items() if k != "min_tokens"}
-    return {**p, "ignore_eos": True, **kw}
+    # SkyRL's defaults, as they are (min_tokens=1 included)
+    return {**SKYRL_DEFAULT_PARAMS, "ignore_eos": True, **kw}
 
 
 # ------------------------------------------------------------------ interface
@@ -93,43 +92,43 @@ def test_every_interface_method_exists_with_its_kind():
 # ------------------------------------------------------------------ sampling params
 
 
-def test_skyrl_default_params_translate_except_min_tokens():
-    # TODO(issue 10, server-side): min_tokens needs engine support; once the
-    # engines honour it, PARAMS["min_tokens"] becomes wire() and this whole
-    # dict (SkyRL's defaults) translates.
-    with pytest.raises(UnsupportedParameter) as e:
-        translate(SKYRL_DEFAULT_PARAMS, prefix="sampling_params.")
-    assert e.value.field == "sampling_params.min_tokens" and isinstance(e.value, BadRequest)
-    tr = translate({**params(), "repetition_penalty": 1.0, "n": 2})
+def test_skyrl_default_params_translate():
+    tr = translate({**SKYRL_DEFAULT_PARAMS, "repetition_penalty": 1.0, "n": 2}, prefix="sampling_params.")
     assert (tr.params.top_k, tr.params.logprobs, tr.params.max_tokens, tr.num_samples, tr.skip_special_tokens) == (
         0,
-        True,
+        1,
         8,
         2,
         True,
     )
+    assert (tr.params.min_tokens, tr.params.include_stop_str_in_output, tr.params.stop) == (1, True, [])
 
 
-# Values trainers send that the engines cannot honour yet. TODO(issue 10,
-# server-side): each becomes a wire() line in trainer_bridge.sampling.PARAMS
-# and its case moves to "supported" here.
-NEEDS_SERVER = {
+# Values trainers send that the engines honour since issue 10's server side: each
+# goes onto the wire as it is.
+ISSUE10 = {
     "stop": ["</s>"], "include_stop_str_in_output": True, "min_tokens": 2, "min_p": 0.05,
     "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5, "prompt_logprobs": 1, "logprobs": 5,
+    "skip_special_tokens": False,
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("key", sorted(NEEDS_SERVER))
-def test_params_needing_the_engines_raise_a_typed_error_naming_the_field(key):
-    extra = {"stop": ["x"]} if key == "include_stop_str_in_output" else {}
-    with pytest.raises(UnsupportedParameter) as e:
-        translate({"max_tokens": 4, **extra, key: NEEDS_SERVER[key]}, prefix="sampling_params.")
-    assert e.value.field == ("sampling_params.stop" if extra else f"sampling_params.{key}")
-    assert isinstance(e.value, Unsupported) and isinstance(e.value, BadRequest)
+@pytest.mark.parametrize("key", sorted(ISSUE10))
+def test_issue10_params_go_onto_the_wire(key):
+    tr = translate({"max_tokens": 4, key: ISSUE10[key]}, prefix="sampling_params.")
+    assert getattr(tr.params, key) == ISSUE10[key]
+
+
+def test_bad_values_are_typed_errors_naming_the_field():
+    for key, v in (("stop", [1]), ("min_tokens", 1.5), ("prompt_logprobs", "x"), ("min_p", "x")):
+        with pytest.raises(BadRequest) as e:
+            translate({"max_tokens": 4, key: v}, prefix="sampling_params.")
+        assert e.value.field == f"sampling_params.{key}"
+    assert translate({"stop": "END"}).params.stop == ["END"]  # vLLM: one string or a list
 
 
 def test_param_table_covers_the_issue_and_unknown_keys_stay_errors():
-    assert set(NEEDS_SERVER) - {"logprobs"} == set(needs_server())
+    assert needs_server() == []
     for key in ("stop_token_ids", "seed", "n", "skip_special_tokens", "top_k", "logprobs"):
         assert key in PARAMS
     with pytest.raises(BadRequest) as e:
@@ -153,9 +152,37 @@ def test_generate_token_ids(engine, loop):
     assert out["prompt_logprobs"] is None
     n2 = run(loop, engine.generate({"prompt_token_ids": prompts, "sampling_params": params(n=2, logprobs=None)}))
     assert len(n2["response_ids"]) == 4 and n2["response_logprobs"] is None  # n samples per prompt, prompt-major
-    with pytest.raises(UnsupportedParameter) as e:  # refused before anything is sent
-        run(loop, engine.generate({"prompt_token_ids": prompts, "sampling_params": params(stop=["over"])}))
-    assert e.value.field == "sampling_params.stop"
+    with pytest.raises(BadRequest) as e:  # refused by the engine, naming the field
+        run(loop, engine.generate({"prompt_token_ids": prompts, "sampling_params": params(min_p=1.5)}))
+    assert e.value.field == "params.min_p"
+
+
+def test_generate_prompt_logprobs_and_stop_strings(engine, loop):
+    prompts = [[5, 17, 42, 9]]
+    out = run(
+        loop,
+        engine.generate({"prompt_token_ids": prompts, "sampling_params": params(prompt_logprobs=0, temperature=0.0)}),
+    )
+    plp = out["prompt_logprobs"][0]
+    assert len(plp) == 4 and plp[0] is None and all(x < 0 for x in plp[1:])
+    tok = engine._text.tokenizer
+    from engine_node.detokenize import StopMatcher
+
+    # the engine's text is vLLM's incremental detokenization after the prompt
+    # (here: a leading space that a whole-output decode does not have)
+    full = StopMatcher(tok, prompts[0], [], prior=out["response_ids"][0]).text
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = words[2]
+    for include in (True, False):
+        sp = params(temperature=0.0, stop=[stop], include_stop_str_in_output=include)
+        got = run(loop, engine.generate({"prompt_token_ids": prompts, "sampling_params": sp}))
+        assert got["stop_reasons"] == ["stop"]
+        cut = full.index(stop) + (len(stop) if include else 0)
+        assert got["responses"][0] == full[:cut]
+        ids = got["response_ids"][0]
+        assert ids == out["response_ids"][0][: len(ids)]  # tokens up to the one completing the stop string
+        assert stop in tok.decode(ids) and stop not in tok.decode(ids[:-1])
 
 
 def test_generate_chat_prompts_equal_their_template_ids(engine, loop):

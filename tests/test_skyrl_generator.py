@@ -23,7 +23,6 @@ except Exception as e:
 
 from tests.test_skyrl_adapter import CHAT_TEMPLATE
 from trainer_bridge import AsyncClient
-from trainer_bridge.sampling import UnsupportedParameter
 from trainer_bridge.skyrl import RolloutBusEngine
 
 TURNS = 3
@@ -80,15 +79,9 @@ def test_skyrl_gym_generator_runs_multi_turn_over_rollout_bus(torch_cluster, tin
             "env_extras": [{}, {}],
             "sampling_params": sp,
         }
-        # TODO(issue 10, server-side): SkyRL's defaults carry min_tokens=1, which needs
-        # engine support; then SkyRL's defaults pass as they are and the filter below goes.
-        with pytest.raises(UnsupportedParameter) as e:
-            await engine.generate({"prompts": prompts, "sampling_params": sp})
-        assert e.value.field == "sampling_params.min_tokens"
+        # SkyRL's defaults (min_tokens=1 included) pass as they are.
         sessions_before = (await client.stats())["sessions"]
-        out = await gen.generate(
-            {**batch, "sampling_params": {k: v for k, v in sp.items() if k != "min_tokens"}}, disable_tqdm=True
-        )
+        out = await gen.generate(batch, disable_tqdm=True)
         sessions_after = (await client.stats())["sessions"]
         await client.close()
         return out, sessions_before, sessions_after, released

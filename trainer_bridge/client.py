@@ -31,6 +31,7 @@ import zmq
 from bus import protocol as P
 from bus.codec import Codec, split_chunks
 from bus.errors import BadRequest, ClosedByUs, ControlError, ProtocolError, RequestTimeout, exception_from_wire
+from bus.logprob_frames import decode as decode_frames
 from bus.sockets import CurveKeys, make_socket
 from trainer_bridge.types import GenerationResult, SampledSequence, SampleOutput, SampleResponse, StreamChunk
 
@@ -244,22 +245,26 @@ class AsyncClient:
                     raise exception_from_wire(item.code, item.message, rid, item.field)
                 if not isinstance(item, P.Chunk):
                     raise ProtocolError(f"unexpected {type(item).__name__} for a generate request", request_id=rid)
-                toks = np.frombuffer(buffers[0], dtype="<i4").tolist() if buffers else []
-                lps = np.frombuffer(buffers[1], dtype="<f4").tolist() if len(buffers) > 1 else None
+                dec = decode_frames(item, buffers)
                 if item.finish_reason is not None:
                     open_samples -= 1
                 yield (
                     StreamChunk(
                         request_id=rid,
                         sample_index=item.sample_index,
-                        token_ids=toks,
-                        logprobs=lps,
+                        token_ids=dec.token_ids,
+                        logprobs=dec.logprobs,
                         weight_version=item.weight_version,
                         finish_reason=item.finish_reason,
                         emitted_at=item.emitted_at,
                         received_at=time.time(),
                         engine_id=item.engine_id,
                         num_prompt_tokens=item.num_prompt_tokens,
+                        top_ids=dec.top_ids,
+                        top_logprobs=dec.top_logprobs,
+                        prompt=dec.prompt,
+                        stop_str=item.stop_reason,
+                        text=item.text,
                     ),
                     item.version_changes,
                 )
@@ -282,10 +287,19 @@ class AsyncClient:
             s.token_ids.extend(ch.token_ids)
             if ch.logprobs is not None and s.logprobs is not None:
                 s.logprobs.extend(ch.logprobs)
+            if ch.top_ids is not None:
+                s.top_ids = (s.top_ids or []) + ch.top_ids
+                s.top_logprobs = (s.top_logprobs or []) + (ch.top_logprobs or [])
             s.token_versions.extend(_versions(ch.weight_version, changes, len(ch.token_ids)))
             if ch.finish_reason is not None:
                 s.finish_reason = ch.finish_reason
                 s.engine_id = ch.engine_id
+                s.stop_str = ch.stop_str
+                if ch.text is not None:
+                    s.text = ch.text  # the engine's text (stop strings: truncated as vLLM does)
+                if ch.prompt is not None:
+                    s.prompt_logprobs = ch.prompt.logprobs
+                    s.prompt_top_ids, s.prompt_top_logprobs = ch.prompt.top_ids, ch.prompt.top_logprobs
                 n_prompt = ch.num_prompt_tokens
         return GenerationResult(
             request_id=rid, samples=[samples[i] for i in sorted(samples)], num_prompt_tokens=n_prompt
@@ -314,7 +328,9 @@ class AsyncClient:
             out: Any = list(await asyncio.gather(*(self._collect(p, params, **kw) for p in prompt_ids)))  # type: ignore[arg-type]
         else:
             out = await self._collect(prompt_ids, params, **kw)  # type: ignore[arg-type]
-        return attach_text(out, text) if text is not None else out
+        if text is None:
+            return out
+        return attach_text(out, text, skip_special_tokens=_params(params).skip_special_tokens)
 
     async def sample(
         self,

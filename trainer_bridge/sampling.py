@@ -5,8 +5,7 @@ Each key has one rule:
 
 - `wire(...)`: the engine honours it; the value goes into `SamplingParams`
   (optionally converted).
-- `client(...)`: exact on the client side (`n` → samples of one request,
-  `skip_special_tokens` → at detokenization).
+- `client(...)`: exact on the client side (`n` → samples of one request).
 - `server(neutral=...)`: NEEDS SERVER SUPPORT (issue 10, server-side part).
   Only the value(s) that mean "off" are accepted now, because dropping them
   is then exact; any other value raises `UnsupportedParameter` naming the
@@ -66,26 +65,34 @@ def _top_k(v: Any) -> int:
     return 0 if v == -1 else int(v)  # vLLM: -1 = off; the wire: 0 (or -1) = off
 
 
-def _logprobs(v: Any) -> bool:
-    # vLLM: None = none; k >= 0 = the chosen token's logprob (+ top-k). The wire
-    # returns the chosen token's logprob, which is exactly what 0 / 1 / True ask
-    # for when only the chosen token's value is read (SkyRL, Tinker).
+def _logprobs(v: Any) -> bool | int:
+    # vLLM: None = none; k >= 0 = the chosen token's logprob, then the top-k
+    # alternatives (k = 0: the chosen one only). True: the chosen one only.
     if v is None or v is False:
         return False
-    if v is True or v in (0, 1):
+    if v is True:
         return True
-    raise UnsupportedParameter(
-        f"logprobs={v!r} (top-{v} per token) needs engine support (issue 10, server-side); 0/1/True give the chosen token's logprob",
-        field="logprobs",
-    )
+    if isinstance(v, float) and not v.is_integer():
+        raise ValueError("logprobs must be an int")
+    return int(v)
 
 
-def _with_stop(_v: Any, _all: Mapping[str, Any]) -> bool:
-    return True  # it only qualifies `stop`, which is refused itself while non-empty
+def _stop(v: Any) -> list[str]:
+    # vLLM accepts one string or a list of strings.
+    items = [v] if isinstance(v, str) else list(v)
+    if not all(isinstance(x, str) for x in items):
+        raise ValueError("stop must be a string or a list of strings")
+    return items
 
 
-# One line per parameter. `server(...)` lines are the follow-up's to-do list:
-# once the engine honours the field, replace the line with `wire(...)`.
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+        raise ValueError("expected an int")
+    return int(v)
+
+
+# One line per parameter. A `server(...)` line would mark one the engines do not
+# honour yet; since issue 10's server side every parameter is on the wire.
 PARAMS: dict[str, _Rule] = {
     "max_tokens": wire(),
     "temperature": wire(conv=float),
@@ -94,18 +101,18 @@ PARAMS: dict[str, _Rule] = {
     "seed": wire(),
     "stop_token_ids": wire(conv=lambda v: [int(t) for t in v or ()]),
     "ignore_eos": wire(conv=bool),
-    "logprobs": wire(conv=_logprobs),  # int k > 1 (top-k): needs server
+    "logprobs": wire(conv=_logprobs),  # True / 0: the chosen token's; k: + top-k
     "n": client("num_samples", conv=int),
-    "skip_special_tokens": client(conv=bool),
-    # ---- NEEDS SERVER SUPPORT (issue 10, server-side) -------------------
-    "stop": server(None, [], ()),  # stop strings, matched on detokenized text
-    "include_stop_str_in_output": server(when=_with_stop),  # goes to wire() together with "stop"
-    "min_tokens": server(None, 0),
-    "min_p": server(None, 0, 0.0),
-    "repetition_penalty": server(None, 1, 1.0),
-    "presence_penalty": server(None, 0, 0.0),
-    "frequency_penalty": server(None, 0, 0.0),
-    "prompt_logprobs": server(None),
+    # Client-side text AND the engine's stop-string matching use it.
+    "skip_special_tokens": wire(conv=bool),
+    "stop": wire(conv=_stop),  # stop strings, matched on the engine node's detokenized text
+    "include_stop_str_in_output": wire(conv=bool),
+    "min_tokens": wire(conv=_int),
+    "min_p": wire(conv=float),
+    "repetition_penalty": wire(conv=float),
+    "presence_penalty": wire(conv=float),
+    "frequency_penalty": wire(conv=float),
+    "prompt_logprobs": wire(conv=_int),  # per prompt token, on each sample's final chunk
 }
 
 # Keys of vLLM's SamplingParams with no effect on the tokens or logprobs the
@@ -119,7 +126,7 @@ def translate(sp: Mapping[str, Any] | P.SamplingParams | None, *, prefix: str = 
     BadRequest (unknown key or bad value) or UnsupportedParameter (needs the
     engine), each with `field` = `prefix + key`."""
     if isinstance(sp, P.SamplingParams):
-        return Translated(sp)
+        return Translated(sp, skip_special_tokens=sp.skip_special_tokens)
     wire_kw: dict[str, Any] = {}
     out = Translated(P.SamplingParams())
     for key, value in (sp or {}).items():
@@ -149,6 +156,7 @@ def translate(sp: Mapping[str, Any] | P.SamplingParams | None, *, prefix: str = 
         else:
             setattr(out, rule.target or key, v)
     out.params = _to_wire(wire_kw, prefix)
+    out.skip_special_tokens = out.params.skip_special_tokens
     if out.num_samples < 1:
         raise BadRequest(f"n must be >= 1, got {out.num_samples}", field=prefix + "n")
     return out

@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 
 from bus.errors import BadRequest, ProtocolError, Unsupported
+from bus.logprob_frames import logprobs_wanted
 from trainer_bridge.client import AsyncClient
 from trainer_bridge.sampling import Translated, translate
 from trainer_bridge.text import Text, load_text
@@ -227,13 +228,18 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
 
     @staticmethod
     def _output(samples: Sequence[Any], text: Text, tr: Translated) -> dict[str, Any]:
-        logprobs = tr.params.logprobs
+        logprobs = logprobs_wanted(tr.params.logprobs)
         return {
-            "responses": [text.decode(s.token_ids, skip_special_tokens=tr.skip_special_tokens) for s in samples],
+            # A stop-string request's text comes from the engine, cut as vLLM cuts it.
+            "responses": [
+                s.text if s.text is not None else text.decode(s.token_ids, skip_special_tokens=tr.skip_special_tokens)
+                for s in samples
+            ],
             "response_ids": [list(s.token_ids) for s in samples],
             "stop_reasons": [s.finish_reason for s in samples],
             "response_logprobs": [list(s.logprobs or []) for s in samples] if logprobs else None,
-            "prompt_logprobs": None,  # prompt_logprobs is refused by translate() until the engines support it
+            # Per sample: each prompt token's logprob given its prefix (None for the first).
+            "prompt_logprobs": [s.prompt_logprobs for s in samples] if tr.params.prompt_logprobs is not None else None,
             "rollout_expert_indices": None,
         }
 
@@ -294,12 +300,23 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         res = await self._one(ids, tr, session_id, self._lora(body.get("model")))
         choices = []
         for s in res.samples:
-            content = text.decode(s.token_ids, skip_special_tokens=tr.skip_special_tokens)
+            content = (
+                s.text if s.text is not None else text.decode(s.token_ids, skip_special_tokens=tr.skip_special_tokens)
+            )
             lp = None
-            if tr.params.logprobs:
+            if logprobs_wanted(tr.params.logprobs):
+
+                def tops(i: int, s: Any = s) -> list[dict[str, Any]]:
+                    if s.top_ids is None or s.top_logprobs is None:
+                        return []
+                    return [
+                        {"token": text.decode([t], skip_special_tokens=False), "logprob": x, "bytes": None}
+                        for t, x in zip(s.top_ids[i], s.top_logprobs[i], strict=True)
+                    ]
+
                 lp = {"content": [
-                    {"token": text.decode([t], skip_special_tokens=False), "logprob": x, "bytes": None, "top_logprobs": []}
-                    for t, x in zip(s.token_ids, s.logprobs or [], strict=False)
+                    {"token": text.decode([t], skip_special_tokens=False), "logprob": x, "bytes": None, "top_logprobs": tops(i)}
+                    for i, (t, x) in enumerate(zip(s.token_ids, s.logprobs or [], strict=False))
                 ]}  # fmt: skip
             choices.append({
                 "index": s.index, "message": {"role": "assistant", "content": content}, "finish_reason": s.finish_reason,
@@ -322,7 +339,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         for r in results:
             for s in r.samples:
                 lp = None
-                if tr.params.logprobs:
+                if logprobs_wanted(tr.params.logprobs):
                     toks = [text.decode([t], skip_special_tokens=False) for t in s.token_ids]
                     lp = {
                         "tokens": toks,
@@ -331,7 +348,8 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
                         "text_offset": None,
                     }
                 choices.append({
-                    "index": len(choices), "text": text.decode(s.token_ids, skip_special_tokens=tr.skip_special_tokens),
+                    "index": len(choices),
+                    "text": s.text if s.text is not None else text.decode(s.token_ids, skip_special_tokens=tr.skip_special_tokens),
                     "finish_reason": s.finish_reason, "logprobs": lp, "token_ids": list(s.token_ids),
                 })  # fmt: skip
         return self._openai_reply("text_completion", body, results[0], [t for p in prompts for t in p], choices)

@@ -118,7 +118,8 @@ def attach_text(results: Any, text: Text, *, skip_special_tokens: bool = True) -
     """Fill `text` on every sample of a GenerationResult or a list of them."""
     for r in results if isinstance(results, list) else [results]:
         for s in r.samples:
-            s.text = text.decode(s.token_ids, skip_special_tokens=skip_special_tokens)
+            if s.text is None:  # the engine's text (a stop-string request) wins: it is vLLM's exact cut
+                s.text = text.decode(s.token_ids, skip_special_tokens=skip_special_tokens)
     return results
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -14,6 +15,13 @@ class SampleOutput:
     token_versions: list[int]  # weight version that produced each token
     engine_id: str = ""  # the engine that finished it
     text: str | None = None  # decoded token_ids, when the client has a tokenizer
+    # -- issue 10 (None unless asked for)
+    top_ids: list[list[int]] | None = None  # logprobs=k: the k best token ids per token, best first
+    top_logprobs: list[list[float]] | None = None  # … and their logprobs (the chosen one is `logprobs`)
+    prompt_logprobs: list[float | None] | None = None  # per prompt token (None for the first)
+    prompt_top_ids: list[list[int]] | None = None  # prompt_logprobs=k: k best per prompt position
+    prompt_top_logprobs: list[list[float]] | None = None
+    stop_str: str | None = None  # the stop string that ended it (vLLM's stop_reason)
 
     @property
     def stop_reason(self) -> str:
@@ -48,6 +56,10 @@ class GenerationResult:
         return self.samples[0].engine_id
 
     @property
+    def prompt_logprobs(self) -> list[float | None] | None:
+        return self.samples[0].prompt_logprobs
+
+    @property
     def text(self) -> str | None:
         return self.samples[0].text
 
@@ -64,6 +76,11 @@ class StreamChunk:
     received_at: float  # client clock (time.time()) when received
     engine_id: str = ""  # on the final chunk
     num_prompt_tokens: int = 0  # on the final chunk
+    top_ids: list[list[int]] | None = None  # logprobs=k
+    top_logprobs: list[list[float]] | None = None
+    prompt: Any = None  # bus.logprob_frames.PromptLogprobs, on the final chunk (prompt_logprobs set)
+    stop_str: str | None = None  # on the final chunk: the stop string that ended the sample
+    text: str | None = None  # on the final chunk of a request with stop strings: the output text
 
 
 # Tinker-style sampling results: stop reason is only ever "stop" or "length".

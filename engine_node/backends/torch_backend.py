@@ -16,6 +16,12 @@ of engine_node/backend.py:
   sequences get a seed from the backend's generator).
 - Logprobs are log_softmax of the fp32 logits *before* temperature, top-k and
   top-p: the model's raw distribution, i.e. what a trainer recomputes.
+- Issue 10 (engine_node/sampling_features.py, vLLM's definitions and order):
+  min_tokens masks the stop ids, then repetition / presence / frequency
+  penalties (the last `output_prefix` prompt tokens count as output), then
+  greedy, or temperature → min_p → top-k → top-p. logprobs=k adds the top-k of
+  the raw log_softmax; prompt_logprobs (SeqRequest.prompt_logprobs) keeps every
+  position's logits in the prefill and reports them with the first token.
 - Stops: a token in stop_token_ids, or in eos_token_ids unless ignore_eos,
   ends the sequence with "stop" and IS part of the output (as vLLM keeps eos
   ids in output_token_ids); max_new_tokens ends it with "length".
@@ -70,7 +76,9 @@ from typing import Any
 import structlog
 import torch
 
+from bus.logprob_frames import logprobs_wanted, top_k_of
 from bus.tensors import unpack_bucket
+from engine_node import sampling_features as SF
 from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput
 from engine_node.lora_local import LoraHooks, build_adapter, read_peft_folder
 from engine_node.tiny_model import hf_quiet
@@ -98,12 +106,14 @@ class WeightUpdateError(BackendError, ValueError):
 # ------------------------------------------------------------------ sampling
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
+def sample_token(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator, min_p: float = 0.0
+) -> int:
     """One token id from fp32 CPU `logits` [vocab]: greedy when temperature is
-    ~0, else temperature → top-k → top-p → multinomial draw from `gen`."""
+    ~0, else temperature → min_p → top-k → top-p → multinomial draw from `gen`."""
     if temperature < _GREEDY_EPS:
         return int(torch.argmax(logits))
-    scaled = logits / temperature
+    scaled = SF.apply_min_p(logits / temperature, min_p)
     if 0 < top_k < scaled.numel():
         kth = torch.topk(scaled, top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -132,6 +142,7 @@ class _Seq:
     num_tokens: int = 0  # tokens in the cache
     generated: int = 0
     frozen: bool = False
+    output: list[int] = dataclasses.field(default_factory=list)  # sampled this submission
 
 
 def _cache_bytes(cache: Any) -> int:
@@ -348,32 +359,64 @@ class TorchBackend:
         return outs
 
     def _advance(self, s: _Seq) -> StepOutput:
-        """One forward of `s` (its prefill the first time), one sampled token."""
-        logits = self._forward(s)
-        p = s.req.params
-        tok = sample_token(logits, p.temperature, p.top_k, p.top_p, s.gen)
-        lp = float(torch.log_softmax(logits, dim=-1)[tok]) if p.logprobs else None
+        """One forward of `s` (its prefill the first time), one sampled token
+        (the issue-10 processing: engine_node/sampling_features.py)."""
+        req = s.req
+        p = req.params
+        plp = None
+        if s.cache is None and req.prompt_logprobs is not None:
+            full = self._forward(s, all_logits=True)
+            plp = SF.prompt_logprobs(full, req.prompt, req.prompt_logprobs)
+            raw = full[-1]
+        else:
+            raw = self._forward(s)
+        logits = raw
+        if p.min_tokens:
+            logits = SF.apply_min_tokens(logits, s.generated, p.min_tokens, s.stop_ids)
+        if SF.has_penalties(p):
+            cut = len(req.prompt) - req.output_prefix
+            logits = SF.apply_penalties(
+                logits,
+                req.prompt[:cut],
+                req.prompt[cut:] + s.output,
+                p.repetition_penalty,
+                p.presence_penalty,
+                p.frequency_penalty,
+            )
+        tok = sample_token(logits, p.temperature, p.top_k, p.top_p, s.gen, p.min_p)
+        out = StepOutput(req.seq_id, [tok], None, None, prompt_logprobs=plp)
+        if logprobs_wanted(p.logprobs):
+            logp = torch.log_softmax(raw, dim=-1)
+            out.logprobs = [float(logp[tok])]
+            k = top_k_of(p.logprobs)
+            if k:
+                out.top_ids, out.top_logprobs = SF.top_logprobs(logp, k)
         s.generated += 1
+        s.output.append(tok)
         s.pending = [tok]
-        finish = None
         if tok in s.stop_ids:
-            finish = "stop"
-        elif s.generated >= s.req.max_new_tokens:
-            finish = "length"
-        return StepOutput(s.req.seq_id, [tok], [lp] if lp is not None else None, finish)
+            out.finish_reason = "stop"
+        elif s.generated >= req.max_new_tokens:
+            out.finish_reason = "length"
+        return out
 
-    def _forward(self, s: _Seq) -> torch.Tensor:
+    def _forward(self, s: _Seq, all_logits: bool = False) -> torch.Tensor:
         """Feed `s.pending` through the model on top of its cache; return the
-        fp32 CPU logits of the last position. The cache is created here and
-        grows in place (a forward that raises midway leaves it unusable)."""
+        fp32 CPU logits of the last position (of every position: all_logits).
+        The cache is created here and grows in place (a forward that raises
+        midway leaves it unusable)."""
         from transformers import DynamicCache
 
         if s.cache is None:
             s.cache = DynamicCache(config=self.model.config)
         ids = torch.tensor([s.pending], dtype=torch.long, device=self.device)
         with torch.inference_mode(), self._lora.active(s.req.lora):
-            out = self.model(input_ids=ids, past_key_values=s.cache, use_cache=True, logits_to_keep=1)
+            out = self.model(
+                input_ids=ids, past_key_values=s.cache, use_cache=True, logits_to_keep=0 if all_logits else 1
+            )
         s.num_tokens += len(s.pending)
+        if all_logits:
+            return out.logits[0].to(device="cpu", dtype=torch.float32)
         return out.logits[0, -1].to(device="cpu", dtype=torch.float32)
 
     def has_work(self) -> bool:

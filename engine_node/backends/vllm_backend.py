@@ -224,6 +224,7 @@ class VllmBackend:
         rid = f"{seq.seq_id}#{self._n}"
         salt = f"w{self._weights_epoch}" if self._weights_epoch else None
         self._link.add(build_request(self._api, rid, seq, sp, lr, salt))
+        self._out.expect(rid, seq)
         self._seq_of[rid] = seq.seq_id
         self._rid_of[seq.seq_id] = rid
 
@@ -256,6 +257,7 @@ class VllmBackend:
             if rid is None:
                 continue
             self._seq_of.pop(rid, None)  # late outputs of rid are dropped from now on
+            self._out.forget(rid)
             rids.append(rid)
             so = self._out.pop(rid)
             if so is not None and so.token_ids:

@@ -10,10 +10,12 @@ classes), or the CPU test's fake: nothing here imports vLLM.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
-from engine_node.backend import BackendError, SeqRequest, StepOutput
+from bus.logprob_frames import logprobs_wanted, top_k_of
+from engine_node.backend import BackendError, PromptLogprobsOut, SeqRequest, StepOutput
 
 # vllm.v1.engine.FinishReason (an IntEnum) -> the backend protocol's reasons.
 # "repetition" (vLLM's repetitive-pattern detector) ended the sequence on the
@@ -27,7 +29,16 @@ def sampling_params(
     """vLLM SamplingParams for one sequence, with InputProcessor's defaults:
     max_tokens capped by the room left in max_model_len, eos / stop ids from the
     model's generation config (update_from_generation_config), DELTA outputs,
-    no detokenization. logprobs=0 is vLLM's "the sampled token's logprob only"."""
+    no detokenization. logprobs=0 is vLLM's "the sampled token's logprob only".
+
+    Issue 10: min_tokens (the node already subtracted tokens of earlier
+    submissions), min_p and the three penalties map 1:1; logprobs=k asks for
+    the sampled token + top-k; prompt_logprobs comes from the SeqRequest (the
+    node asks once per sample). Stop strings are NOT given to vLLM: the engine
+    node matches them on its own detokenizer (engine_node/detokenize.py), so
+    vLLM never detokenizes. After a re-submission vLLM counts the earlier output
+    as prompt: repetition_penalty stays exact (prompt + output), presence /
+    frequency penalties then see only the tokens generated since."""
     p = seq.params
     room = max_model_len - len(seq.prompt)
     if room < 1:
@@ -45,7 +56,13 @@ def sampling_params(
         seed=seq.seed,
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=bool(p.ignore_eos),
-        logprobs=0 if p.logprobs else None,
+        logprobs=top_k_of(p.logprobs) if logprobs_wanted(p.logprobs) else None,
+        prompt_logprobs=seq.prompt_logprobs,
+        min_tokens=int(p.min_tokens),
+        min_p=float(p.min_p),
+        repetition_penalty=float(p.repetition_penalty),
+        presence_penalty=float(p.presence_penalty),
+        frequency_penalty=float(p.frequency_penalty),
         output_kind=api.RequestOutputKind.DELTA,
         detokenize=False,
     )
@@ -81,6 +98,40 @@ def chosen_logprobs(new_logprobs: Any, n: int) -> list[float] | None:
     return rows
 
 
+def top_logprobs(new_logprobs: Any, n: int, k: int) -> tuple[list[int], list[float]]:
+    """Columns 1..k of the LogprobsLists rows (the batch may carry more
+    columns, for another request's larger k), flat row-major."""
+    ids: list[int] = []
+    lps: list[float] = []
+    tid, tlp = new_logprobs.logprob_token_ids, new_logprobs.logprobs
+    for i in range(min(n, len(tlp))):
+        ids.extend(int(x) for x in tid[i][1 : k + 1])
+        lps.extend(float(x) for x in tlp[i][1 : k + 1])
+    return ids, lps
+
+
+class _PromptAcc:
+    """Prompt logprobs of one request, gathered over chunked-prefill outputs:
+    `new_prompt_logprobs_tensors` rows are prompt positions 1.. (column 0 =
+    the prompt token, then the top-k)."""
+
+    def __init__(self, prompt_len: int, k: int) -> None:
+        self.out = PromptLogprobsOut(k=k, logprobs=[math.nan], top_ids=[0] * k, top_logprobs=[math.nan] * k)
+        self.left = prompt_len - 1
+
+    def add(self, tensors: Any) -> PromptLogprobsOut | None:
+        _ids, lps = tensors[0], tensors[1]
+        ids = _ids.tolist() if hasattr(_ids, "tolist") else list(_ids)
+        vals = lps.tolist() if hasattr(lps, "tolist") else list(lps)
+        k = self.out.k
+        for row_ids, row_lps in zip(ids, vals, strict=True):
+            self.out.logprobs.append(float(row_lps[0]))
+            self.out.top_ids.extend(int(x) for x in row_ids[1 : k + 1])
+            self.out.top_logprobs.extend(float(x) for x in row_lps[1 : k + 1])
+        self.left -= len(vals)
+        return self.out if self.left <= 0 else None
+
+
 class OutputBuffer:
     """Engine-core output not yet returned by step(), one StepOutput per
     request, in arrival order. Owned by the node's loop thread."""
@@ -88,6 +139,20 @@ class OutputBuffer:
     def __init__(self) -> None:
         self.items: dict[str, StepOutput] = {}  # request id -> merged output
         self.kv_stats: dict[str, Any] = {}
+        self.top_k: dict[str, int] = {}  # request id -> top-k logprobs it asked for (> 0)
+        self.prompt: dict[str, _PromptAcc] = {}  # request id -> prompt logprobs being gathered
+
+    def expect(self, request_id: str, seq: SeqRequest) -> None:
+        """Register what a new request's outputs will carry (issue 10)."""
+        k = top_k_of(seq.params.logprobs) if logprobs_wanted(seq.params.logprobs) else 0
+        if k:
+            self.top_k[request_id] = k
+        if seq.prompt_logprobs is not None:
+            self.prompt[request_id] = _PromptAcc(len(seq.prompt), seq.prompt_logprobs)
+
+    def forget(self, request_id: str) -> None:
+        self.top_k.pop(request_id, None)
+        self.prompt.pop(request_id, None)
 
     def add_batch(self, batch: Any, seq_of: dict[str, str]) -> list[str]:
         """Merge one EngineCoreOutputs. Outputs of request ids not in `seq_of`
@@ -106,7 +171,20 @@ class OutputBuffer:
                 if so.logprobs is None:
                     so.logprobs = []
                 so.logprobs.extend(lps)
+                k = self.top_k.get(o.request_id, 0)
+                if k:
+                    ti, tl = top_logprobs(o.new_logprobs, len(o.new_token_ids), k)
+                    so.top_ids = (so.top_ids or []) + ti
+                    so.top_logprobs = (so.top_logprobs or []) + tl
+            plt = getattr(o, "new_prompt_logprobs_tensors", None)
+            acc = self.prompt.get(o.request_id)
+            if plt is not None and acc is not None:
+                done = acc.add(plt)
+                if done is not None:
+                    so.prompt_logprobs = done
+                    del self.prompt[o.request_id]
             if o.finish_reason is not None:
+                self.forget(o.request_id)
                 so.finish_reason = FINISH_REASONS.get(int(o.finish_reason), "error")
                 finished.append(o.request_id)
         st = getattr(batch, "scheduler_stats", None)

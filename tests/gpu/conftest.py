@@ -93,6 +93,7 @@ def llm_reference(model_dirs):
     REF_LOGPROBS[:] = [
         [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)] for o in outs
     ]
+    ISSUE10_REF.update(issue10_reference(llm, ref))
     # throughput of LLM.generate (for the side-by-side with the backend)
     many = prompts(256, 32, seed=7)
     sp2 = VSP(temperature=1.0, max_tokens=128, ignore_eos=True, detokenize=False, seed=0)
@@ -115,6 +116,62 @@ def llm_reference(model_dirs):
 
 
 REF_LOGPROBS: list[list[float]] = []  # LLM.generate's chosen-token logprobs, filled by llm_reference
+ISSUE10_REF: dict = {}  # issue 10's parameters through LLM.generate, filled by llm_reference
+
+
+def issue10_cases(ref):
+    """name -> (vLLM SamplingParams kwargs, prompt index). Greedy unless seeded."""
+    from tests.gpu.common import N_NEW
+
+    base = dict(max_tokens=N_NEW, ignore_eos=True)
+    return {
+        "penalties": (
+            dict(base, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
+            0,
+        ),
+        "min_tokens": (dict(max_tokens=N_NEW, temperature=0.0, stop_token_ids=[ref[1][2]], min_tokens=6), 1),
+        "min_p_seeded": (dict(base, temperature=1.0, min_p=0.1, seed=1234), 2),
+        "top_k_logprobs": (dict(base, temperature=0.0, logprobs=5), 3),
+        "prompt_logprobs": (dict(base, temperature=0.0, max_tokens=2, prompt_logprobs=3), 4),
+    }
+
+
+def issue10_reference(llm, ref):
+    """Outputs of LLM.generate for issue10_cases and for stop strings (text too)."""
+    from vllm import SamplingParams as VSP
+
+    from tests.gpu.common import N_NEW, PROMPTS
+
+    out = {}
+    for name, (kw, i) in issue10_cases(ref).items():
+        o = llm.generate([{"prompt_token_ids": PROMPTS[i]}], VSP(detokenize=False, **kw), use_tqdm=False)[0]
+        c = o.outputs[0]
+        row = {"token_ids": list(c.token_ids), "finish": c.finish_reason}
+        if c.logprobs is not None:
+            # per position: [(token id, logprob)] by rank (the sampled one is in the dict too)
+            row["top"] = [sorted(((t, lp.logprob) for t, lp in d.items()), key=lambda x: -x[1]) for d in c.logprobs]
+            row["chosen"] = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs, strict=True)]
+        if o.prompt_logprobs is not None:
+            row["prompt"] = [None if d is None else {t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs]
+        out[name] = row
+    # stop strings: the text of tokens 6..7 of prompt 5's greedy output, as vLLM detokenizes it
+    full = llm.generate(
+        [{"prompt_token_ids": PROMPTS[5]}], VSP(max_tokens=N_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    words = full.text.split()
+    stop = " ".join(words[6:8]) if len(words) > 8 else full.text[len(full.text) // 2 :][:6]
+    out["stop"] = {"stop": stop, "full_text": full.text}
+    for include in (False, True):
+        sp = VSP(max_tokens=N_NEW, temperature=0.0, ignore_eos=True, stop=[stop], include_stop_str_in_output=include)
+        c = llm.generate([{"prompt_token_ids": PROMPTS[5]}], sp, use_tqdm=False)[0].outputs[0]
+        out["stop"][include] = {
+            "token_ids": list(c.token_ids),
+            "text": c.text,
+            "finish": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+    return out
+
 
 # Fixtures whose processes (vLLM engine cores, engine nodes) outlive one test.
 _LONG_LIVED = {"backend", "llm_reference", "e2e", "e2e_cluster"}

@@ -740,3 +740,85 @@ def test_bench_model(backend):
         assert len(drive(be, ["after"], 60)["after"]["tokens"]) == 16
     finally:
         be.close()
+
+
+# ------------------------------------------------------------------ issue 10: sampling parameters vs LLM.generate
+def _issue10_run(backend, name, llm_reference, **seq_kw):
+    from tests.gpu.conftest import ISSUE10_REF, issue10_cases
+
+    kw, i = issue10_cases(llm_reference)[name]
+    wire = {k: v for k, v in kw.items() if k not in ("seed", "prompt_logprobs")}
+    sp = SamplingParams(**wire)
+    outs = []
+    backend.add(SeqRequest(f"i10-{name}", list(PROMPTS[i]), sp, sp.max_tokens, seed=kw.get("seed"), **seq_kw))
+    end = time.monotonic() + 60
+    while not any(o.finish_reason for o in outs):
+        assert time.monotonic() < end, name
+        outs += backend.step()
+    return outs, ISSUE10_REF[name]
+
+
+def test_issue10_penalties_equal_llm_generate(backend, llm_reference):
+    outs, ref = _issue10_run(backend, "penalties", llm_reference)
+    assert [t for o in outs for t in o.token_ids] == ref["token_ids"]
+
+
+def test_issue10_min_tokens_equal_llm_generate(backend, llm_reference):
+    outs, ref = _issue10_run(backend, "min_tokens", llm_reference)
+    toks = [t for o in outs for t in o.token_ids]
+    assert toks == ref["token_ids"] and len(toks) >= 6
+
+
+def test_issue10_min_p_seeded_equal_llm_generate(backend, llm_reference):
+    outs, ref = _issue10_run(backend, "min_p_seeded", llm_reference)
+    assert [t for o in outs for t in o.token_ids] == ref["token_ids"]
+
+
+def test_issue10_top_k_logprobs_equal_llm_generate(backend, llm_reference):
+    outs, ref = _issue10_run(backend, "top_k_logprobs", llm_reference)
+    toks = [t for o in outs for t in o.token_ids]
+    assert toks == ref["token_ids"]
+    chosen = [x for o in outs for x in o.logprobs]
+    assert max(abs(a - b) for a, b in zip(chosen, ref["chosen"], strict=True)) < 1e-3
+    ids = [x for o in outs for x in o.top_ids]
+    lps = [x for o in outs for x in o.top_logprobs]
+    for pos, top in enumerate(ref["top"]):
+        mine = dict(zip(ids[5 * pos : 5 * pos + 5], lps[5 * pos : 5 * pos + 5], strict=True))
+        theirs = dict(top)
+        assert set(mine) <= set(theirs)  # vLLM's dict: the top-5 plus the sampled token
+        assert all(abs(mine[t] - theirs[t]) < 1e-3 for t in mine)
+
+
+def test_issue10_prompt_logprobs_equal_llm_generate(backend, llm_reference):
+    outs, ref = _issue10_run(backend, "prompt_logprobs", llm_reference, prompt_logprobs=3)
+    pls = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+    assert len(pls) == 1
+    pl, prompt = pls[0], PROMPTS[4]
+    assert ref["prompt"][0] is None and len(pl.logprobs) == len(prompt) == len(ref["prompt"])
+    for pos in range(1, len(prompt)):
+        theirs = ref["prompt"][pos]
+        assert abs(pl.logprobs[pos] - theirs[prompt[pos]]) < 1e-3
+        for t, x in zip(pl.top_ids[3 * pos : 3 * pos + 3], pl.top_logprobs[3 * pos : 3 * pos + 3], strict=True):
+            assert t in theirs and abs(theirs[t] - x) < 1e-3
+
+
+def test_issue10_stop_strings_equal_llm_generate(backend, model_dirs, llm_reference):
+    """The node's matcher (engine_node/detokenize.py) over the backend's tokens
+    gives vLLM's tokens, text and stop reason, both ways of include_stop_str_in_output."""
+    from engine_node.detokenize import StopMatcher, load_tokenizer
+    from tests.gpu.conftest import ISSUE10_REF
+
+    ref = ISSUE10_REF["stop"]
+    tok = load_tokenizer(model_dirs["A"])
+    toks, _ = run_greedy(backend, ps=[PROMPTS[5]])
+    for include in (False, True):
+        m = StopMatcher(tok, PROMPTS[5], [ref["stop"]], include_stop_str_in_output=include)
+        got = []
+        for t in toks[0]:
+            got.append(t)
+            if m.feed(t):
+                break
+        want = ref[include]
+        assert want["finish"] == "stop" and m.matched == want["stop_reason"] == ref["stop"]
+        assert got == want["token_ids"]
+        assert m.text == want["text"]

@@ -76,6 +76,7 @@ class FakeOut:  # EngineCoreOutput
     new_token_ids: list
     new_logprobs: object = None
     finish_reason: int | None = None
+    new_prompt_logprobs_tensors: object = None
 
 
 @dataclasses.dataclass
@@ -135,6 +136,7 @@ class FakeEngineCoreClient:
         self.loras = {}
         self.worker = make_worker()
         self.calls = []  # utility method names, in order
+        self.seen = []  # every request added
         self.aborted = []
         self.inbox = queue.Queue()
         self.hold_utilities = set()  # names never answered (deadline tests)
@@ -144,6 +146,7 @@ class FakeEngineCoreClient:
 
     # the surface the backend uses (called on the node's loop thread)
     def add_request(self, req):
+        self.seen.append(req)
         self.salts.append(req.cache_salt)
         self.inbox.put(("add", req))
 
@@ -173,6 +176,11 @@ class FakeEngineCoreClient:
                 for rid, st in list(self.requests.items()):
                     req, gen = st
                     sp = req.sampling_params
+                    plp = fake_prompt_logprobs(req, gen)
+                    if plp is not None and plp[1]:
+                        # chunked prefill: the first half of the prompt logprobs, no token yet
+                        outs.append(FakeOut(rid, [], None, None, plp[0]))
+                        continue
                     tok = (len(req.prompt_token_ids) + len(gen) + (7 if req.lora_request else 0)) % VOCAB
                     gen.append(tok)
                     fin = None
@@ -180,8 +188,15 @@ class FakeEngineCoreClient:
                         fin = 0
                     elif len(gen) >= sp.max_tokens:
                         fin = 1
-                    lps = types.SimpleNamespace(logprobs=[[-0.5, -1.0]]) if sp.logprobs is not None else None
-                    outs.append(FakeOut(rid, [tok], lps, fin))
+                    lps = None
+                    if sp.logprobs is not None:
+                        # sampled first, then the top-k, then one more column (another request's larger k)
+                        k = sp.logprobs
+                        lps = types.SimpleNamespace(
+                            logprobs=[[-0.5] + [-1.0 - j for j in range(k + 1)]],
+                            logprob_token_ids=[[tok] + [(tok + 1 + j) % VOCAB for j in range(k + 1)]],
+                        )
+                    outs.append(FakeOut(rid, [tok], lps, fin, plp[0] if plp is not None else None))
                     if fin is not None:
                         del self.requests[rid]
                 self.outputs_queue.put_nowait(
@@ -244,6 +259,29 @@ class FakeEngineCoreClient:
 
 
 FAKE: FakeEngineCoreClient = None  # type: ignore[assignment]
+
+
+def fake_prompt_logprobs(req, gen):
+    """(LogprobsTensors-like piece, is_first_half) for a request that asked for
+    prompt logprobs, in two pieces (positions 1..h, then h+1..P-1); else None.
+    Row for position i: column 0 = prompt[i] with -i, then k more."""
+    sp = req.sampling_params
+    k = getattr(sp, "prompt_logprobs", None)
+    if k is None or gen or getattr(req, "_plp_done", False):
+        return None
+    import torch
+
+    p = req.prompt_token_ids
+    h = (len(p) - 1) // 2
+    first = not getattr(req, "_plp_half", False)
+    rows = range(1, h + 1) if first else range(h + 1, len(p))
+    if first:
+        req._plp_half = True
+    else:
+        req._plp_done = True
+    ids = torch.tensor([[p[i]] + [(p[i] + 1 + j) % VOCAB for j in range(k + 1)] for i in rows], dtype=torch.int32)
+    lps = torch.tensor([[-float(i)] + [-float(i) - 0.1 * (j + 1) for j in range(k + 1)] for i in rows])
+    return (ids, lps, torch.zeros(len(rows))), first
 
 
 def fake_api(tmp_model: str):
@@ -654,3 +692,64 @@ def test_start_failure_is_a_backend_error(model_dir):
     api.make_client = lambda cfg, ls: (_ for _ in ()).throw(RuntimeError("CUDA OOM"))
     with pytest.raises(BackendError, match="failed to start: RuntimeError: CUDA OOM"):
         make_backend(model_dir, _api=api)
+
+
+def test_issue10_params_map_to_vllm(be):
+    p = SamplingParams(
+        max_tokens=4,
+        min_tokens=2,
+        min_p=0.05,
+        repetition_penalty=1.2,
+        presence_penalty=0.5,
+        frequency_penalty=-0.3,
+        logprobs=3,
+        stop=["never"],
+        skip_special_tokens=False,
+    )
+    be.add(SeqRequest("a", [10, 11, 12], p, 4, prompt_logprobs=2))
+    drive(be, ["a"])
+    sp = FAKE.seen[0].sampling_params
+    assert (sp.min_tokens, sp.min_p, sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty) == (
+        2,
+        0.05,
+        1.2,
+        0.5,
+        -0.3,
+    )
+    assert sp.logprobs == 3 and sp.prompt_logprobs == 2 and sp.detokenize is False
+    assert not hasattr(sp, "stop")  # stop strings stay in the engine node
+
+
+def test_issue10_logprobs_bool_true_is_sampled_only(be):
+    be.add(SeqRequest("a", [10, 11], SamplingParams(max_tokens=2, logprobs=True), 2))
+    be.add(SeqRequest("b", [10, 11], SamplingParams(max_tokens=2, logprobs=0), 2))
+    be.add(SeqRequest("c", [10, 11], SamplingParams(max_tokens=2), 2))
+    drive(be, ["a", "b", "c"])
+    sps = {r.request_id.split("#")[0]: r.sampling_params for r in FAKE.seen}
+    assert sps["a"].logprobs == 0 and sps["b"].logprobs == 0 and sps["c"].logprobs is None
+
+
+def test_issue10_top_k_and_prompt_logprobs_to_step_outputs(be):
+    p = SamplingParams(max_tokens=3, logprobs=2)
+    be.add(SeqRequest("a", [10, 11, 12, 13, 14], p, 3, prompt_logprobs=1))
+    outs = []
+    end = time.monotonic() + 5
+    while not any(o.finish_reason for o in outs):
+        assert time.monotonic() < end
+        outs += be.step()
+    toks = [t for o in outs for t in o.token_ids]
+    assert len(toks) == 3
+    top_ids = [t for o in outs for t in (o.top_ids or [])]
+    top_lps = [x for o in outs for x in (o.top_logprobs or [])]
+    # columns 1..k only (the fake sends k + 1 alternatives): sampled first is column 0
+    assert top_ids == [x for t in toks for x in ((t + 1) % VOCAB, (t + 2) % VOCAB)]
+    assert top_lps == [-1.0, -2.0] * 3
+    assert [x for o in outs for x in (o.logprobs or [])] == [-0.5] * 3
+    plps = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+    assert len(plps) == 1  # gathered over the two chunked-prefill pieces, reported once
+    pl = plps[0]
+    import math
+
+    assert math.isnan(pl.logprobs[0]) and pl.logprobs[1:] == [-1.0, -2.0, -3.0, -4.0]
+    assert pl.k == 1 and pl.top_ids[1:] == [12, 13, 14, 15]
+    assert pl.top_logprobs[1:] == pytest.approx([-1.1, -2.1, -3.1, -4.1])
