@@ -210,7 +210,7 @@ class RawDriver:
     def _ensure_reader(self) -> None:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            self._loop.add_reader(self.sock.getsockopt(self._zmq.FD), self._drain)
+            self._loop.add_reader(self.sock.fileno(), self._drain)
 
     def _drain(self) -> None:
         zmq = self._zmq
@@ -256,7 +256,7 @@ class RawDriver:
         self._ids += 1
         rid = f"raw-{self._ids}"
         fut = self._loop.create_future()  # type: ignore[union-attr]
-        st = [fut, 0, None, None]
+        st: list[Any] = [fut, 0, None, None]
         self.pending[rid] = st
         msg = P.Generate(request_id=rid, params=params, session_id=session_id, stream=stream, timeout_s=timeout_s)
         self.sock.send_multipart(self.codec.encode(msg, [prompt_bytes]))
@@ -269,7 +269,7 @@ class RawDriver:
 
     async def close(self) -> None:
         if self._loop is not None:
-            self._loop.remove_reader(self.sock.getsockopt(self._zmq.FD))
+            self._loop.remove_reader(self.sock.fileno())
         self.sock.close(linger=0)
         self.ctx.term()
 

@@ -19,7 +19,7 @@ an engine to its `EngineFailure` {code, message, field} instead of a string.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -210,22 +210,22 @@ class Stats(_Msg, tag="stats"):
     pass
 
 
-Op = Union[
-    Ping,
-    Pause,
-    Resume,
-    IsPaused,
-    Sleep,
-    WakeUp,
-    ResetPrefixCache,
-    BeginWeightUpdate,
-    ReceiveWeights,
-    FinishWeightUpdate,
-    AbortWeightUpdate,
-    LoadLora,
-    UnloadLora,
-    Stats,
-]
+Op = (
+    Ping
+    | Pause
+    | Resume
+    | IsPaused
+    | Sleep
+    | WakeUp
+    | ResetPrefixCache
+    | BeginWeightUpdate
+    | ReceiveWeights
+    | FinishWeightUpdate
+    | AbortWeightUpdate
+    | LoadLora
+    | UnloadLora
+    | Stats
+)
 
 
 # --------------------------------------------------------- control results
@@ -359,23 +359,23 @@ class StatsResult(_Result, tag="stats"):
         return [*self.heartbeat, *(k for k in self.detail if k not in self.heartbeat)]
 
 
-Result = Union[  # noqa: UP007 (msgspec tagged union, as Op)
-    Done,
-    ConfigResult,
-    PingResult,
-    PauseResult,
-    ResumeResult,
-    IsPausedResult,
-    SleepResult,
-    WakeUpResult,
-    ResetPrefixCacheResult,
-    BeginWeightsResult,
-    ReceiveWeightsResult,
-    WeightsCommitted,
-    WeightsAborted,
-    LoraResult,
-    StatsResult,
-]
+Result = (
+    Done
+    | ConfigResult
+    | PingResult
+    | PauseResult
+    | ResumeResult
+    | IsPausedResult
+    | SleepResult
+    | WakeUpResult
+    | ResetPrefixCacheResult
+    | BeginWeightsResult
+    | ReceiveWeightsResult
+    | WeightsCommitted
+    | WeightsAborted
+    | LoraResult
+    | StatsResult
+)
 
 
 class EngineFailure(_Part):
@@ -529,4 +529,4 @@ KIND_OF: dict[type, bytes] = {
 TYPE_OF: dict[bytes, type] = {v: k for k, v in KIND_OF.items()}
 assert len(TYPE_OF) == len(KIND_OF), "duplicate kind byte"
 
-OP_NAMES: dict[type, str] = {t: t.__struct_config__.tag for t in Op.__args__}  # type: ignore[attr-defined]
+OP_NAMES: dict[type, str] = {t: t.__struct_config__.tag for t in Op.__args__}

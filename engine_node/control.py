@@ -45,7 +45,7 @@ class ControlRunner:
         self,
         engine_id: str,
         handlers: dict[type, Callable[[Any, int], Any]],
-        send_ack: Callable[[P.Ack], None],
+        send_ack: Callable[[P.Ack], object],
         *,
         on_busy_change: Callable[[], None] = lambda: None,
         before_complete: Callable[[], None] = lambda: None,

@@ -74,7 +74,7 @@ class Pending:
 
     op: BackendOp
     then: Callable[[dict[str, Any]], Any]  # the backend's dict -> the op's P.*Result
-    on_error: Callable[[BaseException], None] | None = None
+    on_error: Callable[[BaseException], object] | None = None
 
 
 class RequestCore:

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
     from router_node.router import Router
 
 
@@ -19,7 +21,7 @@ class RouterCollector:
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    def collect(self) -> Iterator[object]:
+    def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         r = self.router

@@ -101,7 +101,7 @@ class Harness:
         return res
 
     def collect(self, *, during_step: bool) -> None:
-        for seq, ok, result, error, code in self.core.take_acks():
+        for seq, ok, result, error, _code in self.core.take_acks():
             assert seq not in self.acks, f"command {seq} acked twice"
             self.acks[seq] = (ok, result if ok else error)
         for peer, msg, buffers in self.core.take_sends():

@@ -102,7 +102,7 @@ class AsyncClient:
             self._loop = asyncio.get_running_loop()
             self._ctx = zmq.Context()
             self._sock = open_socket(self._ctx, zmq.DEALER, connect=self.address, curve=self._curve)
-            self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
+            self._loop.add_reader(self._sock.fileno(), self._drain)
         return self._sock
 
     def _drain(self) -> None:
@@ -166,7 +166,7 @@ class AsyncClient:
         self._closed = True
         if self._sock is not None and self._loop is not None and not self._loop.is_closed():
             with contextlib.suppress(Exception):
-                self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+                self._loop.remove_reader(self._sock.fileno())
         for q in self._streams.values():
             q.put_nowait((_END, None))
         for f in self._replies.values():

@@ -134,7 +134,7 @@ def hf_check(model_dir: str, outs, ps=PROMPTS, state_dict=None):
     with torch.no_grad():
         for prm in m.parameters():
             prm.copy_(prm.to(torch.bfloat16).float())
-        for p, o in zip(ps, outs):
+        for p, o in zip(ps, outs, strict=True):
             x = torch.tensor([list(p) + list(o)], device="cuda")
             lp = torch.log_softmax(m(x).logits[0].float(), -1)
             for t, tok in enumerate(o):
@@ -151,5 +151,5 @@ HF_GAP_TOL = 0.3  # nats
 
 def match_frac(a, b) -> float:
     tot = sum(len(x) for x in a)
-    eq = sum(sum(1 for u, v in zip(x, y) if u == v) for x, y in zip(a, b))
+    eq = sum(sum(1 for u, v in zip(x, y, strict=False) if u == v) for x, y in zip(a, b, strict=True))
     return eq / max(1, tot)
