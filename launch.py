@@ -108,29 +108,12 @@ class Supervisor:
         return procs
 
     def shutdown(self) -> None:
-        """SIGTERM the whole tree, wait grace_s, SIGKILL the rest."""
-        procs = self.alive()
-        # Engines first so they stop producing; then the head answers what's left.
-        for p in procs:
-            try:
-                p.send_signal(signal.SIGTERM)
-            except psutil.NoSuchProcess:
-                pass
-        gone, left = psutil.wait_procs(procs, timeout=self.grace_s)
-        for p in left:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(left, timeout=5)
-        for c in self.children.values():
-            if c.proc is not None:
-                try:
-                    c.proc.wait(timeout=1)
-                except subprocess.TimeoutExpired:
-                    pass
-        if left:
-            log.warning("killed_after_grace", pids=[p.pid for p in left], grace_s=self.grace_s)
+        """SIGTERM the whole tree, wait grace_s, SIGKILL the rest (bus.proctree)."""
+        from bus.proctree import terminate_tree
+
+        killed = terminate_tree([c.proc for c in self.children.values() if c.proc is not None], self.grace_s)
+        if killed:
+            log.warning("killed_after_grace", pids=killed, grace_s=self.grace_s)
 
 
 def pick_backend(name: str) -> str:
@@ -388,7 +371,7 @@ def print_table(engines: list[dict[str, Any]], front: str, backend: str) -> None
         model = e["model"] if len(e["model"]) <= 48 else "…" + e["model"][-47:]
         rows.append((e["engine_id"], e["data_address"], e["backend"], model, e["state"]))
     widths = [max(len(str(r[i])) for r in rows) for i in range(5)]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True))
     print(line(rows[0]), flush=False)
     print("  ".join("-" * w for w in widths))
     for r in rows[1:]:

@@ -3,9 +3,12 @@
 Each benchmark runs as ``python -m bench.<name>``, prints a table, and writes
 ``bench/results/<name>.json`` and ``bench/results/<name>.png``. Shared pieces:
 
-- ``bench.harness``: timing (warm-up, repetitions, percentiles, medians and
-  spread, paired ratios), tables, JSON/PNG output, and process supervision
-  (every process tree started is killed on exit, loopback addresses only).
+- ``bench.harness`` (imported as ``H`` by every benchmark) re-exports the
+  shared pieces: ``bench.stats`` (percentiles, medians and spread, paired
+  ratios), ``bench.measure`` (load runs, interleaved repetitions, CPU use),
+  ``bench.report`` (tables, JSON), ``bench.plots`` (PNG) and ``bench.procs``
+  (process supervision through ``bus.proctree``: every tree started is ended
+  on exit; loopback ports; deadlines; the ``run_main`` entry point).
 - ``bench.http_peer``: a minimal OpenAI-compatible HTTP server that returns
   ``max_tokens`` tokens at once (the HTTP twin of the ``null`` backend).
 - ``bench.peer_side``: the HTTP side of the comparisons: http_peer servers,

@@ -10,7 +10,6 @@ time budget; a child that overruns is killed and reported, the rest still run).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import sys
 import time
 
 from bench import harness as H
+from bus.proctree import terminate_tree
 
 # name -> (budget seconds quick, budget seconds full)
 BENCHMARKS = {
@@ -50,15 +50,7 @@ def run_one(name: str, quick: bool, budget: float, extra: list[str]) -> tuple[in
         print(f"!! {name}: over its {budget:.0f}s budget, killed", flush=True)
         rc = None
     finally:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout=8)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=5)
+        terminate_tree(p, grace_s=8, kill_wait_s=5)
     return rc, time.monotonic() - t0
 
 

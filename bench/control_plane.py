@@ -24,7 +24,9 @@ from typing import Any
 from bench import harness as H
 from bench import rb_side as RB
 
-BIG = dict(hidden=512, layers=14, heads=8, kv_heads=8, inter=1376, vocab=8192, max_pos=2048)  # ~52M params
+BIG: dict[str, Any] = dict(
+    hidden=512, layers=14, heads=8, kv_heads=8, inter=1376, vocab=8192, max_pos=2048
+)  # ~52M params
 
 
 async def _one_rep(client: Any, n_streams: int, vocab: int) -> dict[str, float]:
@@ -114,6 +116,7 @@ async def _bench_n(n: int, model: str, reps: int, named: list, nbytes: int) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
+    H.setup_logging()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--engines", default=None, help="comma list, default 1,2,4 (quick: 1,2)")

@@ -14,6 +14,7 @@ Run: ``python -m bench.core_overhead`` (``--quick``: fewer requests/reps).
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import time
 from typing import Any
@@ -45,9 +46,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 spec = RB.RbLoad(n, c, 1, False, prompt)
                 setups = {
                     "bridge -> engine (direct)": H.with_cpu(
-                        [cl.engine_pids[next(iter(cl.engines))]], lambda: RB.rb_load(direct, spec)
+                        [cl.engine_pids[next(iter(cl.engines))]], functools.partial(RB.rb_load, direct, spec)
                     ),
-                    "bridge -> router -> engine": H.with_cpu([cl.router_pid], lambda: RB.rb_load(router, spec)),
+                    "bridge -> router -> engine": H.with_cpu(
+                        [cl.router_pid], functools.partial(RB.rb_load, router, spec)
+                    ),
                 }
                 runs = await H.interleaved(setups, reps=args.reps, warmup=1, deadline=deadline)
                 d, r = runs["bridge -> engine (direct)"], runs["bridge -> router -> engine"]
@@ -61,7 +64,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         "p50": H.paired_ratios([x.summary()["p50_ms"] for x in r], [x.summary()["p50_ms"] for x in d]),
                         "p99": H.paired_ratios([x.summary()["p99_ms"] for x in r], [x.summary()["p99_ms"] for x in d]),
                         "req_per_s": H.paired_ratios([x.rps for x in r], [x.rps for x in d]),
-                        "p50_added_ms": H.spread([x.summary()["p50_ms"] - y.summary()["p50_ms"] for x, y in zip(r, d)]),
+                        "p50_added_ms": H.spread(
+                            [x.summary()["p50_ms"] - y.summary()["p50_ms"] for x, y in zip(r, d, strict=True)]
+                        ),
                     },
                 }
                 print(f"  done c={c} ({deadline.remaining():.0f}s left)", flush=True)

@@ -132,17 +132,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for c in args.concurrency:
                 reference: dict[str, list[list[int]]] = {}
 
-                async def inproc(c: int = c) -> H.RunResult:
+                async def inproc(c: int = c, reference: dict[str, list[list[int]]] = reference) -> H.RunResult:
                     r, outs = in_process(backend, prompts, args.max_tokens, c)
                     reference["outs"] = outs
                     return r
 
-                def rt(client: Any, c: int = c) -> Any:
+                def rt(client: Any, c: int = c, reference: dict[str, list[list[int]]] = reference) -> Any:
                     async def go() -> H.RunResult:
                         nonlocal mismatches
                         r, outs = await runtime(client, prompts, args.max_tokens, c)
                         if "outs" in reference:
-                            mismatches += sum(1 for a, b in zip(outs, reference["outs"]) if a != b)
+                            mismatches += sum(1 for a, b in zip(outs, reference["outs"], strict=True) if a != b)
                         return r
 
                     return go

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness as H
+from bus.proctree import descendants, terminate_tree
 
 REPO_ROOT = H.REPO_ROOT
 
@@ -179,12 +180,12 @@ def run_phase(
                 if time.monotonic() > end:
                     timed_out = True
                     break
-                for d in H._descendants(p.pid):
+                for d in descendants(p.pid):
                     seen.setdefault(d.pid, d)
                 time.sleep(0.5)
         finally:
-            H._kill_tree(p, 5.0)  # its process group (vLLM children left behind included)
-            _kill_seen(seen)
+            # its process group, and every descendant seen (vLLM children left behind included)
+            terminate_tree(p, 5.0, extra=seen.values())
     wall = time.monotonic() - t0
     res: dict[str, Any]
     try:
@@ -207,17 +208,6 @@ def run_phase(
     return res
 
 
-def _kill_seen(procs: dict[int, Any]) -> None:
-    """SIGKILL what is left of them (psutil.Process objects check the pid was not reused)."""
-    for d in procs.values():
-        with contextlib.suppress(Exception):
-            if d.is_running():
-                d.kill()
-    for d in procs.values():
-        with contextlib.suppress(Exception):
-            d.wait(5)
-
-
 def _tail(path: Path, n: int) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
@@ -229,6 +219,7 @@ def _phase_main(argv: list[str]) -> int:
     """Child side of run_phase: call the function, write {"ok": True, **result}
     or {"ok": False, "error", "traceback"} (partial results a phase saved in
     spec["_partial"] are kept)."""
+    H.setup_logging()
     target, spec_path, out_path = argv
     spec = json.loads(Path(spec_path).read_text())
     partial: dict[str, Any] = {}
@@ -237,7 +228,7 @@ def _phase_main(argv: list[str]) -> int:
 
     def write(doc: dict[str, Any]) -> None:
         tmp = out_path + ".tmp"
-        Path(tmp).write_text(json.dumps(H._jsonable(doc)))
+        Path(tmp).write_text(json.dumps(H.jsonable(doc)))
         os.replace(tmp, out_path)
 
     try:
@@ -331,7 +322,7 @@ class RbCluster:
 
     def close(self) -> None:
         if self.proc is not None:
-            H._kill_tree(self.proc, 15.0)  # launch.py's own SIGTERM path first (grace), then SIGKILL
+            terminate_tree(self.proc, 15.0)  # launch.py's own SIGTERM path first (grace), then SIGKILL
             self.proc = None
 
     def wait_ready(self) -> tuple[float, list[dict[str, Any]]]:
@@ -394,7 +385,7 @@ def out_dir(arg: str | None) -> Path:
 
 def write_doc(path: Path, doc: dict[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(H._jsonable(doc), indent=2) + "\n")
+    tmp.write_text(json.dumps(H.jsonable(doc), indent=2) + "\n")
     os.replace(tmp, path)
 
 

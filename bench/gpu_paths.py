@@ -428,6 +428,7 @@ def phase_rb(spec: dict[str, Any]) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     res = client.generate(ps["main"], params)
                     wall = time.perf_counter() - t0
+                    assert isinstance(res, list)  # a batch in, a list out
                     toks = sum(len(r.token_ids) for r in res)
                     reps.append(throughput(toks, wall, 0, len(res), [], _expected(spec)))
                 out["modes"]["generate batch"] = median_of(reps)

@@ -404,6 +404,7 @@ def plot(doc: dict[str, Any], png: Path) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    H.setup_logging()
     a = parse(argv)
     if a.plot_from:
         doc = json.loads(Path(a.plot_from).read_text())

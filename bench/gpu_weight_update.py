@@ -38,6 +38,7 @@ from typing import Any
 
 from bench import gpu_common as G
 from bench import harness as H
+from bus.proctree import terminate_tree
 
 NAME = "gpu_weight_update"
 TARGETS = {"e2e_ms": 25.0, "first_token_ms": 30.0, "nccl_steady_x_raw": 3.0, "nccl_first_s": 1.0}
@@ -167,7 +168,7 @@ def copy_floor(named: list[tuple[str, Any]], nbytes: int, reps: int = 10) -> dic
 
     with torch.no_grad():
         flat = timed(lambda: dst.copy_(src))
-        per = timed(lambda: [d.copy_(t) for d, (_, t) in zip(dsts, named)])
+        per = timed(lambda: [d.copy_(t) for d, (_, t) in zip(dsts, named, strict=True)])
     return {
         "bytes": nbytes,
         "device": str(dev),
@@ -199,7 +200,7 @@ def timed_updates(
                 r = client.update_weights(named, transport=transport, **options)
                 t2 = time.perf_counter()
             t3 = time.perf_counter()
-            res = next(iter(r.values()))
+            res = dict(next(iter(r.values())))  # a typed result, read as the dict it was
             v = res.get("weight_version")
             rec.update(
                 pause_ms=(t1 - t0) * 1e3,
@@ -387,7 +388,7 @@ def raw_broadcast(nbytes: int, spec: dict[str, Any], engine_like: bool = False) 
             outs.append(o)
     finally:
         for p in procs:
-            H._kill_tree(p, 2.0)
+            terminate_tree(p, 2.0)
     res = [json.loads(line[4:]) for o in outs for line in o.splitlines() if line.startswith("RAW ")]
     if len(res) != 2:
         raise RuntimeError("raw broadcast failed (--raw-timeout-s):\n" + "\n".join(o[-1500:] for o in outs))
@@ -454,7 +455,7 @@ def report(doc: dict[str, Any]) -> None:
             }
         )
 
-    s = ipc.get("summary")
+    s: Any = ipc.get("summary")
     tr = ipc.get("transport", "cuda_ipc")
     if ipc.get("skipped") or not ipc.get("ok", False) and not s:
         row(f"{tr} phase", None, "", None, ipc.get("skipped") or f"FAILED: {str(ipc.get('error'))[:150]}")
@@ -560,7 +561,7 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     for k, c in (("pause_ms", "C0"), ("update_ms", "C1"), ("resume_ms", "C2")):
         vals = [u.get(k) or 0 for _, u in series]
         ax.bar(range(len(series)), vals, bottom=bottoms, label=k[:-3], color=c)
-        bottoms = [b + v for b, v in zip(bottoms, vals)]
+        bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
     ax.plot(range(len(series)), [u.get("first_token_ms") or 0 for _, u in series], "k.", label="resume -> first token")
     ax.axhline(TARGETS["e2e_ms"], color="gray", ls="--", lw=0.8)
     ax.set_xticks(range(len(series)))
@@ -638,6 +639,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    H.setup_logging()
     a = parse(argv)
     if a.raw_rank is not None:
         raw_rank_main(a)
@@ -678,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         "log_dir": str(log_dir),
         "ipc_transport": "zmq" if a.cpu else "cuda_ipc",
     }
-    doc: dict[str, Any] = {
+    doc = {
         "benchmark": NAME,
         "machine": H.machine_info(),
         "env": env,

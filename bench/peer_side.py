@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import shutil
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,11 +261,13 @@ async def measure_peer_side(args: argparse.Namespace) -> dict[str, Any]:
                 for c in args.concurrency:
                     n = n_for(c, args.requests)
                     key = f"max_tokens={max_tokens}{' stream' if stream else ''} c={c}"
-                    setups = {
-                        name: (
-                            lambda u=u, ss=(max(1, c) if "consistent" in name else 0): http_load(
-                                sess, HttpLoad(u, n, c, max_tokens, stream, prompt, sessions=ss)
-                            )
+                    setups: dict[str, Callable[[], Awaitable[H.RunResult]]] = {
+                        name: functools.partial(
+                            http_load,
+                            sess,
+                            HttpLoad(
+                                u, n, c, max_tokens, stream, prompt, sessions=max(1, c) if "consistent" in name else 0
+                            ),
                         )
                         for name, u in targets.items()
                     }

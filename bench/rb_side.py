@@ -20,6 +20,7 @@ from typing import Any
 
 from bench import harness as H
 from bus.codec import split_chunks
+from bus.frames import pack_tokens, token_count
 
 
 @dataclass
@@ -195,11 +196,11 @@ class RawDriver:
         import zmq
 
         from bus.codec import Codec
-        from bus.sockets import make_socket
+        from bus.endpoint import open_socket
 
         self._zmq = zmq
         self.ctx = zmq.Context()
-        self.sock = make_socket(self.ctx, zmq.DEALER, connect=address)
+        self.sock = open_socket(self.ctx, zmq.DEALER, connect=address)
         self.codec = Codec()
         self.pending: dict[str, list[Any]] = {}  # rid -> [future, tokens, t_first, finish]
         self._ids = 0
@@ -209,7 +210,7 @@ class RawDriver:
     def _ensure_reader(self) -> None:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            self._loop.add_reader(self.sock.getsockopt(self._zmq.FD), self._drain)
+            self._loop.add_reader(self.sock.fileno(), self._drain)
 
     def _drain(self) -> None:
         zmq = self._zmq
@@ -230,7 +231,7 @@ class RawDriver:
         if st is None:
             return
         if isinstance(msg, P.Chunk):
-            n = len(bufs[0]) // 4 if bufs else 0
+            n = token_count(bufs[0]) if bufs else 0
             if n and st[2] is None:
                 st[2] = time.perf_counter()
             st[1] += n
@@ -255,7 +256,7 @@ class RawDriver:
         self._ids += 1
         rid = f"raw-{self._ids}"
         fut = self._loop.create_future()  # type: ignore[union-attr]
-        st = [fut, 0, None, None]
+        st: list[Any] = [fut, 0, None, None]
         self.pending[rid] = st
         msg = P.Generate(request_id=rid, params=params, session_id=session_id, stream=stream, timeout_s=timeout_s)
         self.sock.send_multipart(self.codec.encode(msg, [prompt_bytes]))
@@ -268,19 +269,17 @@ class RawDriver:
 
     async def close(self) -> None:
         if self._loop is not None:
-            self._loop.remove_reader(self.sock.getsockopt(self._zmq.FD))
+            self._loop.remove_reader(self.sock.fileno())
         self.sock.close(linger=0)
         self.ctx.term()
 
 
 async def raw_load(driver: RawDriver, spec: RbLoad) -> H.RunResult:
     """Same shape as rb_load, through RawDriver."""
-    import numpy as np
-
     from bus.protocol import SamplingParams
 
     params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
-    prompt = np.asarray(spec.prompt, dtype="<i4").tobytes()
+    prompt = pack_tokens(list(spec.prompt))
     driver.lags = [] if spec.record_stream_lag else None
 
     async def request(i: int) -> tuple[int, float | None, bool]:

@@ -87,18 +87,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     n = PS.n_for(c, args.requests)
                     key = f"max_tokens={max_tokens}{' stream' if stream else ''} c={c}"
 
-                    def http(url: str, sessions: int):
-                        return lambda: PS.http_load(
-                            sess, PS.HttpLoad(url, n, c, max_tokens, stream, prompt, sessions=sessions)
-                        )
+                    # The loop's values are bound as defaults: a setup never sees a later iteration's.
+                    def http(url: str, sessions: int, n: int = n, c: int = c, mt: int = max_tokens, st: bool = stream):
+                        return lambda: PS.http_load(sess, PS.HttpLoad(url, n, c, mt, st, prompt, sessions=sessions))
 
-                    def rbl(client: Any, sessions: int):
-                        return lambda: RB.rb_load(
-                            client, RB.RbLoad(n, c, max_tokens, stream, prompt, sessions=sessions)
-                        )
+                    def rbl(
+                        client: Any, sessions: int, n: int = n, c: int = c, mt: int = max_tokens, st: bool = stream
+                    ):
+                        return lambda: RB.rb_load(client, RB.RbLoad(n, c, mt, st, prompt, sessions=sessions))
 
-                    def raw(drv: Any, sessions: int):
-                        return lambda: RB.raw_load(drv, RB.RbLoad(n, c, max_tokens, stream, prompt, sessions=sessions))
+                    def raw(drv: Any, sessions: int, n: int = n, c: int = c, mt: int = max_tokens, st: bool = stream):
+                        return lambda: RB.raw_load(drv, RB.RbLoad(n, c, mt, st, prompt, sessions=sessions))
 
                     setups = {
                         HTTP_DIRECT: http(peers[0], 0),
@@ -139,7 +138,7 @@ def summarize_case(runs: dict[str, list[H.RunResult]], **meta: Any) -> dict[str,
                 "p99": H.paired_ratios(p99[name], p99[direct]),
                 "req_per_s": H.paired_ratios(rps[name], rps[direct]),
                 # added latency in ms (router p50 - direct p50), per repetition
-                "p50_added_ms": H.spread([a - b for a, b in zip(p50[name], p50[direct])]),
+                "p50_added_ms": H.spread([a - b for a, b in zip(p50[name], p50[direct], strict=True)]),
             }
     for rb, vrn in ((RB_ROUTER, VR_P2), (RB_SESSION, VR_CH), (RAW_ROUTER, VR_P2)):
         if rb in runs and vrn in runs:

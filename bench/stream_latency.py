@@ -24,7 +24,9 @@ Run: ``python -m bench.stream_latency`` (``--quick``: fewer repetitions).
 from __future__ import annotations
 
 import argparse
+import functools
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bench import harness as H
@@ -66,14 +68,16 @@ async def run_delay(args: argparse.Namespace, delay_ms: float, deadline: H.Deadl
             for c in args.streams:
                 n = max(c, args.min_streams)
                 spec = RB.RbLoad(n, c, args.max_tokens, True, prompt, record_stream_lag=True)
-                hspec = lambda url: PS.HttpLoad(url, n, c, args.max_tokens, True, prompt, record_stream_lag=True)
-                setups = {
-                    "rb router": lambda: RB.rb_load(rb_router, spec),
-                    "rb direct": lambda: RB.rb_load(rb_direct, spec),
-                    "rb router (raw)": lambda: RB.raw_load(raw_router, spec),
-                    "rb direct (raw)": lambda: RB.raw_load(raw_direct, spec),
-                    "vllm-router p2": lambda: PS.http_load(sess, hspec(vr_url)),
-                    "http direct": lambda: PS.http_load(sess, hspec(peers[0])),
+                hspec = lambda url, n=n, c=c: PS.HttpLoad(
+                    url, n, c, args.max_tokens, True, prompt, record_stream_lag=True
+                )
+                setups: dict[str, Callable[[], Awaitable[H.RunResult]]] = {
+                    "rb router": functools.partial(RB.rb_load, rb_router, spec),
+                    "rb direct": functools.partial(RB.rb_load, rb_direct, spec),
+                    "rb router (raw)": functools.partial(RB.raw_load, raw_router, spec),
+                    "rb direct (raw)": functools.partial(RB.raw_load, raw_direct, spec),
+                    "vllm-router p2": functools.partial(PS.http_load, sess, hspec(vr_url)),
+                    "http direct": functools.partial(PS.http_load, sess, hspec(peers[0])),
                 }
                 runs = await H.interleaved(setups, reps=args.reps, warmup=1, deadline=deadline)
                 case: dict[str, Any] = {"streams": c, "n": n, "step_delay_ms": delay_ms, "setups": {}}

@@ -53,7 +53,9 @@ class Codec:
 
     def __init__(self) -> None:
         self._enc = msgspec.msgpack.Encoder()
-        self._dec = {kind: msgspec.msgpack.Decoder(t) for kind, t in P.TYPE_OF.items()}
+        self._dec: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
+            kind: msgspec.msgpack.Decoder(t) for kind, t in P.TYPE_OF.items()
+        }
 
     def encode(self, msg: Any, buffers: Sequence[Any] = ()) -> list[Any]:
         return [P.KIND_OF[type(msg)], self._enc.encode(msg), *buffers]
@@ -90,7 +92,7 @@ def split_chunks(msg: Any, buffers: list[Any]) -> list[tuple[Any, list[Any]]]:
     if not isinstance(msg, P.ChunkBatch):
         return [(msg, buffers)]
     out, i = [], 0
-    for ch, n in zip(msg.chunks, msg.nbufs):
+    for ch, n in zip(msg.chunks, msg.nbufs, strict=False):
         out.append((ch, buffers[i : i + n]))
         i += n
     return out

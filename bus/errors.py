@@ -18,6 +18,8 @@ class ErrorCode(str, enum.Enum):
     TIMEOUT = "timeout"  # a deadline passed; the message names the knob
     INTERNAL = "internal"  # a bug on our side; the node keeps serving
     UNSUPPORTED = "unsupported"  # the backend or transport cannot do this op
+    BACKEND_TIMEOUT = "backend_timeout"  # a backend op passed its deadline; the message names the knob
+    BACKEND_REFUSED = "backend_refused"  # the backend refused the op or its input: `field` names it
 
 
 class RolloutBusError(Exception):
@@ -68,18 +70,41 @@ class InternalError(RolloutBusError):
     code = ErrorCode.INTERNAL
 
 
+class BackendTimeout(RequestTimeout):
+    """A backend operation (weights, sleep, LoRA, an RPC into the engine) did
+    not finish within its deadline; the message names the option that sets it."""
+
+    code = ErrorCode.BACKEND_TIMEOUT
+
+
+class BackendRefused(BadRequest):
+    """The backend refused an operation or its input (a tensor name, a
+    transport, a sequence it cannot run); `field` names what, when known."""
+
+    code = ErrorCode.BACKEND_REFUSED
+
+
 class ClosedByUs(RolloutBusError):
     """The client (or node) was closed locally while the call was waiting."""
 
 
 class ControlError(RolloutBusError):
-    """A control op failed or timed out on some engines; `results`/`errors`/`missing` say which."""
+    """A control op failed or timed out on some engines.
+
+    `results`: {engine id: result} of the engines where it worked; `errors`:
+    {engine id: EngineFailure} with `.code`, `.message`, `.field` (the wire
+    code, see ErrorCode); `missing`: engines that did not ack in time.
+    `exception(engine_id)` is the typed error of one failed engine."""
 
     def __init__(self, message: str, *, results=None, errors=None, missing=None, request_id=None):
         super().__init__(message, request_id=request_id)
         self.results = results or {}
         self.errors = errors or {}
         self.missing = missing or []
+
+    def exception(self, engine_id: str) -> RolloutBusError:
+        f = self.errors[engine_id]
+        return exception_from_wire(f.code, f.message, self.request_id, f.field)
 
 
 EXCEPTION_OF: dict[str, type[RolloutBusError]] = {
@@ -90,6 +115,8 @@ EXCEPTION_OF: dict[str, type[RolloutBusError]] = {
     ErrorCode.TIMEOUT.value: RequestTimeout,
     ErrorCode.UNSUPPORTED.value: Unsupported,
     ErrorCode.INTERNAL.value: InternalError,
+    ErrorCode.BACKEND_TIMEOUT.value: BackendTimeout,
+    ErrorCode.BACKEND_REFUSED.value: BackendRefused,
 }
 
 

@@ -11,15 +11,19 @@ frames after the body, never inside it.
 
 Compatibility rule: add fields only at the END of a Struct, always with a
 default. Removing or reordering fields is a protocol-version bump.
+
+Version 2: control results are typed (one `*Result` Struct per op, a tagged
+union in `Ack.result` and `ControlReply.results`); `ControlReply.errors` maps
+an engine to its `EngineFailure` {code, message, field} instead of a string.
 """
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -222,22 +226,181 @@ class Stats(_Msg, tag="stats"):
     pass
 
 
-Op = Union[
-    Ping,
-    Pause,
-    Resume,
-    IsPaused,
-    Sleep,
-    WakeUp,
-    ResetPrefixCache,
-    BeginWeightUpdate,
-    ReceiveWeights,
-    FinishWeightUpdate,
-    AbortWeightUpdate,
-    LoadLora,
-    UnloadLora,
-    Stats,
-]
+Op = (
+    Ping
+    | Pause
+    | Resume
+    | IsPaused
+    | Sleep
+    | WakeUp
+    | ResetPrefixCache
+    | BeginWeightUpdate
+    | ReceiveWeights
+    | FinishWeightUpdate
+    | AbortWeightUpdate
+    | LoadLora
+    | UnloadLora
+    | Stats
+)
+
+
+# --------------------------------------------------------- control results
+
+
+class _Result(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """Base of the typed result of one control op on one engine.
+
+    Read access by key (`r["parked"]`, `dict(r)`) is kept for callers written
+    against the dict results of protocol version 1: a key is a field, else a
+    key of `detail` (what the backend reported beyond the typed fields)."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.__struct_fields__:
+            return getattr(self, key)
+        detail = getattr(self, "detail", None)
+        if detail is not None and key in detail:
+            return detail[key]
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys()
+
+    def keys(self) -> list[str]:
+        detail = getattr(self, "detail", None) or {}
+        return [f for f in self.__struct_fields__ if f != "detail"] + [
+            k for k in detail if k not in self.__struct_fields__
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: self[k] for k in self.keys()}
+
+
+class Done(_Result, tag="done"):
+    """An op that finished with nothing to report."""
+
+
+class ConfigResult(_Result, tag="config"):
+    """The engine's weight/LoRA configuration after an op that may change it.
+    The head applies it to its registry unless a newer `epoch` is known."""
+
+    weight_version: int = 0
+    loras: list[str] = []
+    epoch: int = 0
+
+
+class PingResult(_Result, tag="ping"):
+    weight_version: int = 0
+    incarnation: str = ""
+
+
+class PauseResult(_Result, tag="pause"):
+    mode: str = ""
+    scope: str = ""
+    held: int = 0  # new requests behind the gate
+    parked: int = 0  # aborted, tokens kept, re-submitted on resume
+    frozen: int = 0  # keep mode: frozen with their KV
+    draining: int = 0  # wait mode: running when the pause began
+    resumed_before_drained: bool = False
+
+
+class ResumeResult(_Result, tag="resume"):
+    resumed: int = 0
+    scopes: list[str] = []
+    still_paused: list[str] = []
+
+
+class IsPausedResult(_Result, tag="is_paused"):
+    paused: bool = False
+    scopes: list[str] = []
+
+
+class SleepResult(_Result, tag="sleep"):
+    level: int = 0
+    parked: int = 0
+    seconds: float = 0.0
+    detail: dict[str, Any] = {}  # the backend's own report (e.g. weights kept/discarded)
+
+
+class WakeUpResult(ConfigResult, tag="wake_up"):
+    resumed: int = 0
+    seconds: float = 0.0
+    weights_reloaded_from_checkpoint: bool = False
+    detail: dict[str, Any] = {}
+
+
+class ResetPrefixCacheResult(_Result, tag="reset_prefix_cache"):
+    detail: dict[str, Any] = {}
+
+
+class BeginWeightsResult(_Result, tag="begin_weights"):
+    buckets: int = 0
+    weight_address: str = ""
+    detail: dict[str, Any] = {}
+
+
+class ReceiveWeightsResult(_Result, tag="receive_weights"):
+    seconds: float = 0.0
+    detail: dict[str, Any] = {}
+
+
+class WeightsCommitted(ConfigResult, tag="finish_weights"):
+    bytes: int = 0
+    seconds: float = 0.0
+    restarted: int = 0  # samples the staleness bound (Generate.max_staleness) restarted
+
+
+class WeightsAborted(_Result, tag="abort_weights"):
+    weight_version: int = 0
+
+
+class LoraResult(ConfigResult, tag="lora"):
+    """load_lora / unload_lora: the adapter set after the op."""
+
+
+class StatsResult(_Result, tag="stats"):
+    heartbeat: dict[str, Any] = {}  # the engine's Heartbeat fields now
+    detail: dict[str, Any] = {}  # the backend's stats
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.heartbeat:
+            return self.heartbeat[key]
+        return super().__getitem__(key)
+
+    def keys(self) -> list[str]:
+        return [*self.heartbeat, *(k for k in self.detail if k not in self.heartbeat)]
+
+
+Result = (
+    Done
+    | ConfigResult
+    | PingResult
+    | PauseResult
+    | ResumeResult
+    | IsPausedResult
+    | SleepResult
+    | WakeUpResult
+    | ResetPrefixCacheResult
+    | BeginWeightsResult
+    | ReceiveWeightsResult
+    | WeightsCommitted
+    | WeightsAborted
+    | LoraResult
+    | StatsResult
+)
+
+
+class EngineFailure(_Part):
+    """Why a control op failed on one engine (`code`: bus.errors.ErrorCode)."""
+
+    code: str
+    message: str
+    field: str | None = None
 
 
 class Command(_Msg, tag="cmd"):
@@ -253,9 +416,9 @@ class Ack(_Msg, tag="ack"):
     seq: int
     engine_id: str
     ok: bool = True
-    result: dict[str, Any] = {}
+    result: Result | None = None
     error: str | None = None
-    code: str | None = None
+    code: str | None = None  # bus.errors.ErrorCode of a failure
     field: str | None = None  # the offending field of a refused op, when known
 
 
@@ -271,8 +434,8 @@ class Control(_Msg, tag="ctl"):
 
 class ControlReply(_Msg, tag="ctl_reply"):
     request_id: str
-    results: dict[str, dict[str, Any]] = {}  # engine id -> result (ok engines)
-    errors: dict[str, str] = {}  # engine id -> error message
+    results: dict[str, Result] = {}  # engine id -> result (ok engines)
+    errors: dict[str, EngineFailure] = {}  # engine id -> why it failed
     missing: list[str] = []  # targeted engines that did not ack in time
 
 
@@ -383,4 +546,4 @@ KIND_OF: dict[type, bytes] = {
 TYPE_OF: dict[bytes, type] = {v: k for k, v in KIND_OF.items()}
 assert len(TYPE_OF) == len(KIND_OF), "duplicate kind byte"
 
-OP_NAMES: dict[type, str] = {t: t.__struct_config__.tag for t in Op.__args__}  # type: ignore[attr-defined]
+OP_NAMES: dict[type, str] = {t: t.__struct_config__.tag for t in Op.__args__}

@@ -82,6 +82,8 @@ class CurveKeys:
         import zmq.auth
 
         pub, sec = zmq.auth.load_certificate(os.path.join(key_dir, "rollout-bus.key_secret"))
+        if sec is None:
+            raise ValueError(f"{key_dir}/rollout-bus.key_secret holds no secret key")
         return cls(server_public=pub, public=pub, secret=sec)
 
     @staticmethod

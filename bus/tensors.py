@@ -44,7 +44,7 @@ def pack_bucket(index: int, metas: list[TensorMeta], sizes: list[int], tensors: 
     import torch
 
     buf = torch.empty(sizes[index], dtype=torch.uint8, device=device)
-    for m, t in zip(metas, tensors):
+    for m, t in zip(metas, tensors, strict=True):
         if m.bucket != index:
             continue
         src = t.detach().contiguous().reshape(-1).view(torch.uint8)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from bus.errors import BadRequest
+from bus.frames import TOKEN_BYTES, token_count, tokens_view
 from bus.protocol import Generate
 
 MAX_NUM_SAMPLES = 1024
@@ -31,17 +32,19 @@ def prompt_from_frames(msg: Generate, buffers: list[Any], *, max_prompt_tokens: 
     n = len(raw)
     if n == 0:
         raise BadRequest("empty prompt", request_id=rid, field="prompt_token_ids")
-    if n % 4:
+    if n % TOKEN_BYTES:
         raise BadRequest(
-            f"prompt frame is {n} bytes, not a multiple of 4 (int32)", request_id=rid, field="prompt_token_ids"
-        )
-    if n // 4 > max_prompt_tokens:
-        raise BadRequest(
-            f"prompt has {n // 4} tokens, more than max_prompt_tokens={max_prompt_tokens}",
+            f"prompt frame is {n} bytes, not a multiple of {TOKEN_BYTES} (int32)",
             request_id=rid,
             field="prompt_token_ids",
         )
-    return np.frombuffer(raw, dtype="<i4")
+    if token_count(raw) > max_prompt_tokens:
+        raise BadRequest(
+            f"prompt has {token_count(raw)} tokens, more than max_prompt_tokens={max_prompt_tokens}",
+            request_id=rid,
+            field="prompt_token_ids",
+        )
+    return tokens_view(raw)
 
 
 def check_generate(msg: Generate, prompt: np.ndarray, *, vocab_size: int = 0) -> None:

@@ -32,6 +32,8 @@ import time
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
+from bus import errors as bus_errors
+from bus.errors import BackendRefused, ErrorCode, RolloutBusError
 from bus.protocol import SamplingParams
 
 
@@ -104,20 +106,23 @@ class BackendInfo:
     dtype: str = ""  # weight dtype ("float32", "bfloat16"…): the bridge casts to it
 
 
-class BackendError(Exception):
-    """A backend refused an operation (bad tensor name, unsupported transport…)."""
+class BackendError(BackendRefused):
+    """A backend refused an operation (bad tensor name, unsupported transport…):
+    on the wire `backend_refused`, naming the field when known."""
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
+        super().__init__(message, field=field)
 
 
-class BackendTimeout(BackendError):
+class BackendTimeout(bus_errors.BackendTimeout, BackendError):
     """A backend operation did not finish within its deadline; the message
-    names the option (knob) that sets it."""
+    names the option (knob) that sets it. On the wire `backend_timeout`."""
+
+    code = ErrorCode.BACKEND_TIMEOUT
 
     def __init__(self, what: str, seconds: float, knob: str) -> None:
-        super().__init__(f"{what} did not finish within {seconds:g} s (raise the backend option {knob})")
+        msg = f"{what} did not finish within {seconds:g} s (raise the backend option {knob})"
+        RolloutBusError.__init__(self, msg, field=knob)
         self.knob = knob
         self.seconds = seconds
 

@@ -1,7 +1,7 @@
 """Control commands of an engine node: in arrival order, one long op at a time,
 never blocking the loop.
 
-A handler returns a result dict (ack now), `core.DEFERRED` (someone acks
+A handler returns its op's typed result (a `P.*Result`: ack now), `core.DEFERRED` (someone acks
 later: pause(wait)), or a `core.Pending` (a BackendOp still running). While an
 op runs the runner is *busy*: later state-changing commands queue behind it;
 read-only ops (Ping, Stats, IsPaused) are answered at once. The op's future
@@ -23,7 +23,6 @@ from typing import Any
 
 from bus import protocol as P
 from bus.errors import ErrorCode, RolloutBusError
-from engine_node.backend import BackendError, BackendTimeout
 from engine_node.core import DEFERRED, Pending
 
 ACK_CACHE = 4096  # republished commands are answered from here, never re-run
@@ -31,13 +30,13 @@ READ_ONLY: frozenset[type] = frozenset({P.Ping, P.Stats, P.IsPaused})
 
 
 def ack_error_of(e: BaseException) -> tuple[str, str, str | None]:
-    """(code, message, field) of a failed control op."""
-    if isinstance(e, BackendTimeout):
-        return ErrorCode.TIMEOUT.value, str(e), e.field
-    if isinstance(e, RolloutBusError):
+    """(code, message, field) of a failed control op: backend failures keep
+    their own codes (backend_timeout naming the knob, backend_refused naming
+    the field), never bad_request."""
+    if isinstance(e, RolloutBusError):  # BackendTimeout / BackendError included
         return e.code.value, e.message, e.field
-    if isinstance(e, (BackendError, ValueError)):  # a refusal of bad input
-        return ErrorCode.BAD_REQUEST.value, str(e), getattr(e, "field", None)
+    if isinstance(e, ValueError):  # a backend's refusal of bad input, untyped
+        return ErrorCode.BACKEND_REFUSED.value, str(e), None
     return ErrorCode.INTERNAL.value, f"{type(e).__name__}: {e}", None
 
 
@@ -46,7 +45,7 @@ class ControlRunner:
         self,
         engine_id: str,
         handlers: dict[type, Callable[[Any, int], Any]],
-        send_ack: Callable[[P.Ack], None],
+        send_ack: Callable[[P.Ack], object],
         *,
         on_busy_change: Callable[[], None] = lambda: None,
         before_complete: Callable[[], None] = lambda: None,
@@ -127,12 +126,14 @@ class ControlRunner:
         seq: int,
         *,
         ok: bool,
-        result: dict | None = None,
+        result: Any = None,
         error: str | None = None,
         code: str | None = None,
         field: str | None = None,
     ) -> None:
-        ack = P.Ack(seq=seq, engine_id=self.engine_id, ok=ok, result=result or {}, error=error, code=code, field=field)
+        if ok and result is None:
+            result = P.Done()
+        ack = P.Ack(seq=seq, engine_id=self.engine_id, ok=ok, result=result, error=error, code=code, field=field)
         if seq in self.acks:
             self.acks[seq] = ack
         self.send_ack(ack)
@@ -161,7 +162,7 @@ class ControlRunner:
             self.log.info("op_started", op=self.busy_name, seq=cmd.seq, knob=result.op.knob)
             result.op.future.add_done_callback(self._wake)
             return
-        self.ack(cmd.seq, ok=True, result=result or {})
+        self.ack(cmd.seq, ok=True, result=result)
 
     def _wake(self, _f: Any) -> None:
         # Any thread: only a byte into the pipe (a full pipe already wakes us).
@@ -178,7 +179,7 @@ class ControlRunner:
             self._rollback(pending, e)
             self._failed(cmd, e)
             return
-        self.ack(cmd.seq, ok=True, result=result or {})
+        self.ack(cmd.seq, ok=True, result=result)
 
     def _rollback(self, pending: Pending, e: BaseException) -> None:
         if pending.on_error is None:

@@ -8,7 +8,7 @@ events in                                   actions out
   cancel(client, request_id)                    — chunks coalesced per peer per turn
   on_step(outputs) / step_failed(exc)           — an Error flushes that turn's chunks first
   peer_gone(peer)                             acks: deferred control acks (pause wait)
-  set_time(now, wall) / tick(now, wall)       control results: dict | Pending(BackendOp, then)
+  set_time(now, wall) / tick(now, wall)       control results: P.*Result | Pending(BackendOp, then)
   control ops: pause / resume / is_paused /   backend data-path calls (add, abort, num_running)
     sleep / wake_up / reset_prefix_cache        are made on the injected backend port, which
   weights_changed() / config_changed()          is synchronous and short by protocol
@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import sys
-from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -51,12 +49,11 @@ from bus import logprob_frames as LF
 from bus import protocol as P
 from bus.codec import Outbox
 from bus.errors import BadRequest, ErrorCode, RolloutBusError
+from bus.frames import chunk_versions, note_version, pack_logprobs, pack_tokens
 from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput
 from engine_node.detokenize import load_tokenizer, make_matcher
 from engine_node.requests import NodeRequest, Sample, SampleState, new_request, transition
 from engine_node.seeding import SeedStream, request_seed
-
-assert sys.byteorder == "little", "token frames are int32 little-endian: array('i') must match"
 
 ALL = "*"
 SLEEP_SCOPE = "__sleep__"  # the gate scope sleep() closes
@@ -85,8 +82,8 @@ class Pending:
     owner can roll its state back)."""
 
     op: BackendOp
-    then: Callable[[dict[str, Any]], dict[str, Any]]
-    on_error: Callable[[BaseException], None] | None = None
+    then: Callable[[dict[str, Any]], Any]  # the backend's dict -> the op's P.*Result
+    on_error: Callable[[BaseException], object] | None = None
 
 
 class RequestCore:
@@ -121,8 +118,8 @@ class RequestCore:
         # -- actions out
         self.outbox = Outbox()
         self.sends: list[tuple[bytes, Any, list[Any]]] = []
-        self.acks: list[tuple[int, bool, dict[str, Any], str | None, str | None]] = []
-        self._waits: list[tuple[int, str, float, float, dict[str, Any]]] = []  # seq, scope, deadline, timeout_s, result
+        self.acks: list[tuple[int, bool, Any, str | None, str | None]] = []  # seq, ok, P.*Result, error, code
+        self._waits: list[tuple[int, str, float, float, P.PauseResult]] = []  # seq, scope, deadline, timeout_s, result
         self.work_appeared: Callable[[], None] = lambda: None  # shell hook (stall visibility)
         # Stop strings: the engine model's tokenizer, loaded on the first request that sets `stop`.
         self.tokenizer_of: Callable[[], Any] = lambda: load_tokenizer(info.model)
@@ -238,7 +235,7 @@ class RequestCore:
         out, self.sends = self.sends, []
         return out
 
-    def take_acks(self) -> list[tuple[int, bool, dict[str, Any], str | None, str | None]]:
+    def take_acks(self) -> list[tuple[int, bool, Any, str | None, str | None]]:
         out, self.acks = self.acks, []
         return out
 
@@ -305,8 +302,8 @@ class RequestCore:
         )
         try:
             self.backend.add(seq)
-        except BackendError as e:
-            self._fail(req, ErrorCode.BAD_REQUEST, str(e), field=e.field)
+        except BackendError as e:  # refused (backend_refused), or its deadline passed
+            self._fail(req, e.code, e.message, field=e.field)
             return False
         s.seq_id = seq_id
         transition(s, _RUNNING)
@@ -348,9 +345,7 @@ class RequestCore:
                             finish = "stop"
                             break
                 if not req.msg.stream:
-                    marks = s.version_marks
-                    if not marks or marks[-1][1] != version:
-                        marks.append([len(s.tokens) - s.sent, version])
+                    note_version(s.version_marks, len(s.tokens) - s.sent, version)
                 if s.first_version is None:
                     s.first_version = version
                 s.tokens.extend(toks)
@@ -405,14 +400,14 @@ class RequestCore:
     def _send_chunk(self, req: NodeRequest, s: Sample, finish: str | None) -> None:
         sent = s.sent
         p = req.msg.params
-        buffers = [array("i", s.tokens[sent:]).tobytes()]
+        buffers = [pack_tokens(s.tokens[sent:])]
         top_k = prompt_k = -1
         if LF.logprobs_wanted(p.logprobs):
-            buffers.append(array("f", s.logprobs[sent:]).tobytes())
+            buffers.append(pack_logprobs(s.logprobs[sent:]))
             top_k = LF.top_k_of(p.logprobs)
             if top_k > 0:
-                buffers.append(array("i", s.top_ids[sent * top_k : len(s.tokens) * top_k]).tobytes())
-                buffers.append(array("f", s.top_logprobs[sent * top_k : len(s.tokens) * top_k]).tobytes())
+                buffers.append(pack_tokens(s.top_ids[sent * top_k : len(s.tokens) * top_k]))
+                buffers.append(pack_logprobs(s.top_logprobs[sent * top_k : len(s.tokens) * top_k]))
         text = None
         if finish is not None:
             pl = s.prompt_logprobs
@@ -423,14 +418,17 @@ class RequestCore:
                 last = s.tokens[-1] if len(s.tokens) > req.msg.resume_len else None
                 stop_id = last is not None and (last in p.stop_token_ids or (not p.ignore_eos and last in self.eos))
                 text = s.matcher.final_text(finish == "stop" and stop_id)
-        stream = req.msg.stream
-        marks = s.version_marks
+        changes: list[list[int]]
+        if req.msg.stream:
+            version, changes = self.weight_version, []
+        else:
+            version, changes = chunk_versions(s.version_marks, self.weight_version)
         chunk = P.Chunk(
             request_id=req.msg.request_id,
             sample_index=s.index,
-            weight_version=marks[0][1] if (marks and not stream) else self.weight_version,
+            weight_version=version,
             finish_reason=finish,
-            version_changes=marks[1:] if (not stream and len(marks) > 1) else [],
+            version_changes=changes,
             emitted_at=self.wall,
             num_prompt_tokens=len(req.base_prompt) if finish else 0,
             engine_id=self.engine_id if finish else "",
@@ -533,26 +531,26 @@ class RequestCore:
         self.pauses[scope] = op.mode  # the gate closes at once
         entries = self._scoped(op.lora)
         held = sum(1 for r, s in self.pending if s.state is _PENDING and (op.lora is None or r.lora == op.lora))
-        result: dict[str, Any] = {"mode": op.mode, "scope": scope, "held": held, "parked": 0, "frozen": 0}
+        result = P.PauseResult(mode=op.mode, scope=scope, held=held)
         return _PAUSE_MODES[op.mode](self, op, seq, entries, result)
 
-    def _pause_abort(self, op: P.Pause, seq: int, entries: list, result: dict[str, Any]) -> Any:
-        result["parked"] = self._park(entries)
+    def _pause_abort(self, op: P.Pause, seq: int, entries: list, result: P.PauseResult) -> Any:
+        result.parked = self._park(entries)
         return result
 
-    def _pause_keep(self, op: P.Pause, seq: int, entries: list, result: dict[str, Any]) -> Any:
+    def _pause_keep(self, op: P.Pause, seq: int, entries: list, result: P.PauseResult) -> Any:
         live = [(r, s) for r, s in entries if s.state is _RUNNING]
         if op.lora is not None and self.backend.freeze_granularity != "seq":
             # The backend can only freeze everything: park this adapter's samples.
-            result["parked"] = self._park(live)
+            result.parked = self._park(live)
             return result
         for _, s in live:
             transition(s, _FROZEN)
-        result["frozen"] = len(live)
+        result.frozen = len(live)
         return Pending(self.backend.freeze([s.seq_id for _, s in live]), lambda _r: result)
 
-    def _pause_wait(self, op: P.Pause, seq: int, entries: list, result: dict[str, Any]) -> Any:
-        result["draining"] = len(entries)
+    def _pause_wait(self, op: P.Pause, seq: int, entries: list, result: P.PauseResult) -> Any:
+        result.draining = len(entries)
         self._waits.append((seq, op.lora or ALL, self.now + op.timeout_s, op.timeout_s, result))
         self._check_waits(self.now)
         return DEFERRED
@@ -571,7 +569,7 @@ class RequestCore:
                     (
                         seq,
                         False,
-                        {},
+                        None,
                         f"pause(mode='wait') still had {len(busy)} running sequence(s) after timeout_s={timeout_s}; the gate stays closed",
                         ErrorCode.TIMEOUT.value,
                     )
@@ -588,7 +586,7 @@ class RequestCore:
         for k in scopes:
             del self.pauses[k]
         thaw_op, n = self._release()
-        result = {"resumed": n, "scopes": scopes, "still_paused": sorted(self.pauses)}
+        result = P.ResumeResult(resumed=n, scopes=scopes, still_paused=sorted(self.pauses))
         if thaw_op is None:
             return result
         return Pending(thaw_op, lambda _r: result)
@@ -610,12 +608,12 @@ class RequestCore:
         if moot:
             self._waits = [w for w in self._waits if w[1] in self.pauses]
             for seq, _scope, _d, _t, result in moot:
-                self.acks.append((seq, True, {**result, "resumed_before_drained": True}, None, None))
+                self.acks.append((seq, True, msgspec.structs.replace(result, resumed_before_drained=True), None, None))
         return op, len(thaw) + waiting
 
-    def is_paused(self, op: P.IsPaused, seq: int = 0) -> dict[str, Any]:
+    def is_paused(self, op: P.IsPaused, seq: int = 0) -> P.IsPausedResult:
         paused = self.gated(op.lora) if op.lora else bool(self.pauses)
-        return {"paused": paused, "scopes": sorted(self.pauses)}
+        return P.IsPausedResult(paused=paused, scopes=sorted(self.pauses))
 
     def sleep(self, op: P.Sleep, seq: int) -> Any:
         if op.level not in (1, 2):
@@ -624,20 +622,18 @@ class RequestCore:
         parked = self._park(self._scoped(None))
         t0 = self.now
 
-        def then(res: dict[str, Any]) -> dict[str, Any]:
-            res = dict(res)
+        def then(res: dict[str, Any]) -> P.SleepResult:
             self.sleep_level = op.level
             self._weights_discarded = res.get("weights") == "discarded"
-            res.update(parked=parked, seconds=round(self.now - t0, 4), level=op.level)
-            return res
+            return P.SleepResult(level=op.level, parked=parked, seconds=round(self.now - t0, 4), detail=dict(res))
 
         return Pending(self.backend.sleep(op.level), then)
 
     def wake_up(self, op: P.WakeUp, seq: int) -> Any:
         t0 = self.now
 
-        def then(res: dict[str, Any]) -> dict[str, Any]:
-            res = dict(res)
+        def then(res: dict[str, Any]) -> P.WakeUpResult:
+            reloaded = False
             if self._weights_discarded and (op.tags is None or "weights" in op.tags):
                 # Level 2 dropped the weights; the checkpoint came back. That is a
                 # different weight state from any pushed version: tokens from now
@@ -645,21 +641,28 @@ class RequestCore:
                 self._weights_discarded = False
                 self.weight_version += 1
                 self.config_epoch += 1
-                res["restarted"] = self._enforce_staleness()
-                res["weights_reloaded_from_checkpoint"] = True
-                res.update(self.config_result())
+                reloaded = True
+                res = {**res, "restarted": self._enforce_staleness()}
+            resumed = 0
             if op.tags is None or {"weights", "kv_cache"} <= set(op.tags):
                 self.sleep_level = 0
                 self.pauses.pop(SLEEP_SCOPE, None)
                 # thaw cannot be needed here: sleep parked everything
-                _op, res["resumed"] = self._release()
-            res["seconds"] = round(self.now - t0, 4)
-            return res
+                _op, resumed = self._release()
+            return P.WakeUpResult(
+                weight_version=self.weight_version,
+                loras=self.backend.loras(),
+                epoch=self.config_epoch,
+                resumed=resumed,
+                seconds=round(self.now - t0, 4),
+                weights_reloaded_from_checkpoint=reloaded,
+                detail=dict(res),
+            )
 
         return Pending(self.backend.wake_up(op.tags), then)
 
     def reset_prefix_cache(self, op: P.ResetPrefixCache, seq: int) -> Any:
-        return Pending(self.backend.reset_prefix_cache(), lambda _r: {})
+        return Pending(self.backend.reset_prefix_cache(), lambda r: P.ResetPrefixCacheResult(detail=dict(r)))
 
     # -- weights / LoRA bookkeeping (the transactions live in weight_update.py)
 
@@ -722,8 +725,8 @@ class RequestCore:
         """LoRA set changed."""
         self.config_epoch += 1
 
-    def config_result(self) -> dict[str, Any]:
-        return {"weight_version": self.weight_version, "loras": self.backend.loras(), "epoch": self.config_epoch}
+    def config_result(self) -> P.LoraResult:
+        return P.LoraResult(weight_version=self.weight_version, loras=self.backend.loras(), epoch=self.config_epoch)
 
 
 def _base_prompt_logprobs(pl: Any, base_len: int) -> Any:

@@ -38,9 +38,10 @@ import structlog
 import zmq
 
 from bus import protocol as P
-from bus.codec import Codec, request_id_of
-from bus.errors import BadRequest, ErrorCode, ProtocolError, RolloutBusError
-from bus.sockets import CONTROL_HWM, CurveKeys, bound_address, make_socket
+from bus.codec import Codec
+from bus.endpoint import Endpoint, open_socket
+from bus.errors import BadRequest, ErrorCode
+from bus.sockets import CONTROL_HWM, CurveKeys, bound_address
 from bus.validate import check_generate, prompt_from_frames
 from engine_node.backend import Backend, BackendError, load_backend
 from engine_node.config import EngineNodeConfig
@@ -78,37 +79,24 @@ class EngineNode:
         self.codec = Codec()
         self.log = log.bind(engine_id=self.engine_id)
 
-        curve = CurveKeys.load(cfg.curve_dir) if cfg.curve_dir else None
-        tcp = lambda a: a.startswith("tcp://")
-        self.data = make_socket(
-            self.ctx,
-            zmq.ROUTER,
-            bind=cfg.data_address,
-            curve=curve if tcp(cfg.data_address) else None,
-            curve_server=True,
-        )
-        self.weights = make_socket(
-            self.ctx,
-            zmq.ROUTER,
-            bind=cfg.weight_address,
-            curve=curve if tcp(cfg.weight_address) else None,
-            curve_server=True,
-        )
-        self.sub = make_socket(
+        curve = self._curve = CurveKeys.load(cfg.curve_dir) if cfg.curve_dir else None
+        self.data = open_socket(self.ctx, zmq.ROUTER, bind=cfg.data_address, curve=curve)
+        self.weights = open_socket(self.ctx, zmq.ROUTER, bind=cfg.weight_address, curve=curve)
+        self.sub = open_socket(
             self.ctx,
             zmq.SUB,
             connect=cfg.head_control,
             hwm=CONTROL_HWM,
             subscribe=[b"*\x00", self.engine_id.encode() + b"\x00"],
-            curve=curve if tcp(cfg.head_control) else None,
+            curve=curve,
         )
-        self.events = make_socket(
+        self.events = open_socket(
             self.ctx,
             zmq.DEALER,
             connect=cfg.head_events,
             hwm=CONTROL_HWM,
             identity=f"{self.engine_id}/{self.incarnation}".encode(),
-            curve=curve if tcp(cfg.head_events) else None,
+            curve=curve,
         )
         self.data_address = self._advertised(bound_address(self.data))
         self.weight_address = self._advertised(bound_address(self.weights))
@@ -118,12 +106,6 @@ class EngineNode:
         self._backend_fd = backend.wake_fd()
         if self._backend_fd is not None:
             self.poller.register(self._backend_fd, zmq.POLLIN)
-        self._socket_handlers: dict[Any, Callable[[list[Any]], None]] = {
-            self.data: self._on_data,
-            self.sub: self._on_command,
-            self.events: self._on_event,
-            self.weights: self._on_weight_frames,
-        }
 
         # -- the core and the weight transaction (loop thread only)
         self.core = RequestCore(backend, self.info, self.engine_id, self.sample_seed)
@@ -159,10 +141,43 @@ class EngineNode:
             log=self.log,
         )
         self.poller.register(self.control.wake_fd, zmq.POLLIN)
-        self._data_handlers: dict[type, Callable[[bytes, Any, list[Any]], None]] = {
-            P.Generate: self._on_generate,
-            P.Cancel: self._on_cancel,
-        }
+        self._fatal: str | None = None  # set by a handler; the loop raises _Fatal
+        # One Endpoint per socket: decode → handler table → typed reply. Gone
+        # peers are per socket: a client that left the data socket drops its
+        # requests; a weight sender that left only loses its bucket acks.
+        self.data_ep = Endpoint(
+            self.data,
+            self.codec,
+            {P.Generate: self._on_generate, P.Cancel: self._on_cancel},
+            name="data",
+            routed=True,
+            before_error=self._flush,
+            on_peer_gone=self.core.peer_gone,
+            max_batch=_MAX_BATCH_RECV,
+        )
+        self.weights_ep = Endpoint(
+            self.weights,
+            self.codec,
+            {P.WeightBucket: self._on_weight_bucket},
+            name="weights",
+            routed=True,
+            error_reply=lambda rid, code, message, field: P.WeightBucketAck(
+                update_id="", bucket=-1, ok=False, error=message
+            ),
+            max_batch=_MAX_BATCH_RECV,
+        )
+        self.sub_ep = Endpoint(
+            self.sub, self.codec, {P.Command: self._on_command}, name="control", routed=True, error_reply=None
+        )
+        self.events_ep = Endpoint(
+            self.events,
+            self.codec,
+            {P.RegisterReply: self._on_register_reply},
+            name="events",
+            routed=False,
+            error_reply=None,
+        )
+        self._endpoints = {ep.sock: ep for ep in (self.data_ep, self.weights_ep, self.sub_ep, self.events_ep)}
         self._snapshot: P.Heartbeat = self._make_heartbeat()
         self._snapshot_at = 0.0
         self._hb_stop = threading.Event()
@@ -208,9 +223,11 @@ class EngineNode:
         core = self.core
         busy = self.backend.has_work()
         for sock, _ in self.poller.poll(0 if busy else 50):
-            handler = self._socket_handlers.get(sock)
-            if handler is not None:
-                self._drain(sock, handler)
+            ep = self._endpoints.get(sock)
+            if ep is not None:
+                ep.drain()
+                if self._fatal is not None:
+                    raise _Fatal(self._fatal)
             elif sock == self.control.wake_fd:
                 self.control.on_wake()
                 self._flush()
@@ -263,20 +280,12 @@ class EngineNode:
                 self._flush()
                 self.lifecycle = Lifecycle.STOPPED
 
-    def _drain(self, sock: zmq.Socket, handler: Callable[[list[Any]], None]) -> None:
-        for _ in range(_MAX_BATCH_RECV):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            handler(frames)
-
     def _shutdown(self) -> None:
         self._hb_stop.set()
         if self._hb_thread.is_alive():
             self._hb_thread.join(timeout=2)
-        for s in (self.data, self.weights, self.sub, self.events):
-            s.close(linger=0)
+        for ep in self._endpoints.values():
+            ep.close()
         try:
             self.backend.close()
         finally:
@@ -309,18 +318,13 @@ class EngineNode:
         )
         self.events.send_multipart(self.codec.encode(reg))
 
-    def _on_event(self, frames: list[Any]) -> None:
-        try:
-            msg, _ = self.codec.decode(frames)
-        except RolloutBusError as e:
-            self.log.warning("bad_event", error=str(e))
+    def _on_register_reply(self, _peer: bytes, msg: P.RegisterReply, _b: list[Any]) -> None:
+        if not msg.ok:
+            self._fatal = f"the head refused registration: {msg.error}"
             return
-        if isinstance(msg, P.RegisterReply):
-            if not msg.ok:
-                raise _Fatal(f"the head refused registration: {msg.error}")
-            if not self._registered:
-                self.log.info("engine_registered")
-            self._registered = True
+        if not self._registered:
+            self.log.info("engine_registered")
+        self._registered = True
 
     def _make_heartbeat(self) -> P.Heartbeat:
         try:
@@ -348,14 +352,7 @@ class EngineNode:
     def _heartbeat_loop(self) -> None:
         # Own socket: sockets are not thread-safe, and this one must keep
         # beating while the loop is inside a long step.
-        curve = CurveKeys.load(self.cfg.curve_dir) if self.cfg.curve_dir else None
-        sock = make_socket(
-            self.ctx,
-            zmq.DEALER,
-            connect=self.cfg.head_events,
-            hwm=16,
-            curve=curve if self.cfg.head_events.startswith("tcp://") else None,
-        )
+        sock = open_socket(self.ctx, zmq.DEALER, connect=self.cfg.head_events, hwm=16, curve=self._curve)
         codec = Codec()
         try:
             while not self._hb_stop.wait(self.cfg.heartbeat_interval_s):
@@ -367,27 +364,6 @@ class EngineNode:
             sock.close(linger=0)
 
     # ------------------------------------------------------------ data plane
-
-    def _on_data(self, frames: list[Any]) -> None:
-        client = frames[0].bytes
-        body = frames[1:]
-        try:
-            msg, buffers = self.codec.decode(body)
-            handler = self._data_handlers.get(type(msg))
-            if handler is None:
-                raise ProtocolError(f"{type(msg).__name__} is not a data-plane request", field="kind")
-            handler(client, msg, buffers)
-        except RolloutBusError as e:
-            rid = e.request_id or (request_id_of([f.bytes for f in body[:2]]) if len(body) >= 2 else "")
-            self._error_now(client, rid, e.code.value, e.message, e.field)
-        except Exception as e:  # a bug of ours: answer it, keep serving
-            self.log.exception("data_handler_crashed")
-            rid = request_id_of([f.bytes for f in body[:2]]) if len(body) >= 2 else ""
-            self._error_now(client, rid, ErrorCode.INTERNAL.value, f"{type(e).__name__}: {e}", None)
-
-    def _error_now(self, client: bytes, rid: str, code: str, message: str, field: str | None) -> None:
-        self.core.send_error(client, rid, code, message, field)
-        self._flush()
 
     def _on_generate(self, client: bytes, msg: P.Generate, buffers: list[Any]) -> None:
         prompt = prompt_from_frames(msg, [b.buffer for b in buffers], max_prompt_tokens=self.cfg.max_prompt_tokens)
@@ -401,30 +377,11 @@ class EngineNode:
     def _send_data(self, peer: bytes, msg: Any, buffers: list[Any]) -> None:
         if isinstance(msg, P.Error):
             self.log.info("request_error", request_id=msg.request_id, code=msg.code, field=msg.field, error=msg.message)
-        if not self._send(self.data, peer, msg, buffers):
-            self.core.peer_gone(peer)
-
-    def _send(self, sock: zmq.Socket, peer: bytes, msg: Any, buffers: list[Any] = ()) -> bool:  # type: ignore[assignment]
-        """False when the peer is gone (ROUTER_MANDATORY)."""
-        try:
-            sock.send_multipart([peer, *self.codec.encode(msg, buffers)])
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
-            return False
-        return True
+        self.data_ep.send(peer, msg, buffers)  # a gone peer: core.peer_gone
 
     # ------------------------------------------------------------ weight socket
 
-    def _on_weight_frames(self, frames: list[Any]) -> None:
-        peer = frames[0].bytes
-        try:
-            msg, buffers = self.codec.decode(frames[1:])
-            if not isinstance(msg, P.WeightBucket):
-                raise ProtocolError("only WeightBucket goes to the weight socket", field="kind")
-        except RolloutBusError as e:
-            self._send(self.weights, peer, P.WeightBucketAck(update_id="", bucket=-1, ok=False, error=str(e)))
-            return
+    def _on_weight_bucket(self, peer: bytes, msg: P.WeightBucket, buffers: list[Any]) -> None:
         ack = P.WeightBucketAck(update_id=msg.update_id, bucket=msg.bucket)
         try:
             if not buffers:
@@ -437,25 +394,20 @@ class EngineNode:
                 update_id=msg.update_id, bucket=msg.bucket, ok=False, error=f"{self.engine_id}: {e}"
             )
             self.updates.abort_current(msg.update_id, str(e))
-        self._send(self.weights, peer, ack)
+        self.weights_ep.send(peer, ack)  # a sender that left: nothing to undo here
 
     # ------------------------------------------------------------ control plane
 
-    def _on_command(self, frames: list[Any]) -> None:
-        try:
-            cmd, _ = self.codec.decode([f.bytes for f in frames[1:]])
-        except RolloutBusError as e:
-            self.log.warning("bad_command", error=str(e))
-            return
-        if not isinstance(cmd, P.Command) or (cmd.targets is not None and self.engine_id not in cmd.targets):
+    def _on_command(self, _topic: bytes, cmd: P.Command, _b: list[Any]) -> None:
+        if cmd.targets is not None and self.engine_id not in cmd.targets:
             return
         self.control.on_command(cmd)
         self._flush()
 
     # -- ops that belong to the shell
 
-    def _op_ping(self, op: P.Ping, seq: int) -> dict:
-        return {"weight_version": self.core.weight_version, "incarnation": self.incarnation}
+    def _op_ping(self, op: P.Ping, seq: int) -> P.PingResult:
+        return P.PingResult(weight_version=self.core.weight_version, incarnation=self.incarnation)
 
     def _op_load_lora(self, op: P.LoadLora, seq: int) -> Any:
         if op.path is None:
@@ -466,15 +418,13 @@ class EngineNode:
     def _op_unload_lora(self, op: P.UnloadLora, seq: int) -> Any:
         return Pending(self.backend.unload_lora(op.name), self._lora_changed)
 
-    def _lora_changed(self, _res: dict[str, Any]) -> dict[str, Any]:
+    def _lora_changed(self, _res: dict[str, Any]) -> P.LoraResult:
         self.core.config_changed()
         return self.core.config_result()
 
-    def _op_stats(self, op: P.Stats, seq: int) -> dict:
+    def _op_stats(self, op: P.Stats, seq: int) -> P.StatsResult:
         hb = self._make_heartbeat()
-        out = {f: getattr(hb, f) for f in hb.__struct_fields__}
-        out.update(self.backend.stats())
-        return out
+        return P.StatsResult(heartbeat={f: getattr(hb, f) for f in hb.__struct_fields__}, detail=self.backend.stats())
 
 
 SEEDED_BACKENDS = ("torch", "vllm")  # backends whose `seed` option run_engine_node derives

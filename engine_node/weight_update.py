@@ -97,13 +97,18 @@ class WeightUpdates:
     def begin(self, op: P.BeginWeightUpdate, seq: int = 0) -> Any:
         if self.current is not None:
             self._abort("superseded by update " + op.update_id)
-        result = {"buckets": len(op.bucket_sizes), "weight_address": self.weight_address}
+        result = P.BeginWeightsResult(buckets=len(op.bucket_sizes), weight_address=self.weight_address)
         if op.target == "model":
             args = dict(op.transport_args)
             args.setdefault("bucket_sizes", list(op.bucket_sizes))
             up = self.current = WeightUpdate(op)
             bop = self.backend.begin_weight_update(op.update_id, op.transport, list(op.tensors), args)
-            return Pending(bop, lambda _r: result, lambda e: self._drop(up, f"begin failed: {e}"))
+
+            def begun(res: dict[str, Any]) -> P.BeginWeightsResult:
+                result.detail = dict(res)
+                return result
+
+            return Pending(bop, begun, lambda e: self._drop(up, f"begin failed: {e}"))
         if not op.target.startswith("lora:"):
             raise BadRequest(f"unknown weight target {op.target!r} (model, lora:NAME)", field="target")
         if op.transport != "zmq":
@@ -137,10 +142,10 @@ class WeightUpdates:
         up = self._require(op.update_id)
         t0 = self.core.now
 
-        def then(res: dict[str, Any]) -> dict[str, Any]:
+        def then(res: dict[str, Any]) -> P.ReceiveWeightsResult:
             up.received.update(range(len(up.begin.bucket_sizes)))
             up.to(Phase.PREPARED)
-            return {**res, "seconds": round(self.core.now - t0, 4)}
+            return P.ReceiveWeightsResult(seconds=round(self.core.now - t0, 4), detail=dict(res))
 
         return Pending(self.backend.receive_weights(list(op.handles)), then, lambda e: self._abort("receive failed"))
 
@@ -161,7 +166,7 @@ class WeightUpdates:
             cfg = dict(up.begin.transport_args.get("lora_config", {}))
             bop = self.backend.load_lora(name, tensors=up.lora_tensors, config=cfg)
 
-        def then(_res: dict[str, Any]) -> dict[str, Any]:
+        def then(_res: dict[str, Any]) -> P.WeightsCommitted:
             up.to(Phase.COMMITTED)
             if self.current is up:
                 self.current = None
@@ -170,12 +175,15 @@ class WeightUpdates:
                 restarted = self.core.weights_changed(op.version)
             else:
                 self.core.config_changed()
-            return {
-                **self.core.config_result(),
-                "bytes": up.bytes,
-                "seconds": round(self.core.now - t0, 4),
-                "restarted": restarted,
-            }
+            config = self.core.config_result()
+            return P.WeightsCommitted(
+                weight_version=config.weight_version,
+                loras=config.loras,
+                epoch=config.epoch,
+                bytes=up.bytes,
+                seconds=round(self.core.now - t0, 4),
+                restarted=restarted,
+            )
 
         return Pending(bop, then, lambda e: self._abort("finish failed", up))
 
@@ -183,10 +191,9 @@ class WeightUpdates:
         bop = None
         if self.current is not None and self.current.update_id == op.update_id:
             bop = self._abort("aborted by the trainer")
-        result = {"weight_version": self.core.weight_version}
         if bop is None:
-            return result
-        return Pending(bop, lambda _r: {"weight_version": self.core.weight_version})
+            return P.WeightsAborted(weight_version=self.core.weight_version)
+        return Pending(bop, lambda _r: P.WeightsAborted(weight_version=self.core.weight_version))
 
     def abort_current(self, update_id: str, why: str) -> None:
         """A bucket was refused: the update it belongs to is over."""

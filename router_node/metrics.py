@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
     from router_node.router import Router
 
 
@@ -19,17 +21,21 @@ class RouterCollector:
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    def collect(self) -> Iterator[object]:
+    def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         r = self.router
         counters = dict(r.counters)
         for name, value in counters.items():
             yield CounterMetricFamily(f"rollout_bus_{name}", f"rollout-bus head: {name.replace('_', ' ')}", value=value)
-        yield GaugeMetricFamily("rollout_bus_in_flight", "requests the head is forwarding", value=len(r.flights))
+        yield GaugeMetricFamily(
+            "rollout_bus_in_flight", "requests the head is forwarding", value=len(r.forwarding.flights)
+        )
         yield GaugeMetricFamily("rollout_bus_sessions", "live sticky sessions", value=r.sessions.count())
         yield GaugeMetricFamily(
-            "rollout_bus_cluster_weight_version", "version of the last committed model update", value=r.cluster.version
+            "rollout_bus_cluster_weight_version",
+            "version of the last committed model update",
+            value=r.control.cluster.version,
         )
         yield GaugeMetricFamily(
             "rollout_bus_stale_engines",

@@ -1,7 +1,7 @@
 """Test harness: a real head and real engine nodes as subprocesses.
 
-Every process is started here and killed here (SIGTERM, then SIGKILL of the
-whole tree); `assert_no_leaks` fails a test that leaves one behind.
+Every process is started here and killed here (`bus.proctree.terminate_tree`:
+SIGTERM, grace, SIGKILL of the whole tree); `assert_no_leaks` fails a test that leaves one behind.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 import psutil
 
+from bus.proctree import terminate_tree
 from trainer_bridge import Client
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,29 +115,7 @@ class Cluster:
         for c in self.clients:
             c.close()
         self.clients.clear()
-        procs = []
-        for p in self.procs.values():
-            if p.poll() is None:
-                try:
-                    pp = psutil.Process(p.pid)
-                    procs.extend([pp, *pp.children(recursive=True)])
-                    if pp.status() == psutil.STATUS_STOPPED:
-                        pp.send_signal(signal.SIGCONT)
-                    pp.terminate()
-                except psutil.NoSuchProcess:
-                    pass
-        _, left = psutil.wait_procs(procs, timeout=10)
-        for p in left:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(left, timeout=5)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+        terminate_tree(list(self.procs.values()), grace_s=10, kill_wait_s=5)
 
     def __enter__(self) -> Cluster:
         return self

@@ -273,7 +273,7 @@ def test_weight_update_over_zmq_matches_a_reference_model(fresh, tiny_model):
     for _ in range(2):  # both engines
         after = c.generate(p, params)
         assert after.token_ids == ref_toks
-        assert max(abs(a - b) for a, b in zip(after.logprobs, ref_lps)) <= 1e-5
+        assert max(abs(a - b) for a, b in zip(after.logprobs, ref_lps, strict=True)) <= 1e-5
         assert set(after.token_versions) == {1}
     assert before.token_ids != ref_toks
     assert {e["weight_version"] for e in c.engines()} == {1}

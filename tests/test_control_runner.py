@@ -90,7 +90,7 @@ def test_deadline_backstop_acks_a_timeout_naming_the_knob_and_moves_on() -> None
         assert rig.acks == []
         rig.r.check_deadline(time.monotonic() + 1.0)
         assert [a.seq for a in rig.acks] == [1, 2]
-        assert not rig.acks[0].ok and rig.acks[0].code == "timeout" and "sleep_timeout_s" in rig.acks[0].error
+        assert not rig.acks[0].ok and rig.acks[0].code == "backend_timeout" and "sleep_timeout_s" in rig.acks[0].error
         rig.ops["sleep"].future.set_result({})  # too late: dropped
         rig.r.on_wake()
         assert len(rig.acks) == 2
@@ -110,6 +110,6 @@ def test_failures_are_typed_and_deferred_ops_are_not_acked_here() -> None:
         assert rig.woke()
         rig.r.on_wake()
         a = rig.acks[-1]
-        assert (a.seq, a.ok, a.code, a.field) == (3, False, "bad_request", "level")
+        assert (a.seq, a.ok, a.code, a.field) == (3, False, "backend_refused", "level")
     finally:
         rig.r.close()

@@ -61,7 +61,7 @@ def test_logprobs_equal_the_models_log_softmax(torch_cluster, hf_model):
     with torch.no_grad():
         logits = hf_model(full).logits[0].float()
     ref = torch.log_softmax(logits, dim=-1)
-    for i, (tok, lp) in enumerate(zip(r.token_ids, r.logprobs)):
+    for i, (tok, lp) in enumerate(zip(r.token_ids, r.logprobs, strict=True)):
         assert abs(ref[len(p) - 1 + i, tok].item() - lp) <= 1e-5
 
 

@@ -12,6 +12,7 @@ import time
 import psutil
 import pytest
 
+from bus import protocol as P
 from tests.cluster import ROOT, child_env, wait_until
 from trainer_bridge import Client
 
@@ -165,3 +166,56 @@ def test_curve_secured_cluster(tmp_path):
         p.send_signal(signal.SIGTERM)
         p.communicate(timeout=60)
         psutil.wait_procs(tree, timeout=10)
+
+
+def test_curve_multi_node_zmq_weight_update(tmp_path):
+    """--curve across nodes: every TCP socket is CURVE, the engines' weight
+    sockets included, so a zmq weight update must connect with the keys too."""
+    import socket as _s
+
+    import torch
+
+    keys = str(tmp_path / "keys")
+    with _s.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = ["--grace-s", "5", "--curve", "--curve-dir", keys]
+    head = subprocess.Popen(
+        [sys.executable, "launch.py", "--head", "--port", str(port), *common],
+        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    procs = [head]
+    trees = []
+    try:
+        addr = _read_address(head)
+        worker = subprocess.Popen(
+            [sys.executable, "launch.py", "--join", addr, "--engines", "1", "--engine-id-prefix", "nodeB-", *common],
+            cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        procs.append(worker)
+        _read_address(worker)
+        trees = [_tree(p) for p in procs]
+        with Client(addr, timeout_s=30, control_timeout_s=30, curve_dir=keys) as c:
+            (engine,) = c.engines()
+            assert engine["weight_address"].startswith("tcp://127.0.0.1:")
+            before = c.generate([4, 5, 6], {"max_tokens": 4, "temperature": 0.0})
+            assert before.token_versions == [0] * 4
+            from transformers import AutoModelForCausalLM
+
+            from engine_node.tiny_model import ensure_tiny_model
+
+            policy = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), dtype=torch.float32)
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(0.01)
+            res = c.update_weights(policy.named_parameters(), timeout_s=60)
+            assert res["nodeB-0"]["weight_version"] == 1
+            assert isinstance(res["nodeB-0"], P.WeightsCommitted)
+            after = c.generate([4, 5, 6], {"max_tokens": 4, "temperature": 0.0})
+            assert after.token_versions == [1] * 4
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGTERM)
+            p.communicate(timeout=60)
+        for t in trees:
+            psutil.wait_procs(t, timeout=10)

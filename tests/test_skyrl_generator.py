@@ -89,7 +89,7 @@ def test_skyrl_gym_generator_runs_multi_turn_over_rollout_bus(torch_cluster, tin
     out, before, after, released = asyncio.run(asyncio.wait_for(scenario(), 90))
     assert len({sid for sid, _ in released}) == 2 and all(live > before for _, live in released)
     assert len(out["response_ids"]) == 2 and out["rewards"] is not None
-    for ids, mask, lps in zip(out["response_ids"], out["loss_masks"], out["rollout_logprobs"]):
+    for ids, mask, lps in zip(out["response_ids"], out["loss_masks"], out["rollout_logprobs"], strict=True):
         assert len(ids) == len(mask) == len(lps) and 0 < sum(mask) <= TURNS * (6 + 1)  # (+ an appended EOS per turn)
         assert 0 in mask  # observation tokens are masked out
     assert set(out["stop_reasons"]) <= {"stop", "length"}

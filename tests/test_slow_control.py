@@ -115,7 +115,9 @@ def test_an_op_past_its_deadline_acks_a_timeout_naming_the_knob(cluster_factory,
     with pytest.raises(ControlError, match="op_timeout_s") as e:
         c.load_lora("slow", path=lora)
     assert 0.9 < time.monotonic() - t0 < 4.0  # the deadline, not the op, ended the wait
-    assert "e0" in e.value.errors
+    failure = e.value.errors["e0"]  # the ack's code reaches the trainer, typed
+    assert (failure.code, failure.field) == ("backend_timeout", "op_timeout_s")
+    assert type(e.value.exception("e0")).__name__ == "BackendTimeout"
     out = c.generate([5, 6, 7], {**GREEDY, "max_tokens": 4})  # still serving
     assert len(out.token_ids) == 4
     assert set(c.control(P.Ping())) == {"e0"}

@@ -137,7 +137,7 @@ def hf_logprobs(model: Any, prompt: list[int], tokens: list[int]) -> list[float]
 
 def assert_close(a: list[float], b: list[float], tol: float = TOL) -> None:
     assert len(a) == len(b)
-    worst = max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+    worst = max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
     assert worst <= tol, f"max |Δlogprob| = {worst}"
 
 

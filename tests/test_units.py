@@ -27,9 +27,12 @@ def test_every_message_round_trips():
         P.ChunkBatch([P.Chunk("a"), P.Chunk("b", finish_reason="length")], [1, 2]),
         P.Error("r", "bad_request", "m", "f"),
         P.Command(1, P.Pause(mode="keep", lora="x"), ["e0"]),
-        P.Ack(1, "e0", True, {"a": 1}),
+        P.Ack(1, "e0", True, P.WeightsCommitted(weight_version=2, loras=["x"], epoch=3, bytes=8)),
+        P.Ack(2, "e0", False, None, "took too long", "backend_timeout", "op_timeout_s"),
         P.Control("r", P.BeginWeightUpdate("u", "zmq", [P.TensorMeta("w", "float32", [2], 0, 0, 8)], [256])),
-        P.ControlReply("r", {"e0": {}}, {"e1": "x"}, ["e2"]),
+        P.ControlReply(
+            "r", {"e0": P.PauseResult(mode="abort", parked=2)}, {"e1": P.EngineFailure("timeout", "x")}, ["e2"]
+        ),
         P.Query("r", "health"),
         P.QueryReply("r", {"k": [1]}),
         P.EndSession("r", "s"),

@@ -107,8 +107,8 @@ def test_lora_target_keeps_clones_and_commits_as_a_load() -> None:
 
 def test_ack_error_codes_are_typed() -> None:
     code, msg, field = ack_error_of(BackendTimeout("commit_weight_update", 600, "op_timeout_s"))
-    assert code == "timeout" and "op_timeout_s" in msg
-    assert ack_error_of(BackendError("bad tensor", field="tensors")) == ("bad_request", "bad tensor", "tensors")
+    assert code == "backend_timeout" and "op_timeout_s" in msg and field == "op_timeout_s"
+    assert ack_error_of(BackendError("bad tensor", field="tensors")) == ("backend_refused", "bad tensor", "tensors")
     assert ack_error_of(BadRequest("bad mode", field="mode"))[::2] == ("bad_request", "mode")
     code, msg, field = ack_error_of(RuntimeError("boom"))
     assert code == "internal" and "boom" in msg and field is None

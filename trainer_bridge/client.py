@@ -30,9 +30,11 @@ import zmq
 
 from bus import protocol as P
 from bus.codec import Codec, split_chunks
+from bus.endpoint import open_socket
 from bus.errors import BadRequest, ClosedByUs, ControlError, ProtocolError, RequestTimeout, exception_from_wire
+from bus.frames import pack_tokens, token_versions
 from bus.logprob_frames import decode as decode_frames
-from bus.sockets import CurveKeys, make_socket
+from bus.sockets import CurveKeys
 from trainer_bridge.types import GenerationResult, SampledSequence, SampleOutput, SampleResponse, StreamChunk
 
 _END = object()
@@ -99,9 +101,8 @@ class AsyncClient:
         if self._sock is None:
             self._loop = asyncio.get_running_loop()
             self._ctx = zmq.Context()
-            tcp = self.address.startswith("tcp://")
-            self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.address, curve=self._curve if tcp else None)
-            self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
+            self._sock = open_socket(self._ctx, zmq.DEALER, connect=self.address, curve=self._curve)
+            self._loop.add_reader(self._sock.fileno(), self._drain)
         return self._sock
 
     def _drain(self) -> None:
@@ -165,7 +166,7 @@ class AsyncClient:
         self._closed = True
         if self._sock is not None and self._loop is not None and not self._loop.is_closed():
             with contextlib.suppress(Exception):
-                self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+                self._loop.remove_reader(self._sock.fileno())
         for q in self._streams.values():
             q.put_nowait((_END, None))
         for f in self._replies.values():
@@ -238,7 +239,7 @@ class AsyncClient:
         timer = asyncio.get_running_loop().call_later(timeout + _GRACE_S, q.put_nowait, (_TIMED_OUT, None))
         open_samples = num_samples
         try:
-            self._send(msg, [np.asarray(prompt_ids, dtype="<i4").tobytes()])
+            self._send(msg, [pack_tokens(prompt_ids)])
             while open_samples:
                 item, buffers = await q.get()
                 if item is _TIMED_OUT:
@@ -305,7 +306,7 @@ class AsyncClient:
             if ch.top_ids is not None:
                 s.top_ids = (s.top_ids or []) + ch.top_ids
                 s.top_logprobs = (s.top_logprobs or []) + (ch.top_logprobs or [])
-            s.token_versions.extend(_versions(ch.weight_version, changes, len(ch.token_ids)))
+            s.token_versions.extend(token_versions(ch.weight_version, changes, len(ch.token_ids)))
             if ch.finish_reason is not None:
                 s.finish_reason = ch.finish_reason
                 s.engine_id = ch.engine_id
@@ -458,15 +459,20 @@ class AsyncClient:
 
     async def control(
         self, op: Any, *, targets: list[str] | None = None, timeout_s: float | None = None, strict: bool = True
-    ) -> dict[str, dict[str, Any]]:
-        """Fan `op` out to the engines; returns {engine_id: result}. With
+    ) -> dict[str, Any]:
+        """Fan `op` out to the engines; returns {engine_id: the op's typed
+        result} (a `P.*Result`, readable by key as well: `r["parked"]`). With
         strict, any engine error or missing ack raises ControlError (which
-        carries results/errors/missing)."""
+        carries results, errors {engine_id: EngineFailure(code, message, field)}
+        and missing)."""
         t = timeout_s or self.control_timeout_s
         msg = P.Control(request_id=self._new_id(), op=op, targets=targets, timeout_s=t)
         rep: P.ControlReply = await self._request(msg, t + _GRACE_S, "control_timeout_s")
         if strict and (rep.errors or rep.missing):
-            parts = [f"{eid}: {err}" for eid, err in sorted(rep.errors.items())]
+            parts = [
+                f"{eid}: [{f.code}] {f.message}" + (f" (field={f.field})" if f.field else "")
+                for eid, f in sorted(rep.errors.items())
+            ]
             if rep.missing:
                 parts.append(f"no ack within timeout_s={t} from {rep.missing}")
             raise ControlError(
@@ -476,17 +482,17 @@ class AsyncClient:
                 missing=list(rep.missing),
                 request_id=msg.request_id,
             )
-        return {eid: dict(r) for eid, r in rep.results.items()}
+        return dict(rep.results)
 
     async def pause(
         self, mode: str = "abort", *, lora: str | None = None, timeout_s: float | None = None
-    ) -> dict[str, dict[str, Any]]:
+    ) -> dict[str, Any]:
         """Returns once every engine is quiescent for the scope; per engine:
         parked / frozen / held counts."""
         t = timeout_s or self.control_timeout_s
         return await self.control(P.Pause(mode=mode, lora=lora, timeout_s=t), timeout_s=t)
 
-    async def resume(self, *, lora: str | None = None) -> dict[str, dict[str, Any]]:
+    async def resume(self, *, lora: str | None = None) -> dict[str, Any]:
         return await self.control(P.Resume(lora=lora))
 
     async def is_paused(self, *, lora: str | None = None) -> bool:
@@ -503,13 +509,13 @@ class AsyncClient:
         finally:
             await self.resume(lora=lora)
 
-    async def sleep(self, level: int = 1) -> dict[str, dict[str, Any]]:
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
         return await self.control(P.Sleep(level=level))
 
-    async def wake_up(self, tags: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
         return await self.control(P.WakeUp(tags=tags))
 
-    async def reset_prefix_cache(self) -> dict[str, dict[str, Any]]:
+    async def reset_prefix_cache(self) -> dict[str, Any]:
         return await self.control(P.ResetPrefixCache())
 
     async def update_weights(
@@ -521,7 +527,7 @@ class AsyncClient:
         targets: list[str] | None = None,
         timeout_s: float | None = None,
         **transport_options: Any,
-    ) -> dict[str, dict[str, Any]]:
+    ) -> dict[str, Any]:
         """Push new weights into every engine: begin → buckets → finish.
         All-or-nothing per engine: on any failure every engine keeps its old
         weights and version, and the error names the engine and tensor."""
@@ -576,7 +582,7 @@ class AsyncClient:
         tensors: Iterable[tuple[str, Any]] | None = None,
         config: dict[str, Any] | None = None,
         targets: list[str] | None = None,
-    ) -> dict[str, dict[str, Any]]:
+    ) -> dict[str, Any]:
         """Load (or replace in place) adapter `name` from a PEFT folder `path`
         or from `tensors` (PEFT names) + `config` (r, lora_alpha, target_modules)."""
         if (path is None) == (tensors is None):
@@ -597,16 +603,8 @@ class AsyncClient:
             extra_args={"lora_config": dict(config or {})},
         )
 
-    async def unload_lora(self, name: str) -> dict[str, dict[str, Any]]:
+    async def unload_lora(self, name: str) -> dict[str, Any]:
         return await self.control(P.UnloadLora(name=name))
-
-
-def _versions(first: int, changes: list[list[int]], n: int) -> list[int]:
-    out = [first] * n
-    for off, v in changes:
-        for i in range(off, n):
-            out[i] = v
-    return out
 
 
 # ---------------------------------------------------------------- sync face
@@ -615,11 +613,28 @@ def _versions(first: int, changes: list[list[int]], n: int) -> list[int]:
 class Client:
     """Synchronous client. Runs an AsyncClient on a private event-loop thread."""
 
-    def __init__(self, address: str = "tcp://127.0.0.1:5555", **options: Any) -> None:
+    def __init__(
+        self,
+        address: str = "tcp://127.0.0.1:5555",
+        *,
+        timeout_s: float = 600.0,
+        control_timeout_s: float = 120.0,
+        curve_dir: str | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        """`timeout_s`: a request's deadline; `control_timeout_s`: a control
+        op's; `curve_dir`: CURVE keys (launch.py --curve); `tokenizer`: a Hugging
+        Face tokenizer or a local model folder (else the engines' model's)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-bus-client", daemon=True)
         self._thread.start()
-        self._aclient = AsyncClient(address, **options)
+        self._aclient = AsyncClient(
+            address,
+            timeout_s=timeout_s,
+            control_timeout_s=control_timeout_s,
+            curve_dir=curve_dir,
+            tokenizer=tokenizer,
+        )
         self._finalizer = weakref.finalize(self, _close_loop, self._loop, self._thread, self._aclient)
 
     @property
@@ -638,26 +653,85 @@ class Client:
                 f"client call did not return within {limit}s (timeout_s + 30)", field="timeout_s"
             ) from None
 
-    def generate(self, prompt_ids: Any, params: Any = None, **kw: Any) -> Any:
-        return self._call(self._aclient.generate(prompt_ids, params, **kw), kw.get("timeout_s"))
+    def generate(
+        self,
+        prompt_ids: Sequence[int] | Sequence[Sequence[int]] | str | list[dict[str, Any]],
+        params: P.SamplingParams | dict[str, Any] | None = None,
+        *,
+        num_samples: int = 1,
+        session_id: str | None = None,
+        lora: str | None = None,
+        timeout_s: float | None = None,
+        max_staleness: int | None = None,
+    ) -> GenerationResult | list[GenerationResult]:
+        """One prompt → a GenerationResult; a batch → a list in input order.
+        A prompt is token ids, a string or a chat (a list of messages: the
+        model's chat template); with a tokenizer, samples carry `text`.
+        `max_staleness=k`: see AsyncClient.generate."""
+        coro = self._aclient.generate(
+            prompt_ids,  # type: ignore[arg-type]
+            params,
+            num_samples=num_samples,
+            session_id=session_id,
+            lora=lora,
+            timeout_s=timeout_s,
+            max_staleness=max_staleness,
+        )
+        return self._call(coro, timeout_s)
 
-    def sample(self, prompt_ids: Sequence[int], num_samples: int, params: Any = None, **kw: Any) -> SampleResponse:
-        return self._call(self._aclient.sample(prompt_ids, num_samples, params, **kw), kw.get("timeout_s"))
+    def sample(
+        self,
+        prompt_ids: Sequence[int],
+        num_samples: int,
+        params: P.SamplingParams | dict[str, Any] | None = None,
+        *,
+        lora: str | None = None,
+        timeout_s: float | None = None,
+        max_staleness: int | None = None,
+    ) -> SampleResponse:
+        """Tinker semantics: num_samples sequences, each with tokens, logprobs
+        and stop_reason "stop" or "length" (all samples share one engine)."""
+        coro = self._aclient.sample(
+            prompt_ids, num_samples, params, lora=lora, timeout_s=timeout_s, max_staleness=max_staleness
+        )
+        return self._call(coro, timeout_s)
 
-    def stream(self, prompt_ids: Sequence[int], params: Any = None, **kw: Any) -> Iterator[StreamChunk]:
-        """Iterator of StreamChunks; raises the request's typed error."""
+    def stream(
+        self,
+        prompt_ids: Sequence[int],
+        params: P.SamplingParams | dict[str, Any] | None = None,
+        *,
+        num_samples: int = 1,
+        session_id: str | None = None,
+        lora: str | None = None,
+        timeout_s: float | None = None,
+        request_id: str | None = None,
+        max_staleness: int | None = None,
+    ) -> Iterator[StreamChunk]:
+        """Chunks as the engine produces them (per step, per sample). Ends
+        after every sample's final chunk; raises the request's typed error.
+        With `max_staleness`, a chunk whose `restarts` grew says "discard this
+        sample's earlier tokens"."""
         q: queue.Queue = queue.Queue()
+        kw = dict(
+            num_samples=num_samples,
+            session_id=session_id,
+            lora=lora,
+            timeout_s=timeout_s,
+            request_id=request_id,
+            max_staleness=max_staleness,
+        )
 
         async def pump() -> None:
             try:
-                async for ch in self._aclient.stream(prompt_ids, params, **kw):
+                async for ch in self._aclient.stream(prompt_ids, params, **kw):  # type: ignore[arg-type]
                     q.put(ch)
                 q.put(_END)
             except BaseException as e:  # handed to the consumer thread
                 q.put(e)
 
         fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
-        limit = (kw.get("timeout_s") or self._aclient.timeout_s) + 30
+        limit = (timeout_s or self._aclient.timeout_s) + 30
         try:
             while True:
                 item = q.get(timeout=limit)
@@ -673,43 +747,62 @@ class Client:
                 fut.cancel()
 
     def cancel(self, request_id: str) -> None:
+        """Ask for the request's end: its stream finishes with "cancelled"."""
         self._call(self._aclient.cancel(request_id))
 
     def text(self) -> Any:
+        """The client's `trainer_bridge.text.Text` (tokenizer + chat template):
+        the one given to the constructor, else the engines' model folder's."""
         return self._call(self._aclient.text())
 
-    def tokenize(self, prompt: Any, **kw: Any) -> list[int]:
-        return self._call(self._aclient.tokenize(prompt, **kw))
+    def tokenize(self, prompt: str | list[dict[str, Any]], *, add_special_tokens: bool = True) -> list[int]:
+        """Text → ids (`add_special_tokens` as the tokenizer's), or a chat → its template's ids."""
+        return self._call(self._aclient.tokenize(prompt, add_special_tokens=add_special_tokens))
 
-    def detokenize(self, token_ids: Sequence[int], **kw: Any) -> str:
-        return self._call(self._aclient.detokenize(token_ids, **kw))
+    def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Ids → text."""
+        return self._call(self._aclient.detokenize(token_ids, skip_special_tokens=skip_special_tokens))
 
     def end_session(self, session_id: str) -> bool:
+        """Forget the session's engine binding; True when it existed."""
         return self._call(self._aclient.end_session(session_id))
 
     def health(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """{"healthy": bool, "engines": {engine_id: detail}}."""
         return self._call(self._aclient.health(timeout_s), timeout_s)
 
     def engines(self) -> list[dict[str, Any]]:
+        """Every registered engine's detail (state, address, backend, load…)."""
         return self._call(self._aclient.engines())
 
     def stats(self) -> dict[str, Any]:
+        """The head's counters, requests in flight and open sessions."""
         return self._call(self._aclient.stats())
 
     def wait_ready(self, num_engines: int = 1, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Wait until `num_engines` engines are healthy (deadline: timeout_s)."""
         return self._call(self._aclient.wait_ready(num_engines, timeout_s), timeout_s)
 
-    def control(self, op: Any, **kw: Any) -> dict[str, dict[str, Any]]:
-        return self._call(self._aclient.control(op, **kw), kw.get("timeout_s"))
+    def control(
+        self, op: Any, *, targets: list[str] | None = None, timeout_s: float | None = None, strict: bool = True
+    ) -> dict[str, Any]:
+        """Fan `op` out to the engines; returns {engine_id: the op's typed
+        result}. With strict, any engine error or missing ack raises
+        ControlError (results, errors {engine_id: EngineFailure}, missing)."""
+        return self._call(self._aclient.control(op, targets=targets, timeout_s=timeout_s, strict=strict), timeout_s)
 
-    def pause(self, mode: str = "abort", **kw: Any) -> dict[str, dict[str, Any]]:
-        return self._call(self._aclient.pause(mode, **kw), kw.get("timeout_s"))
+    def pause(self, mode: str = "abort", *, lora: str | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+        """Returns once every engine is quiescent for the scope; per engine a
+        PauseResult (parked / frozen / held counts)."""
+        return self._call(self._aclient.pause(mode, lora=lora, timeout_s=timeout_s), timeout_s)
 
-    def resume(self, **kw: Any) -> dict[str, dict[str, Any]]:
-        return self._call(self._aclient.resume(**kw))
+    def resume(self, *, lora: str | None = None) -> dict[str, Any]:
+        """Open the gate (all scopes, or adapter `lora`); per engine a ResumeResult."""
+        return self._call(self._aclient.resume(lora=lora))
 
-    def is_paused(self, **kw: Any) -> bool:
-        return self._call(self._aclient.is_paused(**kw))
+    def is_paused(self, *, lora: str | None = None) -> bool:
+        """True when every engine is paused (for adapter `lora`, when given)."""
+        return self._call(self._aclient.is_paused(lora=lora))
 
     @contextlib.contextmanager
     def paused(self, mode: str = "abort", *, lora: str | None = None):
@@ -721,25 +814,73 @@ class Client:
         finally:
             self.resume(lora=lora)
 
-    def sleep(self, level: int = 1) -> dict[str, dict[str, Any]]:
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Release GPU memory (1: offload weights, 2: discard them); requests wait."""
         return self._call(self._aclient.sleep(level))
 
-    def wake_up(self, tags: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Restore memory (`tags`: "weights", "kv_cache"; None: both) and resume."""
         return self._call(self._aclient.wake_up(tags))
 
-    def reset_prefix_cache(self) -> dict[str, dict[str, Any]]:
+    def reset_prefix_cache(self) -> dict[str, Any]:
         return self._call(self._aclient.reset_prefix_cache())
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], **kw: Any) -> dict[str, dict[str, Any]]:
-        return self._call(self._aclient.update_weights(named_tensors, **kw), kw.get("timeout_s"))
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        *,
+        transport: str = "zmq",
+        bucket_bytes: int | None = None,
+        targets: list[str] | None = None,
+        timeout_s: float | None = None,
+        **transport_options: Any,
+    ) -> dict[str, Any]:
+        """Push new weights into every engine: begin → buckets → finish.
+        All-or-nothing per engine: on any failure every engine keeps its old
+        weights and version, and the error names the engine and tensor.
+        `transport_options` go to the GPU transports (cuda_ipc, nccl)."""
+        coro = self._aclient.update_weights(
+            named_tensors,
+            transport=transport,
+            bucket_bytes=bucket_bytes,
+            targets=targets,
+            timeout_s=timeout_s,
+            **transport_options,
+        )
+        return self._call(coro, timeout_s)
 
-    def sync_stale(self, named_tensors: Iterable[tuple[str, Any]], **kw: Any) -> dict[str, dict[str, Any]]:
-        return self._call(self._aclient.sync_stale(named_tensors, **kw), kw.get("timeout_s"))
+    def sync_stale(
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        *,
+        transport: str = "zmq",
+        bucket_bytes: int | None = None,
+        timeout_s: float | None = None,
+        **transport_options: Any,
+    ) -> dict[str, Any]:
+        """Bring every STALE engine up to date from the trainer's current tensors
+        (only those engines; they take the cluster version). {} when none is stale."""
+        return self._call(
+            self._aclient.sync_stale(
+                named_tensors, transport=transport, bucket_bytes=bucket_bytes, timeout_s=timeout_s, **transport_options
+            ),
+            timeout_s,
+        )
 
-    def load_lora(self, name: str, **kw: Any) -> dict[str, dict[str, Any]]:
-        return self._call(self._aclient.load_lora(name, **kw))
+    def load_lora(
+        self,
+        name: str,
+        *,
+        path: str | None = None,
+        tensors: Iterable[tuple[str, Any]] | None = None,
+        config: dict[str, Any] | None = None,
+        targets: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """Load (or replace in place) adapter `name` from a PEFT folder `path`
+        or from `tensors` (PEFT names) + `config` (r, lora_alpha, target_modules)."""
+        return self._call(self._aclient.load_lora(name, path=path, tensors=tensors, config=config, targets=targets))
 
-    def unload_lora(self, name: str) -> dict[str, dict[str, Any]]:
+    def unload_lora(self, name: str) -> dict[str, Any]:
         return self._call(self._aclient.unload_lora(name))
 
     def close(self) -> None:

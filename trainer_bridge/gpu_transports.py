@@ -152,7 +152,7 @@ class NcclSender:
             use_libuv=False,
         )
         self.port = int(self.store.port)
-        self.comm = None
+        self.comm: Any = None  # vLLM's PyNcclCommunicator once connected
         self.last_send_seconds = 0.0
 
     def transport_args(self, bucket_sizes: list[int] | None = None) -> dict[str, Any]:

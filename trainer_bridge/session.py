@@ -125,6 +125,7 @@ class AsyncSession(_Trajectory):
         if not self.turns:
             self.turns.append(Turn("prompt", await self._ids(self._prompt)))
         res = await self.client.generate(self.token_ids, kw.pop("params"), **kw)
+        assert not isinstance(res, list)  # one prompt in, one result out
         return self._record(res.samples[0])
 
     async def add_observation(self, obs: Any) -> Turn:
@@ -167,6 +168,7 @@ class Session(_Trajectory):
         if not self.turns:
             self.turns.append(Turn("prompt", self._ids(self._prompt)))
         res = self.client.generate(self.token_ids, kw.pop("params"), **kw)
+        assert not isinstance(res, list)  # one prompt in, one result out
         return self._record(res.samples[0])
 
     def add_observation(self, obs: Any) -> Turn:

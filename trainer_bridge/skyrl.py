@@ -216,12 +216,13 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         text = await self._tok()
         if prompts is not None:
             ids = [text.chat(p) for p in prompts]
+        assert ids is not None  # exactly one of the two was given (checked above)
         sessions = input_batch.get("session_ids") or [None] * len(ids)
         if len(sessions) != len(ids):
             raise BadRequest(f"{len(sessions)} session_ids for {len(ids)} prompts", field="session_ids")
         lora = self._lora(model)
         # cache_salt only scopes vLLM's prefix-cache sharing; outputs do not depend on it.
-        results = await asyncio.gather(*(self._one(list(p), tr, s, lora) for p, s in zip(ids, sessions)))
+        results = await asyncio.gather(*(self._one(list(p), tr, s, lora) for p, s in zip(ids, sessions, strict=True)))
         samples = [s for r in results for s in r.samples]  # prompt-major, like vLLM's n
         return self._output(samples, text, tr)
 
@@ -265,8 +266,8 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         sp: dict[str, Any] = {}
         for k, v in body.items():
             if k in OPENAI_KEYS:
-                if OPENAI_KEYS[k]:
-                    sp[OPENAI_KEYS[k]] = v
+                if name := OPENAI_KEYS[k]:
+                    sp[name] = v
             else:
                 sp[k] = v
         if body.get("stream"):
@@ -315,7 +316,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
 
                 lp = {"content": [
                     {"token": text.decode([t], skip_special_tokens=False), "logprob": x, "bytes": None, "top_logprobs": tops(i)}
-                    for i, (t, x) in enumerate(zip(s.token_ids, s.logprobs or []))
+                    for i, (t, x) in enumerate(zip(s.token_ids, s.logprobs or [], strict=False))
                 ]}  # fmt: skip
             choices.append({
                 "index": s.index, "message": {"role": "assistant", "content": content}, "finish_reason": s.finish_reason,
@@ -329,12 +330,12 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         session_id, body = self._body(request_payload)
         tr = self._openai_params(body, chat=False)
         text = await self._tok()
-        prompt = body.get("prompt")
+        prompt: Any = body.get("prompt")
         batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
         prompts = [text.prompt_ids(p) for p in (prompt if batch else [prompt])]
         lora = self._lora(body.get("model"))
         results = await asyncio.gather(*(self._one(p, tr, session_id, lora) for p in prompts))
-        choices = []
+        choices: list[dict[str, Any]] = []
         for r in results:
             for s in r.samples:
                 lp = None
@@ -470,7 +471,7 @@ def _fresh(options: dict[str, Any]) -> AsyncClient:
 
 def _named_tensors(request: Any) -> list[tuple[str, Any]]:
     if hasattr(request, "tensors") and hasattr(request, "names"):
-        return list(zip(request.names, request.tensors))
+        return list(zip(request.names, request.tensors, strict=True))
     if isinstance(request, Mapping):
         return list(request.items())
     if isinstance(request, Iterable) and not isinstance(request, (str, bytes)):

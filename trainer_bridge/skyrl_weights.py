@@ -57,7 +57,7 @@ class WeightSender:
         named: list[tuple[str, Any]] = []
         for chunk in chunks:  # every rank: the iterator all-gathers
             if keep:
-                named.extend(zip(chunk.names, chunk.tensors))
+                named.extend(zip(chunk.names, chunk.tensors, strict=True))
         if not keep:
             return None
         await self.engine.init_weight_update_communicator(self.init_info)

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from bus import protocol as P
 from bus.codec import Codec
-from bus.errors import ControlError, RequestTimeout
-from bus.sockets import make_socket
+from bus.endpoint import open_socket
+from bus.errors import ControlError, ErrorCode, RequestTimeout
+from bus.sockets import CurveKeys
 from bus.tensors import DEFAULT_BUCKET_BYTES, pack_bucket, plan_buckets
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ async def push_weights(
     target: str = "model",
     extra_args: dict[str, Any] | None = None,
     version: int | None = None,
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, Any]:
     """`version`: the weight version the engines take at commit (a model
     update). None: one above everything the cluster has served (the head's
     cluster version and every engine's), so versions never repeat or go back,
@@ -75,7 +76,7 @@ async def push_weights(
     try:
         await client.control(begin, targets=eids, timeout_s=timeout_s)
         if transport == "zmq":
-            await _send_buckets_zmq(engines, update_id, metas, sizes, tensors, timeout_s)
+            await _send_buckets_zmq(engines, update_id, metas, sizes, tensors, timeout_s, client._curve)
         else:
             await sender.send(client, update_id, eids, timeout_s)
         return await client.control(P.FinishWeightUpdate(update_id, version=version), targets=eids, timeout_s=timeout_s)
@@ -121,12 +122,15 @@ async def _send_buckets_zmq(
     sizes: list[int],
     tensors: list[Any],
     timeout_s: float,
+    curve: CurveKeys | None,
 ) -> None:
     import zmq.asyncio
 
     ctx = zmq.asyncio.Context()
     codec = Codec()
-    socks = {e["engine_id"]: make_socket(ctx, zmq.DEALER, connect=e["weight_address"]) for e in engines}
+    # The engines' weight sockets are CURVE servers on TCP when the cluster is
+    # secured: connect with the client's keys (open_socket decides per address).
+    socks = {e["engine_id"]: open_socket(ctx, zmq.DEALER, connect=e["weight_address"], curve=curve) for e in engines}
     try:
         for b in range(len(sizes)):
             buf = pack_bucket(b, metas, sizes, tensors)
@@ -156,4 +160,5 @@ async def _bucket_ack(
     ack, _ = codec.decode(frames)
     if not isinstance(ack, P.WeightBucketAck) or not ack.ok:
         err = getattr(ack, "error", None) or f"unexpected {type(ack).__name__}"
-        raise ControlError(f"weight bucket {bucket} refused by {eid}: {err}", errors={eid: err})
+        failure = P.EngineFailure(code=ErrorCode.BACKEND_REFUSED.value, message=err, field="tensors")
+        raise ControlError(f"weight bucket {bucket} refused by {eid}: {err}", errors={eid: failure})

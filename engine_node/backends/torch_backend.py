@@ -72,7 +72,7 @@ import concurrent.futures
 import dataclasses
 import gc
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import structlog
@@ -166,7 +166,7 @@ def _as_tensor(value: Any) -> torch.Tensor:
 
 def _meta(m: Any) -> tuple[str, str, tuple[int, ...]]:
     """(name, dtype, shape) of a TensorMeta (msgspec Struct or plain dict)."""
-    get = m.get if isinstance(m, dict) else (lambda k: getattr(m, k))
+    get: Callable[[str], Any] = m.get if isinstance(m, dict) else (lambda k: getattr(m, k))
     dtype = str(get("dtype")).removeprefix("torch.")
     return str(get("name")), dtype, tuple(int(x) for x in get("shape"))
 

@@ -535,7 +535,7 @@ class VllmBackend:
         def result(rs: list[Any]) -> dict[str, Any]:
             dt = time.perf_counter() - t0
             up.received = True
-            r = {
+            r: dict[str, Any] = {
                 "bytes": nbytes,
                 "backend_seconds": round(dt, 4),
                 "GBps": round(nbytes / dt / 1e9, 3) if dt > 0 else None,

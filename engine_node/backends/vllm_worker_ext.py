@@ -163,6 +163,8 @@ def _fresh_state() -> dict[str, Any]:
 class RolloutBusWorkerExtension:
     """Mixed into vLLM's Worker: `self` has model_runner, device, rank, local_rank."""
 
+    model_runner: Any  # the Worker's (annotation only: no class attribute shadows it)
+
     # -- helpers (underscored names are not called over RPC)
     def _rb(self) -> dict[str, Any]:
         st = self.__dict__.get("_rollout_bus_state")

@@ -36,11 +36,20 @@ def gpu_count() -> int:
 def record_timing(name: str, **values) -> None:
     """Print (and append to $ROLLOUT_BUS_GPU_TIMINGS, JSON lines) one timing row for RESULTS.md."""
     row = {"name": name, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **values}
-    print("TIMING " + json.dumps(row), flush=True)
+    line = json.dumps(row, default=_plain)
+    print("TIMING " + line, flush=True)
     path = os.environ.get("ROLLOUT_BUS_GPU_TIMINGS")
     if path:
         with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(line + "\n")
+
+
+def _plain(o):
+    """Typed control results (bus.protocol *Result) as the dicts they read as."""
+    to_dict = getattr(o, "to_dict", None)
+    if to_dict is None:
+        raise TypeError(f"{type(o).__name__} is not JSON serializable")
+    return to_dict()
 
 
 def drive(backend, seq_ids, timeout_s: float = 60.0):
@@ -125,7 +134,7 @@ def hf_check(model_dir: str, outs, ps=PROMPTS, state_dict=None):
     with torch.no_grad():
         for prm in m.parameters():
             prm.copy_(prm.to(torch.bfloat16).float())
-        for p, o in zip(ps, outs):
+        for p, o in zip(ps, outs, strict=True):
             x = torch.tensor([list(p) + list(o)], device="cuda")
             lp = torch.log_softmax(m(x).logits[0].float(), -1)
             for t, tok in enumerate(o):
@@ -142,5 +151,5 @@ HF_GAP_TOL = 0.3  # nats
 
 def match_frac(a, b) -> float:
     tot = sum(len(x) for x in a)
-    eq = sum(sum(1 for u, v in zip(x, y) if u == v) for x, y in zip(a, b))
+    eq = sum(sum(1 for u, v in zip(x, y, strict=False) if u == v) for x, y in zip(a, b, strict=True))
     return eq / max(1, tot)

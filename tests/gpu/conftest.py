@@ -90,7 +90,9 @@ def llm_reference(model_dirs):
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
     ref = [list(o.outputs[0].token_ids) for o in outs]
     # logprobs=0: each position's dict holds the sampled token's logprob
-    REF_LOGPROBS[:] = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+    REF_LOGPROBS[:] = [
+        [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)] for o in outs
+    ]
     ISSUE10_REF.update(issue10_reference(llm, ref))
     # throughput of LLM.generate (for the side-by-side with the backend)
     many = prompts(256, 32, seed=7)

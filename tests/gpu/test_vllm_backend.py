@@ -85,7 +85,9 @@ def test_greedy_equals_llm_generate(backend, llm_reference):
     for r in res:
         assert r["finish"] == "length" and len(r["tokens"]) == N_NEW
         assert len(r["logprobs"]) == N_NEW and all(lp <= 0.0 for lp in r["logprobs"])
-    diff = max(abs(a - b) for r, ref in zip(res, REF_LOGPROBS) for a, b in zip(r["logprobs"], ref))
+    diff = max(
+        abs(a - b) for r, ref in zip(res, REF_LOGPROBS, strict=True) for a, b in zip(r["logprobs"], ref, strict=True)
+    )
     record_timing("logprobs_vs_llm_generate", max_abs_diff=diff)
     assert diff < 1e-3, "the sampled token's logprob, as vLLM's LLM reports it"
 
@@ -121,11 +123,11 @@ def test_throughput(backend):
     many = prompts(256, 32, seed=7)
     sp = SamplingParams(max_tokens=128, temperature=1.0, ignore_eos=True)
     ids = [f"t{i}" for i in range(len(many))]
-    for sid, p in zip(ids[:8], many[:8]):
+    for sid, p in zip(ids[:8], many[:8], strict=True):
         backend.add(SeqRequest(sid + "w", p, sp, 128, seed=0))
     drive(backend, [s + "w" for s in ids[:8]])
     t0 = time.perf_counter()
-    for i, (sid, p) in enumerate(zip(ids, many)):
+    for i, (sid, p) in enumerate(zip(ids, many, strict=True)):
         backend.add(SeqRequest(sid, p, sp, 128, seed=i))
     res = drive(backend, ids, timeout_s=120)
     dt = time.perf_counter() - t0
@@ -206,7 +208,7 @@ def test_abort_returns_partial_tokens_and_resubmit_continues(backend):
     time.sleep(0.2)
     assert not backend.step(), "no output after abort"
     # the node's park + resubmit: prompt + tokens so far, remaining budget
-    for s, rs in zip(ids, ref_ids):
+    for s, rs in zip(ids, ref_ids, strict=True):
         got = res.get(s, {"tokens": []})["tokens"]
         assert got == ref[rs]["tokens"][: len(got)], "partial tokens are a prefix of the unaborted output"
     resub = []

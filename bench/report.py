@@ -1,0 +1,104 @@
+"""Output: aligned text tables, the machine a run was on, and JSON results in
+bench/results/<name>.json (NaN/inf written as null).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.stats import fmt
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None, title: str | None = None) -> str:
+    """Print rows (dicts) as an aligned text table; returns the text."""
+    if not rows:
+        text = f"{title or ''}\n(no rows)"
+        print(text, flush=True)
+        return text
+    cols = list(columns) if columns else list(rows[0].keys())
+    cells = [[fmt(r.get(c)) for c in cols] for r in rows]  # fmt(str) is the string itself
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cols, widths, strict=True))))
+    lines.append("  ".join("-" * w for w in widths))
+    for row in cells:
+        lines.append(
+            "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True)))
+        )
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def _git_commit() -> str | None:
+    try:
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
+    except Exception:
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "hostname": socket.gethostname(),
+        "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+    }
+    try:
+        import psutil
+
+        info["cpu_count_physical"] = psutil.cpu_count(logical=False)
+        info["mem_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
+    except Exception:
+        pass
+    return info
+
+
+def jsonable(o: Any) -> Any:
+    """JSON-ready: NaN/inf → None, tuples → lists, RunResult → its summary, paths → str."""
+    from bench.measure import RunResult  # measure → procs → report: imported here, not at the top
+
+    if isinstance(o, float) and (math.isnan(o) or math.isinf(o)):
+        return None
+    if isinstance(o, dict):
+        return {str(k): jsonable(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [jsonable(v) for v in o]
+    if isinstance(o, RunResult):
+        return o.summary()
+    if isinstance(o, Path):
+        return str(o)
+    return o
+
+
+def write_json(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    doc = {"benchmark": name, "machine": machine_info(), **payload}
+    path.write_text(json.dumps(jsonable(doc), indent=2, sort_keys=False) + "\n")
+    print(f"wrote {path.relative_to(REPO_ROOT)}", flush=True)
+    return path

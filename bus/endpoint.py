@@ -1,0 +1,155 @@
+"""Endpoints: opening sockets (CURVE applied in one place) and serving them
+(decode → handler table → typed Error reply, gone peers).
+
+`open_socket` is the only place that decides CURVE: a TCP endpoint is secured
+when keys are given (the binding side is the CURVE server), IPC never is.
+
+`Endpoint` serves one socket for the thread that owns it: `drain()` reads what
+is ready, decodes each message with the codec, calls the handler registered
+for its type, and turns a failure into the typed reply the socket's peers
+expect (`P.Error` by default) — after `before_error` (flush-then-error: chunks
+already produced reach the peer before the error). A ROUTER_MANDATORY send to a
+peer that left reports it to `on_peer_gone`, which belongs to this socket
+alone: a gone peer of one socket never touches the state of another.
+
+Ownership: an Endpoint and its socket belong to one thread; close with `close()`
+(linger 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+import zmq
+
+from bus import protocol as P
+from bus.codec import Codec, request_id_of
+from bus.errors import ErrorCode, ProtocolError, RolloutBusError
+from bus.sockets import CurveKeys, make_socket
+
+log = structlog.get_logger("bus.endpoint")
+
+Handler = Callable[[bytes, Any, list[Any]], None]  # (peer, message, raw buffers)
+ErrorReply = Callable[[str, ErrorCode, str, "str | None"], Any]  # (request id, code, message, field) -> reply
+
+
+def open_socket(
+    ctx: zmq.Context,
+    kind: int,
+    *,
+    bind: str | None = None,
+    connect: str | None = None,
+    curve: CurveKeys | None = None,
+    **options: Any,
+) -> zmq.Socket:
+    """A socket with every option set (bus.sockets.make_socket), bound or
+    connected; CURVE on when `curve` is given and the address is TCP."""
+    address = bind or connect or ""
+    secure = curve if address.startswith("tcp://") else None
+    return make_socket(ctx, kind, bind=bind, connect=connect, curve=secure, curve_server=bind is not None, **options)
+
+
+def error_message(rid: str, code: ErrorCode, message: str, field: str | None) -> P.Error:
+    return P.Error(request_id=rid, code=code.value, message=message, field=field)
+
+
+class Endpoint:
+    """One socket served through a handler table.
+
+    `routed`: frames start with one routing frame (ROUTER: the peer id; SUB:
+    the topic), passed to handlers as `peer` (b"" otherwise).
+    `error_reply`: builds the reply to a message that failed (None: log only,
+    for sockets whose peers expect no answer: events, commands).
+    """
+
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        codec: Codec,
+        handlers: dict[type, Handler],
+        *,
+        name: str,
+        routed: bool,
+        error_reply: ErrorReply | None = error_message,
+        before_error: Callable[[], None] = lambda: None,
+        on_peer_gone: Callable[[bytes], None] = lambda peer: None,
+        max_batch: int = 512,
+    ) -> None:
+        self.sock = sock
+        self.codec = codec
+        self.handlers = handlers
+        self.name = name
+        self.routed = routed
+        self.error_reply = error_reply
+        self.before_error = before_error
+        self.on_peer_gone = on_peer_gone
+        self.max_batch = max_batch  # messages per drain (fairness between sockets)
+        # The frames of the message being handled (without the routing frame):
+        # valid only during the handler call (zero-copy forwarding).
+        self.frames: list[Any] = []
+
+    # ------------------------------------------------------------ receiving
+
+    def drain(self) -> None:
+        sock = self.sock
+        for _ in range(self.max_batch):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.dispatch(frames)
+
+    def dispatch(self, frames: list[Any]) -> None:
+        """Decode one message and run its handler; never raises for a bad frame
+        or a handler's failure (the process outlives both)."""
+        peer = frames[0].bytes if self.routed and frames else b""
+        body = frames[1:] if self.routed else frames
+        self.frames = body
+        try:
+            msg, buffers = self.codec.decode(body)
+            handler = self.handlers.get(type(msg))
+            if handler is None:
+                raise ProtocolError(f"{type(msg).__name__} is not served on the {self.name} socket", field="kind")
+            handler(peer, msg, buffers)
+        except RolloutBusError as e:
+            self.fail(peer, e.request_id or _rid_of(body), e.code, e.message, e.field)
+        except Exception as e:  # a bug of ours: answer it, keep serving
+            log.exception("handler_crashed", socket=self.name)
+            self.fail(peer, _rid_of(body), ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", None)
+        finally:
+            self.frames = []
+
+    # ------------------------------------------------------------ sending
+
+    def send(self, peer: bytes, msg: Any, buffers: Sequence[Any] = ()) -> bool:
+        frames = self.codec.encode(msg, buffers)
+        return self.send_frames([peer, *frames] if self.routed else frames)
+
+    def send_frames(self, frames: list[Any]) -> bool:
+        """Send ready frames (routing frame included); False when the peer is gone."""
+        try:
+            self.sock.send_multipart(frames)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self.on_peer_gone(bytes(frames[0]))
+            return False
+        return True
+
+    def fail(self, peer: bytes, rid: str, code: ErrorCode, message: str, field: str | None) -> None:
+        """The typed reply to a failed request: what was produced before goes first."""
+        if self.error_reply is None:
+            log.warning("bad_message", socket=self.name, code=code.value, error=message, field=field)
+            return
+        self.before_error()
+        log.info("request_error", socket=self.name, request_id=rid, code=code.value, field=field, error=message)
+        self.send(peer, self.error_reply(rid, code, message, field))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def _rid_of(body: Sequence[Any]) -> str:
+    return request_id_of([bytes(f) for f in body[:2]]) if len(body) >= 2 else ""

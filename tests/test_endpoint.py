@@ -1,0 +1,120 @@
+"""bus.endpoint and bus.frames without processes: dispatch through the handler
+table, typed error replies after a flush, gone peers per socket, CURVE decided
+in one place, frame layouts and version marks."""
+
+from __future__ import annotations
+
+import zmq
+
+from bus import protocol as P
+from bus.codec import Codec
+from bus.endpoint import Endpoint, open_socket
+from bus.errors import BadRequest, ControlError
+from bus.frames import (
+    chunk_versions,
+    note_version,
+    pack_logprobs,
+    pack_tokens,
+    shift_marks,
+    token_count,
+    token_versions,
+    unpack_logprobs,
+    unpack_tokens,
+)
+from bus.sockets import CurveKeys
+
+
+def _pair(ctx: zmq.Context, handlers, **kw):
+    server = open_socket(ctx, zmq.ROUTER, bind="inproc://ep")
+    client = open_socket(ctx, zmq.DEALER, connect="inproc://ep")
+    return Endpoint(server, Codec(), handlers, name="test", routed=True, **kw), client
+
+
+def _recv(sock: zmq.Socket, codec: Codec):
+    assert sock.poll(2000)
+    return codec.decode(sock.recv_multipart())
+
+
+def test_handler_table_typed_errors_and_flush_before_error() -> None:
+    ctx = zmq.Context()
+    codec = Codec()
+    order: list[str] = []
+
+    def on_cancel(peer: bytes, msg: P.Cancel, _b) -> None:
+        order.append("handled")
+        raise BadRequest("no such request", request_id=msg.request_id, field="request_id")
+
+    ep, client = _pair(ctx, {P.Cancel: on_cancel}, before_error=lambda: order.append("flushed"))
+    try:
+        client.send_multipart(codec.encode(P.Cancel("r1")))
+        client.send_multipart([b"Z", b"junk"])  # unknown kind
+        client.send_multipart(codec.encode(P.Query("r2", "health")))  # not served here
+        assert ep.sock.poll(2000)
+        ep.drain()
+        errs = [_recv(client, codec)[0] for _ in range(3)]
+        assert [(e.request_id, e.code, e.field) for e in errs] == [
+            ("r1", "bad_request", "request_id"),
+            ("", "protocol", "kind"),
+            ("r2", "protocol", "kind"),
+        ]
+        assert order[:2] == ["handled", "flushed"]
+    finally:
+        ep.close()
+        client.close(linger=0)
+        ctx.term()
+
+
+def test_gone_peer_is_reported_to_its_own_socket_only() -> None:
+    ctx = zmq.Context()
+    gone_a: list[bytes] = []
+    gone_b: list[bytes] = []
+    a = Endpoint(open_socket(ctx, zmq.ROUTER, bind="inproc://a"), Codec(), {}, name="a", routed=True)
+    b = Endpoint(open_socket(ctx, zmq.ROUTER, bind="inproc://b"), Codec(), {}, name="b", routed=True)
+    a.on_peer_gone, b.on_peer_gone = gone_a.append, gone_b.append
+    try:
+        assert a.send(b"nobody", P.Error("r", "internal", "x")) is False
+        assert gone_a == [b"nobody"] and gone_b == []
+    finally:
+        a.close()
+        b.close()
+        ctx.term()
+
+
+def test_curve_is_applied_to_tcp_only(tmp_path) -> None:
+    keys = CurveKeys.load(CurveKeys.generate(str(tmp_path / "k")))
+    ctx = zmq.Context()
+    tcp = open_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*", curve=keys)
+    ipc = open_socket(ctx, zmq.ROUTER, bind=f"ipc://{tmp_path}/s", curve=keys)
+    out = open_socket(ctx, zmq.DEALER, connect="tcp://127.0.0.1:1", curve=keys)
+    try:
+        assert tcp.getsockopt(zmq.MECHANISM) == zmq.CURVE and tcp.getsockopt(zmq.CURVE_SERVER)
+        assert ipc.getsockopt(zmq.MECHANISM) == zmq.NULL
+        assert out.getsockopt(zmq.MECHANISM) == zmq.CURVE and not out.getsockopt(zmq.CURVE_SERVER)
+    finally:
+        for s in (tcp, ipc, out):
+            s.close(linger=0)
+        ctx.term()
+
+
+def test_frame_layouts_and_version_marks() -> None:
+    frame = pack_tokens([1, 2, 70000])
+    assert token_count(frame) == 3 and unpack_tokens(frame) == [1, 2, 70000]
+    assert pack_tokens((1, 2, 70000)) == frame
+    assert unpack_logprobs(pack_logprobs([-0.5, -1.0])) == [-0.5, -1.0]
+    marks: list[list[int]] = []
+    for offset, version in [(0, 3), (2, 3), (4, 4), (5, 5)]:
+        note_version(marks, offset, version)
+    assert marks == [[0, 3], [4, 4], [5, 5]]
+    first, changes = chunk_versions(shift_marks(marks, 4), default=9)
+    assert (first, changes) == (3, [[0, 4], [1, 5]])
+    assert token_versions(first, changes, 3) == [4, 5, 5]
+    assert chunk_versions([], default=9) == (9, [])
+
+
+def test_typed_results_read_as_dicts_and_control_error_names_codes() -> None:
+    r = P.SleepResult(level=1, parked=2, detail={"weights": "kept"})
+    assert r["level"] == 1 and r["weights"] == "kept" and dict(r)["parked"] == 2 and "weights" in r
+    failure = P.EngineFailure("backend_timeout", "commit did not finish", "op_timeout_s")
+    err = ControlError("failed", errors={"e0": failure}, request_id="c1")
+    typed = err.exception("e0")
+    assert type(typed).__name__ == "BackendTimeout" and typed.field == "op_timeout_s"
