@@ -19,6 +19,7 @@ Ownership: the router loop thread.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from bus import protocol as P
@@ -45,7 +46,7 @@ class ClusterWeights:
             while len(self._targets) > _MAX_TRACKED_UPDATES:
                 self._targets.pop(next(iter(self._targets)))
 
-    def on_control_done(self, op: Any, results: dict[str, dict[str, Any]]) -> bool:
+    def on_control_done(self, op: Any, results: Mapping[str, Any]) -> bool:
         """Acks of a fanned-out op are in. True when the cluster version moved."""
         if not isinstance(op, P.FinishWeightUpdate):
             return False
@@ -54,12 +55,9 @@ class ClusterWeights:
             return False
         versions = []
         for r in results.values():
-            # a result dict, or a typed result struct
-            v = r.get("weight_version") if isinstance(r, dict) else getattr(r, "weight_version", None)
-            try:
-                versions.append(int(v))  # type: ignore[arg-type]
-            except (TypeError, ValueError):
-                continue
+            # typed results (P.ConfigResult) carry it; anything else is not a commit
+            if isinstance(r, P.ConfigResult):
+                versions.append(int(r.weight_version))
         if not versions:
             return False
         self.updates_committed += 1

@@ -342,12 +342,13 @@ def test_cluster_weights_follow_model_finishes_only():
     assert cw.version == 2 and cw.source == "registration"
     meta = [P.TensorMeta("w", "float32", [1], 0, 0, 4)]
     cw.on_control(P.BeginWeightUpdate("u1", "zmq", meta, [4]))
-    assert cw.on_control_done(P.FinishWeightUpdate("u1", version=3), {"e0": {"weight_version": 3}, "e1": {}})
+    done = {"e0": P.WeightsCommitted(weight_version=3), "e1": P.Done()}
+    assert cw.on_control_done(P.FinishWeightUpdate("u1", version=3), done)
     assert cw.version == 3 and cw.is_stale(2) and not cw.is_stale(3)
     cw.on_register(9)  # after an update, a registration never moves it
     assert cw.version == 3
     cw.on_control(P.BeginWeightUpdate("l1", "zmq", meta, [4], target="lora:a"))
-    assert not cw.on_control_done(P.FinishWeightUpdate("l1"), {"e0": {"weight_version": 0}})
+    assert not cw.on_control_done(P.FinishWeightUpdate("l1"), {"e0": P.LoraResult(weight_version=0)})
     assert cw.version == 3
 
 
