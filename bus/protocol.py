@@ -47,7 +47,7 @@ class SamplingParams(_Part):
     ignore_eos: bool = False
     # False: none. True or 0: the chosen token's logprob per token. k >= 1: the
     # chosen token's logprob, then the top-k alternatives per token (frames in
-    # bus/logprob_frames.py).
+    # bus/frames.py).
     logprobs: bool | int = False
     # -- issue 10 (appended: compatibility rule) ---------------------------
     stop: list[str] = []  # stop strings, matched on the engine node's detokenized text
@@ -111,7 +111,7 @@ class Chunk(_Msg, tag="chunk"):
     num_prompt_tokens: int = 0  # set on the final chunk
     engine_id: str = ""  # set on the final chunk: the engine that finished the sample
     # -- issue 10 (appended) ---------------------------------------------
-    top_logprobs: int = 0  # k > 0: frames carry top-k ids + logprobs (bus/logprob_frames.py)
+    top_logprobs: int = 0  # k > 0: frames carry top-k ids + logprobs (bus/frames.py)
     prompt_logprobs: int = -1  # >= 0: the LAST frames carry prompt logprobs (+ top-k if > 0)
     stop_reason: str | None = None  # final chunk: the stop string that ended the sample
     text: str | None = None  # final chunk of a stop-string request: the output text, truncated as vLLM does

@@ -45,7 +45,7 @@ from typing import Any
 
 import msgspec
 
-from bus import logprob_frames as LF
+from bus import frames as F
 from bus import protocol as P
 from bus.codec import Outbox
 from bus.errors import BadRequest, ErrorCode, RolloutBusError
@@ -402,9 +402,9 @@ class RequestCore:
         p = req.msg.params
         buffers = [pack_tokens(s.tokens[sent:])]
         top_k = prompt_k = -1
-        if LF.logprobs_wanted(p.logprobs):
+        if F.logprobs_wanted(p.logprobs):
             buffers.append(pack_logprobs(s.logprobs[sent:]))
-            top_k = LF.top_k_of(p.logprobs)
+            top_k = F.top_k_of(p.logprobs)
             if top_k > 0:
                 buffers.append(pack_tokens(s.top_ids[sent * top_k : len(s.tokens) * top_k]))
                 buffers.append(pack_logprobs(s.top_logprobs[sent * top_k : len(s.tokens) * top_k]))
@@ -413,7 +413,7 @@ class RequestCore:
             pl = s.prompt_logprobs
             if p.prompt_logprobs is not None and pl is not None:
                 prompt_k = pl.k
-                buffers += LF.encode_prompt(pl.k, pl.logprobs, pl.top_ids, pl.top_logprobs)
+                buffers += F.encode_prompt(pl.k, pl.logprobs, pl.top_ids, pl.top_logprobs)
             if s.matcher is not None:
                 last = s.tokens[-1] if len(s.tokens) > req.msg.resume_len else None
                 stop_id = last is not None and (last in p.stop_token_ids or (not p.ignore_eos and last in self.eos))

@@ -13,7 +13,7 @@ import dataclasses
 import enum
 from typing import Any
 
-from bus.logprob_frames import top_k_of
+from bus.frames import top_k_of
 from bus.protocol import Generate
 
 

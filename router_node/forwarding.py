@@ -35,8 +35,17 @@ from bus import protocol as P
 from bus.codec import Codec, Outbox, split_chunks
 from bus.endpoint import Endpoint
 from bus.errors import EXCEPTION_OF, BadRequest, ErrorCode, RolloutBusError
-from bus.frames import chunk_payload, chunk_versions, note_version, shift_marks, token_bytes, token_count
-from bus.logprob_frames import logprobs_wanted, prompt_frame_count, top_k_of
+from bus.frames import (
+    chunk_payload,
+    chunk_versions,
+    logprobs_wanted,
+    note_version,
+    prompt_frame_count,
+    shift_marks,
+    token_bytes,
+    token_count,
+    top_k_of,
+)
 from bus.validate import check_generate, prompt_from_frames
 from router_node.config import RouterConfig
 from router_node.policies import Sessions
@@ -51,7 +60,7 @@ class SampleTrack:
     logprobs: bytearray = dataclasses.field(default_factory=bytearray)
     marks: list[list[int]] = dataclasses.field(default_factory=list)  # [offset, version]
     done: bool = False
-    top_ids: bytearray = dataclasses.field(default_factory=bytearray)  # k per token (bus.logprob_frames)
+    top_ids: bytearray = dataclasses.field(default_factory=bytearray)  # k per token (bus.frames)
     top_logprobs: bytearray = dataclasses.field(default_factory=bytearray)
     restarts: int = 0  # staleness restarts over every leg (what the client sees)
     leg_restarts: int = 0  # the current leg's own count (Chunk.restarts from its engine)

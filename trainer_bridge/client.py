@@ -32,8 +32,8 @@ from bus import protocol as P
 from bus.codec import Codec, split_chunks
 from bus.endpoint import open_socket
 from bus.errors import BadRequest, ClosedByUs, ControlError, ProtocolError, RequestTimeout, exception_from_wire
+from bus.frames import decode as decode_frames
 from bus.frames import pack_tokens, token_versions
-from bus.logprob_frames import decode as decode_frames
 from bus.sockets import CurveKeys
 from trainer_bridge.types import GenerationResult, SampledSequence, SampleOutput, SampleResponse, StreamChunk
 

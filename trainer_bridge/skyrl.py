@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 
 from bus.errors import BadRequest, ProtocolError, Unsupported
-from bus.logprob_frames import logprobs_wanted
+from bus.frames import logprobs_wanted
 from trainer_bridge.client import AsyncClient
 from trainer_bridge.sampling import Translated, translate
 from trainer_bridge.text import Text, load_text

@@ -81,7 +81,7 @@ class StreamChunk:
     num_prompt_tokens: int = 0  # on the final chunk
     top_ids: list[list[int]] | None = None  # logprobs=k
     top_logprobs: list[list[float]] | None = None
-    prompt: Any = None  # bus.logprob_frames.PromptLogprobs, on the final chunk (prompt_logprobs set)
+    prompt: Any = None  # bus.frames.PromptLogprobs, on the final chunk (prompt_logprobs set)
     stop_str: str | None = None  # on the final chunk: the stop string that ended the sample
     text: str | None = None  # on the final chunk of a request with stop strings: the output text
     # Staleness restarts of this sample so far (max_staleness). When it is

@@ -78,7 +78,7 @@ from typing import Any
 import structlog
 import torch
 
-from bus.logprob_frames import logprobs_wanted, top_k_of
+from bus.frames import logprobs_wanted, top_k_of
 from bus.tensors import unpack_bucket
 from engine_node import sampling_features as SF
 from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput

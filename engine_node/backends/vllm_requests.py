@@ -14,7 +14,7 @@ import math
 import time
 from typing import Any
 
-from bus.logprob_frames import logprobs_wanted, top_k_of
+from bus.frames import logprobs_wanted, top_k_of
 from engine_node.backend import BackendError, PromptLogprobsOut, SeqRequest, StepOutput
 
 # vllm.v1.engine.FinishReason (an IntEnum) -> the backend protocol's reasons.
