@@ -245,6 +245,9 @@ class EngineNode:
                 self.log.exception("step_failed")
                 core.step_failed(e)
             else:
+                # Chunks carry emitted_at = when their tokens came out of the
+                # backend, i.e. after the step, not when this turn began.
+                core.set_time(time.monotonic(), time.time())
                 core.on_step(outs)
         if now - self._snapshot_at > _TICK_S:
             self._tick(now)
