@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -144,3 +145,54 @@ def wait_until(pred, timeout_s: float, what: str, interval: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(interval)
+
+
+class Streams:
+    """Streaming requests in threads, recording every chunk."""
+
+    def __init__(self, client, ps, params, **kw):
+        self.chunks: list[list] = [[] for _ in ps]
+        self.errors: list[Exception | None] = [None] * len(ps)
+        self.threads = []
+        for i, p in enumerate(ps):
+            t = threading.Thread(target=self._run, args=(client, i, p, params, kw), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _run(self, client, i, p, params, kw):
+        try:
+            for ch in client.stream(p, params, **kw):
+                self.chunks[i].append(ch)
+        except Exception as e:
+            self.errors[i] = e
+
+    def counts(self) -> list[int]:
+        return [sum(len(c.token_ids) for c in cs) for cs in self.chunks]
+
+    def tokens(self, i: int) -> list[int]:
+        return [t for c in self.chunks[i] for t in c.token_ids]
+
+    def count(self, i: int) -> int:
+        return sum(len(c.token_ids) for c in self.chunks[i])
+
+    def kept(self, i: int, sample: int = 0) -> tuple[list[int], list[int], int]:
+        """What a consumer keeps: tokens (and versions) since the last restart."""
+        toks: list[int] = []
+        vers: list[int] = []
+        restarts = 0
+        for c in self.chunks[i]:
+            if c.sample_index != sample:
+                continue
+            if c.restarts > restarts:
+                restarts = c.restarts
+                toks.clear()
+                vers.clear()
+            toks += c.token_ids
+            vers += [c.weight_version] * len(c.token_ids)
+        return toks, vers, restarts
+
+    def join(self, timeout: float = 120) -> None:
+        for t in self.threads:
+            t.join(timeout)
+        assert not any(t.is_alive() for t in self.threads), "a stream never finished"
+        assert self.errors == [None] * len(self.errors), self.errors

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bus.errors import BadRequest, ControlError, RequestTimeout
-from tests.cluster import wait_until
+from tests.cluster import Streams, wait_until
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -20,38 +20,6 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [
         torch.randint(4, 500, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
     ]
-
-
-class Streams:
-    """Streaming requests in threads, recording every chunk."""
-
-    def __init__(self, client, ps, params, **kw):
-        self.chunks: list[list] = [[] for _ in ps]
-        self.errors: list[Exception | None] = [None] * len(ps)
-        self.threads = []
-        for i, p in enumerate(ps):
-            t = threading.Thread(target=self._run, args=(client, i, p, params, kw), daemon=True)
-            t.start()
-            self.threads.append(t)
-
-    def _run(self, client, i, p, params, kw):
-        try:
-            for ch in client.stream(p, params, **kw):
-                self.chunks[i].append(ch)
-        except Exception as e:
-            self.errors[i] = e
-
-    def counts(self) -> list[int]:
-        return [sum(len(c.token_ids) for c in cs) for cs in self.chunks]
-
-    def tokens(self, i: int) -> list[int]:
-        return [t for c in self.chunks[i] for t in c.token_ids]
-
-    def join(self, timeout: float = 120) -> None:
-        for t in self.threads:
-            t.join(timeout)
-        assert not any(t.is_alive() for t in self.threads), "a stream never finished"
-        assert self.errors == [None] * len(self.errors), self.errors
 
 
 @pytest.fixture(scope="module")

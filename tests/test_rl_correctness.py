@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from tests.cluster import wait_until
+from tests.cluster import Streams, wait_until
 
 PROMPT = [11, 12, 13, 14]
 UNSEEDED = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
@@ -33,51 +33,6 @@ def _perturbed(tiny_model: str, seed: int):
         for _, prm in m.named_parameters():
             prm.add_(torch.randn(prm.shape, generator=g) * 0.05)
     return m.eval()
-
-
-class Streams:
-    """Streaming requests in threads, recording every chunk."""
-
-    def __init__(self, client, ps, params, **kw):
-        self.chunks: list[list] = [[] for _ in ps]
-        self.errors: list[Exception | None] = [None] * len(ps)
-        self.threads = []
-        for i, p in enumerate(ps):
-            t = threading.Thread(target=self._run, args=(client, i, p, params, kw), daemon=True)
-            t.start()
-            self.threads.append(t)
-
-    def _run(self, client, i, p, params, kw):
-        try:
-            for ch in client.stream(p, params, **kw):
-                self.chunks[i].append(ch)
-        except Exception as e:
-            self.errors[i] = e
-
-    def count(self, i: int) -> int:
-        return sum(len(c.token_ids) for c in self.chunks[i])
-
-    def kept(self, i: int, sample: int = 0) -> tuple[list[int], list[int], int]:
-        """What a consumer keeps: tokens (and versions) since the last restart."""
-        toks: list[int] = []
-        vers: list[int] = []
-        restarts = 0
-        for c in self.chunks[i]:
-            if c.sample_index != sample:
-                continue
-            if c.restarts > restarts:
-                restarts = c.restarts
-                toks.clear()
-                vers.clear()
-            toks += c.token_ids
-            vers += [c.weight_version] * len(c.token_ids)
-        return toks, vers, restarts
-
-    def join(self, timeout: float = 120) -> None:
-        for t in self.threads:
-            t.join(timeout)
-        assert not any(t.is_alive() for t in self.threads), "a stream never finished"
-        assert self.errors == [None] * len(self.errors), self.errors
 
 
 def _sixty_four(c) -> list[tuple[int, ...]]:
@@ -222,11 +177,14 @@ def test_max_staleness_regenerates_on_the_new_weights_and_reports_restarts(clust
     c = cl.client()
     p = [31, 32, 33]
     params = {**GREEDY, "max_tokens": 1200}
+    # Weights are built before any stream starts: building one takes longer
+    # than the tiny model needs for 1200 tokens, and the update must land
+    # while the requests are still running.
+    new, newer, newest = (_perturbed(tiny_model, seed=k) for k in (7, 8, 9))
 
     # Streamed, max_staleness=0, an update in the middle.
     s = Streams(c, [p, p], params, max_staleness=0)
     wait_until(lambda: min(s.count(0), s.count(1)) >= 10, 60, "the streams to start")
-    new = _perturbed(tiny_model, seed=7)
     with c.paused("abort"):
         res = c.update_weights(new.named_parameters())
     assert res["e0"]["restarted"] >= 2
@@ -245,7 +203,6 @@ def test_max_staleness_regenerates_on_the_new_weights_and_reports_restarts(clust
     t.start()
     wait_until(lambda: c.health()["engines"]["e0"]["running"] == 1, 30, "the request to run")
     time.sleep(0.1)
-    newer = _perturbed(tiny_model, seed=8)
     with c.paused("abort"):
         c.update_weights(newer.named_parameters())
     t.join(120)
@@ -257,7 +214,7 @@ def test_max_staleness_regenerates_on_the_new_weights_and_reports_restarts(clust
     s = Streams(c, [p], params)
     wait_until(lambda: s.count(0) >= 10, 60, "the stream to start")
     with c.paused("abort"):
-        c.update_weights(_perturbed(tiny_model, seed=9).named_parameters())
+        c.update_weights(newest.named_parameters())
     s.join()
     toks, vers, restarts = s.kept(0)
     assert restarts == 0 and len(toks) == 1200
