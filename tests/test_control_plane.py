@@ -250,9 +250,10 @@ def test_weight_update_over_zmq_matches_a_reference_model(fresh, tiny_model):
 def test_a_request_spanning_an_update_reports_versions_per_token(fresh, tiny_model):
     c = fresh.client()
     p = [31, 32, 33]
+    # Built before the stream starts: building a model can outlast the 300 tokens.
+    new, newer = _perturbed(tiny_model, seed=2), _perturbed(tiny_model, seed=3)
     s = Streams(c, [p], {**GREEDY, "max_tokens": 300})
     wait_until(lambda: s.counts()[0] >= 5, 60, "the stream to start")
-    new = _perturbed(tiny_model, seed=2)
     with c.paused("abort"):
         c.update_weights(new.named_parameters())
     s.join()
@@ -262,7 +263,6 @@ def test_a_request_spanning_an_update_reports_versions_per_token(fresh, tiny_mod
     assert len(s.tokens(0)) == 300
     # the non-streamed form carries the same per-token versions
     s2 = [None]
-    newer = _perturbed(tiny_model, seed=3)
 
     def run():
         s2[0] = c.generate(p, {**GREEDY, "max_tokens": 1500})
