@@ -75,11 +75,17 @@ def tokens_view(frame: Any) -> np.ndarray:
 
 
 def unpack_tokens(frame: Any) -> list[int]:
-    return np.frombuffer(frame, dtype=TOKEN_DTYPE).tolist()
+    # array.frombytes, not numpy: a chunk frame holds a token or a few, and a
+    # client decodes tens of thousands of them a second (0.19 vs 0.44 µs).
+    a = array("i")
+    a.frombytes(frame)
+    return a.tolist()
 
 
 def unpack_logprobs(frame: Any) -> list[float]:
-    return np.frombuffer(frame, dtype=LOGPROB_DTYPE).tolist()
+    a = array("f")
+    a.frombytes(frame)
+    return a.tolist()
 
 
 def chunk_payload(buffers: Sequence[Any]) -> tuple[Any, Any | None]:
@@ -177,8 +183,8 @@ def decode(chunk: Any, buffers: list[Any]) -> Decoded:
     """The token ids and every logprob a Chunk's frames carry."""
     npf = prompt_frame_count(chunk)
     head = buffers[: len(buffers) - npf] if npf else buffers
-    toks = np.frombuffer(head[0], dtype=TOKEN_DTYPE).tolist() if head else []
-    lps = np.frombuffer(head[1], dtype=LOGPROB_DTYPE).tolist() if len(head) > 1 else None
+    toks = unpack_tokens(head[0]) if head else []
+    lps = unpack_logprobs(head[1]) if len(head) > 1 else None
     out = Decoded(toks, lps)
     k = getattr(chunk, "top_logprobs", 0)
     if k > 0 and len(head) >= 4:
