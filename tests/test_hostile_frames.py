@@ -58,18 +58,10 @@ HEAD_EVENT_FRAMES = {
 }
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model):
-    from tests.cluster import Cluster, live_children
-
-    before = {p.pid for p in live_children()}
-    with Cluster(1, backend="torch", model=tiny_model) as c:
-        c.wait_ready(1)
-        yield c
-    leaked = [p for p in live_children() if p.pid not in before]
-    for p in leaked:
-        p.kill()
-    assert not leaked, leaked
+@pytest.fixture
+def cluster(torch_cluster):
+    """The module-scoped two-engine cluster of conftest (torn down and leak-checked there)."""
+    return torch_cluster
 
 
 def _serves(cl) -> None:
