@@ -188,10 +188,13 @@ class Router:
             self.forwarding.evacuate(e, reason)
 
     def _forget(self, e: EngineEntry) -> None:
-        self.engines.pop(e.engine_id, None)
+        # Idempotent: a re-registration forgets the old entry, and evacuating it
+        # may already have forgotten it (its join's ping completes as missing).
+        if self.engines.get(e.engine_id) is e:
+            self.engines.pop(e.engine_id)
         ep = self._endpoints.pop(e.sock, None)
-        self.poller.unregister(e.sock)
         if ep is not None:
+            self.poller.unregister(e.sock)
             ep.close()
         log.info("engine_forgotten", engine_id=e.engine_id)
 
@@ -237,7 +240,6 @@ class Router:
         e = EngineEntry(reg=reg, sock=sock, registered_at=now, last_seen=now, steps_changed_at=now)
         e.loras = set(reg.loras)
         e.weight_version = reg.weight_version
-        self.control.cluster.on_register(reg.weight_version)
         self.engines[reg.engine_id] = e
         ep = Endpoint(
             sock,
