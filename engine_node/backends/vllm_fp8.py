@@ -97,8 +97,13 @@ class VllmReload:
     """`ReloadApi` on vllm.model_executor.model_loader.reload (vLLM 0.24)."""
 
     def __init__(self) -> None:
-        from vllm.model_executor.model_loader.reload import layerwise
-
+        try:
+            from vllm.model_executor.model_loader.reload import layerwise
+        except ImportError as e:
+            raise RuntimeError(
+                f"this vLLM has no layerwise weight reload ({e}); weight updates of a quantized "
+                "engine need vLLM >= 0.24 (pyproject pins 0.24.0)"
+            ) from e
         self._lw = layerwise
 
     def initialize(self, model: torch.nn.Module) -> None:

@@ -426,3 +426,12 @@ def test_worker_commit_from_received_buckets_checks_the_whole_list(monkeypatch):
         worker.rollout_bus_commit("u2")
     assert calls == ["list"] and api.calls == [], "refused before anything was touched"
     assert worker._rb()["uid"] is None, "the staged views are dropped after a failed commit too"
+
+
+def test_default_reload_without_vllm_says_what_is_missing():
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    with pytest.raises(RuntimeError, match="0.24"):
+        vllm_fp8.VllmReload()
