@@ -36,12 +36,15 @@ from typing import Any
 
 import structlog
 import zmq
+from zmq.utils import z85
 
+from bus import auth
 from bus import protocol as P
+from bus.auth import Gatekeeper, KeyDir
 from bus.codec import Codec
 from bus.endpoint import Endpoint, open_socket
 from bus.errors import BadRequest, ErrorCode
-from bus.sockets import CONTROL_HWM, CurveKeys, bound_address
+from bus.sockets import CONTROL_HWM, bound_address
 from bus.validate import check_generate, prompt_from_frames
 from engine_node.backend import Backend, BackendError, load_backend
 from engine_node.config import EngineNodeConfig
@@ -79,9 +82,18 @@ class EngineNode:
         self.codec = Codec()
         self.log = log.bind(engine_id=self.engine_id)
 
-        curve = self._curve = CurveKeys.load(cfg.curve_dir) if cfg.curve_dir else None
-        self.data = open_socket(self.ctx, zmq.ROUTER, bind=cfg.data_address, curve=curve)
-        self.weights = open_socket(self.ctx, zmq.ROUTER, bind=cfg.weight_address, curve=curve)
+        # Security on (curve_dir): this node holds the cluster's engine
+        # credential; its data and weight sockets take only the head and
+        # allowed clients (ZAP domain "peers", checked by this context's
+        # Gatekeeper, started before the sockets bind).
+        self.gate: Gatekeeper | None = None
+        curve = self._curve = None
+        if cfg.curve_dir:
+            keys = KeyDir(cfg.curve_dir)
+            curve = self._curve = keys.engine()
+            self.gate = Gatekeeper(self.ctx, keys, (auth.PEERS,)).start()
+        self.data = open_socket(self.ctx, zmq.ROUTER, bind=cfg.data_address, curve=curve, zap_domain=auth.PEERS)
+        self.weights = open_socket(self.ctx, zmq.ROUTER, bind=cfg.weight_address, curve=curve, zap_domain=auth.PEERS)
         self.sub = open_socket(
             self.ctx,
             zmq.SUB,
@@ -114,6 +126,7 @@ class EngineNode:
         self.updates.log_aborted = lambda uid, why: self.log.info("weight_update_aborted", update_id=uid, reason=why)
 
         self._registered = False
+        self._refused: str | None = None  # the last retryable refusal (id held by a live engine)
         handlers: dict[type, Callable[[Any, int], Any]] = {
             P.Ping: self._op_ping,
             P.Pause: self.core.pause,
@@ -262,10 +275,17 @@ class EngineNode:
     def _tick(self, now: float) -> None:
         self.core.tick(now, time.time())
         self.control.check_deadline(now)
+        if self.gate is not None:
+            self.gate.refresh(now)  # a client key added or removed: re-read the allow-list
         self._snapshot = self._make_heartbeat()
         self._snapshot_at = now
         if not self._registered:
             if now > self._register_deadline:
+                if self._refused:
+                    raise _Fatal(
+                        f"the head refused registration for register_timeout_s={self.cfg.register_timeout_s}: "
+                        f"{self._refused}"
+                    )
                 raise _Fatal(
                     f"the head never answered Register within register_timeout_s={self.cfg.register_timeout_s}"
                 )
@@ -293,6 +313,8 @@ class EngineNode:
             self.backend.close()
         finally:
             self.control.close()
+            if self.gate is not None:
+                self.gate.stop()
             if self._own_ctx:
                 self.ctx.term()
         self.log.info("engine_stopped")
@@ -318,10 +340,18 @@ class EngineNode:
             loras=self.backend.loras(),
             host=self.cfg.advertise_host,
             dtype=getattr(self.info, "dtype", ""),
+            curve_key=z85.encode(self._curve.public).decode("ascii") if self._curve is not None else "",
         )
         self.events.send_multipart(self.codec.encode(reg))
 
     def _on_register_reply(self, _peer: bytes, msg: P.RegisterReply, _b: list[Any]) -> None:
+        if not msg.ok and msg.retry and not self._registered:
+            # Our id is held by a live engine (our previous life, not yet seen
+            # dead, or a twin): keep re-registering until register_timeout_s.
+            if self._refused != msg.error:
+                self.log.warning("register_refused_retrying", error=msg.error)
+            self._refused = msg.error
+            return
         if not msg.ok:
             self._fatal = f"the head refused registration: {msg.error}"
             return
