@@ -43,7 +43,6 @@ import structlog
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils import z85
 
 from bus.errors import BadRequest
 from bus.sockets import CurveKeys
@@ -247,7 +246,7 @@ class KeyDir:
         keys = set()
         for p in files:
             try:
-                keys.add(z85.encode(_load(p, secret=False)[0]))
+                keys.add(_load(p, secret=False)[0])  # pyzmq's key files hold z85 already
             except KeyFileError as e:  # one unreadable file must not lock everyone out
                 log.warning("key_file_skipped", path=p, error=str(e))
         return frozenset(keys)

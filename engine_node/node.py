@@ -36,7 +36,6 @@ from typing import Any
 
 import structlog
 import zmq
-from zmq.utils import z85
 
 from bus import auth
 from bus import protocol as P
@@ -340,7 +339,7 @@ class EngineNode:
             loras=self.backend.loras(),
             host=self.cfg.advertise_host,
             dtype=getattr(self.info, "dtype", ""),
-            curve_key=z85.encode(self._curve.public).decode("ascii") if self._curve is not None else "",
+            curve_key=self._curve.public.decode("ascii") if self._curve is not None else "",
         )
         self.events.send_multipart(self.codec.encode(reg))
 

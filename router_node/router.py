@@ -19,7 +19,6 @@ from typing import Any
 
 import structlog
 import zmq
-from zmq.utils import z85
 
 from bus import auth
 from bus import protocol as P
@@ -292,7 +291,7 @@ class Router:
                 "curve_key is not an engine credential of this cluster (engines/*.key of the head's curve_dir)",
                 field="curve_key",
             )
-        return self._curve.connecting_to(z85.decode(reg.curve_key))
+        return self._curve.connecting_to(reg.curve_key.encode())
 
     def _on_heartbeat(self, _: bytes, hb: P.Heartbeat, _b: list[Any]) -> None:
         e = self.engines.get(hb.engine_id)

@@ -27,7 +27,6 @@ from typing import Any
 import msgspec
 import numpy as np
 import zmq
-from zmq.utils import z85
 
 from bus import protocol as P
 from bus.auth import KeyDir
@@ -127,6 +126,9 @@ class AsyncClient:
             if self._curve is not None:
                 self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
                 self._loop.add_reader(self._monitor.fileno(), self._on_monitor)
+                # zmq's FD only signals once its mailbox was drained: drain now
+                # so the refusal's event makes it readable.
+                self._loop.call_soon(self._on_monitor)
         if self._refused is not None:
             raise self._refused
         return self._sock
@@ -142,7 +144,7 @@ class AsyncClient:
             if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 continue
             assert self._curve is not None
-            key = z85.encode(self._curve.public).decode("ascii")
+            key = self._curve.public.decode("ascii")
             self._refused = err = AuthRefused(
                 f"the head at {self.address} refused this client's CURVE key {key} (ZAP status "
                 f"{event['value']}): it is not on the head's clients allow-list - add it with "

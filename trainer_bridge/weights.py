@@ -125,7 +125,6 @@ async def _send_buckets_zmq(
     curve: CurveKeys | None,
 ) -> None:
     import zmq.asyncio
-    from zmq.utils import z85
 
     ctx = zmq.asyncio.Context()
     codec = Codec()
@@ -138,7 +137,7 @@ async def _send_buckets_zmq(
             ctx,
             zmq.DEALER,
             connect=e["weight_address"],
-            curve=curve.connecting_to(z85.decode(e["curve_key"])) if curve and e.get("curve_key") else curve,
+            curve=curve.connecting_to(e["curve_key"].encode()) if curve and e.get("curve_key") else curve,
         )
         for e in engines
     }
