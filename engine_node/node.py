@@ -114,6 +114,13 @@ class EngineNode:
         self.poller = zmq.Poller()
         for s in (self.data, self.weights, self.sub, self.events):
             self.poller.register(s, zmq.POLLIN)
+        # Security on: the head's ZAP handler refusing our engine credential is
+        # final (libzmq does not retry): its monitor event ends the node with
+        # a clear error instead of a silent wait for register_timeout_s.
+        self._events_monitor: zmq.Socket | None = None
+        if curve is not None and cfg.head_events.startswith("tcp://"):
+            self._events_monitor = self.events.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            self.poller.register(self._events_monitor, zmq.POLLIN)
         self._backend_fd = backend.wake_fd()
         if self._backend_fd is not None:
             self.poller.register(self._backend_fd, zmq.POLLIN)
@@ -243,6 +250,8 @@ class EngineNode:
             elif sock == self.control.wake_fd:
                 self.control.on_wake()
                 self._flush()
+            elif sock is self._events_monitor:
+                self._on_events_monitor()
             # the backend's wake fd needs no read here: step() drains it
         now = time.monotonic()
         core.set_time(now, time.time())
@@ -306,6 +315,9 @@ class EngineNode:
         self._hb_stop.set()
         if self._hb_thread.is_alive():
             self._hb_thread.join(timeout=2)
+        if self._events_monitor is not None:
+            self.events.disable_monitor()
+            self._events_monitor.close(linger=0)
         for ep in self._endpoints.values():
             ep.close()
         try:
@@ -341,7 +353,28 @@ class EngineNode:
             dtype=getattr(self.info, "dtype", ""),
             curve_key=self._curve.public.decode("ascii") if self._curve is not None else "",
         )
-        self.events.send_multipart(self.codec.encode(reg))
+        try:
+            # NOBLOCK: a DEALER without a connected head (refused handshake,
+            # head down) would block the loop; the next tick sends again.
+            self.events.send_multipart(self.codec.encode(reg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _on_events_monitor(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        assert self._events_monitor is not None
+        while True:
+            try:
+                event = recv_monitor_message(self._events_monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                raise _Fatal(
+                    f"the head at {self.cfg.head_events} refused this engine's CURVE key (ZAP status {event['value']}): "
+                    f"the engines/*.key_secret in curve_dir={self.cfg.curve_dir} is not an engine credential of this "
+                    "cluster (copy the head's key folder)"
+                )
 
     def _on_register_reply(self, _peer: bytes, msg: P.RegisterReply, _b: list[Any]) -> None:
         if not msg.ok and msg.retry and not self._registered:
