@@ -227,9 +227,10 @@ class KeyDir:
         """A client's keys: `key` is a name in clients/ (default "default") or
         the path of a .key_secret file (a trainer's own key)."""
         key = key or DEFAULT_CLIENT
-        path = (
-            key if os.sep in key or key.endswith(".key_secret") else os.path.join(self.clients_dir, f"{key}.key_secret")
-        )
+        if os.sep in key or key.endswith(".key_secret"):
+            path = os.path.expanduser(key)
+        else:
+            path = os.path.join(self.clients_dir, f"{key}.key_secret")
         pub, sec = _load(self._require(path, f"client key {key!r}", "client_key"), secret=True, field="client_key")
         assert sec is not None
         return CurveKeys(public=pub, secret=sec, server_public=self.head_public())
