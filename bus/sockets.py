@@ -115,7 +115,7 @@ def check_endpoint(address: str, *, field: str) -> str:
 def ipc_dir() -> str:
     """A private folder for this run's IPC endpoints (paths must stay short)."""
     d = os.path.join(tempfile.gettempdir(), f"rbus-{uuid.uuid4().hex[:8]}")
-    os.makedirs(d, exist_ok=True)
+    os.makedirs(d, mode=0o700, exist_ok=True)  # IPC is never CURVE: the folder's mode guards it
     return d
 
 
