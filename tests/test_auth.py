@@ -122,23 +122,28 @@ def test_zap_domains_check_each_socket_against_its_own_list(tmp_path):
             servers[domain] = s.getsockopt_string(zmq.LAST_ENDPOINT)
             socks.append(s)
 
-        def reaches(domain: str, curve) -> bool:
+        def connect(domain: str, curve) -> zmq.Socket:
             c = open_socket(ctx, zmq.DEALER, connect=servers[domain], curve=curve)
             socks.append(c)
             c.send(b"hi")
-            server = socks[(auth.CLIENTS, auth.ENGINES).index(domain)]
-            return bool(server.poll(500))  # a refused handshake delivers nothing
+            return socks[(auth.CLIENTS, auth.ENGINES).index(domain)]
 
-        assert reaches(auth.CLIENTS, keys.client()) and reaches(auth.ENGINES, keys.engine())
-        for s in socks[:2]:
-            s.recv_multipart()
-        assert not reaches(auth.CLIENTS, keys.engine())  # an engine credential is no client key
-        assert not reaches(auth.ENGINES, keys.client())  # and a client key cannot register engines
-        assert gate.refused == 2
+        def served(domain: str, curve) -> bool:
+            server = connect(domain, curve)
+            return bool(server.poll(10_000)) and server.recv_multipart()[-1] == b"hi"
+
+        def refused(domain: str, curve, n: int) -> bool:
+            server = connect(domain, curve)
+            wait_until(lambda: gate.refused == n, 10, f"refusal {n}")
+            return not server.poll(200)  # a refused handshake delivers nothing
+
+        assert served(auth.CLIENTS, keys.client()) and served(auth.ENGINES, keys.engine())
+        assert refused(auth.CLIENTS, keys.engine(), 1)  # an engine credential is no client key
+        assert refused(auth.ENGINES, keys.client(), 2)  # and a client key cannot register engines
         # a key added to the folder is allowed after the next refresh (no restart)
         late = keys.client(keys.add_client("late"))
         assert gate.refresh(time.monotonic() + Gatekeeper.REFRESH_S)
-        assert reaches(auth.CLIENTS, late)
+        assert served(auth.CLIENTS, late)
     finally:
         for s in socks:
             s.close(linger=0)
