@@ -14,9 +14,10 @@ import pytest
 import zmq
 
 from bus import protocol as P
+from bus.auth import KeyDir
 from bus.codec import Codec
 from bus.errors import BadRequest
-from bus.sockets import CurveKeys, check_endpoint
+from bus.sockets import check_endpoint
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -133,8 +134,8 @@ def test_endpoint_check_names_the_field():
 
 
 def test_curve_secret_key_is_private(tmp_path):
-    d = CurveKeys.generate(str(tmp_path / "keys"))
-    secret = os.path.join(d, "rollout-bus.key_secret")
+    d = KeyDir(str(tmp_path / "keys")).init().root
+    secret = os.path.join(d, "head.key_secret")
     assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
 
