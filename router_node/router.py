@@ -92,7 +92,7 @@ class Router:
         self.events = Endpoint(
             open_socket(self.ctx, zmq.ROUTER, bind=cfg.events, hwm=CONTROL_HWM, curve=self._curve),
             self.codec,
-            {P.Register: self._on_register, P.Heartbeat: self._on_heartbeat, P.Ack: self.control.on_ack},
+            {P.Register: self._on_register, P.Heartbeat: self._on_heartbeat, P.Ack: self._on_ack},
             name="events",
             routed=True,
             error_reply=None,
@@ -158,22 +158,46 @@ class Router:
     # ------------------------------------------------------------ health
 
     def _tick(self, now: float) -> None:
+        self.bus.tick(now)  # expiries first: health below already knows about them
         self._evaluate_engines(now)
-        self.bus.tick(now)
         self.sessions.expire(now)
 
     def _evaluate_engines(self, now: float) -> None:
         deadline = self.cfg.missed_heartbeats * self.cfg.heartbeat_interval_s
         cluster_version = self.control.cluster.version
         for e in list(self.engines.values()):
-            state, reason = e.evaluate(
-                now, deadline_s=deadline, stall_timeout_s=self.cfg.stall_timeout_s, cluster_version=cluster_version
-            )
-            if state is not e.state:
-                self._set_state(e, state, reason, now)
-            e.reason = reason
-            if e.state is EngineState.SILENT and e.silent_since and now - e.silent_since > self.cfg.forget_after_s:
-                self._forget(e)
+            self._evaluate_engine(e, now, deadline, cluster_version)
+
+    def _evaluate_engine(self, e: EngineEntry, now: float, deadline: float, cluster_version: int) -> None:
+        intended = self.control.intended
+        converging = None
+        if e.state is not EngineState.JOINING:  # the join steps bring it there first
+            # A silent engine is not listening: it is judged, not corrected.
+            fix = intended.evaluate(e.engine_id, now, send=e.state is not EngineState.SILENT)
+            converging = intended.converging(e.engine_id)
+            if fix is not None:
+                self.control.correct(e, fix)
+        state, reason = e.evaluate(
+            now,
+            deadline_s=deadline,
+            stall_timeout_s=self.cfg.stall_timeout_s,
+            cluster_version=cluster_version,
+            converging=converging,
+        )
+        if state is not e.state:
+            self._set_state(e, state, reason, now)
+        e.reason = reason
+        if e.state is EngineState.SILENT and e.silent_since and now - e.silent_since > self.cfg.forget_after_s:
+            self._forget(e)
+
+    def _recheck(self, engine_id: str) -> None:
+        """What the head knows of one engine changed (heartbeat, ack): its
+        health follows at once, never a tick later (health must not show a
+        state it has not judged)."""
+        e = self.engines.get(engine_id)
+        if e is not None:
+            deadline = self.cfg.missed_heartbeats * self.cfg.heartbeat_interval_s
+            self._evaluate_engine(e, time.monotonic(), deadline, self.control.cluster.version)
 
     def _set_state(self, e: EngineEntry, state: EngineState, reason: str, now: float) -> None:
         old = e.state
@@ -188,7 +212,8 @@ class Router:
             self.forwarding.evacuate(e, reason)
 
     def _forget(self, e: EngineEntry) -> None:
-        self.engines.pop(e.engine_id, None)
+        if self.engines.pop(e.engine_id, None) is e:
+            self.control.intended.remove(e.engine_id)
         ep = self._endpoints.pop(e.sock, None)
         self.poller.unregister(e.sock)
         if ep is not None:
@@ -197,12 +222,18 @@ class Router:
 
     def health(self) -> dict[str, Any]:
         now = time.monotonic()
-        engines = {eid: {**e.describe(now), "sessions": self.sessions.count(eid)} for eid, e in self.engines.items()}
+        intended = self.control.intended
+        engines = {
+            eid: {**e.describe(now), **intended.describe(eid), "sessions": self.sessions.count(eid)}
+            for eid, e in self.engines.items()
+        }
         return {
             "healthy": any(e.healthy for e in self.engines.values()),
             "engines": engines,
             **self.control.cluster.describe(),
             "stale": sorted(eid for eid, e in self.engines.items() if e.state is EngineState.STALE),
+            "intended": intended.cluster.describe(),
+            "converging": sorted(eid for eid, e in self.engines.items() if e.state is EngineState.CONVERGING),
         }
 
     # ------------------------------------------------------------ events
@@ -257,6 +288,12 @@ class Router:
         e = self.engines.get(hb.engine_id)
         if e is not None and e.reg.incarnation == hb.incarnation:
             e.on_heartbeat(hb, time.monotonic())
+            self.control.intended.heartbeat(hb.engine_id, hb)
+            self._recheck(hb.engine_id)
+
+    def _on_ack(self, peer: bytes, ack: P.Ack, buffers: list[Any]) -> None:
+        self.control.on_ack(peer, ack, buffers)
+        self._recheck(ack.engine_id)
 
     # ------------------------------------------------------------ frontend queries
 
