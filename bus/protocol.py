@@ -508,6 +508,11 @@ class Heartbeat(_Msg, tag="heartbeat"):
     config_epoch: int = 0
     # The control op in progress ("" when none): a busy engine is not stalled.
     busy: str = ""
+    # The highest Command seq the engine had acked when this snapshot was taken.
+    # Heartbeats travel on another socket than acks: the head trusts `paused` /
+    # `sleeping` only from a heartbeat at least as new as the last ack it got
+    # (router_node/intended_state.py), so an old snapshot cannot undo an ack.
+    acked_seq: int = 0
 
 
 # ------------------------------------------------------ weight socket (zmq)

@@ -402,6 +402,7 @@ class EngineNode:
             kv_usage=kv,
             loras=self.backend.loras(),
             busy=self.control.busy_name,
+            acked_seq=self.control.acked_seq,
             **self.core.counters(),
         )
 

@@ -3,7 +3,10 @@
 Health means something: an engine is healthy only when it has joined (acked
 a publication), its heartbeats are fresh, and — when it has runnable work —
 its step counter moves. A paused engine with frozen work is not "stalled", nor
-is one whose heartbeat says it is busy with a control op.
+is one whose heartbeat says it is busy with a control op. An engine whose
+paused scopes / sleep differ from what the head intends for it (it missed a
+control op: frozen, partitioned, restarted) is "converging"
+(router_node/intended_state.py) until a corrective op brings it there.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ class EngineState(enum.Enum):
     # alive, but its weight version is below the cluster's (restarted from its
     # checkpoint, joined late, missed an update): no traffic until synced
     STALE = "stale"
+    # alive, but its paused scopes / sleep differ from the cluster's intended
+    # state: no traffic until the head's corrective op lands (intended_state.py)
+    CONVERGING = "converging"
 
 
 @dataclasses.dataclass(eq=False)
@@ -69,9 +75,16 @@ class EngineEntry:
             self.loras = set(loras)
 
     def evaluate(
-        self, now: float, *, deadline_s: float, stall_timeout_s: float, cluster_version: int = 0
+        self,
+        now: float,
+        *,
+        deadline_s: float,
+        stall_timeout_s: float,
+        cluster_version: int = 0,
+        converging: str | None = None,
     ) -> tuple[EngineState, str]:
-        """The state this engine should be in now (JOINING is left by the join ack)."""
+        """The state this engine should be in now (JOINING is left by the join ack).
+        `converging`: why its control state differs from the intended one, if it does."""
         if self.state is EngineState.JOINING:
             return self.state, self.reason
         if now - self.last_seen > deadline_s:
@@ -82,6 +95,8 @@ class EngineEntry:
                 EngineState.STALLED,
                 f"step counter stuck at {hb.steps} for {now - self.steps_changed_at:.1f}s with {hb.running} running (stall_timeout_s={stall_timeout_s})",
             )
+        if converging is not None:
+            return EngineState.CONVERGING, converging
         if self.weight_version < cluster_version:
             return (
                 EngineState.STALE,

@@ -105,7 +105,7 @@ class Router:
                 self.ctx, zmq.ROUTER, bind=cfg.events, hwm=CONTROL_HWM, curve=self._curve, zap_domain=auth.ENGINES
             ),
             self.codec,
-            {P.Register: self._on_register, P.Heartbeat: self._on_heartbeat, P.Ack: self.control.on_ack},
+            {P.Register: self._on_register, P.Heartbeat: self._on_heartbeat, P.Ack: self._on_ack},
             name="events",
             routed=True,
             error_reply=None,
@@ -173,8 +173,8 @@ class Router:
     # ------------------------------------------------------------ health
 
     def _tick(self, now: float) -> None:
+        self.bus.tick(now)  # expiries first: health below already knows about them
         self._evaluate_engines(now)
-        self.bus.tick(now)
         self.sessions.expire(now)
         if self.gate is not None:
             self.gate.refresh(now)  # a client key added or removed: re-read the allow-lists
@@ -183,14 +183,38 @@ class Router:
         deadline = self.cfg.missed_heartbeats * self.cfg.heartbeat_interval_s
         cluster_version = self.control.cluster.version
         for e in list(self.engines.values()):
-            state, reason = e.evaluate(
-                now, deadline_s=deadline, stall_timeout_s=self.cfg.stall_timeout_s, cluster_version=cluster_version
-            )
-            if state is not e.state:
-                self._set_state(e, state, reason, now)
-            e.reason = reason
-            if e.state is EngineState.SILENT and e.silent_since and now - e.silent_since > self.cfg.forget_after_s:
-                self._forget(e)
+            self._evaluate_engine(e, now, deadline, cluster_version)
+
+    def _evaluate_engine(self, e: EngineEntry, now: float, deadline: float, cluster_version: int) -> None:
+        intended = self.control.intended
+        converging = None
+        if e.state is not EngineState.JOINING:  # the join steps bring it there first
+            # A silent engine is not listening: it is judged, not corrected.
+            fix = intended.evaluate(e.engine_id, now, send=e.state is not EngineState.SILENT)
+            converging = intended.converging(e.engine_id)
+            if fix is not None:
+                self.control.correct(e, fix)
+        state, reason = e.evaluate(
+            now,
+            deadline_s=deadline,
+            stall_timeout_s=self.cfg.stall_timeout_s,
+            cluster_version=cluster_version,
+            converging=converging,
+        )
+        if state is not e.state:
+            self._set_state(e, state, reason, now)
+        e.reason = reason
+        if e.state is EngineState.SILENT and e.silent_since and now - e.silent_since > self.cfg.forget_after_s:
+            self._forget(e)
+
+    def _recheck(self, engine_id: str) -> None:
+        """What the head knows of one engine changed (heartbeat, ack): its
+        health follows at once, never a tick later (health must not show a
+        state it has not judged)."""
+        e = self.engines.get(engine_id)
+        if e is not None:
+            deadline = self.cfg.missed_heartbeats * self.cfg.heartbeat_interval_s
+            self._evaluate_engine(e, time.monotonic(), deadline, self.control.cluster.version)
 
     def _set_state(self, e: EngineEntry, state: EngineState, reason: str, now: float) -> None:
         old = e.state
@@ -209,6 +233,7 @@ class Router:
         # may already have forgotten it (its join's ping completes as missing).
         if self.engines.get(e.engine_id) is e:
             self.engines.pop(e.engine_id)
+            self.control.intended.remove(e.engine_id)
         ep = self._endpoints.pop(e.sock, None)
         if ep is not None:
             self.poller.unregister(e.sock)
@@ -217,12 +242,18 @@ class Router:
 
     def health(self) -> dict[str, Any]:
         now = time.monotonic()
-        engines = {eid: {**e.describe(now), "sessions": self.sessions.count(eid)} for eid, e in self.engines.items()}
+        intended = self.control.intended
+        engines = {
+            eid: {**e.describe(now), **intended.describe(eid), "sessions": self.sessions.count(eid)}
+            for eid, e in self.engines.items()
+        }
         return {
             "healthy": any(e.healthy for e in self.engines.values()),
             "engines": engines,
             **self.control.cluster.describe(),
             "stale": sorted(eid for eid, e in self.engines.items() if e.state is EngineState.STALE),
+            "intended": intended.cluster.describe(),
+            "converging": sorted(eid for eid, e in self.engines.items() if e.state is EngineState.CONVERGING),
         }
 
     # ------------------------------------------------------------ events
@@ -299,6 +330,12 @@ class Router:
         e = self.engines.get(hb.engine_id)
         if e is not None and e.reg.incarnation == hb.incarnation:
             e.on_heartbeat(hb, time.monotonic())
+            self.control.intended.heartbeat(hb.engine_id, hb)
+            self._recheck(hb.engine_id)
+
+    def _on_ack(self, peer: bytes, ack: P.Ack, buffers: list[Any]) -> None:
+        self.control.on_ack(peer, ack, buffers)
+        self._recheck(ack.engine_id)
 
     # ------------------------------------------------------------ frontend queries
 
