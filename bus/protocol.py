@@ -15,6 +15,11 @@ default. Removing or reordering fields is a protocol-version bump.
 Version 2: control results are typed (one `*Result` Struct per op, a tagged
 union in `Ack.result` and `ControlReply.results`); `ControlReply.errors` maps
 an engine to its `EngineFailure` {code, message, field} instead of a string.
+
+Version 3: weight updates are an explicit two-phase commit (`PrepareWeights`
+→ `WeightsPrepared`, then `FinishWeightUpdate` = the commit, decided by the
+head); buckets may carry their own tensor metas (streamed updates) and come
+from several sender ranks, each closing its part with `WeightSenderEnd`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -190,6 +195,17 @@ class BeginWeightUpdate(_Msg, tag="begin_weights"):
     # "model" or "lora:NAME" (stage a LoRA adapter's tensors).
     target: str = "model"
     transport_args: dict[str, Any] = {}
+    # -- protocol 3 ---------------------------------------------------------
+    # Sender ranks contributing buckets (0..senders-1), each ending its part
+    # with a WeightSenderEnd on every engine's weight socket.
+    senders: int = 1
+    # True: `tensors`/`bucket_sizes` are empty; every WeightBucket carries the
+    # metas of its own tensors (names, dtypes and shapes arrive per sender).
+    streamed: bool = False
+    # GPU transports: begin + receive (these cuda_ipc handles, or the NCCL
+    # broadcast) + prepare in ONE op; its ack is the engine's prepare vote.
+    prepare: bool = False
+    handles: list[Any] = []
 
 
 class ReceiveWeights(_Msg, tag="receive_weights"):
@@ -199,7 +215,22 @@ class ReceiveWeights(_Msg, tag="receive_weights"):
     handles: list[Any] = []  # cuda_ipc: one handle per bucket (per engine device)
 
 
+class PrepareWeights(_Msg, tag="prepare_weights"):
+    """Phase one: the engine checks it holds every bucket every sender declared
+    and that the backend validated them (names, dtypes, shapes), then votes by
+    acking `WeightsPrepared`. It waits up to `wait_s` for senders still sending.
+    A prepared engine keeps its old weights until the commit, and discards the
+    update if no commit or abort comes within its `prepare_ttl_s`."""
+
+    update_id: str
+    wait_s: float = 30.0
+
+
 class FinishWeightUpdate(_Msg, tag="finish_weights"):
+    """Phase two, the commit. Clients send it to the head, which prepares any
+    engine that has not voted yet, records the decision and the new cluster
+    version, and only then publishes it (engines that miss it are stale)."""
+
     update_id: str
     # The weight version the engine takes when the update commits (the
     # trainer's cluster-wide version: a stale engine jumps to it). None: the
@@ -236,6 +267,7 @@ Op = (
     | ResetPrefixCache
     | BeginWeightUpdate
     | ReceiveWeights
+    | PrepareWeights
     | FinishWeightUpdate
     | AbortWeightUpdate
     | LoadLora
@@ -349,6 +381,16 @@ class ReceiveWeightsResult(_Result, tag="receive_weights"):
     detail: dict[str, Any] = {}
 
 
+class WeightsPrepared(_Result, tag="prepare_weights"):
+    """An engine's yes vote: every declared bucket is in and validated."""
+
+    buckets: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    detail: dict[str, Any] = {}
+
+
 class WeightsCommitted(ConfigResult, tag="finish_weights"):
     bytes: int = 0
     seconds: float = 0.0
@@ -388,6 +430,7 @@ Result = (
     | ResetPrefixCacheResult
     | BeginWeightsResult
     | ReceiveWeightsResult
+    | WeightsPrepared
     | WeightsCommitted
     | WeightsAborted
     | LoraResult
@@ -522,7 +565,19 @@ class WeightBucket(_Msg, tag="wbucket"):
     """Frames: [bucket bytes]."""
 
     update_id: str
-    bucket: int
+    bucket: int  # the sender's own bucket index (0, 1, … per sender)
+    # -- protocol 3
+    sender: int = 0
+    metas: list[TensorMeta] = []  # streamed updates: this bucket's tensors (bucket = this index)
+
+
+class WeightSenderEnd(_Msg, tag="wsender_end"):
+    """A sender rank is done: it sent `buckets` buckets (0..buckets-1).
+    Acked with a WeightBucketAck whose bucket is -1."""
+
+    update_id: str
+    sender: int
+    buckets: int
 
 
 class WeightBucketAck(_Msg, tag="wbucket_ack"):
@@ -553,6 +608,7 @@ KIND_OF: dict[type, bytes] = {
     Heartbeat: b"H",
     WeightBucket: b"W",
     WeightBucketAck: b"w",
+    WeightSenderEnd: b"N",
 }
 TYPE_OF: dict[bytes, type] = {v: k for k, v in KIND_OF.items()}
 assert len(TYPE_OF) == len(KIND_OF), "duplicate kind byte"

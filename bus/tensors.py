@@ -112,3 +112,56 @@ def unpack_bucket(index: int, metas: list[Any], buffer: Any) -> list[tuple[str, 
             raw = raw.clone()  # a dtype view needs an aligned storage offset
         out.append((name, raw.view(dt).view(shape)))
     return out
+
+
+class BucketPacker:
+    """Packs tensors into buckets AS THEY ARRIVE, with plan_buckets' layout
+    (a new bucket when the next tensor would overflow a non-empty one; a
+    tensor larger than `bucket_bytes` gets a bucket of its own; 256-byte
+    aligned offsets). `add` copies the tensor into the open bucket at once,
+    so the caller may drop it: the packer holds at most one open bucket.
+
+    `add`/`flush` return the buckets that became full: (index, metas, flat
+    uint8 tensor of exactly the bucket's size). `dry=True` only plans (no
+    memory, no copies; buckets come back with a None buffer) — the plan a
+    BeginWeightUpdate announces is then identical to what is sent later."""
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, device: str = "cpu", dry: bool = False) -> None:
+        self.bucket_bytes = int(bucket_bytes)
+        self.device = device
+        self.dry = dry
+        self.index = -1  # the open bucket's index
+        self.cur = 0  # bytes used in the open bucket (aligned)
+        self.metas: list[TensorMeta] = []  # of the open bucket
+        self.buf: Any = None
+        self.open = False
+
+    def add(self, name: str, t: Any) -> list[tuple[int, list[TensorMeta], Any]]:
+        import torch
+
+        nbytes = t.numel() * t.element_size()
+        done = []
+        if not self.open or (self.cur > 0 and self.cur + nbytes > self.bucket_bytes):
+            done = self.flush()
+            self.index += 1
+            self.open, self.cur, self.metas = True, 0, []
+            if not self.dry:
+                self.buf = torch.empty(max(self.bucket_bytes, _aligned(nbytes)), dtype=torch.uint8, device=self.device)
+        self.metas.append(TensorMeta(name, dtype_name(t), list(t.shape), self.index, self.cur, nbytes))
+        if not self.dry and nbytes:
+            src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            self.buf[self.cur : self.cur + nbytes].copy_(src)
+        self.cur += _aligned(nbytes)
+        return done
+
+    def flush(self) -> list[tuple[int, list[TensorMeta], Any]]:
+        """The open bucket, if it holds anything (call once more at the end)."""
+        if not self.open:
+            return []
+        self.open = False
+        buf, self.buf = self.buf, None
+        return [(self.index, self.metas, None if buf is None else buf[: self.cur])]
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN

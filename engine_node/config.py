@@ -28,6 +28,10 @@ class EngineNodeConfig:
     # The cluster seed (launch.py --seed): this node's sampling stream is
     # derived from it, the engine id and the incarnation (engine_node/seeding.py).
     seed: int = 0
+    # A prepared weight update with no commit/abort decision for this long is
+    # discarded (old weights and version kept); also the idle limit of an
+    # update that stopped receiving.
+    prepare_ttl_s: float = 60.0
 
 
 def parse_args(argv: list[str] | None = None) -> EngineNodeConfig:
@@ -56,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> EngineNodeConfig:
         default=0,
         help="cluster seed: unseeded sampling streams derive from it, the engine id and the incarnation",
     )
+    ap.add_argument(
+        "--prepare-ttl-s",
+        type=float,
+        default=60.0,
+        help="discard a prepared weight update that gets no commit/abort decision within this many seconds",
+    )
     a = ap.parse_args(argv)
     return EngineNodeConfig(
         engine_id=a.engine_id,
@@ -73,4 +83,5 @@ def parse_args(argv: list[str] | None = None) -> EngineNodeConfig:
         advertise_host=a.advertise_host,
         curve_dir=a.curve_dir,
         seed=a.seed,
+        prepare_ttl_s=a.prepare_ttl_s,
     )

@@ -47,7 +47,7 @@ from bus.sockets import CONTROL_HWM, bound_address
 from bus.validate import check_generate, prompt_from_frames
 from engine_node.backend import Backend, BackendError, load_backend
 from engine_node.config import EngineNodeConfig
-from engine_node.control import ControlRunner
+from engine_node.control import ControlRunner, ack_error_of
 from engine_node.core import Pending, RequestCore
 from engine_node.seeding import backend_seed, derive_seed
 from engine_node.weight_update import WeightUpdates
@@ -128,7 +128,9 @@ class EngineNode:
         # -- the core and the weight transaction (loop thread only)
         self.core = RequestCore(backend, self.info, self.engine_id, self.sample_seed)
         self.core.work_appeared = self._work_appeared
-        self.updates = WeightUpdates(backend, self.core, self.engine_id, self.weight_address)
+        self.updates = WeightUpdates(
+            backend, self.core, self.engine_id, self.weight_address, prepare_ttl_s=cfg.prepare_ttl_s
+        )
         self.updates.log_aborted = lambda uid, why: self.log.info("weight_update_aborted", update_id=uid, reason=why)
 
         self._registered = False
@@ -143,6 +145,7 @@ class EngineNode:
             P.ResetPrefixCache: self.core.reset_prefix_cache,
             P.BeginWeightUpdate: self.updates.begin,
             P.ReceiveWeights: self.updates.receive,
+            P.PrepareWeights: self.updates.prepare,
             P.FinishWeightUpdate: self.updates.commit,
             P.AbortWeightUpdate: self.updates.abort,
             P.LoadLora: self._op_load_lora,
@@ -177,7 +180,7 @@ class EngineNode:
         self.weights_ep = Endpoint(
             self.weights,
             self.codec,
-            {P.WeightBucket: self._on_weight_bucket},
+            {P.WeightBucket: self._on_weight_bucket, P.WeightSenderEnd: self._on_sender_end},
             name="weights",
             routed=True,
             error_reply=lambda rid, code, message, field: P.WeightBucketAck(
@@ -277,11 +280,20 @@ class EngineNode:
     def _flush(self) -> None:
         for seq, ok, result, error, code in self.core.take_acks():
             self.control.ack(seq, ok=ok, result=result, error=error, code=code)
+        if self.updates.acks:  # prepares that waited for their senders
+            acks, self.updates.acks = self.updates.acks, []
+            for seq, ok, result, exc in acks:
+                if ok:
+                    self.control.ack(seq, ok=True, result=result)
+                else:
+                    code, message, field = ack_error_of(exc or RuntimeError("prepare failed"))
+                    self.control.ack(seq, ok=False, error=message, code=code, field=field)
         for peer, msg, buffers in self.core.take_sends():
             self._send_data(peer, msg, buffers)
 
     def _tick(self, now: float) -> None:
         self.core.tick(now, time.time())
+        self.updates.tick(now)
         self.control.check_deadline(now)
         if self.gate is not None:
             self.gate.refresh(now)  # a client key added or removed: re-read the allow-list
@@ -452,15 +464,30 @@ class EngineNode:
         try:
             if not buffers:
                 raise BackendError(f"bucket {msg.bucket} of update {msg.update_id} has no data frame")
-            self.updates.on_bucket(msg.update_id, msg.bucket, buffers[0].buffer)
-        except Exception as e:  # refused (BackendError/ValueError) or a bug: answer it, keep serving
-            if not isinstance(e, (BackendError, ValueError)):
-                self.log.exception("weight_bucket_crashed", update_id=msg.update_id, bucket=msg.bucket)
-            ack = P.WeightBucketAck(
-                update_id=msg.update_id, bucket=msg.bucket, ok=False, error=f"{self.engine_id}: {e}"
+            # The frame itself is passed too: a streamed update keeps it
+            # (zero-copy) until the prepare stages it.
+            self.updates.on_bucket(
+                msg.update_id, msg.bucket, buffers[0].buffer, sender=msg.sender, metas=msg.metas, frame=buffers[0]
             )
-            self.updates.abort_current(msg.update_id, str(e))
+        except Exception as e:  # refused (BackendError/ValueError) or a bug: answer it, keep serving
+            ack = self._weight_refused(msg.update_id, msg.bucket, e)
         self.weights_ep.send(peer, ack)  # a sender that left: nothing to undo here
+        self._flush()  # a prepare that waited for this bucket
+
+    def _on_sender_end(self, peer: bytes, msg: P.WeightSenderEnd, _b: list[Any]) -> None:
+        ack = P.WeightBucketAck(update_id=msg.update_id, bucket=-1)
+        try:
+            self.updates.on_sender_end(msg.update_id, msg.sender, msg.buckets)
+        except Exception as e:
+            ack = self._weight_refused(msg.update_id, -1, e)
+        self.weights_ep.send(peer, ack)
+        self._flush()  # a prepare that waited for this sender
+
+    def _weight_refused(self, update_id: str, bucket: int, e: Exception) -> P.WeightBucketAck:
+        if not isinstance(e, (BackendError, ValueError)):
+            self.log.exception("weight_bucket_crashed", update_id=update_id, bucket=bucket)
+        self.updates.abort_current(update_id, str(e))
+        return P.WeightBucketAck(update_id=update_id, bucket=bucket, ok=False, error=f"{self.engine_id}: {e}")
 
     # ------------------------------------------------------------ control plane
 

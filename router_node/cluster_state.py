@@ -1,24 +1,34 @@
-"""The head's view of the cluster's weights: which version is current, and
-which engines are below it (stale).
+"""The head's view of the cluster's weights: which version is current, which
+engines are below it (stale), and the weight-update transactions in flight —
+the head is the coordinator of their two-phase commit.
+
+Transaction (one per update id, created when the head fans its begin out):
+
+    begun ──every target voted (WeightsPrepared / ReceiveWeights ok)──► decision "commit"
+      └──any target failed, silent or missing in the prepare, or an abort──► decision "abort"
+
+The decision is the head's and is recorded BEFORE the commit is published,
+with the version the engines take. An engine that misses the commit (killed,
+frozen) stays below the cluster version once the commit round is over, so it
+is STALE (router_node/registry.py: no traffic), never silently behind; if it
+wakes and still commits, it lands on exactly the cluster version. A commit is
+never published for an update that was aborted, so an engine can only ever
+serve a version the head decided; a prepared engine that hears no decision
+discards the update by itself (engine_node/weight_update.py, prepare_ttl_s).
 
 The cluster weight version is the version of the last model update that
-committed: the highest `weight_version` in the ok acks of a FinishWeightUpdate
-whose update targeted the model (its BeginWeightUpdate said target="model").
-Until the head has seen one (a fresh head, or a head restarted under running
-engines) it adopts the highest version an engine registered with, so a head
-restart does not forget where the cluster was.
-
-An engine whose weight version is below it — restarted from its checkpoint,
-joined late, or missed an update's finish — is STALE (router_node/registry.py):
-no traffic, not counted healthy or ready, still a control target, so the next
-`update_weights` (which carries the version to take) or `Client.sync_stale`
-brings it up to date.
+committed. Until the head has seen one (a fresh head, or a head restarted under
+running engines) it adopts the highest version an engine registered with, so a
+head restart does not forget where the cluster was. A FinishWeightUpdate for an
+update the head never saw begin (a head restarted mid-update) is relayed as is,
+and the version follows its ok acks.
 
 Ownership: the router loop thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,49 +36,120 @@ from bus import protocol as P
 
 _MAX_TRACKED_UPDATES = 64
 
+# Results that are a yes vote of phase one.
+_VOTES = (P.WeightsPrepared, P.ReceiveWeightsResult)
+
+
+@dataclasses.dataclass(eq=False)
+class WeightTxn:
+    update_id: str
+    target: str  # "model" | "lora:NAME"
+    targets: list[str]
+    transport: str = "zmq"
+    senders: int = 1
+    prepared: set[str] = dataclasses.field(default_factory=set)
+    decision: str | None = None  # None | "commit" | "abort"
+    reason: str = ""
+    version: int | None = None  # decided version (model updates)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "update_id": self.update_id,
+            "target": self.target,
+            "targets": list(self.targets),
+            "transport": self.transport,
+            "senders": self.senders,
+            "prepared": sorted(self.prepared),
+            "decision": self.decision,
+            "version": self.version,
+        }
+
 
 class ClusterWeights:
     def __init__(self) -> None:
         self.version = 0
         self.source = "none"  # "none" | "registration" | "update"
         self.updates_committed = 0
-        self._targets: dict[str, str] = {}  # update id -> "model" | "lora:NAME" (begun, not finished)
+        self.txns: dict[str, WeightTxn] = {}  # begun updates (bounded, oldest dropped)
 
     def on_register(self, weight_version: int) -> None:
         if self.source != "update" and weight_version > self.version:
             self.version = int(weight_version)
             self.source = "registration"
 
-    def on_control(self, op: Any) -> None:
+    # ------------------------------------------------------------ fan-out hooks
+
+    def on_control(self, op: Any, targets: list[str] | None = None) -> None:
         """A control op the head fans out (before publishing it)."""
         if isinstance(op, P.BeginWeightUpdate):
-            self._targets[op.update_id] = op.target
-            while len(self._targets) > _MAX_TRACKED_UPDATES:
-                self._targets.pop(next(iter(self._targets)))
+            self.txns[op.update_id] = WeightTxn(
+                op.update_id, op.target, list(targets or []), transport=op.transport, senders=op.senders
+            )
+            while len(self.txns) > _MAX_TRACKED_UPDATES:
+                self.txns.pop(next(iter(self.txns)))
+        elif isinstance(op, P.AbortWeightUpdate):
+            txn = self.txns.get(op.update_id)
+            if txn is not None and txn.decision is None:
+                self.decide_abort(txn, "aborted by the trainer")
 
     def on_control_done(self, op: Any, results: Mapping[str, Any]) -> bool:
         """Acks of a fanned-out op are in. True when the cluster version moved."""
+        if isinstance(op, (P.BeginWeightUpdate, P.ReceiveWeights, P.PrepareWeights)):
+            self.on_votes(op.update_id, results)
+            return False
         if not isinstance(op, P.FinishWeightUpdate):
             return False
-        target = self._targets.pop(op.update_id, "model")
-        if target != "model":
+        # A finish the head did not coordinate (it never saw the begin).
+        versions = [int(r.weight_version) for r in results.values() if isinstance(r, P.ConfigResult)]
+        txn = self.txns.pop(op.update_id, None)
+        if (txn is not None and txn.target != "model") or not versions:
             return False
-        versions = []
-        for r in results.values():
-            # typed results (P.ConfigResult) carry it; anything else is not a commit
-            if isinstance(r, P.ConfigResult):
-                versions.append(int(r.weight_version))
-        if not versions:
+        return self._moved_to(max(versions))
+
+    def on_votes(self, update_id: str, results: Mapping[str, Any]) -> None:
+        txn = self.txns.get(update_id)
+        if txn is not None:
+            txn.prepared.update(eid for eid, r in results.items() if isinstance(r, _VOTES))
+
+    # ------------------------------------------------------------ decisions
+
+    def decide_abort(self, txn: WeightTxn, reason: str) -> None:
+        if txn.decision is None:
+            txn.decision, txn.reason = "abort", reason
+
+    def decide_commit(self, txn: WeightTxn, version: int | None, engine_versions: list[int]) -> int | None:
+        """Record the commit and the version it gives (model updates: the
+        trainer's, else one above everything the cluster has served)."""
+        assert txn.decision is None, txn.decision
+        if txn.target == "model":
+            if version is None:
+                version = 1 + max([self.version, *engine_versions])
+            txn.version = int(version)
+        txn.decision = "commit"
+        return txn.version
+
+    def commit_done(self, txn: WeightTxn) -> bool:
+        """The commit round is over (acked or past its deadline): the decided
+        version is the cluster's now, whoever missed it. True when it moved."""
+        self.txns.pop(txn.update_id, None)
+        if txn.target != "model" or txn.version is None:
             return False
+        return self._moved_to(txn.version)
+
+    def _moved_to(self, version: int) -> bool:
         self.updates_committed += 1
         self.source = "update"
-        new = max(versions)
-        moved = new != self.version
-        self.version = new
+        moved = version != self.version
+        self.version = version
         return moved
+
+    # ------------------------------------------------------------ queries
 
     def is_stale(self, weight_version: int) -> bool:
         return weight_version < self.version
+
+    def open_updates(self) -> dict[str, Any]:
+        return {"updates": {uid: t.describe() for uid, t in self.txns.items() if t.decision is None}}
 
     def describe(self) -> dict[str, Any]:
         return {"weight_version": self.version, "source": self.source, "updates_committed": self.updates_committed}

@@ -13,6 +13,12 @@ new engines, cluster-wide pauses, and the typed acks that come back.
   sleep / wake_up changes what the head intends when it is issued; acks and
   heartbeats say what engines are; an engine that differs with nothing in
   flight gets corrective ops (`correct`) under `converge_timeout_s`.
+- weight updates: the head coordinates their two-phase commit
+  (router_node/cluster_state.py). A client's FinishWeightUpdate is not relayed
+  as is: the head prepares every target that has not voted yet, and commits
+  only when all voted yes — recording the decision and the version before it
+  publishes the commit — else it aborts the update everywhere and the reply
+  names the engines that failed or went silent.
 - acks that report the engine's configuration (`P.ConfigResult`: weight
   version, LoRA set, epoch) update the registry; the newer epoch wins over a
   heartbeat that raced it.
@@ -32,7 +38,7 @@ from bus import protocol as P
 from bus.control_bus import ControlBus, PendingCommand
 from bus.errors import BadRequest, ErrorCode
 from bus.validate import check_control_timeout
-from router_node.cluster_state import ClusterWeights
+from router_node.cluster_state import ClusterWeights, WeightTxn
 from router_node.config import RouterConfig
 from router_node.intended_state import REFUSED, IntendedState
 from router_node.intended_state import check as check_state_op
@@ -83,7 +89,12 @@ class ClusterControl:
         check_state_op(msg.op, msg.request_id)  # never intend what no engine would take
         before = self.intended.cluster.copy()
 
-        self.cluster.on_control(msg.op)
+        if isinstance(msg.op, P.FinishWeightUpdate):
+            txn = self.cluster.txns.get(msg.op.update_id)
+            if txn is not None:
+                self._commit(client, msg, txn)
+                return
+        self.cluster.on_control(msg.op, targets)
 
         def done(pc: PendingCommand) -> None:
             self.intended.expired(pc.seq, pc.missing, time.monotonic())
@@ -114,6 +125,71 @@ class ClusterControl:
 
         pc = self.bus.publish(op, [e.engine_id], timeout_s, done)
         self.intended.issued(op, [e.engine_id], pc.seq, _waiting(pc), corrective=True)
+
+    # ------------------------------------------------------------ weight commits
+
+    def _gone(self, targets: list[str]) -> list[str]:
+        """Targets not worth waiting on: silent, or no longer registered."""
+        return [t for t in targets if t not in self.engines or self.engines[t].state is EngineState.SILENT]
+
+    def _commit(self, client: bytes, msg: P.Control, txn: WeightTxn) -> None:
+        op = msg.op
+        assert isinstance(op, P.FinishWeightUpdate)
+        if txn.decision == "abort":
+            raise BadRequest(
+                f"weight update {txn.update_id} was aborted ({txn.reason}): it cannot commit",
+                request_id=msg.request_id,
+                field="update_id",
+            )
+        unvoted = [t for t in txn.targets if t not in txn.prepared]
+        if txn.decision is None and unvoted:
+            # The engines' own wait ends well inside the command's deadline, so a
+            # sender that never finished is named by the engines' error rather
+            # than lost in a bare "no ack within timeout_s" race.
+            prep = P.PrepareWeights(txn.update_id, wait_s=max(0.1, 0.75 * msg.timeout_s))
+
+            def prepared(pc: PendingCommand) -> None:
+                self.cluster.on_votes(txn.update_id, {eid: a.result for eid, a in pc.acks.items() if a.ok})
+                errors = {eid: failure_of(a) for eid, a in pc.acks.items() if not a.ok}
+                if errors or pc.missing:
+                    self._abort(txn, f"prepare failed on {sorted(errors)}, no vote from {pc.missing}")
+                    self.reply(client, P.ControlReply(request_id=msg.request_id, errors=errors, missing=pc.missing))
+                    return
+                self._commit(client, msg, txn)
+
+            self.bus.publish(prep, unvoted, msg.timeout_s, prepared, gone=self._gone(unvoted))
+            return
+        if txn.decision is None:
+            versions = [e.weight_version for e in self.engines.values()]
+            version = self.cluster.decide_commit(txn, op.version, versions)
+            log.info("weight_update_committing", update_id=txn.update_id, version=version, targets=txn.targets)
+        commit = P.FinishWeightUpdate(txn.update_id, version=txn.version)
+
+        def committed(pc: PendingCommand) -> None:
+            results = {eid: a.result or P.Done() for eid, a in pc.acks.items() if a.ok}
+            self.cluster.commit_done(txn)
+            self.reevaluate(time.monotonic())  # engines that missed the commit are stale now
+            errors = {eid: failure_of(a) for eid, a in pc.acks.items() if not a.ok}
+            if errors or pc.missing:
+                log.warning("weight_commit_missed", update_id=txn.update_id, failed=sorted(errors), missing=pc.missing)
+            self.reply(
+                client, P.ControlReply(request_id=msg.request_id, results=results, errors=errors, missing=pc.missing)
+            )
+
+        self.bus.publish(commit, txn.targets, msg.timeout_s, committed, gone=self._gone(txn.targets))
+
+    def _abort(self, txn: WeightTxn, reason: str) -> None:
+        """Decide abort and tell every target (best effort: an engine that
+        misses it discards the update after its prepare_ttl_s)."""
+        self.cluster.decide_abort(txn, reason)
+        log.warning("weight_update_aborted", update_id=txn.update_id, reason=reason)
+        self.bus.publish(
+            P.AbortWeightUpdate(txn.update_id),
+            txn.targets,
+            self.cfg.join_timeout_s,
+            lambda pc: None,
+            gone=self._gone(txn.targets),
+        )
 
     def on_ack(self, _peer: bytes, ack: P.Ack, _b: list[Any]) -> None:
         e = self.engines.get(ack.engine_id)

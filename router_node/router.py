@@ -122,6 +122,8 @@ class Router:
             self.poller.register(sock, zmq.POLLIN)
         self._queries: dict[str, Any] = {
             "health": self.health,
+            # weight updates begun and not decided yet (a sender rank joins one by id)
+            "weight_updates": lambda: self.control.cluster.open_updates(),
             "engines": lambda: {"engines": [e.describe(time.monotonic()) for e in self.engines.values()]},
             "stats": lambda: {
                 "counters": dict(self.counters),

@@ -285,6 +285,7 @@ class Harness:
         meta = P.TensorMeta("w", "float32", [1], 0, 0, 4)
         self.control(self.updates.begin, P.BeginWeightUpdate(uid, "zmq", [meta], [4]))
         self.updates.on_bucket(uid, 0, memoryview(b"\0\0\0\0"))
+        self.control(self.updates.prepare, P.PrepareWeights(uid))
         version = None if jump is None else before + jump
         self.control(self.updates.commit, P.FinishWeightUpdate(uid, version=version))
         assert self.core.weight_version == before + (jump or 1)

@@ -92,3 +92,9 @@ def test_readme_skyrl_entrypoint_lines_work(torch_cluster):
     )
     out = _run_block("skyrl-exp", torch_cluster, "import asyncio, os\n" + _FAKE_SKYRL + code + check)
     assert out.split() == ["4", "RolloutBusEngine"]
+
+
+def test_readme_multi_sender_block_runs(torch_cluster):
+    before = torch_cluster.client().health()["weight_version"]
+    out = _run_block("multi-sender", torch_cluster).splitlines()
+    assert out[-1] == f"versions {before} -> [{before + 1}]", out

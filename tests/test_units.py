@@ -41,6 +41,13 @@ def test_every_message_round_trips():
         P.Heartbeat("e0", "inc", running=3, paused=["*"]),
         P.WeightBucket("u", 0),
         P.WeightBucketAck("u", 0, False, "e"),
+        P.WeightBucket("u", 1, sender=2, metas=[P.TensorMeta("w", "float32", [2], 1, 0, 8)]),
+        P.WeightSenderEnd("u", 2, 3),
+        P.Command(3, P.PrepareWeights("u", wait_s=2.0)),
+        P.Ack(3, "e0", True, P.WeightsPrepared(buckets=2, tensors=3, bytes=16)),
+        P.Control(
+            "r", P.BeginWeightUpdate("u", "cuda_ipc", [], [], senders=2, streamed=True, prepare=True, handles=[b"h"])
+        ),
     ]
     assert {type(m) for m in msgs} == set(P.KIND_OF)
     for m in msgs:

@@ -8,10 +8,10 @@ import torch
 
 from bus import protocol as P
 from bus.errors import BadRequest
-from bus.tensors import pack_bucket, plan_buckets
-from engine_node.backend import BackendError, BackendTimeout
+from bus.tensors import BucketPacker, pack_bucket, plan_buckets, unpack_bucket
+from engine_node.backend import BackendError, BackendOp, BackendTimeout
 from engine_node.control import ack_error_of
-from engine_node.core import Pending, RequestCore
+from engine_node.core import DEFERRED, Pending, RequestCore
 from engine_node.weight_update import Phase, WeightUpdates
 from tests.scripted_backend import ScriptedBackend
 
@@ -47,7 +47,11 @@ def test_phases_begun_receiving_prepared_committed() -> None:
     up.on_bucket("u1", 0, memoryview(bytes(8)))
     assert up.current.phase is Phase.RECEIVING
     up.on_bucket("u1", 1, memoryview(bytes(8)))
+    assert up.current.phase is Phase.RECEIVING  # only a prepare makes it PREPARED
+    vote = up.prepare(P.PrepareWeights("u1"))
+    assert isinstance(vote, P.WeightsPrepared) and vote.buckets == 2 and vote.bytes == 16
     assert up.current.phase is Phase.PREPARED
+    assert b.commits == 0 and core.weight_version == 0  # nothing visible before the commit
     rec = up.current
     res = _finish(up.commit(P.FinishWeightUpdate("u1")))
     assert rec.phase is Phase.COMMITTED and up.current is None
@@ -61,7 +65,7 @@ def test_commit_before_every_bucket_aborts_and_names_the_missing_ones() -> None:
     up.on_bucket("u1", 0, memoryview(bytes(8)))
     rec = up.current
     with pytest.raises(BackendError, match=r"\[1\] never received") as e:
-        up.commit(P.FinishWeightUpdate("u1"))
+        up.commit(P.FinishWeightUpdate("u1"))  # a commit without a prepare is refused
     assert e.value.field == "update_id"
     assert rec.phase is Phase.ABORTED and up.current is None and core.weight_version == 0
 
@@ -97,6 +101,7 @@ def test_lora_target_keeps_clones_and_commits_as_a_load() -> None:
     up.on_bucket("l1", 0, memoryview(buf))
     buf[:] = bytes(len(buf))  # the frame is gone after the call
     assert torch.equal(up.current.lora_tensors[0][1], a)
+    up.prepare(P.PrepareWeights("l1"))
     res = _finish(up.commit(P.FinishWeightUpdate("l1")))
     assert "new" in res["loras"] and core.weight_version == 0 and core.config_epoch == 1
     with pytest.raises(BadRequest):
@@ -112,3 +117,143 @@ def test_ack_error_codes_are_typed() -> None:
     assert ack_error_of(BadRequest("bad mode", field="mode"))[::2] == ("bad_request", "mode")
     code, msg, field = ack_error_of(RuntimeError("boom"))
     assert code == "internal" and "boom" in msg and field is None
+
+
+# ---------------------------------------------------------------- streamed, several senders, deadlines
+
+
+def _streamed(up: WeightUpdates, uid: str, senders: int = 2) -> None:
+    assert up.begin(P.BeginWeightUpdate(uid, "zmq", [], [], senders=senders, streamed=True))["buckets"] == 0
+
+
+def _bucket(up: WeightUpdates, uid: str, sender: int, index: int, name: str, fill: int) -> None:
+    meta = P.TensorMeta(name, "float32", [2], index, 0, 8)
+    frame = bytes([fill]) * 8
+    up.on_bucket(uid, index, memoryview(frame), sender=sender, metas=[meta], frame=frame)
+
+
+def test_streamed_buckets_from_two_senders_reach_the_backend_only_at_prepare() -> None:
+    b, core, up = _txn()
+    b.begun = []
+    _streamed(up, "s1")
+    _bucket(up, "s1", 1, 0, "b0", 3)  # sender 1 first: order between senders is free
+    _bucket(up, "s1", 0, 0, "a0", 1)
+    _bucket(up, "s1", 0, 1, "a1", 2)
+    up.on_sender_end("s1", 0, 2)
+    assert b.staged == {} and up.current.phase is Phase.RECEIVING  # held, not staged yet
+    assert up.prepare(P.PrepareWeights("s1", wait_s=5), seq=7) is DEFERRED  # sender 1 has not ended
+    up.on_sender_end("s1", 1, 1)
+    (seq, ok, vote, err), *_ = up.acks
+    assert (seq, ok, err) == (7, True, None) and vote.buckets == 3 and vote.tensors == 3
+    # global bucket order is (sender, index): a0, a1, then b0
+    assert b.staged == {0: bytes([1]) * 8, 1: bytes([2]) * 8, 2: bytes([3]) * 8}
+    res = _finish(up.commit(P.FinishWeightUpdate("s1", version=5)))
+    assert res["weight_version"] == core.weight_version == 5 and b.commits == 1  # once, for both senders
+
+
+def test_a_sender_that_never_ends_fails_the_prepare_naming_it() -> None:
+    b, core, up = _txn()
+    _streamed(up, "s2")
+    _bucket(up, "s2", 0, 0, "a0", 1)
+    up.on_sender_end("s2", 0, 1)
+    core.now = 10.0
+    assert up.prepare(P.PrepareWeights("s2", wait_s=1.0), seq=3) is DEFERRED
+    up.tick(10.5)
+    assert not up.acks
+    up.tick(11.5)
+    (seq, ok, _r, err), *_ = up.acks
+    assert seq == 3 and not ok and "sender(s) [1] never finished" in str(err) and "wait_s=1.0" in str(err)
+    assert err.field == "senders"
+    assert up.current is None and b.commits == 0 and core.weight_version == 0
+
+
+def test_a_declared_bucket_that_never_came_fails_the_prepare() -> None:
+    _b, _core, up = _txn()
+    _streamed(up, "s3", senders=1)
+    _bucket(up, "s3", 0, 1, "a1", 1)
+    up.on_sender_end("s3", 0, 2)  # says 2 buckets; bucket 0 was lost
+    assert up.prepare(P.PrepareWeights("s3", wait_s=0.0), seq=1) is DEFERRED
+    up.tick(1.0)
+    assert "(0, 0)" in str(up.acks[0][3]) and up.current is None
+
+
+def test_bad_streamed_input_is_refused() -> None:
+    _b, _core, up = _txn()
+    _streamed(up, "s4")
+    with pytest.raises(BackendError, match="not one of the 2 sender"):
+        _bucket(up, "s4", 2, 0, "x", 1)
+    with pytest.raises(BackendError, match="claims bytes"):
+        up.on_bucket("s4", 0, memoryview(bytes(4)), metas=[P.TensorMeta("x", "float32", [2], 0, 0, 8)])
+    _bucket(up, "s4", 0, 0, "a0", 1)
+    with pytest.raises(BackendError, match="duplicate"):
+        _bucket(up, "s4", 0, 0, "a0", 1)
+    with pytest.raises(BackendError, match="declared 0 bucket"):
+        up.on_sender_end("s4", 0, 0)
+
+
+def test_a_prepared_update_without_a_decision_is_discarded_after_the_ttl() -> None:
+    b, core, up = _txn()
+    up.prepare_ttl_s = 2.0
+    _begin(up, "u1")
+    up.on_bucket("u1", 0, memoryview(bytes(8)))
+    up.on_bucket("u1", 1, memoryview(bytes(8)))
+    core.now = 100.0
+    up.prepare(P.PrepareWeights("u1"))
+    up.tick(101.0)
+    assert up.current is not None
+    up.tick(102.5)  # e.g. this process was frozen (SIGSTOP) past the decision
+    assert up.current is None and b.staged == {} and core.weight_version == 0
+    with pytest.raises(BackendError, match="no weight update 'u1'"):
+        up.commit(P.FinishWeightUpdate("u1"))  # a commit that arrives later cannot apply it
+
+
+def test_an_open_update_that_stops_receiving_is_dropped_after_the_ttl() -> None:
+    _b, core, up = _txn()
+    up.prepare_ttl_s = 2.0
+    core.now = 5.0
+    _begin(up, "u1")
+    up.on_bucket("u1", 0, memoryview(bytes(8)))
+    up.tick(6.0)
+    assert up.current is not None
+    up.tick(7.5)
+    assert up.current is None
+
+
+def test_an_abort_fails_a_waiting_prepare() -> None:
+    _b, _core, up = _txn()
+    _streamed(up, "s5")
+    assert up.prepare(P.PrepareWeights("s5"), seq=9) is DEFERRED
+    up.abort(P.AbortWeightUpdate("s5"))
+    assert up.acks[0][0] == 9 and not up.acks[0][1] and up.current is None
+
+
+def test_streamed_tensors_the_backend_refuses_abort_at_prepare() -> None:
+    b, _core, up = _txn()
+
+    def refuse(uid, transport, tensors, args):
+        return BackendOp.failed("begin_weight_update", BackendError("tensor 'a0': no such parameter", field="tensors"))
+
+    b.begin_weight_update = refuse
+    _streamed(up, "s6", senders=1)
+    _bucket(up, "s6", 0, 0, "a0", 1)
+    up.on_sender_end("s6", 0, 1)
+    with pytest.raises(BackendError, match="'a0'"):
+        up.prepare(P.PrepareWeights("s6"))
+    assert up.current is None
+
+
+def test_bucket_packer_matches_plan_buckets_and_holds_one_bucket() -> None:
+    named = [(f"t{i}", torch.randn(n)) for i, n in enumerate([10, 300, 5, 2000, 1, 64])]
+    metas, sizes, ts = plan_buckets(named, 1024)
+    packer = BucketPacker(1024)
+    got = []
+    for n, t in named:
+        got += packer.add(n, t)
+    got += packer.flush()
+    assert [m for _i, ms, _b in got for m in ms] == metas
+    assert [b.numel() for _i, _m, b in got] == sizes
+    for i, ms, b in got:  # same tensors at the same offsets (padding is not compared)
+        for (n, x), (_n, y) in zip(
+            unpack_bucket(i, ms, b), unpack_bucket(i, metas, pack_bucket(i, metas, sizes, ts)), strict=True
+        ):
+            assert torch.equal(x, y) and torch.equal(x, dict(named)[n])

@@ -590,19 +590,61 @@ class AsyncClient:
         timeout_s: float | None = None,
         **transport_options: Any,
     ) -> dict[str, Any]:
-        """Push new weights into every engine: begin → buckets → finish.
-        All-or-nothing per engine: on any failure every engine keeps its old
-        weights and version, and the error names the engine and tensor."""
+        """Push new weights into every engine: begin → buckets → commit (the
+        head's two-phase commit). `named_tensors`: a list (planned: engines
+        validate before any byte moves) or any iterable, e.g. a generator
+        (streamed: buckets are packed and sent as tensors arrive, the trainer
+        holds at most two buckets). All-or-nothing across the cluster: on any
+        failure before the commit every engine keeps its old weights and
+        version, and the error names the engine and tensor; an engine that
+        misses the commit itself is reported stale by the head."""
         from trainer_bridge.weights import push_weights
 
+        # Not list(): a generator is streamed (packed as it yields).
         return await push_weights(
             self,
-            list(named_tensors),
+            named_tensors,
             transport=transport,
             bucket_bytes=bucket_bytes,
             targets=targets,
             timeout_s=timeout_s or self.control_timeout_s,
             options=transport_options,
+        )
+
+    def weight_update(
+        self,
+        *,
+        senders: int = 1,
+        version: int | None = None,
+        targets: list[str] | None = None,
+        bucket_bytes: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """One update fed by several sender ranks (zmq), committed at once:
+        `async with client.weight_update(senders=2) as upd:` then each rank
+        `await upd.sender(rank).send(named_tensors)` (or, from its own
+        process, `await client.weight_sender(upd.update_id, rank)`); leaving
+        the block commits on every engine (version += 1 once), an exception
+        (or a sender that failed or never finished) aborts everywhere."""
+        from trainer_bridge.weights import WeightUpdate
+
+        return WeightUpdate(
+            self,
+            senders=senders,
+            version=version,
+            targets=targets,
+            bucket_bytes=bucket_bytes,
+            timeout_s=timeout_s or self.control_timeout_s,
+        )
+
+    async def weight_sender(
+        self, update_id: str, rank: int, *, bucket_bytes: int | None = None, timeout_s: float | None = None
+    ) -> Any:
+        """Join update `update_id` (opened by another process) as sender `rank`."""
+        from trainer_bridge.weights import join_update
+
+        return await join_update(
+            self, update_id, rank, bucket_bytes=bucket_bytes, timeout_s=timeout_s or self.control_timeout_s
         )
 
     async def sync_stale(
@@ -915,6 +957,15 @@ class Client:
         )
         return self._call(coro, timeout_s)
 
+    def weight_update(self, **kw: Any) -> SyncWeightUpdate:
+        """The sync form of AsyncClient.weight_update: `with c.weight_update(senders=2) as upd:
+        upd.sender(0).send(named)` — commits on leaving the block."""
+        return SyncWeightUpdate(self, self._aclient.weight_update(**kw))
+
+    def weight_sender(self, update_id: str, rank: int, **kw: Any) -> SyncWeightSender:
+        """Join update `update_id` (opened by another process) as sender `rank`."""
+        return SyncWeightSender(self, self._call(self._aclient.weight_sender(update_id, rank, **kw)))
+
     def sync_stale(
         self,
         named_tensors: Iterable[tuple[str, Any]],
@@ -957,6 +1008,49 @@ class Client:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class SyncWeightSender:
+    def __init__(self, client: Client, sender: Any) -> None:
+        self._client, self._sender = client, sender
+
+    def send(self, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+        """Pack and stream this rank's tensors (any iterable), then declare its end."""
+        return self._client._call(self._sender.send(named_tensors))
+
+
+class SyncWeightUpdate:
+    """A multi-sender update from the sync Client (see AsyncClient.weight_update)."""
+
+    def __init__(self, client: Client, upd: Any) -> None:
+        self._client, self._upd = client, upd
+
+    @property
+    def update_id(self) -> str:
+        return self._upd.update_id
+
+    @property
+    def results(self) -> dict[str, Any]:
+        return self._upd.results
+
+    def sender(self, rank: int = 0) -> SyncWeightSender:
+        return SyncWeightSender(self._client, self._upd.sender(rank))
+
+    def prepare(self) -> dict[str, Any]:
+        return self._client._call(self._upd.prepare())
+
+    def commit(self) -> dict[str, Any]:
+        return self._client._call(self._upd.commit())
+
+    def abort(self) -> None:
+        self._client._call(self._upd.abort())
+
+    def __enter__(self) -> SyncWeightUpdate:
+        self._client._call(self._upd.open())
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._client._call(self._upd.__aexit__(exc_type, exc, tb))
 
 
 def _close_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread, aclient: AsyncClient) -> None:

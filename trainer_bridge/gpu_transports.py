@@ -7,19 +7,21 @@ The engine side is `engine_node.backends.vllm_backend` + `vllm_worker_ext`
 (every engine worker receives the full tensors; vLLM's load_weights shards them).
 
 Call sequence (what `Client.update_weights` does; "cmd" = a control Command to
-all targeted engines, gathered as {engine_id: ack}):
+all targeted engines, gathered as {engine_id: ack}; the commit is the head's
+two-phase decision, see trainer_bridge/weights.py):
 
-cuda_ipc (trainer and engines on the same GPU(s)):
+cuda_ipc (trainer and engines on the same GPU(s)) — two round trips:
     s = CudaIpcSender(bucket_bytes)
     metas, sizes, handles = s.prepare(named_tensors)     # packs buckets on the GPU, syncs
-    cmd BeginWeightUpdate(update_id, "cuda_ipc", metas, sizes)
-    cmd ReceiveWeights(update_id, handles)                # engines map + validate every bucket (no copy)
-    cmd FinishWeightUpdate(update_id)                     # load_weights FROM THE TRAINER'S BUCKETS,
-                                                          # prefix cache reset, version += 1
-    s.release()                                           # only after the finish acks (or the abort's)
+    cmd BeginWeightUpdate(update_id, "cuda_ipc", metas, sizes, prepare=True, handles=handles)
+                                                          # begin + map/validate every bucket (no copy)
+                                                          # + prepare: the ack is the engine's vote
+    cmd FinishWeightUpdate(update_id)                     # the head commits: load_weights FROM THE
+                                                          # TRAINER'S BUCKETS, prefix cache reset, version
+    s.release()                                           # only after the commit acks (or the abort's)
     on error: cmd AbortWeightUpdate(update_id); s.release()
   Contract: the engines' workers keep views into the trainer's buckets from
-  ReceiveWeights until FinishWeightUpdate/AbortWeightUpdate is acked (no staging
+  the begin until FinishWeightUpdate/AbortWeightUpdate is acked (no staging
   copy on the engine side). Freeing or overwriting a bucket before that ack
   loads garbage. The source tensors themselves are free to change once
   prepare()/share() returned: the buckets are separate memory.
@@ -32,10 +34,11 @@ nccl (trainer on another GPU / node; trainer = rank 0):
     metas, sizes, tensors = s.plan(named_tensors)
     cmd BeginWeightUpdate(update_id, "nccl", metas, sizes, transport_args=s.transport_args(sizes))
     publish ReceiveWeights(update_id) WITHOUT waiting for its acks (the engines block in it
-        until every bucket has arrived; the first time they also join the NCCL group)
+        until every bucket has arrived; the first time they also join the NCCL group;
+        an engine that received everything is prepared: its ack is its vote)
     s.send(metas, sizes, tensors)                         # connect() on first use, broadcast each bucket
     gather the ReceiveWeights acks
-    cmd FinishWeightUpdate(update_id)
+    cmd FinishWeightUpdate(update_id)                     # the head commits
   transport_args: host, port (the sender's TCPStore), world_size, group_id,
   bucket_sizes, timeout_s; engines take ranks 1.. from a counter in that store
   (or `rank_offset` when the bridge sets one per engine). If a broadcast fails
@@ -212,8 +215,9 @@ class NcclSender:
 
 # ---------------------------------------------------------------- bridge adapter
 # trainer_bridge.weights.push_weights calls make_sender(...) for a GPU transport,
-# puts sender.transport_args() into the BeginWeightUpdate, and after the begin
-# acks awaits sender.send(client, update_id, engine_ids, timeout_s).
+# puts sender.transport_args() into the BeginWeightUpdate; cuda_ipc: the begin
+# also carries sender.handles() (prepare=True); nccl: after the begin acks it
+# awaits sender.send(client, update_id, engine_ids, timeout_s). Then the commit.
 
 _NCCL_SENDERS: dict[tuple[Any, ...], NcclSender] = {}
 
@@ -241,6 +245,11 @@ class _IpcBridgeSender:
 
     def transport_args(self) -> dict[str, Any]:
         return {"bucket_sizes": [int(x) for x in self.sizes]}
+
+    def handles(self) -> list[bytes]:
+        """Pack and share the buckets now: the handles travel in the begin
+        (begin + receive + prepare in one op). They live until release()."""
+        return self.sender.share(self.metas, self.sizes, self.tensors)
 
     async def send(self, client: Any, update_id: str, engine_ids: list[str], timeout_s: float) -> dict[str, Any]:
         from bus import protocol as P
