@@ -195,6 +195,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--once", action="store_true", help="exit after readiness (and the demo) instead of serving until Ctrl-C"
     )
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument(
+        "--ray",
+        default=None,
+        metavar="auto|ADDRESS|local",
+        help="place the head and engines as Ray actors on a Ray cluster (auto: the running one, local: start one "
+        "here; needs the ray extra). Binds each node's IP unless --host is given (local: --host)",
+    )
     return ap.parse_args(argv)
 
 
@@ -229,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(a.log_level)
     set_title("rollout-bus launch")
+    if a.ray:
+        return run_on_ray(a)
     sup = Supervisor(a.max_restarts, a.grace_s)
     signal.signal(signal.SIGINT, sup.request_stop)
     signal.signal(signal.SIGTERM, sup.request_stop)
@@ -402,6 +411,55 @@ def run_demo(client: Any) -> None:
     after = {e["engine_id"]: e["tokens_out"] for e in client.health()["engines"].values()}
     spread = {k: after[k] - before.get(k, 0) for k in sorted(after)}
     print(f"demo: tokens per engine {spread}", flush=True)
+
+
+def run_on_ray(a: argparse.Namespace) -> int:
+    """--ray: the head and engines as Ray actors (trainer_bridge/ray_cluster.py).
+    Ray places, restarts (engine actors, up to --max-restarts) and tears down;
+    ZeroMQ carries requests and control as with any launch."""
+    import ray
+
+    from trainer_bridge.ray_cluster import RayCluster
+
+    local = a.ray == "local"
+    host = a.host if local or a.host != "127.0.0.1" else None  # None: each node's IP
+    if local:  # rollout-bus moves nothing through Ray's object store: keep it small
+        loopback = "127.0.0.1" if a.host == "127.0.0.1" else None  # no traffic off this machine
+        ray.init(include_dashboard=False, object_store_memory=128 * 1024 * 1024, _node_ip_address=loopback)
+    else:
+        ray.init(address=a.ray)
+    stop: list[int] = []
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        backend = a.backend if a.backend != "auto" else ("vllm" if gpus else "torch")
+        n = a.engines if a.engines is not None else (gpus // a.tp if backend == "vllm" else 2)
+        curve_dir = None
+        if a.curve:  # the keys must be in this folder on every node
+            curve_dir = a.curve_dir or os.path.join(os.path.expanduser("~"), ".cache", "rollout-bus", "curve")
+            if not os.path.exists(os.path.join(curve_dir, "rollout-bus.key_secret")):
+                raise SystemExit(f"--ray --curve: no keys in {curve_dir} (--curve-dir, on every node)")
+        with RayCluster.start(
+            n, tp=a.tp, backend=backend, model=a.model, host=host, port=a.port,
+            backend_options=engine_backend_options(a, backend), heartbeat_interval_s=a.heartbeat_interval_s,
+            seed=a.seed, policy=a.policy, curve_dir=curve_dir, max_restarts=a.max_restarts,
+            ready_timeout_s=a.ready_timeout_s,
+            engine_id_prefix=a.engine_id_prefix or "e",
+        ) as rc:  # fmt: skip
+            client = rc.client(timeout_s=120, control_timeout_s=30)
+            print_table(client.engines(), rc.frontend, backend)
+            print(f"on Ray ({a.ray}): {n} engine actor(s), Ray restarts each up to {a.max_restarts} times", flush=True)
+            if a.demo:
+                run_demo(client)
+            if a.once:
+                return 0
+            print("serving; Ctrl-C to stop", flush=True)
+            while not stop:
+                time.sleep(0.2)
+            return 0
+    finally:
+        ray.shutdown()
 
 
 if __name__ == "__main__":
