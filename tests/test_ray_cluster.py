@@ -42,6 +42,7 @@ def local_ray():
     before = {p.pid for p in live_children()}
     ray.init(
         num_cpus=4,
+        num_gpus=2,  # logical only (no CUDA here): Ray still assigns ids and sets CUDA_VISIBLE_DEVICES
         include_dashboard=False,
         object_store_memory=80 * 1024 * 1024,
         _node_ip_address="127.0.0.1",
@@ -172,16 +173,18 @@ def test_start_generate_kill_failover_restart_shutdown(local_ray, tiny_model):
 
 @pytest.mark.timeout(120)
 def test_colocated_on_a_trainer_placement_group_and_crash_restart(local_ray):
-    """SkyRL-style: the trainer made the placement group and holds its bundles'
-    CPUs; the engine shares bundle 1 (0 CPUs). A crashed node process takes its
-    actor down and Ray restarts both. The trainer's group outlives the cluster."""
-    pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="PACK")
+    """SkyRL-style: the trainer made the placement group (one GPU per bundle)
+    and its workers hold half of each bundle's GPU and its CPU; one tp=2 engine
+    shares both bundles (0.2 of each GPU, no CPU) and its node process sees
+    both GPUs. A crashed node process takes its actor down and Ray restarts
+    both. The trainer's group outlives the cluster."""
+    pg = placement_group([{"CPU": 1, "GPU": 1}] * 2, strategy="PACK")
     assert pg.wait(timeout_seconds=30)
 
-    @ray.remote(num_cpus=1)
+    @ray.remote(num_cpus=1, num_gpus=0.5)
     class Trainer:
-        def ping(self) -> str:
-            return ray.get_runtime_context().get_placement_group_id()
+        def where(self) -> tuple[str, list]:
+            return ray.get_runtime_context().get_placement_group_id(), ray.get_gpu_ids()
 
     trainers = [
         Trainer.options(
@@ -189,14 +192,25 @@ def test_colocated_on_a_trainer_placement_group_and_crash_restart(local_ray):
         ).remote()
         for b in (0, 1)
     ]
-    assert ray.get([t.ping.remote() for t in trainers], timeout=30) == [pg.id.hex()] * 2
+    placed = ray.get([t.where.remote() for t in trainers], timeout=30)
+    assert [p for p, _ in placed] == [pg.id.hex()] * 2
+    trainer_gpus = ",".join(str(g) for _, ids in placed for g in ids)
     rc = RayCluster.start(
-        1, host="127.0.0.1", placement_group=pg, bundle_indices=[1], heartbeat_interval_s=0.2, ready_timeout_s=90
+        1,
+        tp=2,
+        use_gpu=True,
+        backend="torch",
+        host="127.0.0.1",
+        placement_group=pg,
+        bundle_indices=[[0, 1]],
+        heartbeat_interval_s=0.2,
+        ready_timeout_s=90,
     )
     try:
         where = ray.get(rc.engines[0].placement.remote(), timeout=30)
         assert where["placement_group"] == pg.id.hex()
-        assert all(re.fullmatch(r"\w+_group_1_" + pg.id.hex(), k) for k in where["resources"]), where
+        assert where["resources"] == {"GPU": 0.2}, where  # a share of the trainer's GPU, no CPU
+        assert where["cuda_visible_devices"] == trainer_gpus  # the GPUs of both bundles, shared with the trainer
         c = rc.client(timeout_s=60)
         inc = c.engines()[0]["incarnation"]
         pid = rc.engine_pid(0)

@@ -303,6 +303,11 @@ class HeadActor(_ProcessOwner):
         ]  # fmt: skip
         super().__init__("head", argv, _child_env(cluster_id, env), os.path.join(run, "head.pid"), 10.0)
 
+    def stop(self, grace_s: float) -> list[int]:
+        with contextlib.suppress(OSError):
+            os.remove(self.ready_file)
+        return super().stop(grace_s)
+
     def addresses(self, timeout_s: float) -> dict[str, str]:
         """The head's bound addresses, as other nodes reach them (deadline: timeout_s)."""
         deadline = time.monotonic() + timeout_s
