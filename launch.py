@@ -455,8 +455,11 @@ def run_on_ray(a: argparse.Namespace) -> int:
             if a.once:
                 return 0
             print("serving; Ctrl-C to stop", flush=True)
-            while not stop:
-                time.sleep(0.2)
+            while not stop:  # Ray restarts engines; a dead head stops everything, as in _run
+                if "head" in rc.dead(timeout_s=1.0):
+                    log.error("head_died")
+                    return 1
+                time.sleep(1.0)
             return 0
     finally:
         ray.shutdown()

@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -25,7 +26,7 @@ import torch
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from bus.errors import BadRequest
+from bus.errors import BadRequest, EngineDead
 from bus.proctree import descendants
 from tests.cluster import ROOT, Streams, child_env, live_children, wait_until
 from trainer_bridge.ray_cluster import CLUSTER_ENV, RayCluster, plan_engines
@@ -107,6 +108,12 @@ def _ray_or_marked() -> set[int]:
             if p.name() in ("gcs_server", "raylet") or p.name().startswith("ray::") or CLUSTER_ENV in p.environ():
                 out.add(p.pid)
     return out
+
+
+def _marked(pid: int) -> bool:
+    with contextlib.suppress(psutil.Error, OSError):
+        return CLUSTER_ENV in psutil.Process(pid).environ()
+    return False
 
 
 def test_launch_ray_local_serves_and_leaves_nothing():
@@ -266,3 +273,15 @@ def test_plan_rejects_bad_layouts_naming_the_field(kw, field):
     with pytest.raises(BadRequest) as ei:
         plan_engines(kw.pop("num_engines"), **kw)
     assert ei.value.field == field
+
+
+@pytest.mark.timeout(90)
+def test_an_engine_that_cannot_start_is_reported_not_waited_for(local_ray):
+    """A node process that exits at start (no such model) takes its actor down
+    each life; once max_restarts are used up, start() raises EngineDead naming
+    the engine long before ready_timeout_s, and leaves nothing behind."""
+    t0 = time.monotonic()
+    with pytest.raises(EngineDead, match=r"\['e0'\]"):
+        RayCluster.start(1, model="/nonexistent/model", host="127.0.0.1", max_restarts=0, ready_timeout_s=80)
+    assert time.monotonic() - t0 < 60
+    wait_until(lambda: not [p for p in _ray_or_marked() if _marked(p)], 20, "the failed cluster's processes to exit")

@@ -67,7 +67,7 @@ from typing import Any
 import psutil
 import structlog
 
-from bus.errors import BadRequest, RequestTimeout
+from bus.errors import BadRequest, EngineDead, RequestTimeout
 from trainer_bridge.client import Client
 
 log = structlog.get_logger("ray_cluster")
@@ -556,9 +556,48 @@ class RayCluster:
         return c
 
     def wait_ready(self, num_engines: int | None = None, timeout_s: float = 120.0) -> dict[str, Any]:
-        """Health once `num_engines` (default: all) engines are healthy (deadline: timeout_s)."""
+        """Health once `num_engines` (default: all) engines are healthy (deadline:
+        timeout_s). An actor dead for good (its restarts used up: a node process
+        that cannot start) or a dead head raises EngineDead at once, not at the deadline."""
+        want = len(self.engines) if num_engines is None else num_engines
+        deadline = time.monotonic() + timeout_s
         with Client(self.frontend, curve_dir=self.curve_dir, timeout_s=30, control_timeout_s=30) as c:
-            return c.wait_ready(len(self.engines) if num_engines is None else num_engines, timeout_s)
+            while True:
+                h = c.health()
+                if sum(1 for e in h["engines"].values() if e["healthy"]) >= want:
+                    return h
+                dead = self.dead(timeout_s=0.5)
+                if dead:
+                    raise EngineDead(
+                        f"Ray actor(s) {dead} died before the cluster was ready (restarts used up: "
+                        "their node process exits at start; its log went to the driver and Ray's worker logs)"
+                    )
+                if time.monotonic() > deadline:
+                    raise RequestTimeout(
+                        f"fewer than {want} healthy engine(s) after timeout_s={timeout_s}: {h}", field="timeout_s"
+                    )
+
+    def dead(self, timeout_s: float = 1.0) -> list[str]:
+        """Actors (engine ids, "head") that Ray reports dead for good; a restarting one is not."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        def failing(actors: dict[str, Any]) -> dict[str, Any]:
+            refs = {name: a.pid.remote() for name, a in actors.items()}
+            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+            out = {}
+            for name, ref in refs.items():
+                if ref in ready:
+                    try:
+                        ray.get(ref)
+                    except RayActorError:
+                        out[name] = actors[name]
+            return out
+
+        # A call in flight when an actor dies fails even if Ray restarts it; a
+        # call to a restarting actor waits for the new life. So: failing twice = dead.
+        first = failing({"head": self.head, **dict(zip(self.engine_ids, self.engines, strict=True))})
+        return sorted(failing(first)) if first else []
 
     def engine_pid(self, i: int, timeout_s: float = 60.0) -> int:
         """The pid of engine i's node process (on its Ray node)."""
