@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from bus.errors import BadRequest, EngineDead
 from bus.proctree import descendants
 from tests.cluster import ROOT, Streams, child_env, live_children, wait_until
-from trainer_bridge.ray_cluster import CLUSTER_ENV, RayCluster, plan_engines
+from trainer_bridge.ray_cluster import CLUSTER_ENV, RayCluster, _process_hooks, _restore_hooks, plan_engines
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +41,7 @@ def local_ray():
     """One local Ray instance on loopback for the module, ended (and checked
     gone, workers included) when the module ends."""
     before = {p.pid for p in live_children()}
+    hooks = _process_hooks()
     ray.init(
         num_cpus=4,
         num_gpus=2,  # logical only (no CUDA here): Ray still assigns ids and sets CUDA_VISIBLE_DEVICES
@@ -54,6 +55,7 @@ def local_ray():
     yield
     tree = [p for p in live_children() if p.pid not in before]  # gcs_server, raylet, agents, workers
     ray.shutdown()
+    _restore_hooks(hooks)  # the rest of the suite keeps pytest's SIGTERM handling
     _RAY_ROOTS.clear()
     _, alive = psutil.wait_procs(tree, timeout=15)
     assert not alive, f"ray.shutdown() left {[(p.pid, p.name()) for p in alive]}"

@@ -398,6 +398,7 @@ class RayCluster:
         self.curve_dir = curve_dir
         self._clients: list[Client] = []
         self._closed = False
+        self._saved_hooks: tuple[Any, ...] = ()
 
     @property
     def engine_ids(self) -> list[str]:
@@ -459,6 +460,7 @@ class RayCluster:
             cpus_per_engine=cpus_per_engine,
         )
         own_ray = not ray.is_initialized()
+        saved = _process_hooks()
         if own_ray:
             ray.init(address=address)
         cluster_id = uuid.uuid4().hex[:10]
@@ -531,6 +533,7 @@ class RayCluster:
                 own_ray=own_ray,
                 curve_dir=curve_dir,
             )
+            rc._saved_hooks = saved
             rc.wait_ready(num_engines, ready_timeout_s)
             log.info("ray_cluster_ready", cluster_id=cluster_id, frontend=rc.frontend, engines=rc.engine_ids)
             return rc
@@ -544,6 +547,7 @@ class RayCluster:
                         ray.util.remove_placement_group(pg)
                 if own_ray:
                     ray.shutdown()
+                    _restore_hooks(saved)
             raise
 
     # ---- use
@@ -643,12 +647,29 @@ class RayCluster:
         shutil.rmtree(_run_dir(self.cluster_id), ignore_errors=True)  # single-node leftovers only
         if self._own_ray:
             ray.shutdown()
+            _restore_hooks(self._saved_hooks)
 
     def __enter__(self) -> RayCluster:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def _process_hooks() -> tuple[Any, ...]:
+    return signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), sys.excepthook
+
+
+def _restore_hooks(saved: tuple[Any, ...]) -> None:
+    """ray.init() installs a SIGTERM handler and an excepthook in the driver and
+    ray.shutdown() leaves them: put the process's own back."""
+    if not saved:
+        return
+    term, intr, hook = saved
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, term)
+        signal.signal(signal.SIGINT, intr)
+    sys.excepthook = hook
 
 
 def _kill_all(actors: list[Any], grace_s: float) -> None:
