@@ -121,7 +121,19 @@ def _marked(pid: int) -> bool:
 def test_launch_ray_local_serves_and_leaves_nothing():
     before = _ray_or_marked()
     p = subprocess.run(
-        [sys.executable, "launch.py", "--ray", "local", "--host", "127.0.0.1", "--engines", "1", "--once"],
+        [
+            sys.executable,
+            "launch.py",
+            "--ray",
+            "local",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--engines",
+            "1",
+            "--once",
+        ],
         cwd=ROOT,
         env=child_env(ROLLOUT_BUS_LOG_LEVEL="WARNING"),
         capture_output=True,

@@ -232,7 +232,8 @@ class _ProcessOwner:
 
     def placement(self) -> dict[str, Any]:
         """Where Ray put this actor: placement group id (hex or None), assigned
-        resources (e.g. {"CPU_group_0_<pg>": 1.0}) and the GPUs the child sees."""
+        resources (e.g. {"GPU": 0.2}) and the GPUs its node process sees
+        (None: Ray's own CUDA_VISIBLE_DEVICES for the actor, inherited)."""
         import ray
 
         ctx = ray.get_runtime_context()
