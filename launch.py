@@ -209,6 +209,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--once", action="store_true", help="exit after readiness (and the demo) instead of serving until Ctrl-C"
     )
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument(
+        "--ray",
+        default=None,
+        metavar="auto|ADDRESS|local",
+        help="place the head and engines as Ray actors on a Ray cluster (auto: the running one, local: start one "
+        "here; needs the ray extra). Binds each node's IP unless --host is given (local: --host)",
+    )
     return ap.parse_args(argv)
 
 
@@ -301,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(a.log_level)
     set_title("rollout-bus launch")
+    if a.ray:
+        return run_on_ray(a)
     sup = Supervisor(a.max_restarts, a.grace_s)
     signal.signal(signal.SIGINT, sup.request_stop)
     signal.signal(signal.SIGTERM, sup.request_stop)
@@ -476,6 +485,58 @@ def run_demo(client: Any) -> None:
     after = {e["engine_id"]: e["tokens_out"] for e in client.health()["engines"].values()}
     spread = {k: after[k] - before.get(k, 0) for k in sorted(after)}
     print(f"demo: tokens per engine {spread}", flush=True)
+
+
+def run_on_ray(a: argparse.Namespace) -> int:
+    """--ray: the head and engines as Ray actors (trainer_bridge/ray_cluster.py).
+    Ray places, restarts (engine actors, up to --max-restarts) and tears down;
+    ZeroMQ carries requests and control as with any launch."""
+    import ray
+
+    from trainer_bridge.ray_cluster import RayCluster
+
+    local = a.ray == "local"
+    host = a.host if local or a.host != "127.0.0.1" else None  # None: each node's IP
+    if local:  # rollout-bus moves nothing through Ray's object store: keep it small
+        loopback = "127.0.0.1" if a.host == "127.0.0.1" else None  # no traffic off this machine
+        ray.init(include_dashboard=False, object_store_memory=128 * 1024 * 1024, _node_ip_address=loopback)
+    else:
+        ray.init(address=a.ray)
+    stop: list[int] = []
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        backend = a.backend if a.backend != "auto" else ("vllm" if gpus else "torch")
+        n = a.engines if a.engines is not None else (gpus // a.tp if backend == "vllm" else 2)
+        if a.curve:  # bus.auth's per-engine keys are not placed onto Ray nodes yet
+            raise SystemExit(
+                "--ray with --curve is not supported yet: place the key folder yourself and use RayCluster"
+            )
+        curve_dir = None
+        with RayCluster.start(
+            n, tp=a.tp, backend=backend, model=a.model, host=host, port=a.port,
+            backend_options=engine_backend_options(a, backend), heartbeat_interval_s=a.heartbeat_interval_s,
+            seed=a.seed, policy=a.policy, curve_dir=curve_dir, max_restarts=a.max_restarts,
+            ready_timeout_s=a.ready_timeout_s,
+            engine_id_prefix=a.engine_id_prefix or "e",
+        ) as rc:  # fmt: skip
+            client = rc.client(timeout_s=120, control_timeout_s=30)
+            print_table(client.engines(), rc.frontend, backend)
+            print(f"on Ray ({a.ray}): {n} engine actor(s), Ray restarts each up to {a.max_restarts} times", flush=True)
+            if a.demo:
+                run_demo(client)
+            if a.once:
+                return 0
+            print("serving; Ctrl-C to stop", flush=True)
+            while not stop:  # Ray restarts engines; a dead head stops everything, as in _run
+                if "head" in rc.dead(timeout_s=1.0):
+                    log.error("head_died")
+                    return 1
+                time.sleep(1.0)
+            return 0
+    finally:
+        ray.shutdown()
 
 
 if __name__ == "__main__":

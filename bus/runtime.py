@@ -75,5 +75,8 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 def become_child_process(title: str, *, log_level: str = "INFO") -> None:
     set_title(title)
     if os.environ.get("ROLLOUT_BUS_NO_PDEATHSIG") != "1":
-        die_with_parent()
+        # ROLLOUT_BUS_PDEATHSIG=SIGKILL: die as if crashed when the parent dies
+        # (Ray actors: a killed actor's node must not drain while Ray restarts it).
+        name = os.environ.get("ROLLOUT_BUS_PDEATHSIG", "SIGTERM")
+        die_with_parent(signal.SIGKILL if name == "SIGKILL" else signal.SIGTERM)
     configure_logging(os.environ.get("ROLLOUT_BUS_LOG_LEVEL", log_level))
