@@ -475,12 +475,18 @@ class Register(_Msg, tag="register"):
     loras: list[str] = []
     host: str = ""
     dtype: str = ""  # weight dtype the engine expects in updates
+    # z85 CURVE public key of its data/weight sockets ("" when not secured):
+    # the head and trainers connect with it as the server key.
+    curve_key: str = ""
 
 
 class RegisterReply(_Msg, tag="register_reply"):
     ok: bool
     error: str | None = None
     heartbeat_interval_s: float = 0.5
+    # A refusal that may pass (the id is held by a live engine that may be
+    # dying): the engine keeps re-registering until register_timeout_s.
+    retry: bool = False
 
 
 class Heartbeat(_Msg, tag="heartbeat"):
@@ -502,6 +508,11 @@ class Heartbeat(_Msg, tag="heartbeat"):
     config_epoch: int = 0
     # The control op in progress ("" when none): a busy engine is not stalled.
     busy: str = ""
+    # The highest Command seq the engine had acked when this snapshot was taken.
+    # Heartbeats travel on another socket than acks: the head trusts `paused` /
+    # `sleeping` only from a heartbeat at least as new as the last ack it got
+    # (router_node/intended_state.py), so an old snapshot cannot undo an ack.
+    acked_seq: int = 0
 
 
 # ------------------------------------------------------ weight socket (zmq)

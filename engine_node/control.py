@@ -60,6 +60,7 @@ class ControlRunner:
         self.acks: collections.OrderedDict[int, P.Ack | None] = collections.OrderedDict()
         self.queue: collections.deque[P.Command] = collections.deque()  # state-changing, not started
         self.busy: tuple[P.Command, Pending] | None = None  # the op in progress
+        self.acked_seq = 0  # highest seq acked (Heartbeat.acked_seq)
         self.wake_fd, self._wake_w = os.pipe()
         os.set_blocking(self.wake_fd, False)
         os.set_blocking(self._wake_w, False)
@@ -136,6 +137,7 @@ class ControlRunner:
         ack = P.Ack(seq=seq, engine_id=self.engine_id, ok=ok, result=result, error=error, code=code, field=field)
         if seq in self.acks:
             self.acks[seq] = ack
+        self.acked_seq = max(self.acked_seq, seq)
         self.send_ack(ack)
 
     # ------------------------------------------------------------ internals

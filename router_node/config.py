@@ -25,6 +25,9 @@ class RouterConfig:
     max_prompt_tokens: int = 32768
     forget_after_s: float = 60.0  # drop a dead engine from the registry
     join_timeout_s: float = 30.0  # an engine that never acks the join ping is dropped
+    # deadline of one corrective op (pause/resume/sleep/wake_up) sent to an
+    # engine that missed a control op; it is re-checked and retried after it
+    converge_timeout_s: float = 30.0
     seed: int = 0
     curve_dir: str | None = None
     metrics_port: int = -1  # Prometheus /metrics: -1 off, 0 any free port

@@ -7,7 +7,12 @@ new engines, cluster-wide pauses, and the typed acks that come back.
   field}} / [missing]. Silent (presumed dead) targets are reported missing at
   once, never waited on.
 - joins: a registered engine is routable only after it acked a Ping (PUB/SUB
-  connected) and every cluster-wide pause in force, one acked command at a time.
+  connected) and the ops that bring it to its intended state (pauses, sleep),
+  one acked command at a time.
+- intended state (router_node/intended_state.py): every pause / resume /
+  sleep / wake_up changes what the head intends when it is issued; acks and
+  heartbeats say what engines are; an engine that differs with nothing in
+  flight gets corrective ops (`correct`) under `converge_timeout_s`.
 - acks that report the engine's configuration (`P.ConfigResult`: weight
   version, LoRA set, epoch) update the registry; the newer epoch wins over a
   heartbeat that raced it.
@@ -29,6 +34,8 @@ from bus.errors import BadRequest, ErrorCode
 from bus.validate import check_control_timeout
 from router_node.cluster_state import ClusterWeights
 from router_node.config import RouterConfig
+from router_node.intended_state import REFUSED, IntendedState
+from router_node.intended_state import check as check_state_op
 from router_node.registry import EngineEntry, EngineState
 
 log = structlog.get_logger("router_node")
@@ -57,9 +64,9 @@ class ClusterControl:
         # The cluster weight version; engines below it are STALE (no traffic).
         self.cluster = ClusterWeights()
         self.reevaluate = reevaluate  # re-run every engine's health (the router's)
-        # Cluster-wide pauses in force (scope -> Pause op): an engine that joins
-        # or restarts meanwhile is paused the same way before it gets traffic.
-        self.cluster_pauses: dict[str, P.Pause] = {}
+        # What every engine should be (paused scopes, sleep): an engine that
+        # joins, restarts or missed an op is brought there before it serves.
+        self.intended = IntendedState(converge_timeout_s=cfg.converge_timeout_s)
 
     # ------------------------------------------------------------ fan-out
 
@@ -73,12 +80,16 @@ class ClusterControl:
                 raise BadRequest(f"unknown engine(s) {unknown}", request_id=msg.request_id, field="targets")
             targets = list(msg.targets)
         silent = [t for t in targets if self.engines[t].state is EngineState.SILENT]
-        if msg.targets is None:
-            self._track_cluster_pause(msg.op)
+        check_state_op(msg.op, msg.request_id)  # never intend what no engine would take
+        before = self.intended.cluster.copy()
 
         self.cluster.on_control(msg.op)
 
         def done(pc: PendingCommand) -> None:
+            self.intended.expired(pc.seq, pc.missing, time.monotonic())
+            refused = [a for a in pc.acks.values() if not a.ok and a.code in REFUSED]
+            if msg.targets is None and refused and len(refused) == len(pc.acks):
+                self.intended.cluster_refused(msg.op, before)  # nobody took it: not the intent
             results = {eid: a.result or P.Done() for eid, a in pc.acks.items() if a.ok}
             if self.cluster.on_control_done(msg.op, results):
                 self.reevaluate(time.monotonic())  # stale / synced engines change state now
@@ -87,33 +98,50 @@ class ClusterControl:
                 client, P.ControlReply(request_id=msg.request_id, results=results, errors=errors, missing=pc.missing)
             )
 
-        # Silent (presumed dead) targets are reported missing, never waited on.
-        self.bus.publish(msg.op, targets, msg.timeout_s, done, gone=silent)
+        # Silent (presumed dead) targets are reported missing, never waited on;
+        # their intent changes all the same (they converge when they return).
+        pc = self.bus.publish(msg.op, targets, msg.timeout_s, done, gone=silent)
+        self.intended.issued(msg.op, msg.targets, pc.seq, _waiting(pc))
 
-    def _track_cluster_pause(self, op: Any) -> None:
-        if isinstance(op, P.Pause):
-            self.cluster_pauses[op.lora or "*"] = op
-        elif isinstance(op, P.Resume):
-            if op.lora is None:
-                self.cluster_pauses.clear()
-            else:
-                self.cluster_pauses.pop(op.lora, None)
+    def correct(self, e: EngineEntry, op: Any) -> None:
+        """Send one corrective op to an engine that differs from its intended
+        state (the router's health tick asks); its ack or deadline re-checks."""
+        log.info("engine_converging", engine_id=e.engine_id, op=P.OP_NAMES[type(op)], reason=e.reason)
+        timeout_s = self.cfg.converge_timeout_s
+
+        def done(pc: PendingCommand) -> None:
+            self.intended.expired(pc.seq, pc.missing, time.monotonic())
+
+        pc = self.bus.publish(op, [e.engine_id], timeout_s, done)
+        self.intended.issued(op, [e.engine_id], pc.seq, _waiting(pc), corrective=True)
 
     def on_ack(self, _peer: bytes, ack: P.Ack, _b: list[Any]) -> None:
         e = self.engines.get(ack.engine_id)
         if e is not None and ack.ok and isinstance(ack.result, P.ConfigResult):
             r = ack.result
             e.apply_config(r.epoch, r.weight_version, r.loras)
+        if e is not None:  # before the bus: its done-callback may re-evaluate health
+            self.intended.acked(
+                ack.engine_id,
+                ack.seq,
+                ok=ack.ok,
+                result=ack.result,
+                code=ack.code,
+                error=ack.error or "",
+                now=time.monotonic(),
+            )
         self.bus.on_ack(ack)
 
     # ------------------------------------------------------------ joins
 
     def join(self, e: EngineEntry) -> None:
-        """Ack a ping (so PUB/SUB is connected), then apply every cluster-wide
-        pause in force, one acked command at a time; only then is the engine
-        healthy and routable. An engine that misses a step's join_timeout_s is
+        """Ack a ping (so PUB/SUB is connected), then apply its intended state
+        (the pauses in force, sleep), one acked command at a time; then the
+        health tick routes it once a heartbeat confirms that state
+        (intended_state.py). An engine that misses a step's join_timeout_s is
         forgotten (it registers again)."""
-        steps: list[Any] = [P.Ping(), *self.cluster_pauses.values()]
+        self.intended.add(e.engine_id)
+        steps: list[Any] = [P.Ping()]
 
         def next_step(pc: PendingCommand | None) -> None:
             if self.engines.get(e.engine_id) is not e:
@@ -122,8 +150,14 @@ class ClusterControl:
                 log.warning("engine_never_joined", engine_id=e.engine_id, join_timeout_s=self.cfg.join_timeout_s)
                 self.forget(e)
                 return
+            if pc is not None:
+                self.intended.expired(pc.seq, pc.missing, time.monotonic())
+            if pc is not None and isinstance(pc.op, P.Ping):
+                steps.extend(self.intended.join_ops(e.engine_id))  # the intent now, not at register
             if steps:
-                self.bus.publish(steps.pop(0), [e.engine_id], self.cfg.join_timeout_s, next_step)
+                op = steps.pop(0)
+                nxt = self.bus.publish(op, [e.engine_id], self.cfg.join_timeout_s, next_step)
+                self.intended.issued(op, [e.engine_id], nxt.seq, _waiting(nxt), corrective=True)
                 return
             e.state = EngineState.HEALTHY
             e.reason = "ok"
@@ -131,10 +165,18 @@ class ClusterControl:
             # A fresh head adopts the version engines bring, but only from one
             # that joined: a Register alone (a peer that never acks) must not
             # make every real engine stale.
-            before = self.cluster.version
             self.cluster.on_register(e.weight_version)
-            if self.cluster.version != before or self.cluster.is_stale(e.weight_version):
-                self.reevaluate(e.last_seen)  # never routable before it is synced
-            log.info("engine_joined", engine_id=e.engine_id, paused=sorted(self.cluster_pauses), state=e.state.value)
+            self.reevaluate(e.last_seen)  # stale / not yet confirmed: never routable before
+            log.info(
+                "engine_joined",
+                engine_id=e.engine_id,
+                intended=self.intended.cluster.describe(),
+                state=e.state.value,
+            )
 
         next_step(None)
+
+
+def _waiting(pc: PendingCommand) -> set[str]:
+    """Targets an ack is still expected from (none when it completed at once)."""
+    return set() if pc.done else pc.targets - pc.gone - set(pc.acks)

@@ -3,7 +3,10 @@
 Health means something: an engine is healthy only when it has joined (acked
 a publication), its heartbeats are fresh, and — when it has runnable work —
 its step counter moves. A paused engine with frozen work is not "stalled", nor
-is one whose heartbeat says it is busy with a control op.
+is one whose heartbeat says it is busy with a control op. An engine whose
+paused scopes / sleep differ from what the head intends for it (it missed a
+control op: frozen, partitioned, restarted) is "converging"
+(router_node/intended_state.py) until a corrective op brings it there.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ class EngineState(enum.Enum):
     # alive, but its weight version is below the cluster's (restarted from its
     # checkpoint, joined late, missed an update): no traffic until synced
     STALE = "stale"
+    # alive, but its paused scopes / sleep differ from the cluster's intended
+    # state: no traffic until the head's corrective op lands (intended_state.py)
+    CONVERGING = "converging"
 
 
 @dataclasses.dataclass(eq=False)
@@ -69,9 +75,16 @@ class EngineEntry:
             self.loras = set(loras)
 
     def evaluate(
-        self, now: float, *, deadline_s: float, stall_timeout_s: float, cluster_version: int = 0
+        self,
+        now: float,
+        *,
+        deadline_s: float,
+        stall_timeout_s: float,
+        cluster_version: int = 0,
+        converging: str | None = None,
     ) -> tuple[EngineState, str]:
-        """The state this engine should be in now (JOINING is left by the join ack)."""
+        """The state this engine should be in now (JOINING is left by the join ack).
+        `converging`: why its control state differs from the intended one, if it does."""
         if self.state is EngineState.JOINING:
             return self.state, self.reason
         if now - self.last_seen > deadline_s:
@@ -82,6 +95,8 @@ class EngineEntry:
                 EngineState.STALLED,
                 f"step counter stuck at {hb.steps} for {now - self.steps_changed_at:.1f}s with {hb.running} running (stall_timeout_s={stall_timeout_s})",
             )
+        if converging is not None:
+            return EngineState.CONVERGING, converging
         if self.weight_version < cluster_version:
             return (
                 EngineState.STALE,
@@ -113,6 +128,7 @@ class EngineEntry:
             "capacity": r.capacity,
             "vocab_size": r.vocab_size,
             "incarnation": r.incarnation,
+            "curve_key": r.curve_key,  # server key of its data/weight sockets when secured
             "outstanding": self.outstanding,
             "heartbeat_age_s": round(now - self.last_seen, 3) if self.last_seen else None,
             "running": hb.running if hb else 0,
@@ -128,6 +144,35 @@ class EngineEntry:
             "busy": hb.busy if hb else "",
             "loras": sorted(self.loras),
         }
+
+
+class Admission(enum.Enum):
+    NEW = "new"  # no engine under this id: register it
+    REPEAT = "repeat"  # the same process re-sent its Register: answer again, change nothing
+    REPLACE = "replace"  # a new process under the id of a dead one (restart): drop the old entry
+    TAKEN = "taken"  # the id belongs to a live engine: refuse (an impostor, or a twin started by mistake)
+
+
+def admit_register(old: EngineEntry | None, reg: P.Register, now: float, *, deadline_s: float) -> tuple[Admission, str]:
+    """Who may hold an engine id: the first process to register it, for as long
+    as it heartbeats. A second process (another incarnation) gets the id only
+    once the holder missed its heartbeats (`deadline_s`, the same clock that
+    marks it silent) - so an impostor cannot take over a live engine's
+    traffic, while an engine restarted after a crash waits at most that long."""
+    if old is None:
+        return Admission.NEW, ""
+    if old.reg.incarnation == reg.incarnation:
+        return Admission.REPEAT, ""
+    age = now - old.last_seen
+    if old.state is EngineState.SILENT or age > deadline_s:
+        return Admission.REPLACE, ""
+    return (
+        Admission.TAKEN,
+        f"engine id {reg.engine_id!r} is held by a live engine (incarnation {old.reg.incarnation}, pid "
+        f"{old.reg.pid}, heartbeat {age:.1f}s ago): a restarted engine gets it once that one missed its "
+        f"heartbeats ({deadline_s:.1f}s = missed_heartbeats x heartbeat_interval_s); pick another --engine-id "
+        "for a second engine",
+    )
 
 
 def now() -> float:
