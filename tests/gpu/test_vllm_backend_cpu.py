@@ -113,10 +113,10 @@ def make_worker():
         def rollout_bus_info(self):
             return {"gpu_free": 1000 if not FAKE.sleeping else 5000}
 
-        def rollout_bus_commit(self, uid, shm=None):
+        def rollout_bus_commit(self, uid, shm=None, opts=None):
             if shm is not None:
                 self.shm_seen.append(shm["path"])
-            return super().rollout_bus_commit(uid, shm)
+            return super().rollout_bus_commit(uid, shm, opts)
 
     return FakeWorker()
 
@@ -570,7 +570,7 @@ def test_unknown_transport_and_ipc_handle_count(be):
 
     with pytest.raises(BackendError, match="transport"):
         wait(be.begin_weight_update("u", "carrier-pigeon", [], {}))
-    FAKE.worker.rollout_bus_recv_ipc = lambda uid, h: {"seconds": 0.0}
+    FAKE.worker.rollout_bus_apply_ipc = lambda uid, metas, sizes, h, opts: {"seconds": 0.0}
     wait(
         be.begin_weight_update("u", "cuda_ipc", [TensorMeta("w.b", "float32", [8], 0, 0, 32)], {"bucket_sizes": [256]})
     )
@@ -585,8 +585,9 @@ def test_unknown_transport_and_ipc_handle_count(be):
 def test_weight_deadline_names_weight_timeout(be):
     from bus.protocol import TensorMeta
 
-    FAKE.hold_utilities.add("rollout_bus_begin")
-    op = be.begin_weight_update("u", "nccl", [TensorMeta("w.b", "float32", [8], 0, 0, 32)], {"bucket_sizes": [256]})
+    FAKE.hold_utilities.add("rollout_bus_recv_nccl")
+    wait(be.begin_weight_update("u", "nccl", [TensorMeta("w.b", "float32", [8], 0, 0, 32)], {"bucket_sizes": [256]}))
+    op = be.receive_weights([])
     time.sleep(0.35)
     be.step()
     with pytest.raises(BackendTimeout, match="weight_timeout_s"):

@@ -116,3 +116,130 @@ def test_still_valid_and_plannable():
     assert plannable(m) is None
     m.quant_config = object()
     assert plannable(m) == "quantized model"
+
+
+# ---------------------------------------------------------------- through the backend (fake engine core)
+# The real worker extension on a fake CPU worker whose model is the vLLM-shaped
+# one: cuda_ipc handles resolve from a registry (no CUDA here), the nccl
+# communicator is a stand-in that "broadcasts" from a list of buckets.
+
+
+@pytest.fixture
+def vbe(tmp_path, monkeypatch):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("real vLLM installed: GPU tests cover it")
+    from safetensors.torch import save_file
+
+    from engine_node.backends import vllm_worker_ext as X
+    from engine_node.backends.vllm_backend import make_backend
+    from tests.gpu import test_vllm_backend_cpu as T
+
+    ref = VllmLikeModel(seed=5)
+    d = tmp_path / "model"
+    d.mkdir()
+    save_file({n: t.contiguous() for n, t in checkpoint(ref, seed=0)}, str(d / "model.safetensors"))
+    registry: dict[bytes, torch.Tensor] = {}
+    monkeypatch.setattr(X, "open_ipc_handle", lambda h, dev: registry[h])
+    b = make_backend(str(d), max_model_len=64, weight_timeout_s=5.0, _api=T.fake_api(str(d)))
+    T.FAKE.worker.model = VllmLikeModel(seed=5)  # same start as `ref`
+    b.test_ref, b.test_registry, b.test_fake = ref, registry, T.FAKE
+    yield b
+    b.close()
+
+
+def _ipc_update(be, named, tag):
+    from tests.gpu.test_vllm_backend_cpu import wait
+
+    metas, sizes, tensors = plan_buckets(named, 2048)
+    handles = []
+    for i in range(len(sizes)):
+        h = f"{tag}/{i}".encode()
+        be.test_registry[h] = pack_bucket(i, metas, sizes, tensors)
+        handles.append(h)
+    calls0 = len(be.test_fake.calls)
+    wait(be.begin_weight_update(tag, "cuda_ipc", metas, {"bucket_sizes": sizes}))
+    wait(be.receive_weights(handles))
+    assert len(be.test_fake.calls) == calls0, "begin and receive need no worker call for cuda_ipc"
+    r = wait(be.commit_weight_update(), timeout=10)
+    assert be.test_fake.calls[calls0:] == ["collective_rpc"], "one worker call per cuda_ipc update"
+    return r
+
+
+def test_cuda_ipc_update_is_one_call_and_equals_load_weights(vbe):
+    ref, worker = vbe.test_ref, vbe.test_fake.worker
+    paths = []
+    for k, seed in enumerate((1, 2, 3)):
+        named = checkpoint(ref, seed=seed)
+        ref.load_weights(iter(named))
+        r = _ipc_update(vbe, named, f"u{k}")
+        paths.append(r["worker"]["path"])
+        assert same_bits(snapshot(ref), snapshot(worker.model)) == [], f"update {k}"
+    # first: load_weights (the truth) + the plan recorded and verified; then the plan
+    assert paths == ["load_weights+record", "plan", "plan"], paths
+    assert r["worker"]["fallback"] == 1  # the tied lm_head, left to load_weights
+
+
+def test_bad_ipc_handle_fails_the_commit_and_keeps_the_weights(vbe):
+    from engine_node.backend import BackendError
+    from tests.gpu.test_vllm_backend_cpu import wait
+
+    ref, worker = vbe.test_ref, vbe.test_fake.worker
+    _ipc_update(vbe, checkpoint(ref, seed=1), "good")  # learn the plan
+    before = snapshot(worker.model)
+    named = checkpoint(ref, seed=2)
+    metas, sizes, tensors = plan_buckets(named, 2048)
+    for i in range(len(sizes)):
+        vbe.test_registry[f"bad/{i}".encode()] = pack_bucket(i, metas, sizes, tensors)
+    vbe.test_registry[f"bad/{len(sizes) - 1}".encode()] = torch.zeros(8, dtype=torch.uint8)  # a short last bucket
+    wait(vbe.begin_weight_update("bad", "cuda_ipc", metas, {"bucket_sizes": sizes}))
+    wait(vbe.receive_weights([f"bad/{i}".encode() for i in range(len(sizes))]))
+    with pytest.raises(BackendError, match="bucket"):
+        wait(vbe.commit_weight_update(), timeout=10)
+    assert same_bits(before, snapshot(worker.model)) == [], "a refused update wrote parameters"
+
+
+def test_nccl_receive_stages_once_and_commit_uses_the_plan(vbe):
+    from tests.gpu.test_vllm_backend_cpu import wait
+
+    ref, worker = vbe.test_ref, vbe.test_fake.worker
+
+    class Comm:  # stands in for PyNcclCommunicator: broadcast() fills from `pending`
+        rank = 1
+        pending: list[torch.Tensor] = []
+
+        def broadcast(self, buf, src):
+            buf.copy_(self.pending.pop(0))
+
+    st = worker._rb()
+    worker._rb_nccl = lambda a: st.update(nccl=Comm(), nccl_key="g") or {"rank": 1, "reused": True}
+    staging_ids = []
+    for k, seed in enumerate((1, 2, 3)):
+        named = checkpoint(ref, seed=seed)
+        ref.load_weights(iter(named))
+        before = snapshot(worker.model)
+        metas, sizes, tensors = plan_buckets(named, 2048)
+        Comm.pending = [pack_bucket(i, metas, sizes, tensors) for i in range(len(sizes))]
+        calls0 = len(vbe.test_fake.calls)
+        wait(vbe.begin_weight_update(f"n{k}", "nccl", metas, {"bucket_sizes": sizes, "host": "x", "port": 1}))
+        r = wait(vbe.receive_weights([]), timeout=10)
+        assert r["nccl"]["broadcast_s"] is not None
+        assert same_bits(before, snapshot(worker.model)) == [], "nothing visible before commit"
+        c = wait(vbe.commit_weight_update(), timeout=10)
+        assert vbe.test_fake.calls[calls0:] == ["collective_rpc", "collective_rpc"], "receive + commit"
+        assert same_bits(snapshot(ref), snapshot(worker.model)) == [], f"update {k}"
+        assert c["worker"]["path"] == ("load_weights+record" if k == 0 else "plan")
+        staging_ids.append([b.data_ptr() for b in st["staging"][1]])
+    assert staging_ids[0] == staging_ids[1] == staging_ids[2], "staging buffers are reused"
+
+
+def test_plan_off_uses_load_weights(vbe):
+    vbe.weight_plan = False
+    ref, worker = vbe.test_ref, vbe.test_fake.worker
+    for k, seed in enumerate((1, 2)):
+        named = checkpoint(ref, seed=seed)
+        ref.load_weights(iter(named))
+        r = _ipc_update(vbe, named, f"off{k}")
+        assert r["worker"]["path"] == "load_weights" and r["worker"]["why"] == "off"
+        assert same_bits(snapshot(ref), snapshot(worker.model)) == []
