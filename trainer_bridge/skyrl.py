@@ -439,7 +439,14 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         if isinstance(init_info, Mapping):
             self._transport = init_info.get("transport", self._transport)
             self._transport_options = dict(init_info.get("options", {}))
-        return {"transport": self._transport}
+        out: dict[str, Any] = {"transport": self._transport}
+        if self._transport == "nccl":
+            # The NCCL group is set up now, not inside the first update (an empty
+            # transaction the engines join the group in; gpu_transports.warm_up_nccl).
+            from trainer_bridge.gpu_transports import warm_up_nccl
+
+            out["warm_up"] = await warm_up_nccl(self.client, self._transport_options)
+        return out
 
     async def update_named_weights(self, request: Any) -> dict[str, Any]:
         """`request`: a SkyRL `LoraLoadRequest` (→ `load_lora`), or tensors: an
