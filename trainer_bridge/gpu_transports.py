@@ -275,7 +275,8 @@ def make_sender(
     engines: list[dict[str, Any]],
     options: dict[str, Any],
 ) -> Any:
-    """options (update_weights(**transport_options)): device, nccl_host, nccl_port, nccl_timeout_s."""
+    """options (update_weights(**transport_options)): device, nccl_host, nccl_port, nccl_timeout_s,
+    weight_check."""
     if transport == "cuda_ipc":
         return _IpcBridgeSender(metas, sizes, tensors, options)
     if transport == "nccl":
@@ -287,9 +288,10 @@ class _IpcBridgeSender:
     def __init__(self, metas: list[Any], sizes: list[int], tensors: list[Any], options: dict[str, Any]) -> None:
         self.metas, self.sizes, self.tensors = metas, sizes, tensors
         self.sender = CudaIpcSender(device=options.get("device"))
+        self.options = options
 
     def transport_args(self) -> dict[str, Any]:
-        return {"bucket_sizes": [int(x) for x in self.sizes]}
+        return {"bucket_sizes": [int(x) for x in self.sizes], **_check_arg(self.options)}
 
     async def send(self, client: Any, update_id: str, engine_ids: list[str], timeout_s: float) -> dict[str, Any]:
         from bus import protocol as P
@@ -301,6 +303,12 @@ class _IpcBridgeSender:
 
     def release(self) -> None:
         self.sender.release()
+
+
+def _check_arg(options: dict[str, Any]) -> dict[str, Any]:
+    """update_weights(..., weight_check=True): the engines verify, bit for bit,
+    that their fast write path equals vLLM's load_weights (slower: for checks)."""
+    return {"weight_check": True} if options.get("weight_check") else {}
 
 
 def _nccl_sender(
@@ -403,10 +411,11 @@ class _NcclBridgeSender:
         options: dict[str, Any],
     ) -> None:
         self.metas, self.sizes, self.tensors = metas, sizes, tensors
+        self.options = options
         self.key, self.sender = _nccl_sender(engines, options, tensors)
 
     def transport_args(self) -> dict[str, Any]:
-        return self.sender.transport_args(self.sizes)
+        return {**self.sender.transport_args(self.sizes), **_check_arg(self.options)}
 
     async def send(self, client: Any, update_id: str, engine_ids: list[str], timeout_s: float) -> dict[str, Any]:
         import asyncio

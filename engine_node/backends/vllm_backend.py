@@ -593,7 +593,9 @@ class VllmBackend:
             return BackendOp.failed("commit_weight_update", BackendError("commit before receive_weights"))
         self._update = None
         t0 = time.perf_counter()
-        opts = {"plan": self.weight_plan}
+        # transport_args["weight_check"] (the trainer's update_weights(weight_check=True)):
+        # the workers also run load_weights and compare every parameter with the plan's.
+        opts = {"plan": self.weight_plan, "check": bool(up.args.get("weight_check"))}
         calls = []
         if up.transport == "zmq":
             calls.append(self._rpc("rollout_bus_begin", up.uid, up.metas, up.sizes, timeout=self.weight_timeout_s))
@@ -732,6 +734,9 @@ _WORKER_TIMING = (
     "copied",
     "plan",
     "why",
+    "check_params",
+    "check_mismatch",
+    "check_s",
 )
 
 

@@ -74,7 +74,7 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as integers: NaN == NaN, -0.0 != 0.0 (bit-exact equality)."""
     it = _INT_OF_SIZE.get(t.element_size())
     return t.view(it) if it is not None and t.is_floating_point() else t
@@ -319,10 +319,10 @@ class WeightPlan:
         with torch.no_grad():
             for c, s in zip(self.copies, srcs, strict=True):
                 want = torch.empty_like(c.dst).copy_(s)  # copy_'s own cast and broadcast
-                if not torch.equal(_bits(c.dst), _bits(want)):
+                if not torch.equal(bits(c.dst), bits(want)):
                     bad.add(c.name)
             for f in self.fills:
-                if not torch.equal(_bits(f.dst), _bits(torch.empty_like(f.dst).fill_(f.value))):
+                if not torch.equal(bits(f.dst), bits(torch.empty_like(f.dst).fill_(f.value))):
                     bad.add(f.name)
         for n in bad:
             self._fall(n, "load_weights wrote something else than the plan")

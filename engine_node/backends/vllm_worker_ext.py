@@ -246,7 +246,7 @@ class RolloutBusWorkerExtension:
             r.update(path="load_weights", params_loaded=self._rb_load(named), why=why)
         else:
             with _LoraUnwrapped(model):  # the checkpoint's names, for the plan as for load_weights
-                r.update(self._rb_plan_apply(st, model, named, t0))
+                r.update(self._rb_plan_apply(st, model, named, t0, bool((opts or {}).get("check"))))
         t3 = time.perf_counter()
         self._rb_post_load(model, [n for n, _ in named])
         _sync(dev)
@@ -255,7 +255,12 @@ class RolloutBusWorkerExtension:
         return r
 
     def _rb_plan_apply(
-        self, st: dict[str, Any], model: torch.nn.Module, named: list[tuple[str, torch.Tensor]], t0: float
+        self,
+        st: dict[str, Any],
+        model: torch.nn.Module,
+        named: list[tuple[str, torch.Tensor]],
+        t0: float,
+        check: bool = False,
     ) -> dict[str, Any]:
         r: dict[str, Any] = {}
         key = _plan_key(st["metas"])
@@ -300,7 +305,24 @@ class RolloutBusWorkerExtension:
                 copy_s=round(t1 - t0, 4),
                 fallback_s=round(time.perf_counter() - t1, 4),
             )
+            if check:
+                r.update(self._rb_check_plan(model, named))
         return r
+
+    def _rb_check_plan(self, model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """opts["check"]: after the plan wrote this update, run load_weights on
+        the same tensors and compare EVERY parameter bit for bit with what the
+        plan left (costs a copy of the parameters and a load: off by default)."""
+        t0 = time.perf_counter()
+        snap = {n: p.detach().clone() for n, p in model.named_parameters()}
+        self._rb_load(named)
+        bad = [n for n, p in model.named_parameters() if not torch.equal(WP.bits(p.detach()), WP.bits(snap[n]))]
+        del snap
+        return {
+            "check_params": len(dict(model.named_parameters())),
+            "check_mismatch": bad[:8],
+            "check_s": round(time.perf_counter() - t0, 4),
+        }
 
     def _rb_named(self, st: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
         return [nt for i, b in sorted(st["buckets"].items()) for nt in unpack_bucket(i, st["metas"], b)]

@@ -149,7 +149,7 @@ def vbe(tmp_path, monkeypatch):
     b.close()
 
 
-def _ipc_update(be, named, tag):
+def _ipc_update(be, named, tag, **args):
     from tests.gpu.test_vllm_backend_cpu import wait
 
     metas, sizes, tensors = plan_buckets(named, 2048)
@@ -159,7 +159,7 @@ def _ipc_update(be, named, tag):
         be.test_registry[h] = pack_bucket(i, metas, sizes, tensors)
         handles.append(h)
     calls0 = len(be.test_fake.calls)
-    wait(be.begin_weight_update(tag, "cuda_ipc", metas, {"bucket_sizes": sizes}))
+    wait(be.begin_weight_update(tag, "cuda_ipc", metas, {"bucket_sizes": sizes, **args}))
     wait(be.receive_weights(handles))
     assert len(be.test_fake.calls) == calls0, "begin and receive need no worker call for cuda_ipc"
     r = wait(be.commit_weight_update(), timeout=10)
@@ -243,3 +243,19 @@ def test_plan_off_uses_load_weights(vbe):
         r = _ipc_update(vbe, named, f"off{k}")
         assert r["worker"]["path"] == "load_weights" and r["worker"]["why"] == "off"
         assert same_bits(snapshot(ref), snapshot(worker.model)) == []
+
+
+def test_weight_check_compares_every_parameter_with_load_weights(vbe):
+    ref, worker = vbe.test_ref, vbe.test_fake.worker
+    _ipc_update(vbe, checkpoint(ref, seed=1), "c0")
+    r = _ipc_update(vbe, checkpoint(ref, seed=2), "c1", weight_check=True)
+    assert r["worker"]["path"] == "plan" and r["worker"]["check_mismatch"] == []
+    assert r["worker"]["check_params"] == len(dict(worker.model.named_parameters()))
+    # a plan gone wrong is caught by the check (and load_weights' result is what stays)
+    plan = next(iter(worker._rb()["plans"].values()))
+    next(c for c in plan.copies if c.name.endswith("k_proj.weight")).src_offset += 1
+    named = checkpoint(ref, seed=3)
+    ref.load_weights(iter(named))
+    r = _ipc_update(vbe, named, "c2", weight_check=True)
+    assert r["worker"]["check_mismatch"] == ["model.layers.0.self_attn.qkv_proj.weight"]
+    assert same_bits(snapshot(ref), snapshot(worker.model)) == []
