@@ -112,6 +112,8 @@ class VllmBackend:
         step_wait_s: float = 0.005,
         seed_every_request: bool = False,
         weight_plan: bool = True,
+        resume_ramp_tokens: int = 0,
+        resume_ramp_wait_s: float = 0.05,
         _api: Any = None,  # vLLM's classes (tests pass a fake)
         **passthrough: Any,  # any other EngineArgs field: max_num_seqs, max_num_batched_tokens, …
     ) -> None:
@@ -131,6 +133,23 @@ class VllmBackend:
         # Workers write updates through a copy plan learned from load_weights
         # (vllm_worker_ext._rb_apply); False: load_weights every time.
         self.weight_plan = bool(weight_plan)
+        # Resume ramp (off at 0). A resume after pause(abort) re-submits every
+        # parked stream at once (prompt + tokens so far: tens of thousands of
+        # tokens for 64 streams); vLLM's scheduler packs a full
+        # max_num_batched_tokens prefill into its first step, and no stream sees
+        # a token before that whole step ends (~35-45 ms for 16k tokens of a
+        # 0.5B model on an H200). With resume_ramp_tokens=N, when sequences
+        # arrive at an engine with none live, the first ones up to N prompt
+        # tokens go to the core at once and the rest only when the core's first
+        # output arrives (or after resume_ramp_wait_s): the first step is small,
+        # the first streams resume one short step after the resume, the rest one
+        # short step later than they would have. Cold batches (a generate of
+        # many prompts to an idle engine) ramp the same way.
+        self.resume_ramp_tokens = int(resume_ramp_tokens)
+        self.resume_ramp_wait_s = float(resume_ramp_wait_s)
+        self._ramp_left: int | None = None  # prompt tokens the current ramp may still send now
+        self._ramp_deadline = 0.0
+        self._deferred: dict[str, Any] = {}  # request id -> EngineCoreRequest held back by the ramp
         self._api = _api if _api is not None else load_vllm_api()
 
         engine_kw: dict[str, Any] = dict(
@@ -236,13 +255,36 @@ class VllmBackend:
         self._n += 1
         rid = f"{seq.seq_id}#{self._n}"
         salt = f"w{self._weights_epoch}" if self._weights_epoch else None
-        self._link.add(build_request(self._api, rid, seq, sp, lr, salt))
+        req = build_request(self._api, rid, seq, sp, lr, salt)
+        if self.resume_ramp_tokens > 0 and not self._rid_of and self._ramp_left is None:
+            self._ramp_left = self.resume_ramp_tokens  # the engine was empty: a burst may follow
+            self._ramp_deadline = time.monotonic() + self.resume_ramp_wait_s
+        if self._ramp_left is not None and self._ramp_left <= 0:
+            self._deferred[rid] = req  # sent by _ramp_flush
+        else:
+            self._link.add(req)
+            if self._ramp_left is not None:
+                self._ramp_left -= len(seq.prompt)
         self._out.expect(rid, seq)
         self._seq_of[rid] = seq.seq_id
         self._rid_of[seq.seq_id] = rid
 
+    def _ramp_flush(self, force: bool = False) -> None:
+        """End the ramp: send what it held back (loop thread)."""
+        if self._ramp_left is None:
+            return
+        if not force and self._deferred and time.monotonic() < self._ramp_deadline:
+            return
+        self._ramp_left = None
+        held, self._deferred = self._deferred, {}
+        for req in held.values():
+            self._link.add(req)
+
     def _collect(self, wait_s: float) -> None:
-        for batch in self._link.drain(wait_s):
+        batches = self._link.drain(wait_s)
+        if batches and self._ramp_left is not None:
+            self._ramp_flush(force=True)  # the first step's output is here: the rest may go
+        for batch in batches:
             for rid in self._out.add_batch(batch, self._seq_of):
                 sid = self._seq_of.pop(rid)
                 self._rid_of.pop(sid, None)
@@ -250,6 +292,7 @@ class VllmBackend:
 
     def step(self) -> list[StepOutput]:
         self._sweep()
+        self._ramp_flush()
         if self._link.dead:
             self._link.check_alive()
             raise BackendError("the vLLM engine core died; the engine node must restart")
@@ -271,6 +314,8 @@ class VllmBackend:
                 continue
             self._seq_of.pop(rid, None)  # late outputs of rid are dropped from now on
             self._out.forget(rid)
+            if self._deferred.pop(rid, None) is not None:
+                continue  # held back by the ramp: the core never saw it
             rids.append(rid)
             so = self._out.pop(rid)
             if so is not None and so.token_ids:
@@ -374,6 +419,7 @@ class VllmBackend:
 
     # ================================================================ freeze / sleep
     def freeze(self, seq_ids: Iterable[str]) -> BackendOp:
+        self._ramp_flush(force=True)  # a pause(keep) keeps them in the core
         ids = {s for s in seq_ids if s in self._rid_of}
         self._frozen |= ids
         if self._paused:

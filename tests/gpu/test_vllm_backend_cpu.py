@@ -754,3 +754,35 @@ def test_issue10_top_k_and_prompt_logprobs_to_step_outputs(be):
     assert math.isnan(pl.logprobs[0]) and pl.logprobs[1:] == [-1.0, -2.0, -3.0, -4.0]
     assert pl.k == 1 and pl.top_ids[1:] == [12, 13, 14, 15]
     assert pl.top_logprobs[1:] == pytest.approx([-1.1, -2.1, -3.1, -4.1])
+
+
+def test_resume_ramp_sends_a_small_first_batch_then_the_rest(model_dir):
+    from engine_node.backends.vllm_backend import make_backend
+
+    b = make_backend(
+        model_dir, max_model_len=64, resume_ramp_tokens=10, resume_ramp_wait_s=5.0, _api=fake_api(model_dir)
+    )
+    try:
+        ids = [f"r{i}" for i in range(5)]
+        for sid in ids:  # a burst into an empty engine (a resume re-submitting parked streams)
+            b.add(seq(sid, n=4, prompt=(10, 11, 12, 13, 14, 15)))
+        assert len(FAKE.seen) == 2, "6 + 6 prompt tokens reach the 10-token ramp: the rest is held"
+        b.abort(["r4"])  # a held one is dropped without reaching the core
+        res = drive(b, ids[:4])
+        assert all(r["finish"] == "length" and len(r["tokens"]) == 4 for r in res.values())
+        assert len(FAKE.seen) == 4 and not any(rid.startswith("r4#") for rid in FAKE.aborted)
+        # the engine was empty again: the next burst ramps again
+        b.add(seq("s0", n=2, prompt=tuple(range(12))))
+        b.add(seq("s1", n=2))
+        assert len(FAKE.seen) == 5
+        drive(b, ["s0", "s1"])
+        assert len(FAKE.seen) == 6
+    finally:
+        b.close()
+
+
+def test_no_ramp_by_default(be):
+    for i in range(5):
+        be.add(seq(f"q{i}", n=2))
+    assert len(FAKE.seen) == 5
+    drive(be, [f"q{i}" for i in range(5)])
