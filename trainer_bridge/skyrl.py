@@ -431,8 +431,9 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
 
     async def init_weight_update_communicator(self, init_info: Any) -> dict[str, Any]:
         """Pick the transport from SkyRL's init info (NCCL broadcast → "nccl",
-        CUDA IPC → "cuda_ipc", anything else → "zmq"); rollout-bus sets the
-        transport up itself on the first update."""
+        CUDA IPC → "cuda_ipc", anything else → "zmq"). NCCL: the group is set
+        up here, with every healthy engine (gpu_transports.warm_up_nccl), so the
+        first update does not pay for it; the other transports need no set-up."""
         self._transport = getattr(init_info, "transport", None) or TRANSPORT_OF_INIT_INFO.get(
             type(init_info).__name__, "zmq"
         )
