@@ -16,9 +16,10 @@ dispatch mode that captures, and does NOT perform, every write to a parameter
     derived from the input, out= ops): the parameter is TAINTED, and every
     name that wrote it is loaded the normal way (`load_weights`), forever.
 
-A name that produced no recorded write at all (the tied `lm_head.weight` that
-Qwen2 skips; a model whose loader keeps tensors in Python state) is also left
-to `load_weights`: the plan never guesses that a name is a no-op.
+A name that produced no recorded write at all is asked about alone: when
+`load_weights` of just that name writes nothing and reports nothing loaded
+(the tied `lm_head.weight` Qwen2 skips) it is SKIPPED; otherwise (a loader
+keeping tensors in Python state, say) it is left to `load_weights` every time.
 
 `verify` then checks the plan against the truth: after the real
 `load_weights` of the same update ran, every planned destination must hold
@@ -154,6 +155,7 @@ class WeightPlan:
         self.copies: list[_Copy] = []
         self.fills: list[_Fill] = []
         self.fallback: set[str] = set()  # names always loaded through load_weights
+        self.skipped: set[str] = set()  # names load_weights itself ignores (nothing written, none loaded)
         self.why: dict[str, str] = {}  # fallback name -> reason (first seen)
         self.ptrs: dict[str, int] = {}  # parameter -> storage pointer when recorded
         self.order: list[_Copy | _Fill] = []  # every planned write, in recorded order
@@ -162,6 +164,11 @@ class WeightPlan:
         self.verified = False
         self.record_seconds = 0.0
         self._groups: list[tuple[list[int], list[int]]] = []  # filled by _finish
+        # (module, attribute, the parameter object, its storage pointer) for every
+        # parameter the plan writes: still_valid's cheap check
+        self._owners: list[tuple[torch.nn.Module, str, torch.Tensor, int]] = []
+        # layout (bucket sizes + metas) -> per copy (bucket, dtype, element offset in that bucket)
+        self._bound: dict[Any, list[tuple[int, torch.dtype, int]]] = {}
 
     # -------------------------------------------------------------- record
     @classmethod
@@ -235,10 +242,23 @@ class WeightPlan:
         for param in list(plan._tainted):
             for n in written_by.get(param, ()):
                 plan._fall(n, f"writes {param}, which {plan._tainted[param]}")
+        by_name = dict(named)
         for n, _ in named:
-            if n not in names_done:
+            if n in names_done or n in plan.fallback:
+                continue
+            # No planned write: a name load_weights skips (the tied lm_head.weight of
+            # Qwen2) or one it handles out of our sight. Ask load_weights about it
+            # alone, still recording: nothing written and nothing reported loaded
+            # means skipped; anything else goes through load_weights every time.
+            one = _Recorder(params)
+            with one:
+                loaded = load(iter([(n, by_name[n])]))
+            if not one.raw and not one.tainted and loaded is not None and len(loaded) == 0:
+                plan.skipped.add(n)
+            else:
                 plan._fall(n, "no planned write (left to load_weights)")
         plan._finish()
+        plan._owners = _owners(model, {op.param for op in plan.order})
         plan.record_seconds = time.perf_counter() - t0
         return plan
 
@@ -271,13 +291,46 @@ class WeightPlan:
     def planned_names(self) -> set[str]:
         return {c.name for c in self.copies}
 
-    def still_valid(self, model: torch.nn.Module) -> bool:
-        seen: dict[str, int] = {}
-        for pname, p in list(model.named_parameters(remove_duplicate=False)) + list(
-            model.named_buffers(remove_duplicate=False)
-        ):
-            seen.setdefault(pname, p.untyped_storage().data_ptr())
-        return all(seen.get(k) == v for k, v in self.ptrs.items() if k in seen) and set(self.ptrs) <= set(seen)
+    def still_valid(self, model: torch.nn.Module | None = None) -> bool:
+        """Every parameter the plan writes is still the module's parameter, in
+        the same storage (a dict lookup and a pointer per parameter: cheap
+        enough for every update)."""
+        for mod, attr, p, ptr in self._owners:
+            cur = mod._parameters.get(attr) if attr in mod._parameters else mod._buffers.get(attr)
+            if cur is not p or p.untyped_storage().data_ptr() != ptr:
+                return False
+        return True
+
+    def bind(self, layout: Any, metas: list[list[Any]]) -> list[tuple[int, torch.dtype, int]]:
+        """Where each copy's source starts inside the buckets of `layout`
+        (cached): sources_from_buckets then needs no per-tensor unpacking."""
+        b = self._bound.get(layout)
+        if b is None:
+            where = {str(m[0]): (int(m[3]), int(m[4])) for m in metas}
+            b = []
+            for c in self.copies:
+                bucket, off = where[c.name]
+                isz = torch.empty((), dtype=c.src_dtype).element_size()
+                if off % isz:
+                    raise ValueError(f"tensor {c.name!r}: offset {off} not aligned to {c.src_dtype}")
+                b.append((bucket, c.src_dtype, off // isz + c.src_offset))
+            self._bound = {layout: b}  # one layout at a time
+        return b
+
+    def sources_from_buckets(
+        self, layout: Any, metas: list[list[Any]], buckets: dict[int, torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The source views of every copy, straight from flat uint8 buckets."""
+        typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        out = []
+        for c, (bucket, dt, off) in zip(self.copies, self.bind(layout, metas), strict=True):
+            base = typed.get((bucket, dt))
+            if base is None:
+                raw = buckets[bucket]
+                n = raw.numel() // torch.empty((), dtype=dt).element_size() * torch.empty((), dtype=dt).element_size()
+                base = typed[(bucket, dt)] = raw[:n].view(dt)
+            out.append(base.as_strided(c.src_size, c.src_stride, base.storage_offset() + off))
+        return out
 
     def sources(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The source views of every copy, cut from this update's tensors."""
@@ -289,9 +342,11 @@ class WeightPlan:
             out.append(t.as_strided(c.src_size, c.src_stride, t.storage_offset() + c.src_offset))
         return out
 
-    def apply(self, tensors: dict[str, torch.Tensor]) -> int:
-        """Write every planned copy and fill. Returns the number of copies."""
-        srcs = self.sources(tensors)
+    def apply(self, tensors: dict[str, torch.Tensor] | None = None, srcs: list[torch.Tensor] | None = None) -> int:
+        """Write every planned copy and fill, from this update's named tensors
+        (or the sources already cut, `srcs`). Returns the number of copies."""
+        if srcs is None:
+            srcs = self.sources(tensors or {})
         with torch.no_grad():
             if self.ordered:  # the order load_weights wrote them in
                 src_of = {id(c): s for c, s in zip(self.copies, srcs, strict=True)}
@@ -336,10 +391,22 @@ class WeightPlan:
             "copies": len(self.copies),
             "fills": len(self.fills),
             "fallback": len(self.fallback),
+            "skipped": sorted(self.skipped)[:4],
             "fallback_sample": {n: self.why.get(n, "") for n in sorted(self.fallback)[:4]},
             "ordered": self.ordered,
             "record_seconds": round(self.record_seconds, 4),
         }
+
+
+def _owners(model: torch.nn.Module, names: set[str]) -> list[tuple[torch.nn.Module, str, torch.Tensor, int]]:
+    out = []
+    for name in sorted(names):
+        prefix, _, attr = name.rpartition(".")
+        mod = model.get_submodule(prefix) if prefix else model
+        p = mod._parameters.get(attr) if attr in mod._parameters else mod._buffers.get(attr)
+        if p is not None:
+            out.append((mod, attr, p, p.untyped_storage().data_ptr()))
+    return out
 
 
 def plannable(model: torch.nn.Module) -> str | None:

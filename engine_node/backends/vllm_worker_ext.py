@@ -54,6 +54,7 @@ import signal
 import threading
 import time
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -141,6 +142,22 @@ def open_ipc_handle(handle: bytes, default_device: int) -> torch.Tensor:
     return fn(*args)
 
 
+_LORA_SWAPS: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[torch.nn.Module, str, torch.nn.Module]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+_PLANNABLE: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str | None]] = weakref.WeakKeyDictionary()
+
+
+def _plannable(model: torch.nn.Module) -> str | None:
+    """WP.plannable, once per model (its quantization does not change)."""
+    got = _PLANNABLE.get(model)
+    if got is None:
+        got = _PLANNABLE[model] = (WP.plannable(model),)
+    return got[0]
+
+
 class _LoraUnwrapped:
     """While active, every LoRA wrapper module (vLLM's `…WithLoRA`, which keeps the
     original layer as `.base_layer`) is replaced in its parent by that base layer,
@@ -152,13 +169,24 @@ class _LoraUnwrapped:
         self.swaps: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
 
     def __enter__(self) -> _LoraUnwrapped:
+        # The wrappers are made once, at engine start: find them once per model
+        # (a walk over every module is ~1 ms on a 0.5B model, every update).
+        known = _LORA_SWAPS.get(self.model)
+        if known is not None and all(parent._modules.get(attr) is mod for parent, attr, mod in known):
+            self.swaps = list(known)
+            for parent, attr, mod in self.swaps:
+                parent._modules[attr] = mod.base_layer
+            return self
         for name, mod in list(self.model.named_modules()):
-            base = getattr(mod, "base_layer", None)
+            # _modules, not getattr: a missing attribute on a Module raises inside
+            # nn.Module.__getattr__ (~5 us per module, on every weight update)
+            base = mod._modules.get("base_layer")
             if name and isinstance(base, torch.nn.Module):
                 parent_name, _, attr = name.rpartition(".")
                 parent = self.model.get_submodule(parent_name) if parent_name else self.model
                 if parent._modules.get(attr) is mod:
                     self.swaps.append((parent, attr, mod))
+        _LORA_SWAPS[self.model] = list(self.swaps)
         for parent, attr, mod in self.swaps:
             parent._modules[attr] = mod.base_layer
         return self
@@ -176,12 +204,17 @@ def _on(dev: torch.device) -> Any:
 
 
 def _fresh_state() -> dict[str, Any]:
-    return {"uid": None, "metas": [], "sizes": [], "buckets": {}}
+    return {"uid": None, "metas": [], "sizes": [], "buckets": {}, "named": {}, "layout": None}
 
 
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+def _layout_key(metas: list[list[Any]], sizes: list[int]) -> tuple[Any, ...]:
+    """The whole bucket layout (names, dtypes, shapes, places, bucket sizes)."""
+    return (tuple(int(x) for x in sizes), tuple((str(m[0]), str(m[1]), tuple(m[2]), *m[3:6]) for m in metas))
 
 
 def _plan_key(metas: list[list[Any]]) -> tuple[Any, ...]:
@@ -199,7 +232,7 @@ class RolloutBusWorkerExtension:
     def _rb(self) -> dict[str, Any]:
         st = self.__dict__.get("_rollout_bus_state")
         if st is None:
-            st = {**_fresh_state(), "nccl": None, "nccl_key": None, "plans": {}, "staging": None}
+            st = {**_fresh_state(), "nccl": None, "nccl_key": None, "plans": {}, "staging": None, "validated": None}
             self.__dict__["_rollout_bus_state"] = st
         return st
 
@@ -232,44 +265,39 @@ class RolloutBusWorkerExtension:
         the commit answers. The hook for a post-load step (fp8 re-quantization
         lives in vllm_fp8; a subclass or that module plugs in here)."""
 
-    def _rb_apply(self, named: list[tuple[str, torch.Tensor]], opts: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Write one whole update into the model (see the module doc). Returns
-        what it did and how long each part took."""
-        st = self._rb()
+    def _rb_apply(self, st: dict[str, Any], opts: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write the update staged in `st` (buckets + metas) into the model (see
+        the module doc). Returns what it did and how long each part took."""
         model = self._rb_model()
         dev = self._rb_device()
         t0 = time.perf_counter()
+        if st.get("layout") is None:
+            st["layout"] = _layout_key(st["metas"], st["sizes"])
         off = (opts or {}).get("plan") is False or os.environ.get("ROLLOUT_BUS_WEIGHT_PLAN", "1") == "0"
-        why = "off" if off else WP.plannable(model)
-        r: dict[str, Any] = {"tensors": len(named)}
+        why = "off" if off else _plannable(model)
+        r: dict[str, Any] = {"tensors": len(st["metas"])}
         if why is not None:
-            r.update(path="load_weights", params_loaded=self._rb_load(named), why=why)
+            r.update(path="load_weights", params_loaded=self._rb_load(self._rb_named(st)), why=why)
         else:
             with _LoraUnwrapped(model):  # the checkpoint's names, for the plan as for load_weights
-                r.update(self._rb_plan_apply(st, model, named, t0, bool((opts or {}).get("check"))))
+                r.update(self._rb_plan_apply(st, model, t0, bool((opts or {}).get("check"))))
         t3 = time.perf_counter()
-        self._rb_post_load(model, [n for n, _ in named])
+        self._rb_post_load(model, [str(m[0]) for m in st["metas"]])
         _sync(dev)
         r["post_sync_s"] = round(time.perf_counter() - t3, 4)
         r["apply_s"] = round(time.perf_counter() - t0, 4)
         return r
 
-    def _rb_plan_apply(
-        self,
-        st: dict[str, Any],
-        model: torch.nn.Module,
-        named: list[tuple[str, torch.Tensor]],
-        t0: float,
-        check: bool = False,
-    ) -> dict[str, Any]:
+    def _rb_plan_apply(self, st: dict[str, Any], model: torch.nn.Module, t0: float, check: bool) -> dict[str, Any]:
         r: dict[str, Any] = {}
         key = _plan_key(st["metas"])
         plan = st["plans"].get(key)
+        if plan == "failed":  # recording this layout failed once: load_weights for good
+            return {"path": "load_weights", "params_loaded": self._rb_load(self._rb_named(st)), "why": "plan failed"}
         if isinstance(plan, WP.WeightPlan) and not plan.still_valid(model):
             plan = None  # a parameter was re-allocated or swapped: learn again
-        if plan == "failed":  # recording this layout failed once: load_weights for good
-            return {"path": "load_weights", "params_loaded": self._rb_load(named), "why": "plan failed"}
         if plan is None:
+            named = self._rb_named(st)
             try:
                 plan = WP.WeightPlan.record(key, model, model.load_weights, named)
             except Exception as e:  # nothing was written: recording performs no write
@@ -292,22 +320,29 @@ class RolloutBusWorkerExtension:
                 verify_mismatch=bad[:8],
                 plan=plan.summary(),
             )
-        else:
-            n = plan.apply(dict(named))
-            t1 = time.perf_counter()
-            rest = [nt for nt in named if nt[0] in plan.fallback]
-            if rest:
-                self._rb_load(rest)
-            r.update(
-                path="plan",
-                copies=n,
-                fallback=len(rest),
-                copy_s=round(t1 - t0, 4),
-                fallback_s=round(time.perf_counter() - t1, 4),
-            )
-            if check:
-                r.update(self._rb_check_plan(model, named))
+            return r
+        srcs = plan.sources_from_buckets(st["layout"], st["metas"], st["buckets"])
+        n = plan.apply(srcs=srcs)
+        del srcs
+        t1 = time.perf_counter()
+        rest = self._rb_subset(st, plan.fallback) if plan.fallback else []
+        if rest:
+            self._rb_load(rest)
+        r.update(
+            path="plan",
+            copies=n,
+            fallback=len(rest),
+            copy_s=round(t1 - t0, 4),
+            fallback_s=round(time.perf_counter() - t1, 4),
+        )
+        if check:
+            r.update(self._rb_check_plan(model, self._rb_named(st)))
         return r
+
+    def _rb_subset(self, st: dict[str, Any], names: set[str]) -> list[tuple[str, torch.Tensor]]:
+        """Views of just these names (the layout is validated)."""
+        metas = [m for m in st["metas"] if m[0] in names]
+        return [nt for i, b in sorted(st["buckets"].items()) for nt in unpack_bucket(i, metas, b)]
 
     def _rb_check_plan(self, model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         """opts["check"]: after the plan wrote this update, run load_weights on
@@ -324,8 +359,26 @@ class RolloutBusWorkerExtension:
             "check_s": round(time.perf_counter() - t0, 4),
         }
 
+    def _rb_validate(self, st: dict[str, Any]) -> None:
+        """Every bucket against the metas (bus.tensors.unpack_bucket: a lie is a
+        ValueError naming the tensor). A layout validated before needs only its
+        bucket lengths checked: the same metas give the same answer."""
+        layout = _layout_key(st["metas"], st["sizes"])
+        st["layout"] = layout
+        if st.get("validated") == layout:
+            for i, b in st["buckets"].items():
+                if b.numel() < st["sizes"][i]:
+                    raise ValueError(f"bucket {i}: {b.numel()} bytes, the plan says {st['sizes'][i]}")
+            return
+        for i, b in st["buckets"].items():
+            st["named"][i] = unpack_bucket(i, st["metas"], b)
+        st["validated"] = layout
+
     def _rb_named(self, st: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-        return [nt for i, b in sorted(st["buckets"].items()) for nt in unpack_bucket(i, st["metas"], b)]
+        known = st["named"]
+        return [
+            nt for i, b in sorted(st["buckets"].items()) for nt in (known.get(i) or unpack_bucket(i, st["metas"], b))
+        ]
 
     def _rb_open_ipc(self, st: dict[str, Any], handles: list[Any]) -> int:
         """Map every bucket of the trainer (validated: a lie fails naming the
@@ -350,8 +403,8 @@ class RolloutBusWorkerExtension:
                 _sync(dev)
                 src = local
                 copied += 1
-            unpack_bucket(i, st["metas"], src)  # validate now: a lie fails here, naming the tensor
             st["buckets"][i] = src
+        self._rb_validate(st)  # now: a lie fails the update before anything is written
         return copied
 
     # -- RPC methods
@@ -391,9 +444,7 @@ class RolloutBusWorkerExtension:
             with _on(dev):
                 copied = self._rb_open_ipc(st, handles)
                 t1 = time.perf_counter()
-                named = self._rb_named(st)
-                r = self._rb_apply(named, opts)
-                del named
+                r = self._rb_apply(st, opts)
         finally:
             st.update(_fresh_state())  # drop the maps: the trainer may free its buffers after the ack
         return {**r, "open_s": round(t1 - t0, 4), "copied": copied, "seconds": time.perf_counter() - t0}
@@ -423,8 +474,7 @@ class RolloutBusWorkerExtension:
                 st["buckets"][i] = buf
             _sync(dev)
         t3 = time.perf_counter()
-        for i, buf in st["buckets"].items():
-            unpack_bucket(i, st["metas"], buf)
+        self._rb_validate(st)
         return {
             "bytes": int(sum(st["sizes"])),
             "seconds": time.perf_counter() - t0,
@@ -494,10 +544,8 @@ class RolloutBusWorkerExtension:
                 if shm is not None:
                     n = self._rb_commit_shm(st, shm, dev)
                 else:
-                    named = self._rb_named(st)
-                    r = self._rb_apply(named, opts)
+                    r = self._rb_apply(st, opts)
                     n = r.get("params_loaded", r.get("copies", -1))
-                    del named
                 _sync(dev)
         finally:
             st.update(_fresh_state())  # drop the views: the trainer may free its buffers after the ack
