@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 from bus.tensors import unpack_bucket
+from engine_node.backends import vllm_fp8
 from engine_node.backends import vllm_weight_plan as WP
 
 NODE_PID_ENV = "ROLLOUT_BUS_NODE_PID"
@@ -154,7 +155,9 @@ def _plannable(model: torch.nn.Module) -> str | None:
     """WP.plannable, once per model (its quantization does not change)."""
     got = _PLANNABLE.get(model)
     if got is None:
-        got = _PLANNABLE[model] = (WP.plannable(model),)
+        # a quantized model is vllm_fp8's (its loader re-quantizes inside _rb_load)
+        why = "quantized model (vllm_fp8)" if vllm_fp8.is_quantized(model) else WP.plannable(model)
+        got = _PLANNABLE[model] = (why,)
     return got[0]
 
 
@@ -255,15 +258,20 @@ class RolloutBusWorkerExtension:
         return st
 
     def _rb_load(self, named: Any) -> int:
+        """Load ONE whole update (an iterable of (name, tensor); a quantized
+        model needs every shard of a fused layer inside one call)."""
         model = self._rb_model()
         with _LoraUnwrapped(model):
+            if vllm_fp8.is_quantized(model):  # fp8 engine fed bf16: re-quantize (vllm_fp8)
+                return vllm_fp8.load_into_quantized(model, named, getattr(self, "model_config", None))
             loaded = model.load_weights(named)
         return len(loaded) if loaded is not None else -1
 
     def _rb_post_load(self, model: torch.nn.Module, names: list[str]) -> None:
         """Runs after every write of new weights (plan or load_weights), before
-        the commit answers. The hook for a post-load step (fp8 re-quantization
-        lives in vllm_fp8; a subclass or that module plugs in here)."""
+        the commit answers: the hook for a post-load step a plan-written model
+        needs. (fp8 engines never take the plan: vllm_fp8 re-quantizes inside
+        _rb_load, so there is nothing to do here for them.)"""
 
     def _rb_apply(self, st: dict[str, Any], opts: dict[str, Any] | None = None) -> dict[str, Any]:
         """Write the update staged in `st` (buckets + metas) into the model (see
@@ -562,8 +570,9 @@ class RolloutBusWorkerExtension:
             mm = mmap.mmap(fd, total, prot=mmap.PROT_READ) if total else None
         finally:
             os.close(fd)
-        loaded = 0
-        try:
+
+        def tensors() -> Any:
+            # One bucket on the GPU at a time; the loader pulls the next when done.
             for i, size in enumerate(st["sizes"]):
                 with warnings.catch_warnings():  # read-only map: we only read it
                     warnings.simplefilter("ignore", UserWarning)
@@ -574,9 +583,16 @@ class RolloutBusWorkerExtension:
                     )
                 gpu = host.to(dev)
                 del host
-                loaded += max(0, self._rb_load(iter(unpack_bucket(i, st["metas"], gpu))))
+                yield from unpack_bucket(i, st["metas"], gpu)
                 del gpu
+
+        gen = tensors()
+        try:
+            # One load over every bucket (not one per bucket): a quantized model
+            # must see all shards of a fused layer in one call (vllm_fp8).
+            loaded = max(0, self._rb_load(gen))
         finally:
+            gen.close()  # drop the last bucket's views before the map closes
             if mm is not None:
                 try:
                     mm.close()
