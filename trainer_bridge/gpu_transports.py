@@ -83,17 +83,21 @@ def pack_fast(index: int, metas: list[Any], sizes: list[int], tensors: list[Any]
 
     buf = torch.empty(sizes[index], dtype=torch.uint8, device=device)
     groups: dict[Any, tuple[list[Any], list[Any]]] = {}
+    typed: dict[Any, Any] = {}  # dtype -> the whole bucket viewed as it (buckets are 256-byte aligned)
     for m, t in zip(metas, tensors, strict=True):
         if m.bucket != index or m.nbytes == 0:
             continue
-        t = t.detach()
-        if t.device != buf.device or not t.is_contiguous():
-            buf[m.offset : m.offset + m.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+        if t.device != buf.device or not t.is_contiguous() or m.offset % t.element_size():
+            src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            buf[m.offset : m.offset + m.nbytes].copy_(src, non_blocking=True)
             continue
-        dst = buf[m.offset : m.offset + m.nbytes].view(t.dtype).view(t.shape)
+        base = typed.get(t.dtype)
+        if base is None:
+            base = typed[t.dtype] = buf[: buf.numel() // t.element_size() * t.element_size()].view(t.dtype)
+        a = m.offset // t.element_size()
         g = groups.setdefault(t.dtype, ([], []))
-        g[0].append(dst)
-        g[1].append(t)
+        g[0].append(base[a : a + t.numel()])
+        g[1].append(t.detach().view(-1))
     for dsts, srcs in groups.values():
         torch._foreach_copy_(dsts, srcs)
     return buf
