@@ -175,11 +175,14 @@ class _LoraUnwrapped:
         # The wrappers are made once, at engine start: find them once per model
         # (a walk over every module is ~1 ms on a 0.5B model, every update).
         known = _LORA_SWAPS.get(self.model)
-        if known is not None and all(parent._modules.get(attr) is mod for parent, attr, mod in known):
-            self.swaps = list(known)
-            for parent, attr, mod in self.swaps:
-                parent._modules[attr] = mod.base_layer
-            return self
+        if known is not None:
+            if all(parent._modules.get(attr) is mod for parent, attr, mod in known):
+                self.swaps = list(known)
+                for parent, attr, mod in self.swaps:
+                    parent._modules[attr] = mod.base_layer
+                return self
+            if all(parent._modules.get(attr) is mod.base_layer for parent, attr, mod in known):
+                return self  # nested inside another _LoraUnwrapped: already unwrapped, nothing to undo
         for name, mod in list(self.model.named_modules()):
             # _modules, not getattr: a missing attribute on a Module raises inside
             # nn.Module.__getattr__ (~5 us per module, on every weight update)

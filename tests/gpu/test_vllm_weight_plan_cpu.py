@@ -260,3 +260,30 @@ def test_weight_check_compares_every_parameter_with_load_weights(vbe):
     r = _ipc_update(vbe, named, "c2", weight_check=True)
     assert r["worker"]["check_mismatch"] == ["model.layers.0.self_attn.qkv_proj.weight"]
     assert same_bits(snapshot(ref), snapshot(worker.model)) == []
+
+
+def test_plan_through_lora_wrappers(vbe):
+    """vLLM's LoRA wrappers keep the layer as .base_layer: the plan is learned and
+    replayed with them swapped out (checkpoint names), and they are back after."""
+    ref, worker = vbe.test_ref, vbe.test_fake.worker
+
+    class WithLoRA(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer = base
+            self.lora_a = torch.nn.Parameter(torch.zeros(2, 2), requires_grad=False)
+
+    attn = worker.model.model.layers[0].self_attn
+    wrapper = attn.qkv_proj = WithLoRA(attn.qkv_proj)
+    for k, seed in enumerate((1, 2, 3)):
+        named = checkpoint(ref, seed=seed)
+        ref.load_weights(iter(named))
+        r = _ipc_update(vbe, named, f"l{k}")
+        assert r["worker"]["path"] == ("load_weights+record" if k == 0 else "plan"), r["worker"]
+        assert attn.qkv_proj is wrapper, "the wrapper is back after the update"
+        attn.qkv_proj = wrapper.base_layer  # compare with the reference's names
+        assert same_bits(snapshot(ref), snapshot(worker.model)) == [], f"update {k}"
+        attn.qkv_proj = wrapper
+    from engine_node.backends.vllm_worker_ext import _LORA_SWAPS
+
+    assert [m for _, _, m in _LORA_SWAPS[worker.model]] == [wrapper], "nested unwraps must not forget the wrappers"
