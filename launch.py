@@ -4,6 +4,8 @@
     python launch.py --demo                # … and run a short client session
     python launch.py --head --engines 0    # multi-node: the head on this node
     python launch.py --join tcp://HEAD:5555 --engines 4   # engines on another node
+    python launch.py keys init | list | add-client NAME [--public FILE] | remove-client NAME
+                                           # the CURVE key folder of --curve (README, Security)
 
 Backend: `auto` picks vLLM when it is installed and a GPU is visible, else the
 torch backend on a tiny random-weight model built into a cache dir (no hub).
@@ -176,8 +178,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--backend-options", default="{}", help="extra JSON options for the backend factory")
     ap.add_argument("--heartbeat-interval-s", type=float, default=0.5)
-    ap.add_argument("--curve", action="store_true", help="secure TCP sockets with CURVE (keys in --curve-dir)")
-    ap.add_argument("--curve-dir", default=None, help="key folder: made here when missing; copy it to joining nodes")
+    ap.add_argument(
+        "--curve",
+        action="store_true",
+        help="security on: CURVE on every TCP socket, engines and clients checked against allow-lists (--curve-dir)",
+    )
+    ap.add_argument(
+        "--curve-dir",
+        default=None,
+        help=f"key folder (default {DEFAULT_KEY_DIR}): made by the head when missing (`launch.py keys`); "
+        "copy it, without head.key_secret, to joining nodes",
+    )
+    ap.add_argument(
+        "--client-key", default=None, help="the launcher's own client key (readiness, demo): a name in clients/"
+    )
     ap.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics of the head (-1: off)")
     ap.add_argument(
         "--seed",
@@ -223,7 +237,65 @@ def gpu_groups(a: argparse.Namespace, backend: str, n_engines: int | None) -> li
     return [",".join(gpus[i * a.tp : (i + 1) * a.tp]) for i in range(n)]
 
 
+DEFAULT_KEY_DIR = os.path.join(os.path.expanduser("~"), ".cache", "rollout-bus", "curve")
+
+
+def keys_main(argv: list[str]) -> int:
+    """`launch.py keys …`: make and list the key folder of --curve (bus/auth.py)."""
+    from bus.auth import KeyDir, KeyFileError, write_keypair
+
+    ap = argparse.ArgumentParser("launch.py keys", description="The CURVE key folder of a secured cluster.")
+    ap.add_argument("--curve-dir", default=DEFAULT_KEY_DIR)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("init", help="make the head's keys, the engine credential and the default client key")
+    sub.add_parser("list", help="every key in the folder: role, name, public key, secret here?")
+    add = sub.add_parser("add-client", help="allow a client (trainer): make its keypair, or import --public FILE")
+    add.add_argument("name")
+    add.add_argument("--public", default=None, help="a public key file the trainer made (then no secret is made)")
+    rm = sub.add_parser("remove-client", help="take a client off the allow-list")
+    rm.add_argument("name")
+    kp = sub.add_parser("keypair", help="on a trainer's machine: make its own keypair (NAME.key to send to the head)")
+    kp.add_argument("name")
+    kp.add_argument("--out", default=".", help="folder for NAME.key and NAME.key_secret (0600)")
+    a = ap.parse_args(argv)
+    keys = KeyDir(a.curve_dir)
+    try:
+        if a.cmd == "init":
+            keys.init()
+            print(f"key folder: {keys.root}")
+        elif a.cmd == "add-client":
+            path = keys.add_client(a.name, a.public)
+            if a.public:
+                print(f"client {a.name!r} allowed: {path}")
+            else:
+                print(f"client {a.name!r} allowed; give its secret to that trainer: {path}")
+                print(f"  Client(address, curve_dir=<folder holding head.key>, client_key={path!r})")
+        elif a.cmd == "keypair":
+            pub, sec = write_keypair(a.out, a.name)
+            print(f"keep {sec} here (Client(..., client_key={sec!r}));")
+            print(f"send {pub} to the head's operator: launch.py keys add-client {a.name} --public {a.name}.key")
+            return 0
+        elif a.cmd == "remove-client":
+            for p in keys.remove_client(a.name):
+                print(f"removed {p}")
+        if a.cmd in ("init", "list"):
+            rows = [("role", "name", "public key (z85)", "secret here", "file")]
+            rows += [(k.role, k.name, k.public, "yes" if k.has_secret else "no", k.path) for k in keys.listing()]
+            widths = [max(len(r[i]) for r in rows) for i in range(5)]
+            for r in rows:
+                print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    except KeyFileError as e:
+        print(f"launch.py keys {a.cmd}: {e}", file=sys.stderr)
+        return 2
+    if a.cmd.endswith("-client"):
+        print("a running head (and engines sharing this folder) re-read the allow-lists within 2 s", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keys"]:
+        return keys_main(argv[1:])
     a = parse_args(argv)
     from bus.runtime import configure_logging, set_title
 
@@ -247,13 +319,15 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
     multi_node = a.head or a.join is not None
     curve_dir = None
     if a.curve:
-        from bus.sockets import CurveKeys
+        from bus.auth import KeyDir
 
-        curve_dir = a.curve_dir or os.path.join(os.path.expanduser("~"), ".cache", "rollout-bus", "curve")
-        if not os.path.exists(os.path.join(curve_dir, "rollout-bus.key_secret")):
+        keys = KeyDir(a.curve_dir or DEFAULT_KEY_DIR)
+        curve_dir = keys.root
+        if not keys.exists():
             if a.join:
                 raise SystemExit(f"--curve: no keys in {curve_dir}; copy the head's key folder here")
-            CurveKeys.generate(curve_dir)
+            keys.init()
+            log.info("curve_keys_made", curve_dir=curve_dir)
     backend = pick_backend(a.backend)
     model = a.model
     if backend == "torch" and not model:
@@ -332,7 +406,7 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
     # ---- readiness
     from trainer_bridge import Client
 
-    client = Client(front, timeout_s=120, control_timeout_s=30, curve_dir=curve_dir)
+    client = Client(front, timeout_s=120, control_timeout_s=30, curve_dir=curve_dir, client_key=a.client_key)
     try:
         want = len(groups)  # the engines this launcher started (0 for a bare head)
         deadline = time.monotonic() + a.ready_timeout_s

@@ -2,7 +2,8 @@
 (decode → handler table → typed Error reply, gone peers).
 
 `open_socket` is the only place that decides CURVE: a TCP endpoint is secured
-when keys are given (the binding side is the CURVE server), IPC never is.
+when keys are given (the binding side is the CURVE server, checked by the ZAP
+domain it names), IPC never is (a private 0700 folder guards it).
 
 `Endpoint` serves one socket for the thread that owns it: `drain()` reads what
 is ready, decodes each message with the codec, calls the handler registered
@@ -42,13 +43,26 @@ def open_socket(
     bind: str | None = None,
     connect: str | None = None,
     curve: CurveKeys | None = None,
+    zap_domain: str | None = None,
     **options: Any,
 ) -> zmq.Socket:
     """A socket with every option set (bus.sockets.make_socket), bound or
-    connected; CURVE on when `curve` is given and the address is TCP."""
+    connected; CURVE on when `curve` is given and the address is TCP. A bound
+    CURVE socket is a server whose peers' keys are checked against the
+    allow-list of `zap_domain` (bus/auth.py: "clients", "engines", "peers")."""
     address = bind or connect or ""
     secure = curve if address.startswith("tcp://") else None
-    return make_socket(ctx, kind, bind=bind, connect=connect, curve=secure, curve_server=bind is not None, **options)
+    server = bind is not None
+    return make_socket(
+        ctx,
+        kind,
+        bind=bind,
+        connect=connect,
+        curve=secure,
+        curve_server=server,
+        zap_domain=zap_domain if secure is not None and server else None,
+        **options,
+    )
 
 
 def error_message(rid: str, code: ErrorCode, message: str, field: str | None) -> P.Error:

@@ -84,6 +84,12 @@ class BackendRefused(BadRequest):
     code = ErrorCode.BACKEND_REFUSED
 
 
+class AuthRefused(ProtocolError):
+    """A secured peer's ZAP handler refused our CURVE key (it is not on that
+    socket's allow-list); raised locally, never sent. `field`: the option that
+    picks the key (`client_key`)."""
+
+
 class ClosedByUs(RolloutBusError):
     """The client (or node) was closed locally while the call was waiting."""
 

@@ -475,12 +475,18 @@ class Register(_Msg, tag="register"):
     loras: list[str] = []
     host: str = ""
     dtype: str = ""  # weight dtype the engine expects in updates
+    # z85 CURVE public key of its data/weight sockets ("" when not secured):
+    # the head and trainers connect with it as the server key.
+    curve_key: str = ""
 
 
 class RegisterReply(_Msg, tag="register_reply"):
     ok: bool
     error: str | None = None
     heartbeat_interval_s: float = 0.5
+    # A refusal that may pass (the id is held by a live engine that may be
+    # dying): the engine keeps re-registering until register_timeout_s.
+    retry: bool = False
 
 
 class Heartbeat(_Msg, tag="heartbeat"):

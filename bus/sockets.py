@@ -38,6 +38,7 @@ def make_socket(
     subscribe: list[bytes] | None = None,
     curve: CurveKeys | None = None,
     curve_server: bool = False,
+    zap_domain: str | None = None,
 ) -> zmq.Socket:
     s = ctx.socket(kind)
     s.setsockopt(zmq.LINGER, 0)
@@ -51,7 +52,7 @@ def make_socket(
     if identity is not None:
         s.setsockopt(zmq.IDENTITY, identity)
     if curve is not None:
-        curve.apply(s, server=curve_server)
+        curve.apply(s, server=curve_server, zap_domain=zap_domain)
     for topic in subscribe or ():
         s.setsockopt(zmq.SUBSCRIBE, topic)
     if bind:
@@ -62,41 +63,35 @@ def make_socket(
 
 
 class CurveKeys:
-    """CURVE keys for TCP sockets (made by launch.py, read from a key dir)."""
+    """One side's CURVE keys (bus/auth.py's KeyDir loads them by role).
 
-    def __init__(self, server_public: bytes, public: bytes, secret: bytes) -> None:
-        self.server_public = server_public
+    `server_public`: the key of the server this side connects to (the head's
+    for engines and clients; an engine's own key, from its Register, for the
+    head and trainers connecting to engine sockets). A binding side is a CURVE
+    server and names its ZAP domain: the allow-list its peers are checked
+    against (bus/auth.py's Gatekeeper)."""
+
+    def __init__(self, public: bytes, secret: bytes, server_public: bytes | None = None) -> None:
         self.public = public
         self.secret = secret
+        self.server_public = server_public
 
-    def apply(self, s: zmq.Socket, *, server: bool) -> None:
+    def connecting_to(self, server_public: bytes) -> CurveKeys:
+        return CurveKeys(self.public, self.secret, server_public)
+
+    def apply(self, s: zmq.Socket, *, server: bool, zap_domain: str | None = None) -> None:
         s.curve_secretkey = self.secret
         s.curve_publickey = self.public
         if server:
+            if not zap_domain:
+                # No domain: libzmq would let any key that knows ours in.
+                raise ValueError("a CURVE server socket needs a ZAP domain (its allow-list)")
+            s.zap_domain = zap_domain.encode()
             s.curve_server = True
         else:
+            if self.server_public is None:
+                raise ValueError("a CURVE client socket needs the server's public key")
             s.curve_serverkey = self.server_public
-
-    @classmethod
-    def load(cls, key_dir: str) -> CurveKeys:
-        import zmq.auth
-
-        pub, sec = zmq.auth.load_certificate(os.path.join(key_dir, "rollout-bus.key_secret"))
-        if sec is None:
-            raise ValueError(f"{key_dir}/rollout-bus.key_secret holds no secret key")
-        return cls(server_public=pub, public=pub, secret=sec)
-
-    @staticmethod
-    def generate(key_dir: str) -> str:
-        import zmq.auth
-
-        os.makedirs(key_dir, mode=0o700, exist_ok=True)
-        _pub, secret = zmq.auth.create_certificates(key_dir, "rollout-bus")
-        # pyzmq writes both files with the process umask (often 0644): a
-        # world-readable secret key lets anyone on the host join the cluster.
-        os.chmod(secret, 0o600)
-        os.chmod(key_dir, 0o700)
-        return key_dir
 
 
 _TCP_ENDPOINT = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
@@ -120,7 +115,7 @@ def check_endpoint(address: str, *, field: str) -> str:
 def ipc_dir() -> str:
     """A private folder for this run's IPC endpoints (paths must stay short)."""
     d = os.path.join(tempfile.gettempdir(), f"rbus-{uuid.uuid4().hex[:8]}")
-    os.makedirs(d, exist_ok=True)
+    os.makedirs(d, mode=0o700, exist_ok=True)  # IPC is never CURVE: the folder's mode guards it
     return d
 
 

@@ -92,6 +92,17 @@ def check_generate(msg: Generate, prompt: np.ndarray, *, vocab_size: int = 0) ->
                 raise bad("params.stop_token_ids", f"stop token id {t} is outside the vocabulary (size {vocab_size})")
 
 
+def check_control_timeout(msg: Any) -> None:
+    """`Control.timeout_s` is the deadline of the op's fan-out: NaN never
+    passes (the head would republish the command forever and never answer),
+    nor does a deadline that is already over."""
+    t = msg.timeout_s
+    if not _finite(t) or t <= 0:
+        raise BadRequest(
+            f"timeout_s must be a finite number > 0, got {t}", request_id=msg.request_id, field="timeout_s"
+        )
+
+
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 

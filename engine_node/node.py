@@ -37,11 +37,13 @@ from typing import Any
 import structlog
 import zmq
 
+from bus import auth
 from bus import protocol as P
+from bus.auth import Gatekeeper, KeyDir
 from bus.codec import Codec
 from bus.endpoint import Endpoint, open_socket
 from bus.errors import BadRequest, ErrorCode
-from bus.sockets import CONTROL_HWM, CurveKeys, bound_address
+from bus.sockets import CONTROL_HWM, bound_address
 from bus.validate import check_generate, prompt_from_frames
 from engine_node.backend import Backend, BackendError, load_backend
 from engine_node.config import EngineNodeConfig
@@ -79,9 +81,18 @@ class EngineNode:
         self.codec = Codec()
         self.log = log.bind(engine_id=self.engine_id)
 
-        curve = self._curve = CurveKeys.load(cfg.curve_dir) if cfg.curve_dir else None
-        self.data = open_socket(self.ctx, zmq.ROUTER, bind=cfg.data_address, curve=curve)
-        self.weights = open_socket(self.ctx, zmq.ROUTER, bind=cfg.weight_address, curve=curve)
+        # Security on (curve_dir): this node holds the cluster's engine
+        # credential; its data and weight sockets take only the head and
+        # allowed clients (ZAP domain "peers", checked by this context's
+        # Gatekeeper, started before the sockets bind).
+        self.gate: Gatekeeper | None = None
+        curve = self._curve = None
+        if cfg.curve_dir:
+            keys = KeyDir(cfg.curve_dir)
+            curve = self._curve = keys.engine()
+            self.gate = Gatekeeper(self.ctx, keys, (auth.PEERS,)).start()
+        self.data = open_socket(self.ctx, zmq.ROUTER, bind=cfg.data_address, curve=curve, zap_domain=auth.PEERS)
+        self.weights = open_socket(self.ctx, zmq.ROUTER, bind=cfg.weight_address, curve=curve, zap_domain=auth.PEERS)
         self.sub = open_socket(
             self.ctx,
             zmq.SUB,
@@ -103,6 +114,13 @@ class EngineNode:
         self.poller = zmq.Poller()
         for s in (self.data, self.weights, self.sub, self.events):
             self.poller.register(s, zmq.POLLIN)
+        # Security on: the head's ZAP handler refusing our engine credential is
+        # final (libzmq does not retry): its monitor event ends the node with
+        # a clear error instead of a silent wait for register_timeout_s.
+        self._events_monitor: zmq.Socket | None = None
+        if curve is not None and cfg.head_events.startswith("tcp://"):
+            self._events_monitor = self.events.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            self.poller.register(self._events_monitor, zmq.POLLIN)
         self._backend_fd = backend.wake_fd()
         if self._backend_fd is not None:
             self.poller.register(self._backend_fd, zmq.POLLIN)
@@ -114,6 +132,7 @@ class EngineNode:
         self.updates.log_aborted = lambda uid, why: self.log.info("weight_update_aborted", update_id=uid, reason=why)
 
         self._registered = False
+        self._refused: str | None = None  # the last retryable refusal (id held by a live engine)
         handlers: dict[type, Callable[[Any, int], Any]] = {
             P.Ping: self._op_ping,
             P.Pause: self.core.pause,
@@ -231,6 +250,8 @@ class EngineNode:
             elif sock == self.control.wake_fd:
                 self.control.on_wake()
                 self._flush()
+            elif sock is self._events_monitor:
+                self._on_events_monitor()
             # the backend's wake fd needs no read here: step() drains it
         now = time.monotonic()
         core.set_time(now, time.time())
@@ -262,10 +283,17 @@ class EngineNode:
     def _tick(self, now: float) -> None:
         self.core.tick(now, time.time())
         self.control.check_deadline(now)
+        if self.gate is not None:
+            self.gate.refresh(now)  # a client key added or removed: re-read the allow-list
         self._snapshot = self._make_heartbeat()
         self._snapshot_at = now
         if not self._registered:
             if now > self._register_deadline:
+                if self._refused:
+                    raise _Fatal(
+                        f"the head refused registration for register_timeout_s={self.cfg.register_timeout_s}: "
+                        f"{self._refused}"
+                    )
                 raise _Fatal(
                     f"the head never answered Register within register_timeout_s={self.cfg.register_timeout_s}"
                 )
@@ -287,12 +315,17 @@ class EngineNode:
         self._hb_stop.set()
         if self._hb_thread.is_alive():
             self._hb_thread.join(timeout=2)
+        if self._events_monitor is not None:
+            self.events.disable_monitor()
+            self._events_monitor.close(linger=0)
         for ep in self._endpoints.values():
             ep.close()
         try:
             self.backend.close()
         finally:
             self.control.close()
+            if self.gate is not None:
+                self.gate.stop()
             if self._own_ctx:
                 self.ctx.term()
         self.log.info("engine_stopped")
@@ -318,10 +351,39 @@ class EngineNode:
             loras=self.backend.loras(),
             host=self.cfg.advertise_host,
             dtype=getattr(self.info, "dtype", ""),
+            curve_key=self._curve.public.decode("ascii") if self._curve is not None else "",
         )
-        self.events.send_multipart(self.codec.encode(reg))
+        try:
+            # NOBLOCK: a DEALER without a connected head (refused handshake,
+            # head down) would block the loop; the next tick sends again.
+            self.events.send_multipart(self.codec.encode(reg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _on_events_monitor(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        assert self._events_monitor is not None
+        while True:
+            try:
+                event = recv_monitor_message(self._events_monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                raise _Fatal(
+                    f"the head at {self.cfg.head_events} refused this engine's CURVE key (ZAP status {event['value']}): "
+                    f"the engines/*.key_secret in curve_dir={self.cfg.curve_dir} is not an engine credential of this "
+                    "cluster (copy the head's key folder)"
+                )
 
     def _on_register_reply(self, _peer: bytes, msg: P.RegisterReply, _b: list[Any]) -> None:
+        if not msg.ok and msg.retry and not self._registered:
+            # Our id is held by a live engine (our previous life, not yet seen
+            # dead, or a twin): keep re-registering until register_timeout_s.
+            if self._refused != msg.error:
+                self.log.warning("register_refused_retrying", error=msg.error)
+            self._refused = msg.error
+            return
         if not msg.ok:
             self._fatal = f"the head refused registration: {msg.error}"
             return

@@ -26,6 +26,7 @@ import structlog
 from bus import protocol as P
 from bus.control_bus import ControlBus, PendingCommand
 from bus.errors import BadRequest, ErrorCode
+from bus.validate import check_control_timeout
 from router_node.cluster_state import ClusterWeights
 from router_node.config import RouterConfig
 from router_node.registry import EngineEntry, EngineState
@@ -63,6 +64,7 @@ class ClusterControl:
     # ------------------------------------------------------------ fan-out
 
     def on_control(self, client: bytes, msg: P.Control, _: list[Any]) -> None:
+        check_control_timeout(msg)
         if msg.targets is None:
             targets = [eid for eid, e in self.engines.items() if e.state is not EngineState.JOINING]
         else:
@@ -126,8 +128,13 @@ class ClusterControl:
             e.state = EngineState.HEALTHY
             e.reason = "ok"
             e.last_seen = e.steps_changed_at = time.monotonic()
-            if self.cluster.is_stale(e.weight_version):  # never routable before it is synced
-                self.reevaluate(e.last_seen)
+            # A fresh head adopts the version engines bring, but only from one
+            # that joined: a Register alone (a peer that never acks) must not
+            # make every real engine stale.
+            before = self.cluster.version
+            self.cluster.on_register(e.weight_version)
+            if self.cluster.version != before or self.cluster.is_stale(e.weight_version):
+                self.reevaluate(e.last_seen)  # never routable before it is synced
             log.info("engine_joined", engine_id=e.engine_id, paused=sorted(self.cluster_pauses), state=e.state.value)
 
         next_step(None)

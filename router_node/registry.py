@@ -113,6 +113,7 @@ class EngineEntry:
             "capacity": r.capacity,
             "vocab_size": r.vocab_size,
             "incarnation": r.incarnation,
+            "curve_key": r.curve_key,  # server key of its data/weight sockets when secured
             "outstanding": self.outstanding,
             "heartbeat_age_s": round(now - self.last_seen, 3) if self.last_seen else None,
             "running": hb.running if hb else 0,
@@ -128,6 +129,35 @@ class EngineEntry:
             "busy": hb.busy if hb else "",
             "loras": sorted(self.loras),
         }
+
+
+class Admission(enum.Enum):
+    NEW = "new"  # no engine under this id: register it
+    REPEAT = "repeat"  # the same process re-sent its Register: answer again, change nothing
+    REPLACE = "replace"  # a new process under the id of a dead one (restart): drop the old entry
+    TAKEN = "taken"  # the id belongs to a live engine: refuse (an impostor, or a twin started by mistake)
+
+
+def admit_register(old: EngineEntry | None, reg: P.Register, now: float, *, deadline_s: float) -> tuple[Admission, str]:
+    """Who may hold an engine id: the first process to register it, for as long
+    as it heartbeats. A second process (another incarnation) gets the id only
+    once the holder missed its heartbeats (`deadline_s`, the same clock that
+    marks it silent) - so an impostor cannot take over a live engine's
+    traffic, while an engine restarted after a crash waits at most that long."""
+    if old is None:
+        return Admission.NEW, ""
+    if old.reg.incarnation == reg.incarnation:
+        return Admission.REPEAT, ""
+    age = now - old.last_seen
+    if old.state is EngineState.SILENT or age > deadline_s:
+        return Admission.REPLACE, ""
+    return (
+        Admission.TAKEN,
+        f"engine id {reg.engine_id!r} is held by a live engine (incarnation {old.reg.incarnation}, pid "
+        f"{old.reg.pid}, heartbeat {age:.1f}s ago): a restarted engine gets it once that one missed its "
+        f"heartbeats ({deadline_s:.1f}s = missed_heartbeats x heartbeat_interval_s); pick another --engine-id "
+        "for a second engine",
+    )
 
 
 def now() -> float:

@@ -20,17 +20,19 @@ from typing import Any
 import structlog
 import zmq
 
+from bus import auth
 from bus import protocol as P
+from bus.auth import Gatekeeper, KeyDir
 from bus.codec import Codec
 from bus.control_bus import ControlBus
 from bus.endpoint import Endpoint, open_socket
 from bus.errors import BadRequest, ErrorCode
-from bus.sockets import CONTROL_HWM, CurveKeys, bound_address, check_endpoint
+from bus.sockets import CONTROL_HWM, bound_address, check_endpoint
 from router_node.config import RouterConfig
 from router_node.control import ClusterControl
 from router_node.forwarding import Forwarder
 from router_node.policies import POLICIES, SESSION_PLACEMENTS, Sessions
-from router_node.registry import EngineEntry, EngineState
+from router_node.registry import Admission, EngineEntry, EngineState, admit_register
 
 log = structlog.get_logger("router_node")
 
@@ -49,7 +51,14 @@ class Router:
         self._own_ctx = ctx is None
         self.codec = Codec()
         self.lifecycle = Lifecycle.STARTING
-        self._curve = CurveKeys.load(cfg.curve_dir) if cfg.curve_dir else None
+        # Security on (curve_dir): CURVE on every TCP socket and one ZAP
+        # authenticator for this context, bound before any socket accepts.
+        self.gate: Gatekeeper | None = None
+        self._curve = None
+        if cfg.curve_dir:
+            keys = KeyDir(cfg.curve_dir)
+            self._curve = keys.head()
+            self.gate = Gatekeeper(self.ctx, keys, (auth.CLIENTS, auth.ENGINES)).start()
         if cfg.session_placement not in SESSION_PLACEMENTS:
             raise ValueError(
                 f"--session-placement must be one of {sorted(SESSION_PLACEMENTS)}, got {cfg.session_placement!r}"
@@ -68,13 +77,15 @@ class Router:
         )
         fw = self.forwarding
 
-        self.pub = open_socket(self.ctx, zmq.PUB, bind=cfg.control, hwm=CONTROL_HWM, curve=self._curve)
+        self.pub = open_socket(
+            self.ctx, zmq.PUB, bind=cfg.control, hwm=CONTROL_HWM, curve=self._curve, zap_domain=auth.ENGINES
+        )
         self.bus = ControlBus(self.pub, self.codec)
         self.control = ClusterControl(
             cfg, self.bus, self.engines, reply=self._reply, forget=self._forget, reevaluate=self._evaluate_engines
         )
         self.front = Endpoint(
-            open_socket(self.ctx, zmq.ROUTER, bind=cfg.frontend, curve=self._curve),
+            open_socket(self.ctx, zmq.ROUTER, bind=cfg.frontend, curve=self._curve, zap_domain=auth.CLIENTS),
             self.codec,
             {
                 P.Generate: fw.on_generate,
@@ -90,7 +101,9 @@ class Router:
         )
         fw.front = self.front
         self.events = Endpoint(
-            open_socket(self.ctx, zmq.ROUTER, bind=cfg.events, hwm=CONTROL_HWM, curve=self._curve),
+            open_socket(
+                self.ctx, zmq.ROUTER, bind=cfg.events, hwm=CONTROL_HWM, curve=self._curve, zap_domain=auth.ENGINES
+            ),
             self.codec,
             {P.Register: self._on_register, P.Heartbeat: self._on_heartbeat, P.Ack: self.control.on_ack},
             name="events",
@@ -150,6 +163,8 @@ class Router:
         for ep in self._endpoints.values():
             ep.close()
         self.pub.close(linger=0)
+        if self.gate is not None:
+            self.gate.stop()
         if self._own_ctx:
             self.ctx.term()
         self.lifecycle = Lifecycle.STOPPED
@@ -161,6 +176,8 @@ class Router:
         self._evaluate_engines(now)
         self.bus.tick(now)
         self.sessions.expire(now)
+        if self.gate is not None:
+            self.gate.refresh(now)  # a client key added or removed: re-read the allow-lists
 
     def _evaluate_engines(self, now: float) -> None:
         deadline = self.cfg.missed_heartbeats * self.cfg.heartbeat_interval_s
@@ -188,10 +205,13 @@ class Router:
             self.forwarding.evacuate(e, reason)
 
     def _forget(self, e: EngineEntry) -> None:
-        self.engines.pop(e.engine_id, None)
+        # Idempotent: a re-registration forgets the old entry, and evacuating it
+        # may already have forgotten it (its join's ping completes as missing).
+        if self.engines.get(e.engine_id) is e:
+            self.engines.pop(e.engine_id)
         ep = self._endpoints.pop(e.sock, None)
-        self.poller.unregister(e.sock)
         if ep is not None:
+            self.poller.unregister(e.sock)
             ep.close()
         log.info("engine_forgotten", engine_id=e.engine_id)
 
@@ -219,6 +239,7 @@ class Router:
                 check_endpoint(reg.weight_address, field="weight_address")
             if not reg.engine_id or len(reg.engine_id) > 128:
                 raise BadRequest("engine_id must be 1-128 characters", field="engine_id")
+            data_curve = self._engine_curve(reg)
         except BadRequest as err:
             log.warning("register_refused", engine_id=reg.engine_id[:128], error=str(err))
             self.events.send(ident, P.RegisterReply(ok=False, error=str(err)))
@@ -226,18 +247,26 @@ class Router:
         now = time.monotonic()
         accepted = P.RegisterReply(ok=True, heartbeat_interval_s=self.cfg.heartbeat_interval_s)
         old = self.engines.get(reg.engine_id)
-        if old is not None and old.reg.incarnation == reg.incarnation:
+        deadline = self.cfg.missed_heartbeats * self.cfg.heartbeat_interval_s
+        admission, why = admit_register(old, reg, now, deadline_s=deadline)
+        if admission is Admission.REPEAT:
             self.events.send(ident, accepted)
+            return
+        if admission is Admission.TAKEN:
+            log.warning(
+                "register_refused_id_taken", engine_id=reg.engine_id, incarnation=reg.incarnation, pid=reg.pid,
+                host=reg.host, data=reg.data_address, error=why,
+            )  # fmt: skip
+            self.events.send(ident, P.RegisterReply(ok=False, error=why, retry=True))
             return
         if old is not None:  # restarted process under the same id: what it ran is gone
             self.forwarding.evacuate(old, f"engine {reg.engine_id} restarted")
             self.bus.engine_gone(reg.engine_id)
             self._forget(old)
-        sock = open_socket(self.ctx, zmq.DEALER, connect=reg.data_address, curve=self._curve)
+        sock = open_socket(self.ctx, zmq.DEALER, connect=reg.data_address, curve=data_curve)
         e = EngineEntry(reg=reg, sock=sock, registered_at=now, last_seen=now, steps_changed_at=now)
         e.loras = set(reg.loras)
         e.weight_version = reg.weight_version
-        self.control.cluster.on_register(reg.weight_version)
         self.engines[reg.engine_id] = e
         ep = Endpoint(
             sock,
@@ -252,6 +281,19 @@ class Router:
         self.events.send(ident, accepted)
         log.info("engine_registered", engine_id=reg.engine_id, data=reg.data_address, backend=reg.backend)
         self.control.join(e)
+
+    def _engine_curve(self, reg: P.Register) -> Any:
+        """Keys to connect to the engine's data socket: its own CURVE key, which
+        must be an allowed engine credential (else the head would hand requests
+        to a server nobody vouched for)."""
+        if self._curve is None or self.gate is None or not reg.data_address.startswith("tcp://"):
+            return None
+        if not self.gate.allows(auth.ENGINES, reg.curve_key.encode()):
+            raise BadRequest(
+                "curve_key is not an engine credential of this cluster (engines/*.key of the head's curve_dir)",
+                field="curve_key",
+            )
+        return self._curve.connecting_to(reg.curve_key.encode())
 
     def _on_heartbeat(self, _: bytes, hb: P.Heartbeat, _b: list[Any]) -> None:
         e = self.engines.get(hb.engine_id)

@@ -46,16 +46,23 @@ class Cluster:
         engine_args: list[str] | None = None,
         backend_options: dict[str, Any] | None = None,
         heartbeat_interval_s: float = 0.2,
+        tcp: bool = False,
     ) -> None:
+        """`tcp`: head and engines on loopback TCP (free ports) instead of IPC
+        files, so CURVE applies (`--curve-dir` in router_args/engine_args)."""
         self.dir = tempfile.mkdtemp(prefix="rbt-")
+        self.tcp = tcp
         self.backend = backend
         self.model = model
         self.engine_args = list(engine_args or [])
         self.backend_options = backend_options or {}
         self.hb = heartbeat_interval_s
-        self.frontend = f"ipc://{self.dir}/front"
-        self.events = f"ipc://{self.dir}/events"
-        self.control = f"ipc://{self.dir}/control"
+        if tcp:
+            self.frontend, self.events, self.control = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+        else:
+            self.frontend = f"ipc://{self.dir}/front"
+            self.events = f"ipc://{self.dir}/events"
+            self.control = f"ipc://{self.dir}/control"
         self.procs: dict[str, subprocess.Popen] = {}
         self.clients: list[Client] = []
         self.head = self._spawn(
@@ -76,15 +83,19 @@ class Cluster:
         return p
 
     def data_address(self, eid: str) -> str:
-        return f"ipc://{self.dir}/{eid}.data"
+        return "tcp://127.0.0.1:*" if self.tcp else f"ipc://{self.dir}/{eid}.data"
 
-    def start_engine(self, eid: str, *, extra: list[str] | None = None) -> subprocess.Popen:
+    def start_engine(
+        self, eid: str, *, extra: list[str] | None = None, engine_id: str | None = None
+    ) -> subprocess.Popen:
+        """Process `eid` (its log name, addresses) serving as `engine_id` (default `eid`)."""
+        weights = "tcp://127.0.0.1:*" if self.tcp else f"ipc://{self.dir}/{eid}.weights"
         return self._spawn(
             eid,
             [
-                "-m", "engine_node", "--engine-id", eid, "--head-events", self.events,
+                "-m", "engine_node", "--engine-id", engine_id or eid, "--head-events", self.events,
                 "--head-control", self.control, "--data-address", self.data_address(eid),
-                "--weight-address", f"ipc://{self.dir}/{eid}.weights", "--backend", self.backend,
+                "--weight-address", weights, "--backend", self.backend,
                 "--model", self.model, "--backend-options", json.dumps(self.backend_options),
                 "--heartbeat-interval-s", str(self.hb), *self.engine_args, *(extra or []),
             ],
@@ -123,6 +134,14 @@ class Cluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def live_children() -> list[psutil.Process]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import zmq
 
 from bus import protocol as P
+from bus.auth import KeyDir
 from bus.codec import Codec
 from bus.endpoint import Endpoint, open_socket
 from bus.errors import BadRequest, ControlError
@@ -21,7 +22,6 @@ from bus.frames import (
     unpack_logprobs,
     unpack_tokens,
 )
-from bus.sockets import CurveKeys
 
 
 def _pair(ctx: zmq.Context, handlers, **kw):
@@ -81,13 +81,14 @@ def test_gone_peer_is_reported_to_its_own_socket_only() -> None:
 
 
 def test_curve_is_applied_to_tcp_only(tmp_path) -> None:
-    keys = CurveKeys.load(CurveKeys.generate(str(tmp_path / "k")))
+    keys = KeyDir(str(tmp_path / "k")).init()
     ctx = zmq.Context()
-    tcp = open_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*", curve=keys)
-    ipc = open_socket(ctx, zmq.ROUTER, bind=f"ipc://{tmp_path}/s", curve=keys)
-    out = open_socket(ctx, zmq.DEALER, connect="tcp://127.0.0.1:1", curve=keys)
+    tcp = open_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*", curve=keys.head(), zap_domain="clients")
+    ipc = open_socket(ctx, zmq.ROUTER, bind=f"ipc://{tmp_path}/s", curve=keys.head(), zap_domain="clients")
+    out = open_socket(ctx, zmq.DEALER, connect="tcp://127.0.0.1:1", curve=keys.client())
     try:
         assert tcp.getsockopt(zmq.MECHANISM) == zmq.CURVE and tcp.getsockopt(zmq.CURVE_SERVER)
+        assert tcp.getsockopt(zmq.ZAP_DOMAIN) == b"clients"
         assert ipc.getsockopt(zmq.MECHANISM) == zmq.NULL
         assert out.getsockopt(zmq.MECHANISM) == zmq.CURVE and not out.getsockopt(zmq.CURVE_SERVER)
     finally:

@@ -14,9 +14,10 @@ import pytest
 import zmq
 
 from bus import protocol as P
+from bus.auth import KeyDir
 from bus.codec import Codec
 from bus.errors import BadRequest
-from bus.sockets import CurveKeys, check_endpoint
+from bus.sockets import check_endpoint
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -133,7 +134,77 @@ def test_endpoint_check_names_the_field():
 
 
 def test_curve_secret_key_is_private(tmp_path):
-    d = CurveKeys.generate(str(tmp_path / "keys"))
-    secret = os.path.join(d, "rollout-bus.key_secret")
+    d = KeyDir(str(tmp_path / "keys")).init().root
+    secret = os.path.join(d, "head.key_secret")
     assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), 0.0, -1.0])
+def test_control_with_a_deadline_that_never_or_already_passed_is_refused(cluster, timeout_s):
+    """A NaN Control.timeout_s used to be republished forever, never answered
+    (the fuzzer's finding): now a BadRequest naming the field, at once."""
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(cluster.frontend)
+        s.send_multipart(Codec().encode(P.Control(request_id="c-nan", op=P.Ping(), timeout_s=timeout_s)))
+        assert s.poll(10_000), "the head must refuse the Control at once"
+        reply = Codec().decode(s.recv_multipart())[0]
+        assert isinstance(reply, P.Error), reply
+        assert (reply.code, reply.field, reply.request_id) == ("bad_request", "timeout_s", "c-nan")
+    finally:
+        s.close(linger=0)
+    _serves(cluster)
+
+
+def _register(engine_id: str, incarnation: str, weight_version: int = 0) -> list[bytes]:
+    reg = P.Register(
+        engine_id=engine_id,
+        data_address="ipc:///tmp/rollout-bus-nowhere",
+        weight_address="",
+        backend="x",
+        model="x",
+        protocol_version=P.PROTOCOL_VERSION,
+        incarnation=incarnation,
+        weight_version=weight_version,
+    )
+    return Codec().encode(reg)
+
+
+def test_a_register_that_never_joins_does_not_move_the_cluster_version(cluster):
+    """The fuzzer's finding: a Register with weight_version=7 from a peer that
+    never acks its join made every real engine stale (NoHealthyEngine)."""
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(cluster.events)
+        s.send_multipart(_register("ghost-v7", "i1", weight_version=7))
+        assert s.poll(10_000) and Codec().decode(s.recv_multipart())[0].ok
+    finally:
+        s.close(linger=0)
+    health = cluster.client().health()
+    assert health["weight_version"] == 0 and health["stale"] == [], health
+    _serves(cluster)
+
+
+def test_re_registering_a_joining_engine_is_served(cluster):
+    """The fuzzer's finding: a second Register of an engine still joining made
+    the head forget the first entry twice (KeyError in the poller); the new
+    registration was dropped. Now the second one is the entry."""
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(cluster.events)
+        for inc in ("first", "second"):
+            s.send_multipart(_register("ghost-twice", inc))
+            assert s.poll(10_000), "the head must answer every Register"
+            assert Codec().decode(s.recv_multipart())[0].ok
+    finally:
+        s.close(linger=0)
+    engines = cluster.client().health()["engines"]
+    assert engines["ghost-twice"]["incarnation"] == "second", engines.get("ghost-twice")
+    _serves(cluster)

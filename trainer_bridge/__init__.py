@@ -1,6 +1,7 @@
 """What a trainer imports: the rollout-bus client and its result types."""
 
 from bus.errors import (
+    AuthRefused,
     BadRequest,
     ClosedByUs,
     ControlError,
@@ -28,6 +29,7 @@ __all__ = [
     "SampleResponse",
     "SampledSequence",
     "RolloutBusError",
+    "AuthRefused",
     "BadRequest",
     "ClosedByUs",
     "ControlError",

@@ -29,12 +29,21 @@ import numpy as np
 import zmq
 
 from bus import protocol as P
+from bus.auth import KeyDir
 from bus.codec import Codec, split_chunks
 from bus.endpoint import open_socket
-from bus.errors import BadRequest, ClosedByUs, ControlError, ProtocolError, RequestTimeout, exception_from_wire
+from bus.errors import (
+    AuthRefused,
+    BadRequest,
+    ClosedByUs,
+    ControlError,
+    ProtocolError,
+    RequestTimeout,
+    RolloutBusError,
+    exception_from_wire,
+)
 from bus.frames import decode as decode_frames
 from bus.frames import pack_tokens, token_versions
-from bus.sockets import CurveKeys
 from trainer_bridge.types import GenerationResult, SampledSequence, SampleOutput, SampleResponse, StreamChunk
 
 _END = object()
@@ -69,18 +78,29 @@ class AsyncClient:
         timeout_s: float = 600.0,
         control_timeout_s: float = 120.0,
         curve_dir: str | None = None,
+        client_key: str | None = None,
         tokenizer: Any = None,
     ) -> None:
-        """`tokenizer`: a Hugging Face tokenizer or a local model folder; without
-        one, text/chat prompts load the tokenizer of the engines' model folder."""
+        """`curve_dir`: the cluster's key folder (security on: its head.key is
+        the server key); `client_key`: this client's key, a name in
+        curve_dir/clients/ (default "default") or the path of a .key_secret
+        file - its public key must be on the head's allow-list (README,
+        "Security"). `tokenizer`: a Hugging Face tokenizer or a local model
+        folder; without one, text/chat prompts load the tokenizer of the
+        engines' model folder."""
         self.address = address
         self._tokenizer_spec = tokenizer
         self._text: Any = None  # trainer_bridge.text.Text, loaded on first use
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
-        self._curve = CurveKeys.load(curve_dir) if curve_dir else None
+        self._curve = KeyDir(curve_dir).client(client_key) if curve_dir else None
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
+        # Security on: a monitor of the DEALER reports a refused handshake (our
+        # key is not on the allow-list); libzmq does not retry after it, so
+        # every waiter fails at once with AuthRefused instead of timing out.
+        self._monitor: zmq.Socket | None = None
+        self._refused: AuthRefused | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._codec = Codec()
         self._drain_scheduled = False
@@ -103,7 +123,39 @@ class AsyncClient:
             self._ctx = zmq.Context()
             self._sock = open_socket(self._ctx, zmq.DEALER, connect=self.address, curve=self._curve)
             self._loop.add_reader(self._sock.fileno(), self._drain)
+            if self._curve is not None:
+                self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+                self._loop.add_reader(self._monitor.fileno(), self._on_monitor)
+                # zmq's FD only signals once its mailbox was drained: drain now
+                # so the refusal's event makes it readable.
+                self._loop.call_soon(self._on_monitor)
+        if self._refused is not None:
+            raise self._refused
         return self._sock
+
+    def _on_monitor(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor is not None:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                continue
+            assert self._curve is not None
+            key = self._curve.public.decode("ascii")
+            self._refused = err = AuthRefused(
+                f"the head at {self.address} refused this client's CURVE key {key} (ZAP status "
+                f"{event['value']}): it is not on the head's clients allow-list - add it with "
+                "`python launch.py keys add-client NAME --public FILE` (README, Security)",
+                field="client_key",
+            )
+            for q in self._streams.values():
+                q.put_nowait((err, None))
+            for f in self._replies.values():
+                if not f.done():
+                    f.set_exception(err)
 
     def _drain(self) -> None:
         """Read every message that is ready and hand it to its waiter."""
@@ -172,7 +224,15 @@ class AsyncClient:
         for f in self._replies.values():
             if not f.done():
                 f.set_exception(ClosedByUs("the client was closed while waiting"))
+        if self._monitor is not None and self._loop is not None and not self._loop.is_closed():
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._monitor.fileno())
         if self._sock is not None:
+            if self._monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.disable_monitor()
+                self._monitor.close(linger=0)
+                self._monitor = None
             self._sock.close(linger=0)
         if self._ctx is not None:
             self._ctx.term()
@@ -249,6 +309,8 @@ class AsyncClient:
                     )
                 if item is _END:
                     raise ClosedByUs("the client was closed while streaming", request_id=rid)
+                if isinstance(item, RolloutBusError):
+                    raise item
                 if isinstance(item, P.Error):
                     raise exception_from_wire(item.code, item.message, rid, item.field)
                 if not isinstance(item, P.Chunk):
@@ -620,11 +682,14 @@ class Client:
         timeout_s: float = 600.0,
         control_timeout_s: float = 120.0,
         curve_dir: str | None = None,
+        client_key: str | None = None,
         tokenizer: Any = None,
     ) -> None:
         """`timeout_s`: a request's deadline; `control_timeout_s`: a control
-        op's; `curve_dir`: CURVE keys (launch.py --curve); `tokenizer`: a Hugging
-        Face tokenizer or a local model folder (else the engines' model's)."""
+        op's; `curve_dir`: the cluster's key folder (launch.py --curve) and
+        `client_key`: this client's key in it, a name or a .key_secret path
+        (AsyncClient); `tokenizer`: a Hugging Face tokenizer or a local model
+        folder (else the engines' model's)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-bus-client", daemon=True)
         self._thread.start()
@@ -633,6 +698,7 @@ class Client:
             timeout_s=timeout_s,
             control_timeout_s=control_timeout_s,
             curve_dir=curve_dir,
+            client_key=client_key,
             tokenizer=tokenizer,
         )
         self._finalizer = weakref.finalize(self, _close_loop, self._loop, self._thread, self._aclient)

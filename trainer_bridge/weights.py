@@ -129,8 +129,18 @@ async def _send_buckets_zmq(
     ctx = zmq.asyncio.Context()
     codec = Codec()
     # The engines' weight sockets are CURVE servers on TCP when the cluster is
-    # secured: connect with the client's keys (open_socket decides per address).
-    socks = {e["engine_id"]: open_socket(ctx, zmq.DEALER, connect=e["weight_address"], curve=curve) for e in engines}
+    # secured (open_socket decides per address): connect with the client's
+    # keys and the engine's own key (from its Register) as the server key; the
+    # engine checks ours against its "peers" allow-list.
+    socks = {
+        e["engine_id"]: open_socket(
+            ctx,
+            zmq.DEALER,
+            connect=e["weight_address"],
+            curve=curve.connecting_to(e["curve_key"].encode()) if curve and e.get("curve_key") else curve,
+        )
+        for e in engines
+    }
     try:
         for b in range(len(sizes)):
             buf = pack_bucket(b, metas, sizes, tensors)

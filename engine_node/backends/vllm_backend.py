@@ -50,11 +50,11 @@ from engine_node.backends import vllm_weights as W
 from engine_node.backends.vllm_engine_core import CoreLink, _settle, load_vllm_api
 from engine_node.backends.vllm_lora import LoraTable, write_peft
 from engine_node.backends.vllm_requests import OutputBuffer, build_request, sampling_params
+from engine_node.child_watch import export_node_pid
 
 log = structlog.get_logger("rollout_bus.vllm_backend")
 
 WORKER_EXT = "engine_node.backends.vllm_worker_ext.RolloutBusWorkerExtension"
-NODE_PID_ENV = "ROLLOUT_BUS_NODE_PID"  # == vllm_worker_ext.NODE_PID_ENV
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -72,9 +72,9 @@ def _prepare_env() -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    # The engine's processes die with this one (vllm_worker_ext.arm_parent_death
-    # reads it; not imported here: importing the extension arms its watch).
-    os.environ[NODE_PID_ENV] = str(os.getpid())
+    # The engine's processes die with this one: vllm_worker_ext arms the watch
+    # in every worker (engine_node/child_watch.py). Call on the spawning thread.
+    export_node_pid()
 
 
 class VllmBackend:

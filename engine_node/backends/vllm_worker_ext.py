@@ -39,7 +39,7 @@ post-load step such as fp8 re-quantization; a no-op here). opts["plan"]=False
 (or ROLLOUT_BUS_WEIGHT_PLAN=0 in the workers' environment) turns plans off.
 
 Also: the engine's processes must not outlive the engine node (see
-`arm_parent_death`, run when this module is imported in a worker).
+`engine_node.child_watch.arm`, run when this module is imported in a worker).
 
 Nothing here imports vllm at module level, so the module imports on machines
 without vLLM (the CPU tests import it).
@@ -50,8 +50,6 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
-import signal
-import threading
 import time
 import warnings
 import weakref
@@ -62,65 +60,14 @@ import torch
 from bus.tensors import unpack_bucket
 from engine_node.backends import vllm_fp8
 from engine_node.backends import vllm_weight_plan as WP
+from engine_node.child_watch import NODE_PID_ENV as NODE_PID_ENV
+from engine_node.child_watch import arm as arm_node_watch
 
-NODE_PID_ENV = "ROLLOUT_BUS_NODE_PID"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
-def arm_parent_death(poll_s: float = 0.5) -> str:
-    """Make this process die with the engine node, whose pid the backend puts
-    in the environment before vLLM spawns anything. A daemon thread polls:
-
-    - "watch-parent": our parent is the node (TP=1: the worker lives inside
-      the EngineCore process). When we are re-parented, the node is gone: exit.
-    - "watch-node": our parent is the EngineCore (TP>1 workers). vLLM's death
-      pipe already ends workers when the EngineCore dies, but nothing ends the
-      EngineCore when the node dies: when the node's pid is gone, kill our
-      parent (the EngineCore) and exit.
-
-    Not prctl(PR_SET_PDEATHSIG): it fires when the *thread* that spawned us
-    exits, and the node may build its backend on a short-lived thread.
-    The window between spawn and this import (engine start-up) is not covered."""
-    try:
-        node = int(os.environ.get(NODE_PID_ENV, "0"))
-    except ValueError:
-        return "off"
-    if node <= 0 or node == os.getpid():
-        return "off"
-    if os.getppid() == node:
-        mode, victim = "watch-parent", 0
-
-        def gone() -> bool:
-            return os.getppid() != node
-    else:
-        mode, victim = "watch-node", os.getppid()
-
-        def gone() -> bool:
-            return not _alive(node)
-
-    def watch() -> None:
-        while not gone():
-            time.sleep(poll_s)
-        try:
-            if victim > 1:
-                os.kill(victim, signal.SIGKILL)
-        finally:
-            os._exit(1)
-
-    threading.Thread(target=watch, name="rollout-bus-node-watch", daemon=True).start()
-    return mode
-
-
-PARENT_DEATH = arm_parent_death()
+# The engine's processes die with the node: this import is the first thing
+# every worker runs of ours (TP=1: inside the EngineCore process, whose parent
+# is the node; TP>1: a worker under the EngineCore, which it kills when the
+# node goes). engine_node/child_watch.py has the mechanism and its hazards.
+PARENT_DEATH = arm_node_watch()
 
 
 def local_device_for_uuid(uuid: str | None, default: int) -> int:

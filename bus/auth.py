@@ -1,0 +1,328 @@
+"""Who may talk to whom when the cluster is secured (CURVE + ZAP allow-lists).
+
+Key folder (made by `launch.py keys init`, or by `launch.py --curve` when missing):
+
+    KEYDIR/                    0700, every file 0600
+      head.key                 the head's public key: every engine and client needs it
+      head.key_secret          the head's secret: the head only (never copy it)
+      engines/engine.key       the cluster's engine credential (public) - the head's allow-list
+      engines/engine.key_secret  its secret: every engine node needs it (copy to joining nodes)
+      clients/NAME.key         allow-list of client (trainer) public keys: head and engines
+      clients/NAME.key_secret  a client's secret, when the key was made here (give it to
+                               that trainer; `keys add-client NAME --public FILE` imports a
+                               trainer's own public key and leaves no secret here)
+
+ZAP domains (one per kind of server socket; a key allowed in one is refused in
+the others):
+
+    "clients"  head frontend                       clients/*.key
+    "engines"  head events + control PUB            engines/*.key
+    "peers"    engine data + weight sockets         head.key + clients/*.key
+
+`Gatekeeper` is the one ZAP authenticator of a process's zmq context (libzmq
+asks the handler bound at inproc://zeromq.zap.01 of the socket's context, so
+one per context, bound before any secured socket accepts). It runs pyzmq's
+ThreadAuthenticator: the head and the engine node run plain (non-asyncio)
+poll loops, and a handshake must be answered even while the engine loop sits
+inside a long backend step. The allow-lists are read at start and re-read by
+`refresh()` (the owner loop's tick) whenever a key file is added, removed or
+changed, so `launch.py keys add-client` takes effect on a running cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import glob
+import os
+import re
+import time
+from collections.abc import Iterable
+
+import structlog
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from bus.errors import BadRequest
+from bus.sockets import CurveKeys
+
+log = structlog.get_logger("bus.auth")
+
+CLIENTS = "clients"  # ZAP domain of the head's frontend
+ENGINES = "engines"  # ZAP domain of the head's events and control sockets
+PEERS = "peers"  # ZAP domain of an engine's data and weight sockets
+DOMAINS = (CLIENTS, ENGINES, PEERS)
+
+HEAD = "head"
+ENGINE = "engine"  # the cluster's engine credential: engines/engine.key(_secret)
+DEFAULT_CLIENT = "default"  # made by `keys init`; the launcher's own client uses it
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class KeyFileError(BadRequest):
+    """A key folder or key file that cannot be used; `field` names the option
+    that points at it and the message says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyInfo:
+    role: str  # head | engine | client
+    name: str
+    public: str  # z85
+    has_secret: bool
+    path: str
+
+
+def _write_private(path: str, text: str) -> None:
+    """Create a key file 0600 from the first byte (no chmod after a umask-wide
+    create: for that moment a world-readable secret would exist)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf8") as f:
+        f.write(text)
+
+
+def _key_text(public: bytes, secret: bytes | None) -> str:
+    # pyzmq's certificate format, so zmq.auth.load_certificate(s) reads it.
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    lines = [f"#   ****  Generated on {when} by rollout-bus  ****", ""]
+    lines += ["metadata", "curve", f'    public-key = "{public.decode("ascii")}"']
+    if secret is not None:
+        lines.insert(1, "#   ZeroMQ CURVE **Secret** Certificate: give it to no one else")
+        lines.append(f'    secret-key = "{secret.decode("ascii")}"')
+    return "\n".join(lines) + "\n"
+
+
+def write_keypair(folder: str, name: str) -> tuple[str, str]:
+    """A new CURVE keypair as folder/name.key + folder/name.key_secret (both 0600)."""
+    check_name(name)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    public, secret = zmq.curve_keypair()
+    pub_path, sec_path = os.path.join(folder, f"{name}.key"), os.path.join(folder, f"{name}.key_secret")
+    for p in (pub_path, sec_path):
+        if os.path.exists(p):
+            raise KeyFileError(f"{p} exists: a key is never overwritten (remove it first to replace it)", field="name")
+    _write_private(sec_path, _key_text(public, secret))
+    _write_private(pub_path, _key_text(public, None))
+    return pub_path, sec_path
+
+
+def check_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise KeyFileError(
+            f"key name {name!r}: letters, digits, '_', '.', '-' (1-64, starting with a letter or digit)", field="name"
+        )
+    return name
+
+
+def _load(path: str, *, secret: bool, field: str = "curve_dir") -> tuple[bytes, bytes | None]:
+    try:
+        pub, sec = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise KeyFileError(f"cannot read CURVE key {path}: {e}", field=field) from None
+    if secret and sec is None:
+        raise KeyFileError(f"{path} holds no secret key", field=field)
+    return pub, sec
+
+
+class KeyDir:
+    """The key folder of one cluster (layout in the module docstring)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self.engines_dir = os.path.join(self.root, "engines")
+        self.clients_dir = os.path.join(self.root, "clients")
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    # ------------------------------------------------------------ making keys
+
+    def exists(self) -> bool:
+        return os.path.exists(self.path(f"{HEAD}.key"))
+
+    def init(self) -> KeyDir:
+        """Make the head's keys, the engine credential and the default client
+        key where missing (never overwrites a key)."""
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        if not self.exists():
+            write_keypair(self.root, HEAD)
+        if not glob.glob(os.path.join(self.engines_dir, "*.key_secret")):
+            write_keypair(self.engines_dir, ENGINE)
+        if not os.path.exists(os.path.join(self.clients_dir, f"{DEFAULT_CLIENT}.key")):
+            write_keypair(self.clients_dir, DEFAULT_CLIENT)
+        return self
+
+    def add_client(self, name: str, public_file: str | None = None) -> str:
+        """Allow a client: make its keypair here (returns the secret's path, for
+        that trainer) or import its public key from `public_file` (returns the
+        allow-list entry's path)."""
+        check_name(name)
+        target = os.path.join(self.clients_dir, f"{name}.key")
+        if os.path.exists(target):
+            raise KeyFileError(
+                f"client {name!r} already exists ({target}); remove that file first to replace it", field="name"
+            )
+        os.makedirs(self.clients_dir, mode=0o700, exist_ok=True)
+        if public_file is None:
+            return write_keypair(self.clients_dir, name)[1]
+        pub, _ = _load(public_file, secret=False)
+        _write_private(target, _key_text(pub, None))
+        return target
+
+    def remove_client(self, name: str) -> list[str]:
+        gone = []
+        for suffix in (".key", ".key_secret"):
+            p = os.path.join(self.clients_dir, name + suffix)
+            if os.path.exists(p):
+                os.remove(p)
+                gone.append(p)
+        if not gone:
+            raise KeyFileError(f"no client {name!r} in {self.clients_dir}", field="name")
+        return gone
+
+    def listing(self) -> list[KeyInfo]:
+        rows = []
+        for role, pattern in ((HEAD, self.path(f"{HEAD}.key")), (ENGINE, os.path.join(self.engines_dir, "*.key"))):
+            rows += [self._info(role, p) for p in sorted(glob.glob(pattern))]
+        rows += [self._info("client", p) for p in sorted(glob.glob(os.path.join(self.clients_dir, "*.key")))]
+        return rows
+
+    def _info(self, role: str, path: str) -> KeyInfo:
+        pub, _ = _load(path, secret=False)
+        name = os.path.basename(path)[: -len(".key")]
+        return KeyInfo(role, name, pub.decode("ascii"), os.path.exists(path + "_secret"), path)
+
+    # ------------------------------------------------------------ per-process keys
+
+    def _require(self, path: str, what: str, field: str = "curve_dir") -> str:
+        if not os.path.exists(path):
+            raise KeyFileError(
+                f"{what}: {path} is missing (make the folder with `python launch.py keys init --curve-dir {self.root}`"
+                " on the head node and copy it to the others, without head.key_secret)",
+                field=field,
+            )
+        return path
+
+    def head_public(self) -> bytes:
+        return _load(self._require(self.path(f"{HEAD}.key"), "the head's public key"), secret=False)[0]
+
+    def head(self) -> CurveKeys:
+        """The head's own keys (server of frontend, events and control)."""
+        pub, sec = _load(self._require(self.path(f"{HEAD}.key_secret"), "the head's secret key"), secret=True)
+        assert sec is not None
+        return CurveKeys(public=pub, secret=sec)
+
+    def engine(self) -> CurveKeys:
+        """The engine credential (server of its data/weight sockets, client of the head)."""
+        found = sorted(glob.glob(os.path.join(self.engines_dir, "*.key_secret")))
+        if not found:
+            self._require(os.path.join(self.engines_dir, f"{ENGINE}.key_secret"), "the engine credential")
+        pub, sec = _load(found[0], secret=True)
+        assert sec is not None
+        return CurveKeys(public=pub, secret=sec, server_public=self.head_public())
+
+    def client(self, key: str | None = None) -> CurveKeys:
+        """A client's keys: `key` is a name in clients/ (default "default") or
+        the path of a .key_secret file (a trainer's own key)."""
+        key = key or DEFAULT_CLIENT
+        if os.sep in key or key.endswith(".key_secret"):
+            path = os.path.expanduser(key)
+        else:
+            path = os.path.join(self.clients_dir, f"{key}.key_secret")
+        pub, sec = _load(self._require(path, f"client key {key!r}", "client_key"), secret=True, field="client_key")
+        assert sec is not None
+        return CurveKeys(public=pub, secret=sec, server_public=self.head_public())
+
+    # ------------------------------------------------------------ allow-lists
+
+    def allowed(self, domain: str) -> frozenset[bytes]:
+        """The z85 public keys a server socket of `domain` accepts."""
+        files = {
+            CLIENTS: self._publics(self.clients_dir),
+            ENGINES: self._publics(self.engines_dir),
+            PEERS: [self.path(f"{HEAD}.key"), *self._publics(self.clients_dir)],
+        }[domain]
+        keys = set()
+        for p in files:
+            try:
+                keys.add(_load(p, secret=False)[0])  # pyzmq's key files hold z85 already
+            except KeyFileError as e:  # one unreadable file must not lock everyone out
+                log.warning("key_file_skipped", path=p, error=str(e))
+        return frozenset(keys)
+
+    @staticmethod
+    def _publics(folder: str) -> list[str]:
+        return sorted(glob.glob(os.path.join(folder, "*.key")))
+
+    def signature(self) -> tuple[tuple[str, int], ...]:
+        """Changes when an allow-list file is added, removed or rewritten."""
+        out = []
+        for p in [self.path(f"{HEAD}.key"), *self._publics(self.engines_dir), *self._publics(self.clients_dir)]:
+            try:
+                out.append((p, os.stat(p).st_mtime_ns))
+            except FileNotFoundError:
+                pass
+        return tuple(out)
+
+
+class Gatekeeper:
+    """The ZAP authenticator of one zmq context: CURVE keys checked against the
+    allow-list of the connecting socket's ZAP domain.
+
+    Threads: `callback` runs on pyzmq's authenticator thread; `refresh` on the
+    owner's loop. They share only `_allowed`, which `refresh` replaces whole
+    (one attribute store, atomic under the GIL) and `callback` reads once.
+    """
+
+    REFRESH_S = 2.0
+
+    def __init__(self, ctx: zmq.Context, keys: KeyDir, domains: Iterable[str]) -> None:
+        self.keys = keys
+        self.domains = tuple(domains)
+        self._allowed: dict[str, frozenset[bytes]] = {}
+        self._signature: tuple[tuple[str, int], ...] = ()
+        self._checked_at = 0.0
+        self.refused = 0  # handshakes refused (for stats and tests)
+        self._auth = ThreadAuthenticator(ctx)
+        self._started = False
+
+    def start(self) -> Gatekeeper:
+        self.refresh(force=True)
+        self._auth.start()
+        self._started = True
+        for d in self.domains:
+            self._auth.configure_curve_callback(d, credentials_provider=self)
+        return self
+
+    def refresh(self, now: float | None = None, *, force: bool = False) -> bool:
+        """Re-read the allow-lists if a key file changed (at most every REFRESH_S)."""
+        now = time.monotonic() if now is None else now
+        if not force and now - self._checked_at < self.REFRESH_S:
+            return False
+        self._checked_at = now
+        sig = self.keys.signature()
+        if sig == self._signature and not force:
+            return False
+        self._signature = sig
+        self._allowed = {d: self.keys.allowed(d) for d in self.domains}
+        log.info("allow_lists_loaded", **{d: len(k) for d, k in self._allowed.items()})
+        return True
+
+    def allows(self, domain: str, key: bytes) -> bool:
+        """Is this z85 key on `domain`'s allow-list (as last loaded)?"""
+        return key in self._allowed.get(domain, frozenset())
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = self.allows(domain, key)
+        if not ok:
+            self.refused += 1
+            log.warning("zap_refused", domain=domain, key=key.decode("ascii", "replace"))
+        return ok
+
+    def stop(self) -> None:
+        """Before the context is terminated (the ZAP socket belongs to it)."""
+        if self._started:
+            self._started = False
+            self._auth.stop()
