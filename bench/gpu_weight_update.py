@@ -20,6 +20,20 @@ set-up) and --updates steady-state updates through the client.
 Targets (issue 8): pause+update+resume <= 25 ms; resume -> first new token
 <= 30 ms; NCCL steady <= 3x raw broadcast; first NCCL update <= 1 s.
 
+Where the time goes: every update prints a TIMING line (pause, each control
+round trip the update made — begin / receive / finish —, the trainer's packing
+and NCCL send, the engine's commit as its log reports it: worker path
+"load_weights+record" (the first update of a layout) or "plan", copy, fallback,
+sync; resume; resume -> first token). The NCCL phase sets the group up first
+with gpu_transports.warm_up_nccl (as SkyRL's init_weight_update_communicator
+does; --no-nccl-warm-up leaves it to the first update) and reports that apart.
+--resume-ramp-tokens (default 4096; 0 = off): the vllm backend's resume ramp
+(the first step after a resume re-prefills at most that many tokens).
+--check (after the timed updates): an update with perturbed weights, then one
+with the originals, each with weight_check=True (the engine compares every
+parameter its plan wrote with vLLM's load_weights, bit for bit), then greedy
+outputs must equal those before any update.
+
     python -m bench.gpu_weight_update --model /tmp/q05 --out-dir $OUT [--nccl]
     python -m bench.gpu_weight_update --cpu      # dry run: torch backend, zmq transport, CPU copy floor
 """
@@ -178,6 +192,111 @@ def copy_floor(named: list[tuple[str, Any]], nbytes: int, reps: int = 10) -> dic
     }
 
 
+# ---------------------------------------------------------------- where the time goes
+
+CONTROL_LOG: list[tuple[float, str, float]] = []  # (start perf_counter, op type, seconds)
+SENDER_LOG: list[dict[str, Any]] = []  # the trainer-side sender's timing, one per update
+
+
+def instrument() -> None:
+    """Time every control round trip the client makes (by op type) and the
+    trainer-side senders (bench process only)."""
+    from trainer_bridge import gpu_transports as GT
+    from trainer_bridge.client import AsyncClient
+
+    if getattr(AsyncClient.control, "_bench_timed", False):
+        return
+    orig = AsyncClient.control
+
+    async def control(self: Any, op: Any, *args: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return await orig(self, op, *args, **kw)
+        finally:
+            CONTROL_LOG.append((t0, type(op).__name__, time.perf_counter() - t0))
+
+    control._bench_timed = True  # type: ignore[attr-defined]
+    AsyncClient.control = control  # type: ignore[method-assign]
+    share = GT.CudaIpcSender.share
+
+    def timed_share(self: Any, *a: Any, **kw: Any) -> Any:
+        r = share(self, *a, **kw)
+        SENDER_LOG.append({"pack_s": round(self.last_pack_seconds, 4)})
+        return r
+
+    GT.CudaIpcSender.share = timed_share  # type: ignore[method-assign]
+    send = GT.NcclSender.send
+
+    def timed_send(self: Any, *a: Any, **kw: Any) -> Any:
+        r = send(self, *a, **kw)
+        SENDER_LOG.append(dict(self.last_send_timing))
+        return r
+
+    GT.NcclSender.send = timed_send  # type: ignore[method-assign]
+
+
+def engine_timing(log_path: Path, since: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """The engine's weight_commit_timing / weight_receive_timing log events
+    (JSON lines in the cluster's log) after byte `since`; and the new end."""
+    out = []
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(since)
+            data = f.read()
+    except OSError:
+        return [], since
+    for line in data.decode(errors="replace").splitlines():
+        if "weight_commit_timing" not in line and "weight_receive_timing" not in line:
+            continue
+        i = line.find("{")
+        try:
+            out.append(json.loads(line[i:]))
+        except (ValueError, IndexError):
+            out.append({"event": "unparsed", "line": line[-300:]})
+    return out, since + len(data)
+
+
+def _ms(v: Any) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def timing_line(tag: str, rec: dict[str, Any]) -> str:
+    c = rec.get("control_ms") or {}
+    snd = rec.get("sender") or {}
+    eng = rec.get("engine_commit") or {}
+    rcv = rec.get("engine_receive") or {}
+    parts = [
+        f"pause {rec.get('pause_ms', 0):.1f}",
+        "control " + " ".join(f"{k} {v:.1f}" for k, v in c.items()),
+        "trainer " + " ".join(f"{k} {_ms(v)}" for k, v in snd.items()),
+    ]
+    if rcv:
+        parts.append(
+            "engine receive "
+            + " ".join(f"{k} {_ms(rcv.get(k))}" for k in ("seconds", "setup_seconds", "alloc_s", "broadcast_s"))
+        )
+    if eng:
+        keys = [
+            *("backend_s", "seconds", "open_s", "apply_s", "copy_s", "fallback_s"),
+            *("record_s", "load_s", "verify_s", "post_sync_s", "check_s"),
+        ]
+        parts.append(
+            f"engine commit [{eng.get('path')}] "
+            + " ".join(f"{k} {_ms(eng.get(k))}" for k in keys if eng.get(k) is not None)
+            + (f" fallback_names {eng['fallback']}" if eng.get("fallback") is not None else "")
+        )
+    parts.append(f"resume {rec.get('resume_ms', 0):.1f}")
+    parts.append(f"first token {rec.get('first_token_ms') or 0:.1f}")
+    return f"TIMING {tag} update {rec.get('i')} (ms): " + " | ".join(parts)
+
+
+def engine_log_end(log_path: Path | None) -> int:
+    try:
+        return log_path.stat().st_size if log_path else 0
+    except OSError:
+        return 0
+
+
 def timed_updates(
     client: Any,
     named: list[tuple[str, Any]],
@@ -187,12 +306,16 @@ def timed_updates(
     gap_s: float,
     first_token_timeout_s: float,
     options: dict[str, Any],
+    log_path: Path | None = None,
+    tag: str = "",
 ) -> list[dict[str, Any]]:
     """n pause+update+resume blocks under load; one dict of timings each."""
     out = []
+    log_at = engine_log_end(log_path)
     for i in range(n):
         time.sleep(gap_s)  # streams back at full speed
         rec: dict[str, Any] = {"i": i, "streams_in_flight": load.active}
+        c0, s0 = len(CONTROL_LOG), len(SENDER_LOG)
         try:
             t0 = time.perf_counter()
             with client.paused("abort"):
@@ -217,14 +340,105 @@ def timed_updates(
             rec["first_token_ms"] = (load.first_seen[v] - t2) * 1e3 if v in load.first_seen else None
         except Exception as e:
             rec["error"] = f"{type(e).__name__}: {e}"[:500]
+        ctl: dict[str, float] = {}
+        for _, kind, dt in CONTROL_LOG[c0:]:
+            k = kind.removesuffix("WeightUpdate").removesuffix("Weights") or kind
+            ctl[k] = ctl.get(k, 0.0) + dt * 1e3
+        rec["control_ms"] = {k: round(v, 2) for k, v in ctl.items()}
+        rec["sender"] = SENDER_LOG[s0] if len(SENDER_LOG) > s0 else {}
+        if log_path is not None:
+            time.sleep(0.05)  # the engine's log line may trail its ack
+            evs, log_at = engine_timing(log_path, log_at)
+            for ev in evs:
+                if ev.get("event") == "weight_commit_timing":
+                    rec["engine_commit"] = ev
+                elif ev.get("event") == "weight_receive_timing":
+                    rec["engine_receive"] = ev
         out.append(rec)
+        print(timing_line(tag, rec), flush=True)
         print(
             f"  update {i}: "
             + json.dumps(
-                {k: (round(v, 2) if isinstance(v, float) else v) for k, v in rec.items() if k != "engine_result"}
+                {
+                    k: (round(v, 2) if isinstance(v, float) else v)
+                    for k, v in rec.items()
+                    if k not in ("engine_result", "engine_commit", "engine_receive", "control_ms", "sender")
+                }
             ),
             flush=True,
         )
+    return out
+
+
+def breakdown(updates: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of every timed part over the steady updates (ms)."""
+    parts: dict[str, list[float]] = {}
+
+    def add(k: str, v: Any, scale: float = 1.0) -> None:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            parts.setdefault(k, []).append(float(v) * scale)
+
+    for u in updates:
+        if "error" in u:
+            continue
+        for k, v in (u.get("control_ms") or {}).items():
+            add("control." + k, v)
+        for k, v in (u.get("sender") or {}).items():
+            add("trainer." + k, v, 1e3)
+        for k, v in (u.get("engine_receive") or {}).items():
+            add("engine_receive." + k, v, 1e3)
+        for k, v in (u.get("engine_commit") or {}).items():
+            if k != "fallback":
+                add("engine_commit." + k, v, 1e3)
+    return {k: round(H.median(v), 3) for k, v in sorted(parts.items())}
+
+
+def _greedy(client: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    prompts = _prompts(spec)[:8]
+    res = client.generate(prompts, {"max_tokens": 32, "temperature": 0.0, "logprobs": 0})
+    return [{"tokens": list(r.token_ids), "logprobs": list(r.logprobs or [])} for r in res]
+
+
+def weight_check(
+    client: Any,
+    named: list[tuple[str, Any]],
+    transport: str,
+    opts: dict[str, Any],
+    log_path: Path,
+    greedy0: list[dict[str, Any]] | None,
+    spec: dict[str, Any],
+) -> dict[str, Any]:
+    """Fast path == load_weights, on the device: a perturbed update, then the
+    originals back, each with weight_check=True (the engine reports every
+    parameter whose plan-written bits differ from load_weights'); then the
+    greedy outputs must equal those taken before any update."""
+    import torch
+
+    out: dict[str, Any] = {}
+    at = engine_log_end(log_path)
+    g = torch.Generator(device=named[0][1].device).manual_seed(1234)
+    with torch.no_grad():
+        noisy = [(n, t + 0.01 * torch.randn(t.shape, generator=g, device=t.device, dtype=t.dtype)) for n, t in named]
+    for tag, ws in (("perturbed", noisy), ("original", named)):
+        client.update_weights(ws, transport=transport, weight_check=True, **opts)
+        time.sleep(0.1)
+        evs, at = engine_timing(log_path, at)
+        commits = [e for e in evs if e.get("event") == "weight_commit_timing"]
+        c = commits[-1] if commits else {}
+        out[tag] = {k: c.get(k) for k in ("path", "check_params", "check_mismatch", "check_s")}
+        if tag == "perturbed" and greedy0 is not None:
+            out["perturbed_changes_output"] = _greedy(client, spec) != greedy0
+    del noisy
+    if greedy0 is not None:
+        g2 = _greedy(client, spec)
+        out["greedy_tokens_equal"] = [x["tokens"] for x in g2] == [x["tokens"] for x in greedy0]
+        out["greedy_logprobs_equal"] = g2 == greedy0
+    seen = [out[t] for t in ("perturbed", "original") if out[t].get("path") is not None]
+    if not seen:
+        out["engine_check"] = "no weight_commit_timing in the engine log (not the vllm backend?)"
+    out["ok"] = all(c.get("path") == "plan" and c.get("check_mismatch") == [] for c in seen) and (
+        out.get("greedy_tokens_equal", True) is True
+    )
     return out
 
 
@@ -260,6 +474,8 @@ def _run_under_load(
         if cpu
         else {"gpu_memory_utilization": spec["gpu_memory_utilization"], "max_model_len": spec["max_model_len"]}
     )
+    if not cpu and spec.get("resume_ramp_tokens"):
+        eng["backend_options"] = {"resume_ramp_tokens": int(spec["resume_ramp_tokens"])}
     with G.RbCluster(
         spec["model"],
         "torch" if cpu else "vllm",
@@ -280,16 +496,42 @@ def _run_under_load(
         load = StreamLoad(
             cl.address, spec["streams"], _prompts(spec), spec["stream_max_tokens"], spec["request_timeout_s"]
         ).start()
+        instrument()
         client = Client(cl.address, timeout_s=spec["request_timeout_s"], control_timeout_s=spec["control_timeout_s"])
         try:
-            load.wait_flowing(spec["ready_timeout_s"])
             opts = {"device": trainer_device} if transport != "zmq" and not cpu else {}
+            greedy0 = _greedy(client, spec) if spec.get("check") else None
+            if transport == "nccl" and spec.get("nccl_warm_up", True):
+                # as SkyRL's init_weight_update_communicator does: the group is set up
+                # before the first update (reported apart from it)
+                from trainer_bridge.gpu_transports import warm_up_nccl
+
+                t0 = time.perf_counter()
+                out["nccl_init"] = client._call(warm_up_nccl(client._aclient, opts), spec["control_timeout_s"])
+                out["nccl_init"]["bench_s"] = round(time.perf_counter() - t0, 4)
+                print("TIMING nccl init (warm_up_nccl): " + json.dumps(out["nccl_init"]), flush=True)
+            load.wait_flowing(spec["ready_timeout_s"])
             out["updates"] = timed_updates(
-                client, named, load, transport, spec["updates"] + 1, spec["gap_s"], spec["first_token_timeout_s"], opts
+                client,
+                named,
+                load,
+                transport,
+                spec["updates"] + 1,
+                spec["gap_s"],
+                spec["first_token_timeout_s"],
+                opts,
+                log_path=cl.log_path,
+                tag=transport,
             )
             out["summary"] = summarize(out["updates"], skip_first=True)
+            out["breakdown"] = breakdown(out["updates"][1:])
         finally:
             load.stop()
+        try:
+            if spec.get("check"):
+                out["check"] = weight_check(client, named, transport, opts, cl.log_path, greedy0, spec)
+                print("CHECK " + json.dumps(out["check"]), flush=True)
+        finally:
             client.close()
         out["load"] = {
             "streams": spec["streams"],
@@ -471,8 +713,9 @@ def report(doc: dict[str, Any]) -> None:
         row("  pause(abort) ms", m(s, "pause_ms"), "", None)
         row(f"  update alone ms ({(ipc.get('bytes') or 0) / 1e9:.2f} GB)", m(s, "update_ms"), "", None)
         row("  resume ms", m(s, "resume_ms"), "", None)
+        ramp = doc.get("config", {}).get("resume_ramp_tokens")
         row(
-            "resume -> first new token ms",
+            f"resume -> first new token ms (resume ramp {ramp or 'off'})",
             ft,
             f"<= {TARGETS['first_token_ms']:.0f}",
             None if ft is None else ft <= TARGETS["first_token_ms"],
@@ -481,6 +724,7 @@ def report(doc: dict[str, Any]) -> None:
         fl = ipc.get("floor") or {}
         row(f"floor: one flat copy of the same bytes ({fl.get('device')}) ms", fl.get("flat_copy_ms"), "", None)
         row("floor: the same tensors copied one by one ms", fl.get("per_tensor_copy_ms"), "", None)
+        _check_rows(row, ipc)
         ld = ipc.get("load") or {}
         row(
             "streams lost/truncated during the updates",
@@ -500,8 +744,17 @@ def report(doc: dict[str, Any]) -> None:
         raw = nccl.get("raw_broadcast") or {}
         first = (s.get("first") or {}).get("update_ms")
         steady = m(s, "update_ms")
+        init = nccl.get("nccl_init") or {}
+        if init:
+            row(
+                "NCCL group set-up at init (warm_up_nccl, before the first update) s",
+                init.get("bench_s", init.get("seconds")),
+                "",
+                None,
+                f"trainer {init.get('trainer')}"[:150],
+            )
         row(
-            "first NCCL update (group set-up) s",
+            "first NCCL update " + ("(group set up at init) s" if init else "(group set-up) s"),
             None if first is None else first / 1e3,
             f"<= {TARGETS['nccl_first_s']:.0f}",
             None if first is None else first / 1e3 <= TARGETS["nccl_first_s"],
@@ -529,6 +782,7 @@ def report(doc: dict[str, Any]) -> None:
             None,
             f"bucketed {el['bucketed_ms']:.2f} ms" if el.get("bucketed_ms") else str(el.get("error", ""))[:100],
         )
+        _check_rows(row, nccl)
         row("NCCL pause+update+resume ms (median)", m(s, "e2e_ms"), "", None)
         row("NCCL resume -> first new token ms", m(s, "first_token_ms"), "", None)
     env = doc.get("env", {})
@@ -536,6 +790,28 @@ def report(doc: dict[str, Any]) -> None:
         rows,
         title=f"Weight update under load ({env.get('gpu_name') or 'CPU'}, {env.get('gpus', 0)} GPU(s); "
         f"model {doc.get('config', {}).get('model')})",
+    )
+
+
+def _check_rows(row: Any, phase: dict[str, Any]) -> None:
+    ck = phase.get("check")
+    if not ck:
+        return
+    for t in ("perturbed", "original"):
+        c = ck.get(t) or {}
+        row(
+            f"check ({t} update): params the plan wrote != load_weights'",
+            None if c.get("check_mismatch") is None else float(len(c["check_mismatch"])),
+            "0",
+            None if c.get("check_mismatch") is None else not c["check_mismatch"],
+            f"path {c.get('path')}, {c.get('check_params')} params compared; {c.get('check_mismatch')}"[:150],
+        )
+    row(
+        "check: greedy tokens after perturbed -> original == before",
+        None,
+        "equal",
+        ck.get("greedy_tokens_equal"),
+        f"logprobs equal {ck.get('greedy_logprobs_equal')}; perturbed changed output {ck.get('perturbed_changes_output')}",
     )
 
 
@@ -592,6 +868,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--nccl", action="store_true", help="also the NCCL phase (2 GPUs: trainer 0, engine 1)")
     ap.add_argument("--no-ipc", dest="ipc", action="store_false", help="skip the cuda_ipc phase")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="after the timed updates: fast path == load_weights bit for bit (weight_check) + greedy unchanged",
+    )
+    ap.add_argument(
+        "--resume-ramp-tokens",
+        type=int,
+        default=4096,
+        help="vllm backend option resume_ramp_tokens (0: off): the first step after a resume re-prefills at most "
+        "about this many tokens, the rest follow once it produced output",
+    )
+    ap.add_argument(
+        "--no-nccl-warm-up",
+        dest="nccl_warm_up",
+        action="store_false",
+        help="leave the NCCL group set-up to the first update (the old behaviour)",
+    )
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--stream-max-tokens", type=int, default=1024)
     ap.add_argument("--prompt-min", type=int, default=64)
@@ -679,6 +973,9 @@ def main(argv: list[str] | None = None) -> int:
         "raw_timeout_s": a.raw_timeout_s,
         "log_dir": str(log_dir),
         "ipc_transport": "zmq" if a.cpu else "cuda_ipc",
+        "check": a.check,
+        "resume_ramp_tokens": a.resume_ramp_tokens,
+        "nccl_warm_up": a.nccl_warm_up,
     }
     doc = {
         "benchmark": NAME,
@@ -713,6 +1010,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{key}] skipped: {reason}", flush=True)
             else:
                 doc[key] = G.run_phase(f"wu-{key}", target, spec, min(a.phase_limit_s, budget.left() - 5), log_dir)
+                if doc[key].get("nccl_init"):
+                    print(f"[{key}] TIMING nccl init: {json.dumps(doc[key]['nccl_init'])}", flush=True)
+                for u in doc[key].get("updates") or []:
+                    print(f"[{key}] " + timing_line(key, u), flush=True)
+                if doc[key].get("breakdown"):
+                    print(f"[{key}] TIMING medians (ms): {json.dumps(doc[key]['breakdown'])}", flush=True)
+                if doc[key].get("check"):
+                    print(f"[{key}] CHECK {json.dumps(doc[key]['check'])}", flush=True)
                 if not a.cpu:
                     doc[key]["gpu_idle"] = G.wait_gpu_idle(a.gpu_idle_timeout_s)
             doc["elapsed_s"] = budget.elapsed()

@@ -44,6 +44,13 @@ nccl (trainer on another GPU / node; trainer = rank 0):
   (or `rank_offset` when the bridge sets one per engine). If a broadcast fails
   midway, send AbortWeightUpdate and make a new NcclSender (the group is broken).
 
+  Group set-up ahead of the first update (`warm_up_nccl`, what SkyRL's
+  init_weight_update_communicator calls): an EMPTY transaction on the existing
+  ops (BeginWeightUpdate with no tensors, ReceiveWeights, AbortWeightUpdate):
+  the engines join the group inside the receive while the trainer connects,
+  so the first real update finds the group, vLLM's NCCL library and the
+  trainer's vLLM import all done. No weights and no version change.
+
 torch is imported lazily; the NCCL sender needs vLLM importable in the trainer
 process (it uses vLLM's PyNcclCommunicator, the same NCCL library the engines use).
 """
@@ -57,7 +64,7 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
-from bus.tensors import DEFAULT_BUCKET_BYTES, pack_bucket, plan_buckets
+from bus.tensors import DEFAULT_BUCKET_BYTES, plan_buckets
 
 
 def _device_of(tensors: list[Any], device: Any) -> Any:
@@ -69,6 +76,34 @@ def _device_of(tensors: list[Any], device: Any) -> Any:
         if t.is_cuda:
             return t.device
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def pack_fast(index: int, metas: list[Any], sizes: list[int], tensors: list[Any], device: Any) -> Any:
+    """bus.tensors.pack_bucket's bytes (the same layout), with the per-tensor
+    copies launched as ONE torch._foreach_copy_ per dtype instead of a Python
+    loop of copy_ (~300 launches for a 0.5B model)."""
+    import torch
+
+    buf = torch.empty(sizes[index], dtype=torch.uint8, device=device)
+    groups: dict[Any, tuple[list[Any], list[Any]]] = {}
+    typed: dict[Any, Any] = {}  # dtype -> the whole bucket viewed as it (buckets are 256-byte aligned)
+    for m, t in zip(metas, tensors, strict=True):
+        if m.bucket != index or m.nbytes == 0:
+            continue
+        if t.device != buf.device or not t.is_contiguous() or m.offset % t.element_size():
+            src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            buf[m.offset : m.offset + m.nbytes].copy_(src, non_blocking=True)
+            continue
+        base = typed.get(t.dtype)
+        if base is None:
+            base = typed[t.dtype] = buf[: buf.numel() // t.element_size() * t.element_size()].view(t.dtype)
+        a = m.offset // t.element_size()
+        g = groups.setdefault(t.dtype, ([], []))
+        g[0].append(base[a : a + t.numel()])
+        g[1].append(t.detach().view(-1))
+    for dsts, srcs in groups.values():
+        torch._foreach_copy_(dsts, srcs)
+    return buf
 
 
 class CudaIpcSender:
@@ -97,7 +132,7 @@ class CudaIpcSender:
         self.release()
         dev = _device_of(tensors, self.device)
         t0 = time.perf_counter()
-        bufs = [pack_bucket(i, metas, sizes, tensors, device=str(dev)) for i in range(len(sizes))]
+        bufs = [pack_fast(i, metas, sizes, tensors, dev) for i in range(len(sizes))]
         torch.cuda.synchronize(dev)
         self.last_pack_seconds = time.perf_counter() - t0
         uid = str(torch.cuda.get_device_properties(dev).uuid)
@@ -157,6 +192,8 @@ class NcclSender:
         self.port = int(self.store.port)
         self.comm: Any = None  # vLLM's PyNcclCommunicator once connected
         self.last_send_seconds = 0.0
+        self.connect_timing: dict[str, float] = {}
+        self.last_send_timing: dict[str, float] = {}
 
     def transport_args(self, bucket_sizes: list[int] | None = None) -> dict[str, Any]:
         a: dict[str, Any] = {
@@ -171,16 +208,22 @@ class NcclSender:
         return a
 
     def connect(self) -> None:
-        """Collective with every engine worker (they join inside ReceiveWeights)."""
+        """Collective with every engine worker (they join inside ReceiveWeights).
+        `connect_timing` says where the time went (import, NCCL init)."""
         if self.comm is not None:
             return
+        t0 = time.perf_counter()
         try:
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
             from vllm.distributed.utils import StatelessProcessGroup
         except ImportError as e:  # pragma: no cover
             raise RuntimeError("the nccl transport needs vllm importable in the trainer process") from e
+        t1 = time.perf_counter()
         pg = StatelessProcessGroup(rank=0, world_size=self.world_size, store=self.store)
+        # unique id through the store, ncclCommInitRank with every engine
+        # worker, and vLLM's one-element all_reduce warm-up
         self.comm = PyNcclCommunicator(pg, device=self.device)
+        self.connect_timing = {"import_s": round(t1 - t0, 4), "comm_init_s": round(time.perf_counter() - t1, 4)}
 
     def plan(self, named: Iterable[tuple[str, Any]]):
         return plan_buckets(list(named), self.bucket_bytes)
@@ -188,19 +231,29 @@ class NcclSender:
     def send(self, metas: list[Any], sizes: list[int], tensors: list[Any]) -> dict[str, Any]:
         import torch
 
-        self.connect()
         t0 = time.perf_counter()
+        self.connect()
+        t1 = time.perf_counter()
+        pack = 0.0
         with torch.cuda.device(self.device):
             for i in range(len(sizes)):
-                buf = pack_bucket(i, metas, sizes, tensors, device=str(self.device))
+                p0 = time.perf_counter()
+                buf = pack_fast(i, metas, sizes, tensors, self.device)
+                pack += time.perf_counter() - p0
                 self.comm.broadcast(buf, src=0)
             torch.cuda.synchronize(self.device)
-        self.last_send_seconds = time.perf_counter() - t0
+        self.last_send_seconds = time.perf_counter() - t1
         nbytes = int(sum(sizes))
+        self.last_send_timing = {
+            "connect_s": round(t1 - t0, 4),
+            "pack_launch_s": round(pack, 4),
+            "send_s": round(self.last_send_seconds, 4),
+        }
         return {
             "bytes": nbytes,
             "seconds": self.last_send_seconds,
             "GBps": nbytes / self.last_send_seconds / 1e9 if self.last_send_seconds > 0 else None,
+            **self.last_send_timing,
         }
 
     def close(self) -> None:
@@ -230,7 +283,8 @@ def make_sender(
     engines: list[dict[str, Any]],
     options: dict[str, Any],
 ) -> Any:
-    """options (update_weights(**transport_options)): device, nccl_host, nccl_port, nccl_timeout_s."""
+    """options (update_weights(**transport_options)): device, nccl_host, nccl_port, nccl_timeout_s,
+    weight_check."""
     if transport == "cuda_ipc":
         return _IpcBridgeSender(metas, sizes, tensors, options)
     if transport == "nccl":
@@ -242,9 +296,10 @@ class _IpcBridgeSender:
     def __init__(self, metas: list[Any], sizes: list[int], tensors: list[Any], options: dict[str, Any]) -> None:
         self.metas, self.sizes, self.tensors = metas, sizes, tensors
         self.sender = CudaIpcSender(device=options.get("device"))
+        self.options = options
 
     def transport_args(self) -> dict[str, Any]:
-        return {"bucket_sizes": [int(x) for x in self.sizes]}
+        return {"bucket_sizes": [int(x) for x in self.sizes], **_check_arg(self.options)}
 
     def handles(self) -> list[bytes]:
         """Pack and share the buckets now: the handles travel in the begin
@@ -263,6 +318,102 @@ class _IpcBridgeSender:
         self.sender.release()
 
 
+def _check_arg(options: dict[str, Any]) -> dict[str, Any]:
+    """update_weights(..., weight_check=True): the engines verify, bit for bit,
+    that their fast write path equals vLLM's load_weights (slower: for checks)."""
+    return {"weight_check": True} if options.get("weight_check") else {}
+
+
+def _nccl_sender(
+    engines: list[dict[str, Any]], options: dict[str, Any], tensors: list[Any]
+) -> tuple[tuple[Any, ...], NcclSender]:
+    """The trainer's one NcclSender for this engine set (made on first use, kept
+    for later updates; another engine set closes the old group)."""
+    import torch
+
+    world = 1 + sum(int(e.get("tp", 1) or 1) * int(e.get("pp", 1) or 1) for e in engines)
+    dev = options.get("device")
+    dev = str(torch.device(dev) if dev is not None else _device_of(tensors, None))
+    host = options.get("nccl_host", "127.0.0.1")
+    key = (world, dev, host, tuple(sorted(e["engine_id"] for e in engines)))
+    s = _NCCL_SENDERS.get(key)
+    if s is None:
+        for k in list(_NCCL_SENDERS):  # another engine set: that group is done
+            _NCCL_SENDERS.pop(k).close()
+        s = NcclSender(
+            world,
+            host=host,
+            port=int(options.get("nccl_port", 0)),
+            device=dev,
+            timeout_s=float(options.get("nccl_timeout_s", 300.0)),
+        )
+        _NCCL_SENDERS[key] = s
+    return key, s
+
+
+async def warm_up_nccl(
+    client: Any, options: dict[str, Any] | None = None, targets: list[str] | None = None, timeout_s: float = 120.0
+) -> dict[str, Any]:
+    """Set the NCCL group up now, ahead of the first update (see the module
+    doc): an empty transaction the engines join the group in. Returns where the
+    time went. The sender is the one later update_weights(transport="nccl")
+    calls with the same options and engines use."""
+    import asyncio
+
+    from bus import protocol as P
+    from bus.errors import ControlError
+
+    options = dict(options or {})
+    t0 = time.perf_counter()
+    h = await client.health()
+    engines = [
+        e
+        for e in h["engines"].values()
+        if (e.get("healthy") or e.get("state") == "stale") and (targets is None or e["engine_id"] in targets)
+    ]
+    if not engines:
+        raise ControlError("warm_up_nccl: no healthy engine to set the NCCL group up with", missing=list(targets or []))
+    eids = [e["engine_id"] for e in engines]
+    key, s = _nccl_sender(engines, options, [])
+    if s.comm is not None:
+        return {"seconds": round(time.perf_counter() - t0, 4), "reused": True}
+    uid = "warmup-" + uuid.uuid4().hex[:12]
+    begin = P.BeginWeightUpdate(uid, "nccl", [], [], target="model", transport_args=s.transport_args([]))
+    t1 = time.perf_counter()
+    try:
+        await client.control(begin, targets=eids, timeout_s=timeout_s)
+        t2 = time.perf_counter()
+        acks = asyncio.ensure_future(client.control(P.ReceiveWeights(uid), targets=eids, timeout_s=timeout_s))
+        await asyncio.sleep(0)
+        try:
+            await asyncio.to_thread(s.connect)
+        except BaseException:
+            _NCCL_SENDERS.pop(key, None)
+            s.close()
+            raise
+        t3 = time.perf_counter()
+        res = await acks
+        t4 = time.perf_counter()
+    finally:
+        try:
+            await client.control(P.AbortWeightUpdate(uid), targets=eids, timeout_s=min(timeout_s, 10.0), strict=False)
+        except Exception:
+            pass
+    engine = {}
+    for eid, r in (res or {}).items():
+        d = getattr(r, "detail", None) or (r.get("detail") if isinstance(r, dict) else None) or {}
+        engine[eid] = d.get("nccl", d)
+    return {
+        "seconds": round(time.perf_counter() - t0, 4),
+        "health_s": round(t1 - t0, 4),
+        "begin_s": round(t2 - t1, 4),
+        "connect_s": round(t3 - t2, 4),
+        "acks_after_connect_s": round(t4 - t3, 4),
+        "trainer": dict(s.connect_timing),
+        "engines": engine,
+    }
+
+
 class _NcclBridgeSender:
     def __init__(
         self,
@@ -272,30 +423,12 @@ class _NcclBridgeSender:
         engines: list[dict[str, Any]],
         options: dict[str, Any],
     ) -> None:
-        import torch
-
         self.metas, self.sizes, self.tensors = metas, sizes, tensors
-        world = 1 + sum(int(e.get("tp", 1) or 1) * int(e.get("pp", 1) or 1) for e in engines)
-        dev = options.get("device")
-        dev = str(torch.device(dev) if dev is not None else _device_of(tensors, None))
-        host = options.get("nccl_host", "127.0.0.1")
-        key = (world, dev, host, tuple(sorted(e["engine_id"] for e in engines)))
-        s = _NCCL_SENDERS.get(key)
-        if s is None:
-            for k in list(_NCCL_SENDERS):  # another engine set: that group is done
-                _NCCL_SENDERS.pop(k).close()
-            s = NcclSender(
-                world,
-                host=host,
-                port=int(options.get("nccl_port", 0)),
-                device=dev,
-                timeout_s=float(options.get("nccl_timeout_s", 300.0)),
-            )
-            _NCCL_SENDERS[key] = s
-        self.key, self.sender = key, s
+        self.options = options
+        self.key, self.sender = _nccl_sender(engines, options, tensors)
 
     def transport_args(self) -> dict[str, Any]:
-        return self.sender.transport_args(self.sizes)
+        return {**self.sender.transport_args(self.sizes), **_check_arg(self.options)}
 
     async def send(self, client: Any, update_id: str, engine_ids: list[str], timeout_s: float) -> dict[str, Any]:
         import asyncio

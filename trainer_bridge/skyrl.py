@@ -431,15 +431,23 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
 
     async def init_weight_update_communicator(self, init_info: Any) -> dict[str, Any]:
         """Pick the transport from SkyRL's init info (NCCL broadcast → "nccl",
-        CUDA IPC → "cuda_ipc", anything else → "zmq"); rollout-bus sets the
-        transport up itself on the first update."""
+        CUDA IPC → "cuda_ipc", anything else → "zmq"). NCCL: the group is set
+        up here, with every healthy engine (gpu_transports.warm_up_nccl), so the
+        first update does not pay for it; the other transports need no set-up."""
         self._transport = getattr(init_info, "transport", None) or TRANSPORT_OF_INIT_INFO.get(
             type(init_info).__name__, "zmq"
         )
         if isinstance(init_info, Mapping):
             self._transport = init_info.get("transport", self._transport)
             self._transport_options = dict(init_info.get("options", {}))
-        return {"transport": self._transport}
+        out: dict[str, Any] = {"transport": self._transport}
+        if self._transport == "nccl":
+            # The NCCL group is set up now, not inside the first update (an empty
+            # transaction the engines join the group in; gpu_transports.warm_up_nccl).
+            from trainer_bridge.gpu_transports import warm_up_nccl
+
+            out["warm_up"] = await warm_up_nccl(self.client, self._transport_options)
+        return out
 
     async def update_named_weights(self, request: Any) -> dict[str, Any]:
         """`request`: a SkyRL `LoraLoadRequest` (→ `load_lora`), or tensors: an

@@ -111,6 +111,9 @@ class VllmBackend:
         shutdown_timeout_s: float = 30.0,
         step_wait_s: float = 0.005,
         seed_every_request: bool = False,
+        weight_plan: bool = True,
+        resume_ramp_tokens: int = 0,
+        resume_ramp_wait_s: float = 0.05,
         _api: Any = None,  # vLLM's classes (tests pass a fake)
         **passthrough: Any,  # any other EngineArgs field: max_num_seqs, max_num_batched_tokens, …
     ) -> None:
@@ -127,6 +130,26 @@ class VllmBackend:
         self.step_wait_s = float(step_wait_s)
         self.enable_lora = bool(enable_lora)
         self.seeds_unseeded = bool(seed_every_request)
+        # Workers write updates through a copy plan learned from load_weights
+        # (vllm_worker_ext._rb_apply); False: load_weights every time.
+        self.weight_plan = bool(weight_plan)
+        # Resume ramp (off at 0). A resume after pause(abort) re-submits every
+        # parked stream at once (prompt + tokens so far: tens of thousands of
+        # tokens for 64 streams); vLLM's scheduler packs a full
+        # max_num_batched_tokens prefill into its first step, and no stream sees
+        # a token before that whole step ends (~35-45 ms for 16k tokens of a
+        # 0.5B model on an H200). With resume_ramp_tokens=N, when sequences
+        # arrive at an engine with none live, the first ones up to N prompt
+        # tokens go to the core at once and the rest only when the core's first
+        # output arrives (or after resume_ramp_wait_s): the first step is small,
+        # the first streams resume one short step after the resume, the rest one
+        # short step later than they would have. Cold batches (a generate of
+        # many prompts to an idle engine) ramp the same way.
+        self.resume_ramp_tokens = int(resume_ramp_tokens)
+        self.resume_ramp_wait_s = float(resume_ramp_wait_s)
+        self._ramp_left: int | None = None  # prompt tokens the current ramp may still send now
+        self._ramp_deadline = 0.0
+        self._deferred: dict[str, Any] = {}  # request id -> EngineCoreRequest held back by the ramp
         self._api = _api if _api is not None else load_vllm_api()
 
         engine_kw: dict[str, Any] = dict(
@@ -232,13 +255,36 @@ class VllmBackend:
         self._n += 1
         rid = f"{seq.seq_id}#{self._n}"
         salt = f"w{self._weights_epoch}" if self._weights_epoch else None
-        self._link.add(build_request(self._api, rid, seq, sp, lr, salt))
+        req = build_request(self._api, rid, seq, sp, lr, salt)
+        if self.resume_ramp_tokens > 0 and not self._rid_of and self._ramp_left is None:
+            self._ramp_left = self.resume_ramp_tokens  # the engine was empty: a burst may follow
+            self._ramp_deadline = time.monotonic() + self.resume_ramp_wait_s
+        if self._ramp_left is not None and self._ramp_left <= 0:
+            self._deferred[rid] = req  # sent by _ramp_flush
+        else:
+            self._link.add(req)
+            if self._ramp_left is not None:
+                self._ramp_left -= len(seq.prompt)
         self._out.expect(rid, seq)
         self._seq_of[rid] = seq.seq_id
         self._rid_of[seq.seq_id] = rid
 
+    def _ramp_flush(self, force: bool = False) -> None:
+        """End the ramp: send what it held back (loop thread)."""
+        if self._ramp_left is None:
+            return
+        if not force and self._deferred and time.monotonic() < self._ramp_deadline:
+            return
+        self._ramp_left = None
+        held, self._deferred = self._deferred, {}
+        for req in held.values():
+            self._link.add(req)
+
     def _collect(self, wait_s: float) -> None:
-        for batch in self._link.drain(wait_s):
+        batches = self._link.drain(wait_s)
+        if batches and self._ramp_left is not None:
+            self._ramp_flush(force=True)  # the first step's output is here: the rest may go
+        for batch in batches:
             for rid in self._out.add_batch(batch, self._seq_of):
                 sid = self._seq_of.pop(rid)
                 self._rid_of.pop(sid, None)
@@ -246,6 +292,7 @@ class VllmBackend:
 
     def step(self) -> list[StepOutput]:
         self._sweep()
+        self._ramp_flush()
         if self._link.dead:
             self._link.check_alive()
             raise BackendError("the vLLM engine core died; the engine node must restart")
@@ -267,6 +314,8 @@ class VllmBackend:
                 continue
             self._seq_of.pop(rid, None)  # late outputs of rid are dropped from now on
             self._out.forget(rid)
+            if self._deferred.pop(rid, None) is not None:
+                continue  # held back by the ramp: the core never saw it
             rids.append(rid)
             so = self._out.pop(rid)
             if so is not None and so.token_ids:
@@ -370,6 +419,7 @@ class VllmBackend:
 
     # ================================================================ freeze / sleep
     def freeze(self, seq_ids: Iterable[str]) -> BackendOp:
+        self._ramp_flush(force=True)  # a pause(keep) keeps them in the core
         ids = {s for s in seq_ids if s in self._rid_of}
         self._frozen |= ids
         if self._paused:
@@ -501,12 +551,10 @@ class VllmBackend:
             self._update = up
             return BackendOp.done("begin_weight_update", {"bytes": sum(sizes), "staging": up.stage.path})
         self._update = up
-        return self._op(
-            "begin_weight_update",
-            "weight_timeout_s",
-            [self._rpc("rollout_bus_begin", up.uid, metas, sizes, timeout=self.weight_timeout_s)],
-            lambda rs: {"tensors": len(metas)},
-        )
+        # cuda_ipc / nccl: nothing to tell the workers yet. The metas travel with
+        # the call that needs them (nccl: the receive; cuda_ipc: the commit), so
+        # an update costs one worker round trip (cuda_ipc) or two (nccl).
+        return BackendOp.done("begin_weight_update", {"tensors": len(metas), "bytes": sum(sizes)})
 
     def _require(self, transport: str | None = None) -> W.WeightUpdate:
         up = self._update
@@ -542,7 +590,9 @@ class VllmBackend:
                 "worker_seconds": [round(x["seconds"], 4) for x in rs[0]],
             }
             if up.transport == "nccl":
-                r["nccl"] = {k: rs[0][0].get(k) for k in ("reused", "setup_seconds")}
+                w = rs[0][0]
+                r["nccl"] = {k: w.get(k) for k in ("reused", "setup_seconds", "alloc_s", "broadcast_s")}
+                log.info("weight_receive_timing", transport="nccl", seconds=round(dt, 4), **r["nccl"])
             return r
 
         if up.transport == "cuda_ipc":
@@ -551,10 +601,16 @@ class VllmBackend:
                     "receive_weights",
                     BackendError(f"cuda_ipc: {len(handles)} handle(s) for {len(up.sizes)} bucket(s)", field="handles"),
                 )
-            call = self._rpc("rollout_bus_recv_ipc", up.uid, list(handles), timeout=self.weight_timeout_s)
-        elif up.transport == "nccl":
+            # Kept, not opened: the commit maps, validates and writes in one worker
+            # call (a bad handle fails the commit before any parameter is written).
+            # The trainer keeps its buckets until the commit (or abort) is acked.
+            up.handles = list(handles)
+            up.received = True
+            return BackendOp.done("receive_weights", {"bytes": nbytes, "deferred": True})
+        if up.transport == "nccl":
             a = {**up.args, "timeout_s": float(up.args.get("timeout_s", self.weight_timeout_s))}
-            call = self._rpc("rollout_bus_recv_nccl", up.uid, a, timeout=self.weight_timeout_s)
+            call = self._rpc("rollout_bus_recv_nccl", up.uid, a, up.metas, up.sizes, timeout=self.weight_timeout_s)
+            up.workers_know = True
         else:
             return BackendOp.failed(
                 "receive_weights",
@@ -583,31 +639,45 @@ class VllmBackend:
             return BackendOp.failed("commit_weight_update", BackendError("commit before receive_weights"))
         self._update = None
         t0 = time.perf_counter()
+        # transport_args["weight_check"] (the trainer's update_weights(weight_check=True)):
+        # the workers also run load_weights and compare every parameter with the plan's.
+        opts = {"plan": self.weight_plan, "check": bool(up.args.get("weight_check"))}
         calls = []
         if up.transport == "zmq":
             calls.append(self._rpc("rollout_bus_begin", up.uid, up.metas, up.sizes, timeout=self.weight_timeout_s))
-        calls.append(self._rpc("rollout_bus_commit", up.uid, shm, timeout=self.weight_timeout_s))
+            calls.append(self._rpc("rollout_bus_commit", up.uid, shm, timeout=self.weight_timeout_s))
+        elif up.transport == "cuda_ipc":  # the whole update in one worker call
+            calls.append(
+                self._rpc(
+                    "rollout_bus_apply_ipc", up.uid, up.metas, up.sizes, up.handles, opts, timeout=self.weight_timeout_s
+                )
+            )
+        else:
+            calls.append(self._rpc("rollout_bus_commit", up.uid, None, opts, timeout=self.weight_timeout_s))
         # The prefix cache is invalidated by a new salt, not a reset (see __init__).
         self._weights_epoch += 1
-        return self._op(
-            "commit_weight_update",
-            "weight_timeout_s",
-            calls,
-            lambda rs: {
-                "backend_seconds": round(time.perf_counter() - t0, 4),
+
+        def result(rs: list[Any]) -> dict[str, Any]:
+            dt = time.perf_counter() - t0
+            w = rs[-1][0] if rs[-1] else {}
+            timing = {k: w[k] for k in _WORKER_TIMING if k in w}
+            log.info("weight_commit_timing", transport=up.transport, backend_s=round(dt, 4), **timing)
+            return {
+                "backend_seconds": round(dt, 4),
                 "bytes": int(sum(up.sizes)),
                 "worker_seconds": [round(x["seconds"], 4) for x in rs[-1]],
+                "worker": timing,
                 "prefix_cache_reset": True,
                 "prefix_cache_salt": f"w{self._weights_epoch}",
-            },
-            lambda ok: up.close(),
-        )
+            }
+
+        return self._op("commit_weight_update", "weight_timeout_s", calls, result, lambda ok: up.close())
 
     def abort_weight_update(self) -> BackendOp:
         up, self._update = self._update, None
         if up is None:
             return BackendOp.done("abort_weight_update", {"had_update": False})
-        if up.transport == "zmq":  # the workers never saw it
+        if not up.workers_know:  # zmq / cuda_ipc before the commit: the workers never saw it
             up.close()
             return BackendOp.done("abort_weight_update", {"had_update": True})
         return self._op(
@@ -691,6 +761,29 @@ class VllmBackend:
             _settle(op.future, None, BackendError(f"{op.what}: the vllm backend was closed"))
         self._ops = []
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+# What the worker's commit reports about where its time went (logged, returned).
+_WORKER_TIMING = (
+    "path",
+    "seconds",
+    "open_s",
+    "apply_s",
+    "copy_s",
+    "fallback",
+    "fallback_s",
+    "record_s",
+    "load_s",
+    "verify_s",
+    "verify_mismatch",
+    "post_sync_s",
+    "copied",
+    "plan",
+    "why",
+    "check_params",
+    "check_mismatch",
+    "check_s",
+)
 
 
 def _backend_error(what: str, err: BaseException) -> BackendError:

@@ -2,10 +2,12 @@
 against the checkpoint, and the zmq transport's shared-memory staging.
 
 Where the bytes go, per transport (the workers' side is vllm_worker_ext):
-- cuda_ipc: nowhere here. Workers map the trainer's buckets at receive and
-  load from those views at commit; the trainer keeps them alive until the
-  commit's ack (trainer_bridge.gpu_transports documents that contract).
-- nccl: workers receive into their own GPU buffers at receive, load at commit.
+- cuda_ipc: nowhere here. The receive only keeps the handles; the commit is ONE
+  worker call that maps the trainer's buckets, validates them, writes the
+  parameters from those views and drops the maps; the trainer keeps its buckets
+  alive until the commit's ack (trainer_bridge.gpu_transports documents that).
+- nccl: workers receive into their own staging buffers at receive (the begin's
+  metas travel with that call), write the parameters at commit.
 - zmq: `stage_bucket` copies each bucket's raw bytes, once, into one shared
   memory file sized at begin (sum of bucket_sizes); at commit every worker maps
   it, copies each bucket to its GPU and loads from views (bus.tensors.unpack_bucket).
@@ -178,6 +180,8 @@ class WeightUpdate:
     uid: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])
     stage: ShmStage | None = None  # zmq
     received: bool = False  # cuda_ipc / nccl
+    handles: list[Any] = dataclasses.field(default_factory=list)  # cuda_ipc: opened by the commit's worker call
+    workers_know: bool = False  # a worker call about this update was sent (nccl receive): abort must tell them
 
     def close(self) -> None:
         if self.stage is not None:

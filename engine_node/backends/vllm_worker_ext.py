@@ -9,16 +9,34 @@ on *every* worker (every TP/PP rank), called by the engine core's
 A weight update is a transaction on each worker; nothing touches the model
 before commit:
   rollout_bus_begin(uid, metas, sizes)     metas: [[name, dtype, shape, bucket, offset, nbytes], …]
-  rollout_bus_recv_ipc(uid, handles)       cuda_ipc: map the trainer's buckets and validate them.
-                                           NO copy: the views point into the trainer's memory,
-                                           which the trainer keeps alive until the commit's ack.
-  rollout_bus_recv_nccl(uid, args)         nccl: join the trainer's group once (kept for later
-                                           updates), receive every bucket into local GPU buffers
-  rollout_bus_commit(uid, shm)             load_weights from what was received, or (zmq) from the
-                                           backend's shared-memory file `shm` (one H2D copy per bucket)
+  rollout_bus_apply_ipc(uid, metas, sizes, handles, opts)
+                                           cuda_ipc, the whole update in ONE call (the backend's
+                                           commit): begin, map every bucket of the trainer and
+                                           validate it (nothing written yet: a bad handle leaves
+                                           the model as it was), write the parameters, drop the
+                                           maps. The trainer keeps its buckets until the ack.
+  rollout_bus_recv_ipc(uid, handles)       (older two-call form: map + validate at receive)
+  rollout_bus_recv_nccl(uid, args, metas, sizes)
+                                           nccl: begin (when metas are given), join the trainer's
+                                           group once (kept for later updates), receive every bucket
+                                           into this worker's staging buffers (kept while the
+                                           layout is the same)
+  rollout_bus_nccl_join(args)              join the group ahead of the first update
+  rollout_bus_commit(uid, shm, opts)       write the parameters from what was received, or (zmq)
+                                           load_weights from the backend's shared-memory file `shm`
   rollout_bus_abort(uid)                   drop what is staged
 Every worker receives the full (unsharded) tensors: vLLM's ``load_weights``
 shards them for its TP rank itself.
+
+Writing the parameters (`_rb_apply`): the first update of a layout runs vLLM's
+`load_weights` (the truth) and records, alongside, the copy plan it amounts to
+(vllm_weight_plan: which slice of which incoming tensor lands in which slice of
+which parameter), then verifies the plan against what load_weights wrote, bit for
+bit. Later updates replay the plan as device copies (torch._foreach_copy_), and
+only the names the plan cannot express go through load_weights. Quantized models
+never use a plan. `_rb_post_load` runs after every write (the hook for a
+post-load step such as fp8 re-quantization; a no-op here). opts["plan"]=False
+(or ROLLOUT_BUS_WEIGHT_PLAN=0 in the workers' environment) turns plans off.
 
 Also: the engine's processes must not outlive the engine node (see
 `engine_node.child_watch.arm`, run when this module is imported in a worker).
@@ -34,12 +52,14 @@ import os
 import pickle
 import time
 import warnings
+import weakref
 from typing import Any
 
 import torch
 
 from bus.tensors import unpack_bucket
 from engine_node.backends import vllm_fp8
+from engine_node.backends import vllm_weight_plan as WP
 from engine_node.child_watch import NODE_PID_ENV as NODE_PID_ENV
 from engine_node.child_watch import arm as arm_node_watch
 
@@ -70,6 +90,24 @@ def open_ipc_handle(handle: bytes, default_device: int) -> torch.Tensor:
     return fn(*args)
 
 
+_LORA_SWAPS: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[torch.nn.Module, str, torch.nn.Module]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+_PLANNABLE: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str | None]] = weakref.WeakKeyDictionary()
+
+
+def _plannable(model: torch.nn.Module) -> str | None:
+    """WP.plannable, once per model (its quantization does not change)."""
+    got = _PLANNABLE.get(model)
+    if got is None:
+        # a quantized model is vllm_fp8's (its loader re-quantizes inside _rb_load)
+        why = "quantized model (vllm_fp8)" if vllm_fp8.is_quantized(model) else WP.plannable(model)
+        got = _PLANNABLE[model] = (why,)
+    return got[0]
+
+
 class _LoraUnwrapped:
     """While active, every LoRA wrapper module (vLLM's `…WithLoRA`, which keeps the
     original layer as `.base_layer`) is replaced in its parent by that base layer,
@@ -81,13 +119,27 @@ class _LoraUnwrapped:
         self.swaps: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
 
     def __enter__(self) -> _LoraUnwrapped:
+        # The wrappers are made once, at engine start: find them once per model
+        # (a walk over every module is ~1 ms on a 0.5B model, every update).
+        known = _LORA_SWAPS.get(self.model)
+        if known is not None:
+            if all(parent._modules.get(attr) is mod for parent, attr, mod in known):
+                self.swaps = list(known)
+                for parent, attr, mod in self.swaps:
+                    parent._modules[attr] = mod.base_layer
+                return self
+            if all(parent._modules.get(attr) is mod.base_layer for parent, attr, mod in known):
+                return self  # nested inside another _LoraUnwrapped: already unwrapped, nothing to undo
         for name, mod in list(self.model.named_modules()):
-            base = getattr(mod, "base_layer", None)
+            # _modules, not getattr: a missing attribute on a Module raises inside
+            # nn.Module.__getattr__ (~5 us per module, on every weight update)
+            base = mod._modules.get("base_layer")
             if name and isinstance(base, torch.nn.Module):
                 parent_name, _, attr = name.rpartition(".")
                 parent = self.model.get_submodule(parent_name) if parent_name else self.model
                 if parent._modules.get(attr) is mod:
                     self.swaps.append((parent, attr, mod))
+        _LORA_SWAPS[self.model] = list(self.swaps)
         for parent, attr, mod in self.swaps:
             parent._modules[attr] = mod.base_layer
         return self
@@ -105,7 +157,23 @@ def _on(dev: torch.device) -> Any:
 
 
 def _fresh_state() -> dict[str, Any]:
-    return {"uid": None, "metas": [], "sizes": [], "buckets": {}}
+    return {"uid": None, "metas": [], "sizes": [], "buckets": {}, "named": {}, "layout": None}
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _layout_key(metas: list[list[Any]], sizes: list[int]) -> tuple[Any, ...]:
+    """The whole bucket layout (names, dtypes, shapes, places, bucket sizes)."""
+    return (tuple(int(x) for x in sizes), tuple((str(m[0]), str(m[1]), tuple(m[2]), *m[3:6]) for m in metas))
+
+
+def _plan_key(metas: list[list[Any]]) -> tuple[Any, ...]:
+    """What a plan depends on: names, dtypes, shapes (not the bucket layout:
+    a plan's sources are relative to each named tensor)."""
+    return tuple((str(m[0]), str(m[1]), tuple(int(d) for d in m[2])) for m in metas)
 
 
 class RolloutBusWorkerExtension:
@@ -117,7 +185,7 @@ class RolloutBusWorkerExtension:
     def _rb(self) -> dict[str, Any]:
         st = self.__dict__.get("_rollout_bus_state")
         if st is None:
-            st = {**_fresh_state(), "nccl": None, "nccl_key": None}
+            st = {**_fresh_state(), "nccl": None, "nccl_key": None, "plans": {}, "staging": None, "validated": None}
             self.__dict__["_rollout_bus_state"] = st
         return st
 
@@ -149,6 +217,154 @@ class RolloutBusWorkerExtension:
             loaded = model.load_weights(named)
         return len(loaded) if loaded is not None else -1
 
+    def _rb_post_load(self, model: torch.nn.Module, names: list[str]) -> None:
+        """Runs after every write of new weights (plan or load_weights), before
+        the commit answers: the hook for a post-load step a plan-written model
+        needs. (fp8 engines never take the plan: vllm_fp8 re-quantizes inside
+        _rb_load, so there is nothing to do here for them.)"""
+
+    def _rb_apply(self, st: dict[str, Any], opts: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write the update staged in `st` (buckets + metas) into the model (see
+        the module doc). Returns what it did and how long each part took."""
+        model = self._rb_model()
+        dev = self._rb_device()
+        t0 = time.perf_counter()
+        if st.get("layout") is None:
+            st["layout"] = _layout_key(st["metas"], st["sizes"])
+        off = (opts or {}).get("plan") is False or os.environ.get("ROLLOUT_BUS_WEIGHT_PLAN", "1") == "0"
+        why = "off" if off else _plannable(model)
+        r: dict[str, Any] = {"tensors": len(st["metas"])}
+        if why is not None:
+            r.update(path="load_weights", params_loaded=self._rb_load(self._rb_named(st)), why=why)
+        else:
+            with _LoraUnwrapped(model):  # the checkpoint's names, for the plan as for load_weights
+                r.update(self._rb_plan_apply(st, model, t0, bool((opts or {}).get("check"))))
+        t3 = time.perf_counter()
+        self._rb_post_load(model, [str(m[0]) for m in st["metas"]])
+        _sync(dev)
+        r["post_sync_s"] = round(time.perf_counter() - t3, 4)
+        r["apply_s"] = round(time.perf_counter() - t0, 4)
+        return r
+
+    def _rb_plan_apply(self, st: dict[str, Any], model: torch.nn.Module, t0: float, check: bool) -> dict[str, Any]:
+        r: dict[str, Any] = {}
+        key = _plan_key(st["metas"])
+        plan = st["plans"].get(key)
+        if plan == "failed":  # recording this layout failed once: load_weights for good
+            return {"path": "load_weights", "params_loaded": self._rb_load(self._rb_named(st)), "why": "plan failed"}
+        if isinstance(plan, WP.WeightPlan) and not plan.still_valid(model):
+            plan = None  # a parameter was re-allocated or swapped: learn again
+        if plan is None:
+            named = self._rb_named(st)
+            try:
+                plan = WP.WeightPlan.record(key, model, model.load_weights, named)
+            except Exception as e:  # nothing was written: recording performs no write
+                st["plans"] = {key: "failed"}
+                return {
+                    "path": "load_weights",
+                    "params_loaded": self._rb_load(named),
+                    "why": f"plan failed: {type(e).__name__}: {e}"[:300],
+                }
+            t1 = time.perf_counter()
+            r["params_loaded"] = self._rb_load(named)  # the truth, this once
+            t2 = time.perf_counter()
+            bad = plan.verify(dict(named))
+            st["plans"] = {key: plan}  # one layout at a time: a new one replaces it
+            r.update(
+                path="load_weights+record",
+                record_s=round(t1 - t0, 4),
+                load_s=round(t2 - t1, 4),
+                verify_s=round(time.perf_counter() - t2, 4),
+                verify_mismatch=bad[:8],
+                plan=plan.summary(),
+            )
+            return r
+        srcs = plan.sources_from_buckets(st["layout"], st["metas"], st["buckets"])
+        n = plan.apply(srcs=srcs)
+        del srcs
+        t1 = time.perf_counter()
+        rest = self._rb_subset(st, plan.fallback) if plan.fallback else []
+        if rest:
+            self._rb_load(rest)
+        r.update(
+            path="plan",
+            copies=n,
+            fallback=len(rest),
+            copy_s=round(t1 - t0, 4),
+            fallback_s=round(time.perf_counter() - t1, 4),
+        )
+        if check:
+            r.update(self._rb_check_plan(model, self._rb_named(st)))
+        return r
+
+    def _rb_subset(self, st: dict[str, Any], names: set[str]) -> list[tuple[str, torch.Tensor]]:
+        """Views of just these names (the layout is validated)."""
+        metas = [m for m in st["metas"] if m[0] in names]
+        return [nt for i, b in sorted(st["buckets"].items()) for nt in unpack_bucket(i, metas, b)]
+
+    def _rb_check_plan(self, model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """opts["check"]: after the plan wrote this update, run load_weights on
+        the same tensors and compare EVERY parameter bit for bit with what the
+        plan left (costs a copy of the parameters and a load: off by default)."""
+        t0 = time.perf_counter()
+        snap = {n: p.detach().clone() for n, p in model.named_parameters()}
+        self._rb_load(named)
+        bad = [n for n, p in model.named_parameters() if not torch.equal(WP.bits(p.detach()), WP.bits(snap[n]))]
+        del snap
+        return {
+            "check_params": len(dict(model.named_parameters())),
+            "check_mismatch": bad[:8],
+            "check_s": round(time.perf_counter() - t0, 4),
+        }
+
+    def _rb_validate(self, st: dict[str, Any]) -> None:
+        """Every bucket against the metas (bus.tensors.unpack_bucket: a lie is a
+        ValueError naming the tensor). A layout validated before needs only its
+        bucket lengths checked: the same metas give the same answer."""
+        layout = _layout_key(st["metas"], st["sizes"])
+        st["layout"] = layout
+        if st.get("validated") == layout:
+            for i, b in st["buckets"].items():
+                if b.numel() < st["sizes"][i]:
+                    raise ValueError(f"bucket {i}: {b.numel()} bytes, the plan says {st['sizes'][i]}")
+            return
+        for i, b in st["buckets"].items():
+            st["named"][i] = unpack_bucket(i, st["metas"], b)
+        st["validated"] = layout
+
+    def _rb_named(self, st: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+        known = st["named"]
+        return [
+            nt for i, b in sorted(st["buckets"].items()) for nt in (known.get(i) or unpack_bucket(i, st["metas"], b))
+        ]
+
+    def _rb_open_ipc(self, st: dict[str, Any], handles: list[Any]) -> int:
+        """Map every bucket of the trainer (validated: a lie fails naming the
+        tensor). Same GPU: views of the trainer's buffers, alive until the
+        commit's ack. Returns how many buckets had to be copied (another GPU)."""
+        dev = self._rb_device()
+        if len(handles) != len(st["sizes"]):
+            raise ValueError(f"cuda_ipc: {len(handles)} handle(s) for {len(st['sizes'])} bucket(s)")
+        my_uuid = str(torch.cuda.get_device_properties(dev).uuid) if dev.type == "cuda" else ""
+        copied = 0
+        for i, h in enumerate(handles):
+            if isinstance(h, dict):  # one handle per GPU (uuid -> bytes): take ours, else any
+                h = h.get(my_uuid) or next(iter(h.values()))
+            src = open_ipc_handle(bytes(h), dev.index if dev.index is not None else 0).view(torch.uint8).reshape(-1)
+            if src.device != dev:
+                # The trainer's buffer lives on another GPU (a TP>1 engine fed from
+                # one trainer GPU). load_weights would copy strided shards straight
+                # out of peer IPC memory, which CUDA refuses (invalid argument)
+                # without peer access: one contiguous copy into our GPU first.
+                local = torch.empty(src.numel(), dtype=torch.uint8, device=dev)
+                local.copy_(src)
+                _sync(dev)
+                src = local
+                copied += 1
+            st["buckets"][i] = src
+        self._rb_validate(st)  # now: a lie fails the update before anything is written
+        return copied
+
     # -- RPC methods
     def rollout_bus_info(self) -> dict[str, Any]:
         dev = self._rb_device()
@@ -170,51 +386,67 @@ class RolloutBusWorkerExtension:
 
     def rollout_bus_recv_ipc(self, uid: str, handles: list[Any]) -> dict[str, Any]:
         st = self._rb_check(uid)
-        dev = self._rb_device()
         t0 = time.perf_counter()
-        if len(handles) != len(st["sizes"]):
-            raise ValueError(f"cuda_ipc: {len(handles)} handle(s) for {len(st['sizes'])} bucket(s)")
-        my_uuid = str(torch.cuda.get_device_properties(dev).uuid)
-        copied = 0
-        for i, h in enumerate(handles):
-            if isinstance(h, dict):  # one handle per GPU (uuid -> bytes): take ours, else any
-                h = h.get(my_uuid) or next(iter(h.values()))
-            src = open_ipc_handle(bytes(h), dev.index).view(torch.uint8).reshape(-1)
-            if src.device != dev:
-                # The trainer's buffer lives on another GPU (a TP>1 engine fed from
-                # one trainer GPU). load_weights would copy strided shards straight
-                # out of peer IPC memory, which CUDA refuses (invalid argument)
-                # without peer access: one contiguous copy into our GPU first.
-                local = torch.empty(src.numel(), dtype=torch.uint8, device=dev)
-                local.copy_(src)
-                torch.cuda.synchronize(dev)
-                src = local
-                copied += 1
-            unpack_bucket(i, st["metas"], src)  # validate now: a lie fails the receive, naming the tensor
-            st["buckets"][i] = src  # same GPU: a view of the trainer's buffer, alive until the commit's ack
+        copied = self._rb_open_ipc(st, handles)
         return {"bytes": int(sum(st["sizes"])), "seconds": time.perf_counter() - t0, "copied": copied}
 
-    def rollout_bus_recv_nccl(self, uid: str, args: dict[str, Any]) -> dict[str, Any]:
+    def rollout_bus_apply_ipc(
+        self, uid: str, metas: list[Any], sizes: list[int], handles: list[Any], opts: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """cuda_ipc in one call: begin + map + validate + write + unmap."""
+        t0 = time.perf_counter()
+        self.rollout_bus_begin(uid, metas, sizes)
+        st = self._rb()
+        dev = self._rb_device()
+        try:
+            with _on(dev):
+                copied = self._rb_open_ipc(st, handles)
+                t1 = time.perf_counter()
+                r = self._rb_apply(st, opts)
+        finally:
+            st.update(_fresh_state())  # drop the maps: the trainer may free its buffers after the ack
+        return {**r, "open_s": round(t1 - t0, 4), "copied": copied, "seconds": time.perf_counter() - t0}
+
+    def rollout_bus_recv_nccl(
+        self, uid: str, args: dict[str, Any], metas: list[Any] | None = None, sizes: list[int] | None = None
+    ) -> dict[str, Any]:
+        if metas is not None:  # begin folded into the receive (one call instead of two)
+            self.rollout_bus_begin(uid, metas, list(sizes or []))
         st = self._rb_check(uid)
         dev = self._rb_device()
         t0 = time.perf_counter()
         setup = self._rb_nccl(args)
         t1 = time.perf_counter()
         comm = st["nccl"]
-        with torch.cuda.device(dev):
-            for i, n in enumerate(st["sizes"]):
-                buf = torch.empty(int(n), dtype=torch.uint8, device=dev)
+        # Staging kept across updates while the layout is the same: no allocation
+        # on the steady path. Hazard: its memory stays taken between updates
+        # (the bytes of one update); nccl_close drops it.
+        key = tuple(int(n) for n in st["sizes"])
+        staging = st["staging"]
+        if staging is None or staging[0] != key or any(b.device != dev for b in staging[1]):
+            staging = st["staging"] = (key, [torch.empty(n, dtype=torch.uint8, device=dev) for n in key])
+        t2 = time.perf_counter()
+        with _on(dev):
+            for i, buf in enumerate(staging[1]):
                 comm.broadcast(buf, src=0)
                 st["buckets"][i] = buf
-            torch.cuda.synchronize(dev)
-        for i, buf in st["buckets"].items():
-            unpack_bucket(i, st["metas"], buf)
+            _sync(dev)
+        t3 = time.perf_counter()
+        self._rb_validate(st)
         return {
             "bytes": int(sum(st["sizes"])),
             "seconds": time.perf_counter() - t0,
             "setup_seconds": round(t1 - t0, 4),
+            "alloc_s": round(t2 - t1, 4),
+            "broadcast_s": round(t3 - t2, 4),
             **setup,
         }
+
+    def rollout_bus_nccl_join(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Join the trainer's group now (ahead of the first update)."""
+        t0 = time.perf_counter()
+        r = self._rb_nccl(args)
+        return {**r, "seconds": round(time.perf_counter() - t0, 4)}
 
     def _rb_nccl(self, a: dict[str, Any]) -> dict[str, Any]:
         """Join the trainer's NCCL group once per group id (trainer = rank 0,
@@ -251,30 +483,31 @@ class RolloutBusWorkerExtension:
 
     def rollout_bus_nccl_close(self) -> None:
         st = self._rb()
-        comm, st["nccl"], st["nccl_key"] = st["nccl"], None, None
+        comm, st["nccl"], st["nccl_key"], st["staging"] = st["nccl"], None, None, None
         if comm is not None:
             try:
                 comm.destroy()
             except Exception:
                 pass
 
-    def rollout_bus_commit(self, uid: str, shm: dict[str, Any] | None = None) -> dict[str, Any]:
+    def rollout_bus_commit(
+        self, uid: str, shm: dict[str, Any] | None = None, opts: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         st = self._rb_check(uid)
         dev = self._rb_device()
         t0 = time.perf_counter()
+        r: dict[str, Any] = {}
         try:
             with _on(dev):
                 if shm is not None:
                     n = self._rb_commit_shm(st, shm, dev)
                 else:
-                    named = [nt for i, b in sorted(st["buckets"].items()) for nt in unpack_bucket(i, st["metas"], b)]
-                    n = self._rb_load(named)
-                    del named
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
+                    r = self._rb_apply(st, opts)
+                    n = r.get("params_loaded", r.get("copies", -1))
+                _sync(dev)
         finally:
             st.update(_fresh_state())  # drop the views: the trainer may free its buffers after the ack
-        return {"params_loaded": n, "seconds": time.perf_counter() - t0}
+        return {**r, "params_loaded": n, "seconds": time.perf_counter() - t0}
 
     def _rb_commit_shm(self, st: dict[str, Any], shm: dict[str, Any], dev: torch.device) -> int:
         """zmq transport: the backend wrote every bucket, once, into one shared

@@ -8,7 +8,11 @@
 #                            bundle lack: uvicorn, watchfiles, model-hosting-container-standards,
 #                            jmespath, prometheus-fastapi-instrumentator, structlog (bench/README.md)
 # Env: WHAT=throughput (default) | weights | all; MODEL (default /tmp/q05, built unless there);  NCCL=1: weights also on 2 GPUs (trainer 0, engine 1);
-#      DEADLINE (s, default 540: everything ends by then); TP_ARGS / WU_ARGS: extra flags.
+#      DEADLINE (s, default 540: everything ends by then); TP_ARGS / WU_ARGS: extra flags;
+#      CHECK=0: weights without --check (on by default: the fast write path == load_weights, bit for bit).
+# The weights run prints, per update, a TIMING line (control round trips, trainer pack/send, the engine's
+# commit: path load_weights+record|plan, copy/fallback/sync) and the medians; NCCL sets its group up at
+# init first (warm_up_nccl) and reports that apart.
 # Back in $OUT (8 files at most): run.log, setup.log, gpu_throughput.{json,png},
 # gpu_weight_update.{json,png}, phase_logs.txt (tails of every phase / server log).
 cd "$(dirname "$0")/../.." || exit 1
@@ -52,10 +56,11 @@ fi
 if [ "$WHAT" = weights ] || [ "$WHAT" = all ]; then
   B=$(( $(left) - 30 ))
   N=""; [ -n "$NCCL" ] && [ "$NGPU" -ge 2 ] && N=--nccl
+  [ "${CHECK:-1}" = 1 ] && N="$N --check"
   echo "== gpu_weight_update $N (budget ${B}s, $NGPU GPU(s))"
   timeout -k 15 $(( B + 20 )) python3 -m bench.gpu_weight_update --model $MODEL --out-dir "$OUT" --log-dir $LOGS/wu \
       --budget-s $B $N $WU_ARGS > $LOGS/gpu_weight_update.out 2>&1
-  echo "gpu_weight_update rc=$? after $(( $(date +%s) - T0 ))s"; grep -E "^\[|^wrote" $LOGS/gpu_weight_update.out
+  echo "gpu_weight_update rc=$? after $(( $(date +%s) - T0 ))s"; grep -E "^\[|^wrote|TIMING|CHECK" $LOGS/gpu_weight_update.out
 fi
 # every phase / server / engine log, tailed into one file (the 8-file limit)
 for f in $(find $LOGS -type f -name "*.log" -o -type f -name "*.out" | sort); do

@@ -295,7 +295,7 @@ def test_weight_update_cuda_ipc_then_zmq_back(backend, model_dirs, llm_reference
         begin_s=round(t1 - t0, 4),
         receive_s=round(t2 - t1, 4),
         commit_s=round(t_all - (t2 - t0), 4),
-        receive_worker_s=rr["worker_seconds"],
+        receive_worker_s=rr.get("worker_seconds"),
         commit_worker_s=rc["worker_seconds"],
         prefix_cache_reset=rc["prefix_cache_reset"],
         begin_to_finish_s=round(t_all, 4),
@@ -332,6 +332,54 @@ def test_weight_update_cuda_ipc_then_zmq_back(backend, model_dirs, llm_reference
     record_timing("weight_update_zmq_staging", bytes=sum(sizes), seconds=round(time.perf_counter() - t0, 4))
     outA, _ = run_greedy(backend)
     assert outA == llm_reference, "back to A's weights: bit-identical output"
+
+
+def _ipc_update(backend, sd, tag, **args):
+    from trainer_bridge.gpu_transports import CudaIpcSender
+
+    sender = CudaIpcSender(bucket_bytes=8 << 20)
+    metas, sizes, handles = sender.prepare(list(sd.items()))
+    t0 = time.perf_counter()
+    wait(backend.begin_weight_update(tag, "cuda_ipc", metas, {"bucket_sizes": sizes, **args}))
+    wait(backend.receive_weights(handles))
+    rc = wait(backend.commit_weight_update())
+    dt = time.perf_counter() - t0
+    sender.release()  # only after the commit's answer
+    return rc, dt
+
+
+def test_weight_plan_equals_load_weights(backend, model_dirs, llm_reference):
+    """The fast write path (a copy plan learned from load_weights on the first
+    update, replayed as device copies) against vLLM's load_weights: every
+    parameter bit for bit (weight_check), and A -> B -> A through the plan gives
+    A's greedy output token for token (a name the plan skipped would keep B)."""
+    import torch
+
+    sdA = {k: v.to(torch.bfloat16) for k, v in _named_from(model_dirs["A"]).items()}
+    sdB = {k: v.to(torch.bfloat16) for k, v in _named_from(model_dirs["B"]).items()}
+    rc, _ = _ipc_update(backend, sdA, "p0")  # learns the plan (unless an earlier test did)
+    assert rc["worker"]["path"] in ("load_weights+record", "plan"), rc["worker"]
+    if rc["worker"]["path"] == "load_weights+record":
+        assert rc["worker"]["verify_mismatch"] == [], rc["worker"]
+    timings = {}
+    for tag, sd in (("B", sdB), ("A", sdA)):
+        rc, dt = _ipc_update(backend, sd, "p" + tag, weight_check=True)
+        w = rc["worker"]
+        assert w["path"] == "plan", w
+        assert w["check_mismatch"] == [] and w["check_params"] > 0, w
+        timings[tag] = {"update_s": round(dt, 4), **{k: w.get(k) for k in ("copy_s", "fallback", "post_sync_s")}}
+        if tag == "B":
+            outB, _ = run_greedy(backend)
+            assert outB != llm_reference
+    out, _ = run_greedy(backend)
+    assert out == llm_reference, "A -> B -> A through the plan: A's output, token for token"
+    rc, dt = _ipc_update(backend, sdA, "p-fast")  # no check: the timing of the fast path alone
+    record_timing(
+        "weight_plan_cuda_ipc",
+        update_s=round(dt, 4),
+        worker=rc["worker"],
+        plan=(timings, rc["worker"].get("fallback")),
+    )
 
 
 def test_bad_weight_update_keeps_weights(backend, llm_reference):
@@ -478,12 +526,17 @@ def test_nccl_update_trainer_gpu0_engine_gpu1(model_dirs):
         times = []
         for rnd in range(2):  # first: joins the group; second: reuses it
             t0 = time.perf_counter()
-            wait(be.begin_weight_update(f"n{rnd}", "nccl", metas, sender.transport_args(sizes)))
+            # second round: the plan learned in the first, checked against load_weights bit for bit
+            args = {**sender.transport_args(sizes), **({"weight_check": True} if rnd else {})}
+            wait(be.begin_weight_update(f"n{rnd}", "nccl", metas, args))
             op = be.receive_weights([])  # the workers join (first time) and wait for the broadcast
             sres = sender.send(metas, sizes, tensors)
             rres = wait(op)
-            wait(be.commit_weight_update())
+            rc = wait(be.commit_weight_update())
             times.append((time.perf_counter() - t0, sres, rres))
+            w = rc["worker"]
+            assert w["path"] == ("plan" if rnd else "load_weights+record"), w
+            assert w.get("check_mismatch", []) == [] and w.get("verify_mismatch", []) == [], w
         for i, (dt, sres, rres) in enumerate(times):
             record_timing(
                 f"weight_update_nccl_round{i}",
@@ -560,7 +613,7 @@ def test_tp2_engine_receives_cuda_ipc(model_dirs):
                 "weight_update_cuda_ipc_tp2",
                 bytes=sum(sizes),
                 seconds=round(time.perf_counter() - t0, 4),
-                worker_seconds=rr["worker_seconds"],
+                worker_seconds=rr.get("worker_seconds"),
             )
             outB, _ = run_greedy(be)
             gap, agree = hf_check(model_dirs["B"], outB)
@@ -681,7 +734,7 @@ def test_bench_model(backend):
                 buckets=len(sizes),
                 pack_s=round(t1 - t0, 4),
                 begin_receive_s=round(t2 - t1, 4),
-                receive_GBps=rr["GBps"],
+                receive_GBps=rr.get("GBps"),
                 finish_load_s=round(t3 - t2, 4),
                 total_s=round(t3 - t0, 4),
                 GBps_total=round(nb / (t3 - t0) / 1e9, 2),
@@ -719,6 +772,7 @@ def test_bench_model(backend):
                 pack_s=round(t2 - t1, 4),
                 update_s=round(t3 - t2, 4),
                 commit_worker_s=rc["worker_seconds"],
+                worker=rc.get("worker"),
                 resume_s=round(t4 - t3, 4),
                 pause_update_resume_s=round(t4 - t0, 4),
                 resume_to_first_token_s=round(t5 - t3, 4),

@@ -113,10 +113,10 @@ def make_worker():
         def rollout_bus_info(self):
             return {"gpu_free": 1000 if not FAKE.sleeping else 5000}
 
-        def rollout_bus_commit(self, uid, shm=None):
+        def rollout_bus_commit(self, uid, shm=None, opts=None):
             if shm is not None:
                 self.shm_seen.append(shm["path"])
-            return super().rollout_bus_commit(uid, shm)
+            return super().rollout_bus_commit(uid, shm, opts)
 
     return FakeWorker()
 
@@ -570,7 +570,7 @@ def test_unknown_transport_and_ipc_handle_count(be):
 
     with pytest.raises(BackendError, match="transport"):
         wait(be.begin_weight_update("u", "carrier-pigeon", [], {}))
-    FAKE.worker.rollout_bus_recv_ipc = lambda uid, h: {"seconds": 0.0}
+    FAKE.worker.rollout_bus_apply_ipc = lambda uid, metas, sizes, h, opts: {"seconds": 0.0}
     wait(
         be.begin_weight_update("u", "cuda_ipc", [TensorMeta("w.b", "float32", [8], 0, 0, 32)], {"bucket_sizes": [256]})
     )
@@ -585,8 +585,9 @@ def test_unknown_transport_and_ipc_handle_count(be):
 def test_weight_deadline_names_weight_timeout(be):
     from bus.protocol import TensorMeta
 
-    FAKE.hold_utilities.add("rollout_bus_begin")
-    op = be.begin_weight_update("u", "nccl", [TensorMeta("w.b", "float32", [8], 0, 0, 32)], {"bucket_sizes": [256]})
+    FAKE.hold_utilities.add("rollout_bus_recv_nccl")
+    wait(be.begin_weight_update("u", "nccl", [TensorMeta("w.b", "float32", [8], 0, 0, 32)], {"bucket_sizes": [256]}))
+    op = be.receive_weights([])
     time.sleep(0.35)
     be.step()
     with pytest.raises(BackendTimeout, match="weight_timeout_s"):
@@ -753,3 +754,35 @@ def test_issue10_top_k_and_prompt_logprobs_to_step_outputs(be):
     assert math.isnan(pl.logprobs[0]) and pl.logprobs[1:] == [-1.0, -2.0, -3.0, -4.0]
     assert pl.k == 1 and pl.top_ids[1:] == [12, 13, 14, 15]
     assert pl.top_logprobs[1:] == pytest.approx([-1.1, -2.1, -3.1, -4.1])
+
+
+def test_resume_ramp_sends_a_small_first_batch_then_the_rest(model_dir):
+    from engine_node.backends.vllm_backend import make_backend
+
+    b = make_backend(
+        model_dir, max_model_len=64, resume_ramp_tokens=10, resume_ramp_wait_s=5.0, _api=fake_api(model_dir)
+    )
+    try:
+        ids = [f"r{i}" for i in range(5)]
+        for sid in ids:  # a burst into an empty engine (a resume re-submitting parked streams)
+            b.add(seq(sid, n=4, prompt=(10, 11, 12, 13, 14, 15)))
+        assert len(FAKE.seen) == 2, "6 + 6 prompt tokens reach the 10-token ramp: the rest is held"
+        b.abort(["r4"])  # a held one is dropped without reaching the core
+        res = drive(b, ids[:4])
+        assert all(r["finish"] == "length" and len(r["tokens"]) == 4 for r in res.values())
+        assert len(FAKE.seen) == 4 and not any(rid.startswith("r4#") for rid in FAKE.aborted)
+        # the engine was empty again: the next burst ramps again
+        b.add(seq("s0", n=2, prompt=tuple(range(12))))
+        b.add(seq("s1", n=2))
+        assert len(FAKE.seen) == 5
+        drive(b, ["s0", "s1"])
+        assert len(FAKE.seen) == 6
+    finally:
+        b.close()
+
+
+def test_no_ramp_by_default(be):
+    for i in range(5):
+        be.add(seq(f"q{i}", n=2))
+    assert len(FAKE.seen) == 5
+    drive(be, [f"q{i}" for i in range(5)])

@@ -1,0 +1,420 @@
+"""Receive straight into the parameters: a per-model copy plan learned from
+the model's own `load_weights`, replayed as device copies on later updates.
+
+vLLM's `model.load_weights` spends 11-14 ms of per-tensor Python on a 0.5B
+model (name remapping, stacked q/k/v and gate/up shards, TP narrowing), every
+update, to do what is in the end a fixed set of copies: checkpoint tensor
+slice -> parameter slice. `record` runs `load_weights` ONCE under a torch
+dispatch mode that captures, and does NOT perform, every write to a parameter
+(or buffer) of the model:
+
+  - `copy_(dst, src)` with `dst` a view of a parameter and `src` a view of one
+    incoming tensor: a COPY (parameter, dst geometry) <- (name, src geometry);
+  - `fill_` / `zero_` of a parameter view with a constant: a FILL (vocab
+    padding rows, for one);
+  - anything else that writes a parameter (arithmetic, a copy from a tensor
+    derived from the input, out= ops): the parameter is TAINTED, and every
+    name that wrote it is loaded the normal way (`load_weights`), forever.
+
+A name that produced no recorded write at all is asked about alone: when
+`load_weights` of just that name writes nothing and reports nothing loaded
+(the tied `lm_head.weight` Qwen2 skips) it is SKIPPED; otherwise (a loader
+keeping tensors in Python state, say) it is left to `load_weights` every time.
+
+`verify` then checks the plan against the truth: after the real
+`load_weights` of the same update ran, every planned destination must hold
+exactly (bit for bit) what the plan would write; a name whose copies disagree
+goes to the fallback set. `apply` replays the plan: `torch._foreach_copy_`
+over (dst, src) pairs of equal shape (one kernel per few tensors instead of
+~300 Python loader calls), single copies for broadcasts, fills after. Where
+two destinations overlap the plan replays strictly in recorded order instead.
+
+Hazards:
+- Python side effects of a loader (flags on a layer, counters kept by vLLM's
+  layerwise reload for online-quantized models) are invisible here. The worker
+  extension never plans a quantized model (`plannable`); fp8 re-quantization
+  is vllm_fp8's, run from the post-load hook.
+- The plan holds views of the live parameters. `still_valid` checks that every
+  parameter still has the storage pointer it had when recorded (a module swap
+  or re-allocation invalidates the plan; it is then recorded again).
+
+Nothing here imports vLLM: the CPU tests run it against a small vLLM-like
+module with stacked parameters and TP-style narrowing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_aten = torch.ops.aten
+_FILLS = {_aten.fill_.Scalar, _aten.zero_.default}
+_COPY = _aten.copy_.default
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, last byte + 1) of a view, in its storage's address space."""
+    if t.numel() == 0:
+        p = t.data_ptr()
+        return p, p
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
+    p = t.data_ptr()
+    return p, p + span * t.element_size()
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers: NaN == NaN, -0.0 != 0.0 (bit-exact equality)."""
+    it = _INT_OF_SIZE.get(t.element_size())
+    return t.view(it) if it is not None and t.is_floating_point() else t
+
+
+@dataclasses.dataclass
+class _Copy:
+    name: str  # checkpoint name whose tensor is the source
+    param: str  # destination parameter's name
+    dst: torch.Tensor  # a view of the live parameter
+    src_offset: int  # source geometry, in elements, relative to the name's tensor
+    src_size: tuple[int, ...]
+    src_stride: tuple[int, ...]
+    src_dtype: torch.dtype
+
+
+@dataclasses.dataclass
+class _Fill:
+    name: str
+    param: str
+    dst: torch.Tensor
+    value: Any
+
+
+class _Recorder(TorchDispatchMode):
+    """Captures writes to the model's storages; performs none of them."""
+
+    def __init__(self, params: dict[tuple[str, int], str]) -> None:
+        super().__init__()
+        self.params = params  # storage key -> parameter name
+        self.raw: list[tuple[str, str, torch.Tensor, Any]] = []  # (kind, param, dst, src|value)
+        self.tainted: dict[str, str] = {}  # parameter -> why
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        written = self._written(func, args, kwargs)
+        if not written:
+            return func(*args, **kwargs)
+        hit = [(t, p) for t in written if (p := self.params.get(_storage_key(t))) is not None]
+        if not hit:
+            return func(*args, **kwargs)  # a scratch tensor of the loader's own
+        dst, param = hit[0]
+        if dst.numel() == 0:
+            pass  # e.g. vocab padding of zero rows: nothing to write, nothing to plan
+        elif func is _COPY and len(hit) == 1:
+            self.raw.append(("copy", param, dst, args[1]))
+        elif func in _FILLS and len(hit) == 1:
+            value = 0 if func is _aten.zero_.default else args[1]
+            self.raw.append(("fill", param, dst, value))
+        else:
+            for _, p in hit:
+                self.tainted.setdefault(p, f"{func} writes it")
+        # The write is NOT performed: the live parameters stay as they were.
+        # In-place ops return their first argument; out= ops their out.
+        return kwargs["out"] if "out" in kwargs else args[0]
+
+    @staticmethod
+    def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        schema = func._schema
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            v = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+            elif isinstance(v, (list, tuple)):
+                out.extend(x for x in v if isinstance(x, torch.Tensor))
+        return out
+
+
+class WeightPlan:
+    """The copy plan for one incoming layout (names, dtypes, shapes)."""
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+        self.copies: list[_Copy] = []
+        self.fills: list[_Fill] = []
+        self.fallback: set[str] = set()  # names always loaded through load_weights
+        self.skipped: set[str] = set()  # names load_weights itself ignores (nothing written, none loaded)
+        self.why: dict[str, str] = {}  # fallback name -> reason (first seen)
+        self.ptrs: dict[str, int] = {}  # parameter -> storage pointer when recorded
+        self.order: list[_Copy | _Fill] = []  # every planned write, in recorded order
+        self.ordered = False  # destinations overlap: replay strictly in `order`
+        self._tainted: dict[str, str] = {}  # parameter -> why it is not planned
+        self.verified = False
+        self.record_seconds = 0.0
+        self._groups: list[tuple[list[int], list[int]]] = []  # filled by _finish
+        # (module, attribute, the parameter object, its storage pointer) for every
+        # parameter the plan writes: still_valid's cheap check
+        self._owners: list[tuple[torch.nn.Module, str, torch.Tensor, int]] = []
+        # layout (bucket sizes + metas) -> per copy (bucket, dtype, element offset in that bucket)
+        self._bound: dict[Any, list[tuple[int, torch.dtype, int]]] = {}
+
+    # -------------------------------------------------------------- record
+    @classmethod
+    def record(
+        cls,
+        key: Any,
+        model: torch.nn.Module,
+        load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
+        named: list[tuple[str, torch.Tensor]],
+    ) -> WeightPlan:
+        """Run `load(named)` (the model's load_weights) with every write to the
+        model's parameters captured instead of performed."""
+        t0 = time.perf_counter()
+        plan = cls(key)
+        params: dict[tuple[str, int], str] = {}
+        for pname, p in list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)
+        ):
+            k = _storage_key(p)
+            params.setdefault(k, pname)
+            plan.ptrs.setdefault(pname, p.untyped_storage().data_ptr())
+        rec = _Recorder(params)
+        # Source attribution by address: which incoming tensor does a view live in.
+        spans = sorted(((*_extent(t), n, t) for n, t in named if t.numel() > 0), key=lambda s: s[0])
+        starts = [s[0] for s in spans]
+        written_by: dict[str, set[str]] = {}  # param -> names
+        names_done: set[str] = set()
+        with rec:
+            load(iter(named))
+        for kind, param, dst, obj in rec.raw:
+            if kind == "fill":
+                plan.fills.append(_Fill("", param, dst, obj))  # attributed below
+                plan.order.append(plan.fills[-1])
+                continue
+            src = obj
+            if not isinstance(src, torch.Tensor) or src.device != dst.device:
+                plan._taint(param, "copied from a tensor on another device")
+                continue
+            lo, hi = _extent(src)
+            i = bisect.bisect_right(starts, lo) - 1
+            if i < 0 or not (spans[i][0] <= lo and hi <= spans[i][1]):
+                plan._taint(param, "copied from a tensor derived from the input")
+                continue
+            name, base = spans[i][2], spans[i][3]
+            if (lo - base.data_ptr()) % src.element_size() or src.dtype != base.dtype:
+                plan._taint(param, "copied from a reinterpreted view of the input")
+                continue
+            plan.copies.append(
+                _Copy(
+                    name,
+                    param,
+                    dst,
+                    (lo - base.data_ptr()) // src.element_size(),
+                    tuple(src.shape),
+                    tuple(src.stride()),
+                    src.dtype,
+                )
+            )
+            plan.order.append(plan.copies[-1])
+            written_by.setdefault(param, set()).add(name)
+            names_done.add(name)
+        for param, why in rec.tainted.items():
+            plan._taint(param, why)
+        # A fill is attributed to the names that copied into the same parameter.
+        for f in plan.fills:
+            names = written_by.get(f.param, set())
+            if not names:
+                plan._taint(f.param, "filled with no planned copy into it")
+            f.name = min(names) if names else ""
+        # A tainted parameter: every name that wrote it goes through load_weights.
+        for param in list(plan._tainted):
+            for n in written_by.get(param, ()):
+                plan._fall(n, f"writes {param}, which {plan._tainted[param]}")
+        by_name = dict(named)
+        for n, _ in named:
+            if n in names_done or n in plan.fallback:
+                continue
+            # No planned write: a name load_weights skips (the tied lm_head.weight of
+            # Qwen2) or one it handles out of our sight. Ask load_weights about it
+            # alone, still recording: nothing written and nothing reported loaded
+            # means skipped; anything else goes through load_weights every time.
+            one = _Recorder(params)
+            with one:
+                loaded = load(iter([(n, by_name[n])]))
+            if not one.raw and not one.tainted and loaded is not None and len(loaded) == 0:
+                plan.skipped.add(n)
+            else:
+                plan._fall(n, "no planned write (left to load_weights)")
+        plan._finish()
+        plan._owners = _owners(model, {op.param for op in plan.order})
+        plan.record_seconds = time.perf_counter() - t0
+        return plan
+
+    def _taint(self, param: str, why: str) -> None:
+        self._tainted.setdefault(param, why)
+
+    def _fall(self, name: str, why: str) -> None:
+        self.fallback.add(name)
+        self.why.setdefault(name, why)
+
+    def _finish(self) -> None:
+        def keep(op: _Copy | _Fill) -> bool:
+            return op.name not in self.fallback and op.param not in self._tainted
+
+        self.copies = [c for c in self.copies if keep(c)]
+        self.fills = [f for f in self.fills if keep(f)]
+        self.order = [op for op in self.order if keep(op)]
+        # Overlapping destinations (two writes to one byte): replay in order.
+        ext = sorted(_extent(op.dst) for op in self.order if op.dst.numel())
+        self.ordered = any(ext[i + 1][0] < ext[i][1] for i in range(len(ext) - 1) if ext[i][0] < ext[i][1])
+        # foreach groups: same device, dst/src same shape (copy_ may broadcast otherwise)
+        by_dev: dict[torch.device, tuple[list[int], list[int]]] = {}
+        for i, c in enumerate(self.copies):
+            g = by_dev.setdefault(c.dst.device, ([], []))
+            (g[0] if tuple(c.dst.shape) == c.src_size else g[1]).append(i)
+        self._groups = list(by_dev.values())
+
+    # -------------------------------------------------------------- use
+    @property
+    def planned_names(self) -> set[str]:
+        return {c.name for c in self.copies}
+
+    def still_valid(self, model: torch.nn.Module | None = None) -> bool:
+        """Every parameter the plan writes is still the module's parameter, in
+        the same storage (a dict lookup and a pointer per parameter: cheap
+        enough for every update)."""
+        for mod, attr, p, ptr in self._owners:
+            cur = mod._parameters.get(attr) if attr in mod._parameters else mod._buffers.get(attr)
+            if cur is not p or p.untyped_storage().data_ptr() != ptr:
+                return False
+        return True
+
+    def bind(self, layout: Any, metas: list[list[Any]]) -> list[tuple[int, torch.dtype, int]]:
+        """Where each copy's source starts inside the buckets of `layout`
+        (cached): sources_from_buckets then needs no per-tensor unpacking."""
+        b = self._bound.get(layout)
+        if b is None:
+            where = {str(m[0]): (int(m[3]), int(m[4])) for m in metas}
+            b = []
+            for c in self.copies:
+                bucket, off = where[c.name]
+                isz = torch.empty((), dtype=c.src_dtype).element_size()
+                if off % isz:
+                    raise ValueError(f"tensor {c.name!r}: offset {off} not aligned to {c.src_dtype}")
+                b.append((bucket, c.src_dtype, off // isz + c.src_offset))
+            self._bound = {layout: b}  # one layout at a time
+        return b
+
+    def sources_from_buckets(
+        self, layout: Any, metas: list[list[Any]], buckets: dict[int, torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The source views of every copy, straight from flat uint8 buckets."""
+        typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        out = []
+        for c, (bucket, dt, off) in zip(self.copies, self.bind(layout, metas), strict=True):
+            base = typed.get((bucket, dt))
+            if base is None:
+                raw = buckets[bucket]
+                n = raw.numel() // torch.empty((), dtype=dt).element_size() * torch.empty((), dtype=dt).element_size()
+                base = typed[(bucket, dt)] = raw[:n].view(dt)
+            out.append(base.as_strided(c.src_size, c.src_stride, base.storage_offset() + off))
+        return out
+
+    def sources(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The source views of every copy, cut from this update's tensors."""
+        out = []
+        for c in self.copies:
+            t = tensors[c.name]
+            if t.dtype != c.src_dtype:
+                raise ValueError(f"tensor {c.name!r}: dtype {t.dtype} != the plan's {c.src_dtype}")
+            out.append(t.as_strided(c.src_size, c.src_stride, t.storage_offset() + c.src_offset))
+        return out
+
+    def apply(self, tensors: dict[str, torch.Tensor] | None = None, srcs: list[torch.Tensor] | None = None) -> int:
+        """Write every planned copy and fill, from this update's named tensors
+        (or the sources already cut, `srcs`). Returns the number of copies."""
+        if srcs is None:
+            srcs = self.sources(tensors or {})
+        with torch.no_grad():
+            if self.ordered:  # the order load_weights wrote them in
+                src_of = {id(c): s for c, s in zip(self.copies, srcs, strict=True)}
+                for op in self.order:
+                    if isinstance(op, _Copy):
+                        op.dst.copy_(src_of[id(op)])
+                    else:
+                        op.dst.fill_(op.value)
+                return len(self.copies)
+            for same, other in self._groups:
+                if same:
+                    torch._foreach_copy_([self.copies[i].dst for i in same], [srcs[i] for i in same])
+                for i in other:
+                    self.copies[i].dst.copy_(srcs[i])
+            for f in self.fills:
+                f.dst.fill_(f.value)
+        return len(self.copies)
+
+    def verify(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """After the real load_weights of `tensors`: names whose planned writes
+        differ from what load_weights wrote (bit for bit) go to the fallback set.
+        Returns them."""
+        srcs = self.sources(tensors)
+        bad: set[str] = set()
+        with torch.no_grad():
+            for c, s in zip(self.copies, srcs, strict=True):
+                want = torch.empty_like(c.dst).copy_(s)  # copy_'s own cast and broadcast
+                if not torch.equal(bits(c.dst), bits(want)):
+                    bad.add(c.name)
+            for f in self.fills:
+                if not torch.equal(bits(f.dst), bits(torch.empty_like(f.dst).fill_(f.value))):
+                    bad.add(f.name)
+        for n in bad:
+            self._fall(n, "load_weights wrote something else than the plan")
+        if bad:
+            self._finish()
+        self.verified = True
+        return sorted(bad)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "copies": len(self.copies),
+            "fills": len(self.fills),
+            "fallback": len(self.fallback),
+            "skipped": sorted(self.skipped)[:4],
+            "fallback_sample": {n: self.why.get(n, "") for n in sorted(self.fallback)[:4]},
+            "ordered": self.ordered,
+            "record_seconds": round(self.record_seconds, 4),
+        }
+
+
+def _owners(model: torch.nn.Module, names: set[str]) -> list[tuple[torch.nn.Module, str, torch.Tensor, int]]:
+    out = []
+    for name in sorted(names):
+        prefix, _, attr = name.rpartition(".")
+        mod = model.get_submodule(prefix) if prefix else model
+        p = mod._parameters.get(attr) if attr in mod._parameters else mod._buffers.get(attr)
+        if p is not None:
+            out.append((mod, attr, p, p.untyped_storage().data_ptr()))
+    return out
+
+
+def plannable(model: torch.nn.Module) -> str | None:
+    """Why this model's weights must always go through load_weights, else None.
+    Quantized models (vllm_fp8's business) and non-float parameters are out."""
+    if getattr(model, "quant_config", None) is not None:
+        return "quantized model"
+    for _, p in model.named_parameters():
+        if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return f"parameter dtype {p.dtype}"
+    return None
