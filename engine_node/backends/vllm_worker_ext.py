@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from bus.tensors import unpack_bucket
+from engine_node.backends import vllm_fp8
 
 NODE_PID_ENV = "ROLLOUT_BUS_NODE_PID"
 
@@ -192,8 +193,12 @@ class RolloutBusWorkerExtension:
         return st
 
     def _rb_load(self, named: Any) -> int:
+        """Load ONE whole update (an iterable of (name, tensor); a quantized
+        model needs every shard of a fused layer inside one call)."""
         model = self._rb_model()
         with _LoraUnwrapped(model):
+            if vllm_fp8.is_quantized(model):  # fp8 engine fed bf16: re-quantize (vllm_fp8)
+                return vllm_fp8.load_into_quantized(model, named, getattr(self, "model_config", None))
             loaded = model.load_weights(named)
         return len(loaded) if loaded is not None else -1
 
@@ -316,7 +321,7 @@ class RolloutBusWorkerExtension:
                     n = self._rb_commit_shm(st, shm, dev)
                 else:
                     named = [nt for i, b in sorted(st["buckets"].items()) for nt in unpack_bucket(i, st["metas"], b)]
-                    n = self._rb_load(iter(named))
+                    n = self._rb_load(named)
                     del named
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
@@ -335,8 +340,9 @@ class RolloutBusWorkerExtension:
             mm = mmap.mmap(fd, total, prot=mmap.PROT_READ) if total else None
         finally:
             os.close(fd)
-        loaded = 0
-        try:
+
+        def tensors() -> Any:
+            # One bucket on the GPU at a time; the loader pulls the next when done.
             for i, size in enumerate(st["sizes"]):
                 with warnings.catch_warnings():  # read-only map: we only read it
                     warnings.simplefilter("ignore", UserWarning)
@@ -347,9 +353,16 @@ class RolloutBusWorkerExtension:
                     )
                 gpu = host.to(dev)
                 del host
-                loaded += max(0, self._rb_load(iter(unpack_bucket(i, st["metas"], gpu))))
+                yield from unpack_bucket(i, st["metas"], gpu)
                 del gpu
+
+        gen = tensors()
+        try:
+            # One load over every bucket (not one per bucket): a quantized model
+            # must see all shards of a fused layer in one call (vllm_fp8).
+            loaded = max(0, self._rb_load(gen))
         finally:
+            gen.close()  # drop the last bucket's views before the map closes
             if mm is not None:
                 try:
                     mm.close()
