@@ -15,6 +15,7 @@ import msgspec
 
 from bus import protocol as P
 from bus.errors import BadRequest, ProtocolError
+from bus.frames import TOKEN_BYTES, token_bytes, token_count, unpack_tokens
 
 _PATH_INDEX = re.compile(r"\[(\d+)\]")
 
@@ -87,20 +88,78 @@ class Codec:
         return msg, list(frames[2:])
 
 
+def _check_batch(msg: P.ChunkBatch, buffers: list[Any]) -> None:
+    """A ChunkBatch's counts must describe its frames exactly: a hostile or
+    garbled batch is a typed error, never a wrong slice or an IndexError."""
+    n = len(msg.chunks)
+    if len(msg.nbufs) != n or (msg.nbufs and min(msg.nbufs) < 0):
+        raise ProtocolError(f"ChunkBatch.nbufs must be {n} counts >= 0", field="nbufs")
+    if not msg.ntoks:
+        if sum(msg.nbufs) != len(buffers):
+            raise ProtocolError(f"ChunkBatch.nbufs sums to {sum(msg.nbufs)}, frames: {len(buffers)}", field="nbufs")
+        return
+    if len(msg.ntoks) != n or min(msg.ntoks) < 0:
+        raise ProtocolError(f"ChunkBatch.ntoks must be {n} counts >= 0", field="ntoks")
+    if not buffers or len(buffers[0]) != token_bytes(sum(msg.ntoks)):
+        have = len(buffers[0]) if buffers else 0
+        raise ProtocolError(f"packed token frame has {have} bytes, ntoks says {sum(msg.ntoks)} ids", field="ntoks")
+    if sum(msg.nbufs) != len(buffers) - 1:
+        raise ProtocolError(f"ChunkBatch.nbufs sums to {sum(msg.nbufs)}, frames: {len(buffers) - 1}", field="nbufs")
+
+
 def split_chunks(msg: Any, buffers: list[Any]) -> list[tuple[Any, list[Any]]]:
-    """[(Chunk, its buffers)] of a Chunk or a ChunkBatch."""
+    """[(Chunk, its buffers)] of a Chunk or a ChunkBatch (packed or not): a
+    packed chunk's token frame is a memoryview slice of the batch's frame.
+    Raises ProtocolError naming the field when the counts do not fit."""
     if not isinstance(msg, P.ChunkBatch):
         return [(msg, buffers)]
-    out, i = [], 0
-    for ch, n in zip(msg.chunks, msg.nbufs, strict=False):
-        out.append((ch, buffers[i : i + n]))
+    _check_batch(msg, buffers)
+    out: list[tuple[Any, list[Any]]] = []
+    if not msg.ntoks:
+        i = 0
+        for ch, n in zip(msg.chunks, msg.nbufs, strict=True):
+            out.append((ch, buffers[i : i + n]))
+            i += n
+        return out
+    view = memoryview(buffers[0])
+    off, i = 0, 1
+    for ch, nt, n in zip(msg.chunks, msg.ntoks, msg.nbufs, strict=True):
+        end = off + token_bytes(nt)
+        out.append((ch, [view[off:end], *buffers[i : i + n]]))
+        off, i = end, i + n
+    return out
+
+
+def split_packed(msg: Any, buffers: list[Any]) -> list[tuple[Any, list[int], list[Any]]]:
+    """[(Chunk, its token ids, its other buffers)] of a Chunk or a ChunkBatch:
+    the client's hot path. A packed batch's token frame is unpacked once for
+    all its chunks (one array.frombytes, then list slices) instead of once per
+    chunk. Raises ProtocolError naming the field on malformed frames."""
+    # Every frame of a chunk holds int32 ids or float32 logprobs: a length
+    # that is not a multiple of 4 would make array.frombytes raise later, in
+    # the reader's stream; refuse it here, typed.
+    for b in buffers:
+        if len(b) % TOKEN_BYTES:
+            raise ProtocolError(f"a chunk frame of {len(b)} bytes is not 4-byte ids / logprobs", field="frames")
+    if not isinstance(msg, P.ChunkBatch):
+        return [(msg, unpack_tokens(buffers[0]) if buffers else [], buffers[1:])]
+    if not msg.ntoks:
+        return [(ch, unpack_tokens(bufs[0]) if bufs else [], bufs[1:]) for ch, bufs in split_chunks(msg, buffers)]
+    _check_batch(msg, buffers)
+    toks = unpack_tokens(buffers[0])
+    out: list[tuple[Any, list[int], list[Any]]] = []
+    off, i = 0, 1
+    for ch, nt, n in zip(msg.chunks, msg.ntoks, msg.nbufs, strict=True):
+        out.append((ch, toks[off : off + nt], buffers[i : i + n]))
+        off += nt
         i += n
     return out
 
 
 class Outbox:
     """Chunks waiting to be sent, grouped by peer; `flush` sends one message
-    per peer (a Chunk alone, or a ChunkBatch). Owned by one loop thread."""
+    per peer (a Chunk alone, or a packed ChunkBatch). Owned by one loop thread.
+    Every chunk's first buffer is its token frame (bus/frames.py)."""
 
     def __init__(self) -> None:
         self.by_peer: dict[bytes, list[tuple[Any, list[Any]]]] = {}
@@ -114,7 +173,21 @@ class Outbox:
         for peer, items in box.items():
             if len(items) == 1:
                 yield peer, items[0][0], items[0][1]
-            else:
+            elif all(bs for _, bs in items):
+                # Packed: one token frame for the whole batch (b"".join takes
+                # bytes, zmq Frames and memoryview slices alike).
+                toks = b"".join([bs[0] for _, bs in items])
+                rest = [b for _, bs in items for b in bs[1:]]
+                yield (
+                    peer,
+                    P.ChunkBatch(
+                        [c for c, _ in items],
+                        [len(bs) - 1 for _, bs in items],
+                        [token_count(bs[0]) for _, bs in items],
+                    ),
+                    [toks, *rest],
+                )
+            else:  # a chunk without a token frame: the unpacked layout
                 bufs = [b for _, bs in items for b in bs]
                 yield peer, P.ChunkBatch([c for c, _ in items], [len(bs) for _, bs in items]), bufs
 

@@ -179,11 +179,15 @@ def prompt_frame_count(chunk: Any) -> int:
     return 0 if j < 0 else (3 if j > 0 else 1)
 
 
-def decode(chunk: Any, buffers: list[Any]) -> Decoded:
-    """The token ids and every logprob a Chunk's frames carry."""
+def decode(chunk: Any, buffers: list[Any], token_ids: list[int] | None = None) -> Decoded:
+    """The token ids and every logprob a Chunk's frames carry (`token_ids`:
+    already unpacked, e.g. from a packed ChunkBatch; buffers[0] is then unread)."""
     npf = prompt_frame_count(chunk)
     head = buffers[: len(buffers) - npf] if npf else buffers
-    toks = unpack_tokens(head[0]) if head else []
+    if token_ids is not None:
+        toks = token_ids
+    else:
+        toks = unpack_tokens(head[0]) if head else []
     lps = unpack_logprobs(head[1]) if len(head) > 1 else None
     out = Decoded(toks, lps)
     k = getattr(chunk, "top_logprobs", 0)

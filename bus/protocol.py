@@ -20,6 +20,10 @@ Version 3: weight updates are an explicit two-phase commit (`PrepareWeights`
 → `WeightsPrepared`, then `FinishWeightUpdate` = the commit, decided by the
 head); buckets may carry their own tensor metas (streamed updates) and come
 from several sender ranks, each closing its part with `WeightSenderEnd`.
+
+Version 4: a `ChunkBatch` may be packed (`ntoks` set): the token ids of all
+its chunks travel in ONE frame, so a batch of k chunks is 3 frames, not k + 2
+(see ChunkBatch).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -130,12 +134,22 @@ class Chunk(_Msg, tag="chunk"):
 
 class ChunkBatch(_Msg, tag="chunks"):
     """Several Chunks in one message: what one engine step produced for one
-    peer (engine → router, router → client). Frames: every chunk's buffers in
-    order; `nbufs[i]` says how many belong to chunk i. Read it with
-    `bus.codec.split_chunks`, which also accepts a plain Chunk."""
+    peer (engine → router, router → client). Read it with
+    `bus.codec.split_chunks` (or `bus.codec.split_packed`), which also accept
+    a plain Chunk.
+
+    Unpacked (`ntoks` empty): every chunk's buffers in order; `nbufs[i]` says
+    how many belong to chunk i.
+    Packed (`ntoks` set, what `Outbox` sends): frame 0 holds the token ids of
+    every chunk, concatenated (int32; chunk i has `ntoks[i]`), then each
+    chunk's OTHER buffers (logprobs, top-k, prompt logprobs) in order;
+    `nbufs[i]` counts those, without the token frame. Per-frame costs (a zmq
+    message part, a Frame object, a memoryview) are paid once per batch
+    instead of once per chunk: the streaming hot path."""
 
     chunks: list[Chunk]
     nbufs: list[int]
+    ntoks: list[int] = []
 
 
 class Error(_Msg, tag="error"):

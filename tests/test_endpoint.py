@@ -119,3 +119,69 @@ def test_typed_results_read_as_dicts_and_control_error_names_codes() -> None:
     err = ControlError("failed", errors={"e0": failure}, request_id="c1")
     typed = err.exception("e0")
     assert type(typed).__name__ == "BackendTimeout" and typed.field == "op_timeout_s"
+
+
+def test_client_reads_packed_batches_and_outlives_a_garbled_one(tmp_path) -> None:
+    """A fake head on a real socket answers an AsyncClient stream with a
+    garbled packed ChunkBatch (dropped), then packed batches holding both
+    samples' chunks: one with logprobs, one the final with top-k."""
+    import asyncio
+
+    from bus.codec import Outbox
+    from trainer_bridge.client import AsyncClient
+
+    addr = f"ipc://{tmp_path}/head"
+    ctx = zmq.Context()
+    head = open_socket(ctx, zmq.ROUTER, bind=addr)
+    codec = Codec()
+
+    def serve() -> None:
+        assert head.poll(5000), "the client never sent its Generate"
+        peer, *frames = head.recv_multipart()
+        gen, _ = codec.decode(frames)
+        rid = gen.request_id
+        # ntoks says 3 ids, the frame holds 2: the client must drop it, typed, and go on.
+        bad = P.ChunkBatch([P.Chunk(rid), P.Chunk(rid, 1)], [0, 0], [3, 0])
+        head.send_multipart([peer, *codec.encode(bad, [pack_tokens([5, 6])])])
+        box = Outbox()
+        box.add(peer, P.Chunk(rid, 0, emitted_at=1.0), [pack_tokens([1, 2]), pack_logprobs([-0.5, -0.25])])
+        box.add(peer, P.Chunk(rid, 1, weight_version=3), [pack_tokens([7])])
+        for p, msg, bufs in box.messages():
+            assert isinstance(msg, P.ChunkBatch) and msg.ntoks == [2, 1]
+            head.send_multipart([p, *codec.encode(msg, bufs)])
+        box.add(
+            peer,
+            P.Chunk(rid, 0, finish_reason="stop", top_logprobs=2),
+            [pack_tokens([3]), pack_logprobs([-0.1]), pack_tokens([3, 4]), pack_logprobs([-0.1, -2.0])],
+        )
+        box.add(peer, P.Chunk(rid, 1, finish_reason="length", engine_id="e9"), [pack_tokens([8, 9])])
+        for p, msg, bufs in box.messages():
+            head.send_multipart([p, *codec.encode(msg, bufs)])
+
+    async def main() -> list:
+        client = AsyncClient(addr, timeout_s=10)
+        try:
+            out = []
+            agen = client.stream([1, 2, 3], {"max_tokens": 3}, num_samples=2)
+            first = asyncio.ensure_future(agen.__anext__())
+            await asyncio.get_running_loop().run_in_executor(None, serve)
+            out.append(await first)
+            async for ch in agen:
+                out.append(ch)
+            return out
+        finally:
+            await client.close()
+
+    try:
+        got = asyncio.run(asyncio.wait_for(main(), 20))
+    finally:
+        head.close(linger=0)
+        ctx.term()
+    assert [(c.sample_index, c.token_ids, c.logprobs, c.finish_reason) for c in got] == [
+        (0, [1, 2], [-0.5, -0.25], None),
+        (1, [7], None, None),
+        (0, [3], [-0.10000000149011612], "stop"),
+        (1, [8, 9], None, "length"),
+    ]
+    assert got[0].emitted_at == 1.0 and got[1].weight_version == 3 and got[3].engine_id == "e9"
+    assert got[2].top_ids == [[3, 4]] and got[2].top_logprobs == [[-0.10000000149011612, -2.0]]

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from bus import protocol as P
 from bus.codec import Codec
 from bus.errors import BadRequest, ProtocolError
+from bus.frames import pack_logprobs, pack_tokens
 from bus.tensors import pack_bucket, plan_buckets, unpack_bucket
 from router_node.policies import Sessions, pick_least_loaded, pick_least_loaded_exact
 
@@ -177,20 +178,68 @@ def test_control_bus_reports_dead_targets_at_once():
 
 
 def test_outbox_batches_per_peer_and_split_chunks_restores_buffers():
-    from bus.codec import Outbox, split_chunks
+    from bus.codec import Outbox, split_chunks, split_packed
 
+    ta, tb, tx = pack_tokens([1, 2]), pack_tokens([3]), pack_tokens([9])
+    lb = pack_logprobs([-0.5])
     box = Outbox()
-    box.add(b"p1", P.Chunk("a"), [b"ta"])
-    box.add(b"p2", P.Chunk("x"), [b"tx", b"lx"])
-    box.add(b"p1", P.Chunk("b", finish_reason="stop"), [b"tb", b"lb"])
+    box.add(b"p1", P.Chunk("a"), [ta])
+    box.add(b"p2", P.Chunk("x"), [tx, b"lx00"])
+    box.add(b"p1", P.Chunk("b", finish_reason="stop"), [tb, lb])
     sent = list(box.messages())
     assert not box.by_peer
     by_peer = {peer: (msg, bufs) for peer, msg, bufs in sent}
     assert isinstance(by_peer[b"p2"][0], P.Chunk)  # a lone chunk stays a Chunk
     batch, bufs = by_peer[b"p1"]
     assert isinstance(batch, P.ChunkBatch)
+    # Packed: one token frame for both chunks, then chunk b's logprob frame.
+    assert batch.ntoks == [2, 1] and batch.nbufs == [0, 1] and len(bufs) == 2
     c = Codec()
     msg, back = c.decode(c.encode(batch, bufs))
     parts = split_chunks(msg, back)
-    assert [(ch.request_id, b) for ch, b in parts] == [("a", [b"ta"]), ("b", [b"tb", b"lb"])]
+    assert [(ch.request_id, [bytes(b) for b in bs]) for ch, bs in parts] == [("a", [ta]), ("b", [tb, lb])]
+    assert [(ch.request_id, t, [bytes(b) for b in r]) for ch, t, r in split_packed(msg, back)] == [
+        ("a", [1, 2], []),
+        ("b", [3], [lb]),
+    ]
     assert split_chunks(P.Chunk("z"), [b"t"]) == [(P.Chunk("z"), [b"t"])]
+    assert split_packed(P.Chunk("z"), [tx]) == [(P.Chunk("z"), [9], [])]
+    # A chunk without a token frame: the unpacked layout, still split right.
+    box.add(b"p3", P.Chunk("e"), [])
+    box.add(b"p3", P.Chunk("f"), [tb])
+    [(_, batch, bufs)] = list(box.messages())
+    assert batch.ntoks == [] and batch.nbufs == [0, 1]
+    assert [(ch.request_id, t) for ch, t, _ in split_packed(batch, bufs)] == [("e", []), ("f", [3])]
+
+
+@pytest.mark.parametrize(
+    ("batch", "nframes", "field"),
+    [
+        (P.ChunkBatch([P.Chunk("a"), P.Chunk("b")], [1]), 1, "nbufs"),  # a count missing
+        (P.ChunkBatch([P.Chunk("a")], [-1]), 0, "nbufs"),
+        (P.ChunkBatch([P.Chunk("a"), P.Chunk("b")], [1, 1]), 3, "nbufs"),  # more frames than counted
+        (P.ChunkBatch([P.Chunk("a")], [0], [2]), 0, "ntoks"),  # packed, no token frame
+        (P.ChunkBatch([P.Chunk("a")], [0], [3]), 1, "ntoks"),  # the frame holds 2 ids, not 3
+        (P.ChunkBatch([P.Chunk("a")], [0], [-1]), 1, "ntoks"),
+        (P.ChunkBatch([P.Chunk("a"), P.Chunk("b")], [0, 0], [2]), 1, "ntoks"),
+        (P.ChunkBatch([P.Chunk("a")], [1], [2]), 1, "nbufs"),  # counts a logprob frame that is not there
+    ],
+)
+def test_malformed_chunk_batches_are_typed_errors_naming_the_field(batch, nframes, field):
+    from bus.codec import split_chunks, split_packed
+
+    frames = [pack_tokens([7, 8])] * nframes
+    for split in (split_chunks, split_packed):
+        with pytest.raises(ProtocolError) as e:
+            split(batch, frames)
+        assert e.value.field == field
+
+
+def test_split_packed_refuses_frames_that_are_not_4_byte_values():
+    from bus.codec import split_packed
+
+    with pytest.raises(ProtocolError) as e:
+        split_packed(P.Chunk("a"), [b"\x01\x02\x03"])
+    assert e.value.field == "frames"
+    with pytest.raises(ProtocolError):
+        split_packed(P.ChunkBatch([P.Chunk("a")], [1], [1]), [pack_tokens([1]), b"\x00"])

@@ -30,7 +30,7 @@ import zmq
 
 from bus import protocol as P
 from bus.auth import KeyDir
-from bus.codec import Codec, split_chunks
+from bus.codec import Codec, split_packed
 from bus.endpoint import open_socket
 from bus.errors import (
     AuthRefused,
@@ -43,7 +43,7 @@ from bus.errors import (
     exception_from_wire,
 )
 from bus.frames import decode as decode_frames
-from bus.frames import pack_tokens, token_versions
+from bus.frames import pack_tokens, token_versions, unpack_logprobs
 from trainer_bridge.types import GenerationResult, SampledSequence, SampleOutput, SampleResponse, StreamChunk
 
 _END = object()
@@ -152,7 +152,7 @@ class AsyncClient:
                 field="client_key",
             )
             for q in self._streams.values():
-                q.put_nowait((err, None))
+                q.put_nowait((err, None, None))
             for f in self._replies.values():
                 if not f.done():
                     f.set_exception(err)
@@ -170,18 +170,24 @@ class AsyncClient:
                 return
             try:
                 msg, buffers = self._codec.decode(frames)
+                if isinstance(msg, (P.Chunk, P.ChunkBatch)):
+                    # Tokens decoded here, once per batch (split_packed);
+                    # logprob frames stay zmq Frames (buffer protocol) until
+                    # the stream reads them, and are not touched otherwise.
+                    parts = split_packed(msg, buffers)
             except Exception:
                 continue  # a garbled reply cannot be routed to anyone
-            if isinstance(msg, P.ChunkBatch):
-                for ch, bufs in split_chunks(msg, buffers):
-                    q = self._streams.get(ch.request_id)
+            if isinstance(msg, (P.Chunk, P.ChunkBatch)):
+                streams = self._streams
+                for item in parts:
+                    q = streams.get(item[0].request_id)
                     if q is not None:
-                        q.put_nowait((ch, [b.buffer for b in bufs]))
+                        q.put_nowait(item)
                 continue
             rid = msg.request_id
             q = self._streams.get(rid)
             if q is not None:
-                q.put_nowait((msg, [b.buffer for b in buffers]))
+                q.put_nowait((msg, None, None))
                 continue
             fut = self._replies.pop(rid, None)
             if fut is not None and not fut.done():
@@ -220,7 +226,7 @@ class AsyncClient:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(self._sock.fileno())
         for q in self._streams.values():
-            q.put_nowait((_END, None))
+            q.put_nowait((_END, None, None))
         for f in self._replies.values():
             if not f.done():
                 f.set_exception(ClosedByUs("the client was closed while waiting"))
@@ -296,43 +302,44 @@ class AsyncClient:
         )
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
-        timer = asyncio.get_running_loop().call_later(timeout + _GRACE_S, q.put_nowait, (_TIMED_OUT, None))
+        timer = asyncio.get_running_loop().call_later(timeout + _GRACE_S, q.put_nowait, (_TIMED_OUT, None, None))
         open_samples = num_samples
         try:
             self._send(msg, [pack_tokens(prompt_ids)])
             while open_samples:
-                item, buffers = await q.get()
-                if item is _TIMED_OUT:
-                    self._send(P.Cancel(request_id=rid))
-                    raise RequestTimeout(
-                        f"request did not finish within timeout_s={timeout}", request_id=rid, field="timeout_s"
-                    )
-                if item is _END:
-                    raise ClosedByUs("the client was closed while streaming", request_id=rid)
-                if isinstance(item, RolloutBusError):
-                    raise item
-                if isinstance(item, P.Error):
-                    raise exception_from_wire(item.code, item.message, rid, item.field)
-                if not isinstance(item, P.Chunk):
+                item, toks, rest = await q.get()
+                if type(item) is not P.Chunk:
+                    if item is _TIMED_OUT:
+                        self._send(P.Cancel(request_id=rid))
+                        raise RequestTimeout(
+                            f"request did not finish within timeout_s={timeout}", request_id=rid, field="timeout_s"
+                        )
+                    if item is _END:
+                        raise ClosedByUs("the client was closed while streaming", request_id=rid)
+                    if isinstance(item, RolloutBusError):
+                        raise item
+                    if isinstance(item, P.Error):
+                        raise exception_from_wire(item.code, item.message, rid, item.field)
                     raise ProtocolError(f"unexpected {type(item).__name__} for a generate request", request_id=rid)
-                dec = decode_frames(item, buffers)
                 if item.finish_reason is not None:
                     open_samples -= 1
+                if item.top_logprobs or item.prompt_logprobs >= 0:
+                    yield self._rich_chunk(rid, item, toks, rest), item.version_changes
+                    continue
+                # The common chunk (tokens, maybe their logprobs): no Decoded,
+                # positional fields (StreamChunk's order), defaults for the rest.
                 yield (
                     StreamChunk(
-                        request_id=rid,
-                        sample_index=item.sample_index,
-                        token_ids=dec.token_ids,
-                        logprobs=dec.logprobs,
-                        weight_version=item.weight_version,
-                        finish_reason=item.finish_reason,
-                        emitted_at=item.emitted_at,
-                        received_at=time.time(),
-                        engine_id=item.engine_id,
-                        num_prompt_tokens=item.num_prompt_tokens,
-                        top_ids=dec.top_ids,
-                        top_logprobs=dec.top_logprobs,
-                        prompt=dec.prompt,
+                        rid,
+                        item.sample_index,
+                        toks,
+                        unpack_logprobs(rest[0]) if rest else None,
+                        item.weight_version,
+                        item.finish_reason,
+                        item.emitted_at,
+                        time.time(),
+                        item.engine_id,
+                        item.num_prompt_tokens,
                         stop_str=item.stop_reason,
                         text=item.text,
                         restarts=item.restarts,
@@ -342,6 +349,29 @@ class AsyncClient:
         finally:
             timer.cancel()
             self._streams.pop(rid, None)
+
+    @staticmethod
+    def _rich_chunk(rid: str, item: P.Chunk, toks: list[int], rest: list[Any]) -> StreamChunk:
+        """A chunk with top-k or prompt logprobs: the full frame layout."""
+        dec = decode_frames(item, [b"", *rest], token_ids=toks)
+        return StreamChunk(
+            request_id=rid,
+            sample_index=item.sample_index,
+            token_ids=toks,
+            logprobs=dec.logprobs,
+            weight_version=item.weight_version,
+            finish_reason=item.finish_reason,
+            emitted_at=item.emitted_at,
+            received_at=time.time(),
+            engine_id=item.engine_id,
+            num_prompt_tokens=item.num_prompt_tokens,
+            top_ids=dec.top_ids,
+            top_logprobs=dec.top_logprobs,
+            prompt=dec.prompt,
+            stop_str=item.stop_reason,
+            text=item.text,
+            restarts=item.restarts,
+        )
 
     async def _collect(self, prompt_ids: Sequence[int], params: Any, num_samples: int, **kw: Any) -> GenerationResult:
         samples: dict[int, SampleOutput] = {}
