@@ -2,6 +2,8 @@
 # Run tests/gpu on the device machine (see tests/gpu/RESULTS.md). Needs, sent with carry=[".device"]:
 #   .device/vllm-bundle/ (python3 ../shared/tools/vllm_bundle.py .device/vllm-bundle)
 #   .device/whl/structlog-*.whl (pip download --no-deps --only-binary=:all: --python-version 3.12 structlog -d .device/whl)
+#   .device/whl/compressed_tensors-0.17.0 + loguru wheels (test_vllm_fp8.py: vLLM's fp8 config imports them;
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 compressed-tensors==0.17.0 loguru -d .device/whl)
 #   .device/make_tiny_model.py (only for BENCH=1; copy of ../shared/tools/make_tiny_model.py)
 # Env: BENCH=1 (0.5B benchmark), TESTS (default tests/gpu), DEADLINE (s), PYTEST_ARGS,
 #      ROLLOUT_BUS_BUNDLE_DIR / WHL_DIR / TINY_MODEL_SCRIPT: where those are when this tree is not the
