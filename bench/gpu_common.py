@@ -374,6 +374,70 @@ def _consecutive_ports(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports on {H.LOOPBACK}")
 
 
+# ---------------------------------------------------------------- where the CPU goes
+
+
+def _role(p: Any, me: int) -> str:
+    if p.pid == me:
+        return "client (bench)"
+    try:
+        cmd = " ".join(p.cmdline())
+        name = p.name()
+    except Exception:
+        return "?"
+    for key, role in (
+        ("router_node", "head"),
+        ("engine_node", "engine node"),
+        ("launch.py", "launch.py"),
+        ("EngineCore", "vLLM engine core"),
+        ("Worker", "vLLM worker"),
+        ("api_server", "api server"),
+    ):
+        if key in cmd or key in name:
+            return role
+    return name or "?"
+
+
+class CpuProbe:
+    """CPU seconds by role (client, head, engine node, vLLM engine core, ...)
+    across this process's tree, between two snapshots: `with probe.measure() as m:
+    ...` then m["cpu"] = {role: busy fraction of one core}."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self.me = os.getpid()
+
+    def snap(self) -> dict[int, tuple[str, float]]:
+        ps = self._psutil
+        root = ps.Process(self.me)
+        out: dict[int, tuple[str, float]] = {}
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                out[p.pid] = (_role(p, self.me), t.user + t.system)
+            except Exception:
+                continue
+        return out
+
+    @contextlib.contextmanager
+    def measure(self) -> Any:
+        res: dict[str, Any] = {}
+        a, t0 = self.snap(), time.perf_counter()
+        try:
+            yield res
+        finally:
+            b, wall = self.snap(), time.perf_counter() - t0
+            by: dict[str, float] = {}
+            for pid, (role, cpu) in b.items():
+                by[role] = by.get(role, 0.0) + cpu - a.get(pid, (role, 0.0))[1]
+            res["cpu"] = {
+                r: round(v / wall, 3) for r, v in sorted(by.items(), key=lambda kv: -kv[1]) if v > 0.01 * wall
+            }
+            res["cpu_wall_s"] = round(wall, 3)
+
+
 # ---------------------------------------------------------------- output
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -166,13 +167,15 @@ def phase_llm(spec: dict[str, Any]) -> dict[str, Any]:
     )
     llm.generate([{"prompt_token_ids": p} for p in ps["warm"]], warm, use_tqdm=False)
     reps = []
+    probe = G.CpuProbe()
     for _ in range(spec.get("reps", 1)):
         llm.reset_prefix_cache()
-        t0 = time.perf_counter()
-        res = llm.generate([{"prompt_token_ids": p} for p in ps["main"]], sp, use_tqdm=False)
-        wall = time.perf_counter() - t0
+        with probe.measure() as m:
+            t0 = time.perf_counter()
+            res = llm.generate([{"prompt_token_ids": p} for p in ps["main"]], sp, use_tqdm=False)
+            wall = time.perf_counter() - t0
         toks = sum(len(r.outputs[0].token_ids) for r in res)
-        reps.append(throughput(toks, wall, 0, len(res), [], _expected(spec)))
+        reps.append({**throughput(toks, wall, 0, len(res), [], _expected(spec)), **m})
     out["modes"] = {"LLM.generate": median_of(reps)}
     try:
         llm.llm_engine.engine_core.shutdown()
@@ -393,6 +396,7 @@ def phase_rb(spec: dict[str, Any]) -> dict[str, Any]:
 
     ps = prompt_sets(spec)
     cpu = spec.get("cpu", False)
+    probe = G.CpuProbe()
     eng = engine_kwargs(spec)
     overrides = {k: v for k, v in eng.items() if k not in ("gpu_memory_utilization", "max_model_len")}
     out: dict[str, Any] = {}
@@ -425,12 +429,20 @@ def phase_rb(spec: dict[str, Any]) -> dict[str, Any]:
             try:
                 for _ in range(spec.get("reps", 1)):
                     _reset(client)
-                    t0 = time.perf_counter()
-                    res = client.generate(ps["main"], params)
-                    wall = time.perf_counter() - t0
+                    st0 = _engine_stats(client)
+                    with probe.measure() as m:
+                        t0 = time.perf_counter()
+                        res = client.generate(ps["main"], params)
+                        wall = time.perf_counter() - t0
                     assert isinstance(res, list)  # a batch in, a list out
                     toks = sum(len(r.token_ids) for r in res)
-                    reps.append(throughput(toks, wall, 0, len(res), [], _expected(spec)))
+                    reps.append(
+                        {
+                            **throughput(toks, wall, 0, len(res), [], _expected(spec)),
+                            **m,
+                            "engine": _stats_delta(st0, _engine_stats(client), wall),
+                        }
+                    )
                 out["modes"]["generate batch"] = median_of(reps)
             except Exception as e:
                 out["modes"]["generate batch"] = {"error": repr(e)[:500], "reps_done": len(reps)}
@@ -438,8 +450,77 @@ def phase_rb(spec: dict[str, Any]) -> dict[str, Any]:
             out["prefix_cache_reset"] = _reset(client)
         finally:
             client.close()
-        asyncio.run(_rb_streams(spec, cl.address, ps, params, out))
+        asyncio.run(_rb_streams(spec, cl.address, ps, params, out, probe))
     return out
+
+
+def _engine_stats(client: Any) -> Any:
+    """The first engine's backend counters (vLLM backend: core_batches /
+    core_outputs) and the node's loop seconds, through a Stats control op;
+    a coroutine of them for an AsyncClient."""
+    from bus import protocol as P
+
+    def pick(res: Any) -> dict[str, Any]:
+        try:
+            return dict(next(iter(res.values())).detail or {})
+        except Exception as e:
+            return {"error": repr(e)[:200]}
+
+    try:
+        got = client.control(P.Stats(), strict=False, timeout_s=10)
+    except Exception as e:
+        return {"error": repr(e)[:200]}
+    if asyncio.iscoroutine(got):
+
+        async def later() -> dict[str, Any]:
+            try:
+                return pick(await got)
+            except Exception as e:
+                return {"error": repr(e)[:200]}
+
+        return later()
+    return pick(got)
+
+
+def _stats_delta(a: dict[str, Any], b: dict[str, Any], wall: float) -> dict[str, Any]:
+    """Engine-core steps and outputs per step during a mode; the engine node's
+    loop thread: busy fraction and where it went."""
+    out: dict[str, Any] = {}
+    try:
+        steps = b["core_batches"] - a["core_batches"]
+        outs = b["core_outputs"] - a["core_outputs"]
+        out.update(
+            core_steps=steps, steps_per_s=round(steps / wall, 1), outputs_per_step=round(outs / max(steps, 1), 1)
+        )
+    except Exception:
+        pass
+    try:
+        la, lb = a["loop"], b["loop"]
+        d = {k: lb[k] - la[k] for k in lb}
+        out["node_loop"] = {
+            "turns": int(d["turns"]),
+            **{k: round(d[k] / wall, 3) for k in ("poll_s", "read_s", "step_s", "flush_s")},
+        }
+    except Exception:
+        pass
+    return out
+
+
+def _timeline(marks: list[tuple[float, float, float]], t0: float) -> dict[str, Any]:
+    """When the streams were sent, got their first and their last token (ms
+    after the mode began): p0/p50/p100 of each."""
+    if not marks:
+        return {}
+
+    def q(vals: list[float]) -> list[float]:
+        vals = sorted(vals)
+        return [round(1e3 * vals[0], 1), round(1e3 * vals[len(vals) // 2], 1), round(1e3 * vals[-1], 1)]
+
+    return {
+        "sent": q([m[0] - t0 for m in marks]),
+        "first": q([m[1] - t0 for m in marks]),
+        "last": q([m[2] - t0 for m in marks]),
+    }
 
 
 def _reset(client: Any) -> Any:
@@ -451,29 +532,70 @@ def _reset(client: Any) -> Any:
 
 
 async def _rb_streams(
-    spec: dict[str, Any], address: str, ps: dict[str, list[list[int]]], params: dict[str, Any], out: dict[str, Any]
+    spec: dict[str, Any],
+    address: str,
+    ps: dict[str, list[list[int]]],
+    params: dict[str, Any],
+    out: dict[str, Any],
+    probe: G.CpuProbe,
 ) -> None:
     from trainer_bridge import AsyncClient
 
     ac = AsyncClient(address, timeout_s=spec["request_timeout_s"], control_timeout_s=60)
     try:
+        marks: list[tuple[float, float, float]] = []  # per stream: sent, first token, last token
 
         async def stream(p: list[int], prm: dict[str, Any]) -> int:
             n = 0
+            t0 = time.perf_counter()
+            first = last = t0
             async for ch in ac.stream(p, prm):
+                if ch.token_ids:
+                    last = time.perf_counter()
+                    if not n:
+                        first = last
                 n += len(ch.token_ids)
+            marks.append((t0, first, last))
             return n
 
         reps = []
+        prof = None
+        if os.environ.get("ROLLOUT_BUS_PROFILE_DIR"):  # the client's stacks, streams mode only
+            from bus.profiler import StackSampler
+
+            prof = StackSampler(float(os.environ.get("ROLLOUT_BUS_PROFILE_INTERVAL_S", "0.003"))).start()
         for _ in range(spec.get("reps", 1)):
             try:
                 await ac.reset_prefix_cache()
             except Exception:
                 pass
-            r = await gather_all(len(ps["main"]), lambda i: stream(ps["main"][i], params), spec["request_timeout_s"])
+            marks.clear()
+            st0 = _engine_stats(ac)
+            if asyncio.iscoroutine(st0):
+                st0 = await st0
+            with probe.measure() as m:
+                t_start = time.perf_counter()
+                r = await gather_all(
+                    len(ps["main"]), lambda i: stream(ps["main"][i], params), spec["request_timeout_s"]
+                )
+            st1 = _engine_stats(ac)
+            if asyncio.iscoroutine(st1):
+                st1 = await st1
             reps.append(
-                throughput(r["tokens"], r["wall_s"], r["errors"], len(ps["main"]), r["error_sample"], _expected(spec))
+                {
+                    **throughput(
+                        r["tokens"], r["wall_s"], r["errors"], len(ps["main"]), r["error_sample"], _expected(spec)
+                    ),
+                    **m,
+                    "engine": _stats_delta(st0, st1, r["wall_s"]),
+                    "timeline_ms": _timeline(marks, t_start),
+                }
             )
+        if prof is not None:
+            prof.stop()
+            d = Path(os.environ["ROLLOUT_BUS_PROFILE_DIR"])
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"client-streams-{os.getpid()}.txt").write_text(prof.report())
         out["modes"][f"{len(ps['main'])} AsyncClient streams"] = median_of(reps)
         spec["_partial"].update(out)
         if spec.get("ttft"):

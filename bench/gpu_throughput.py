@@ -352,6 +352,17 @@ def report(doc: dict[str, Any]) -> str:
         title=f"Time to first token: {t.get('n')} concurrent, max_tokens "
         f"{t.get('max_tokens')}, {t.get('rounds')} rounds pooled",
     )
+    diag = [
+        f"[diag] {r.get('name')} [{r.get('config')}] {mode}: "
+        + json.dumps({k: m[k] for k in ("cpu", "engine", "timeline_ms") if m.get(k)})
+        for r in doc.get("runs", [])
+        for mode, m in (r.get("modes") or {}).items()
+        if isinstance(m, dict) and any(m.get(k) for k in ("cpu", "engine", "timeline_ms"))
+    ]
+    if diag:
+        text += "\n\nWhere the time went (busy fraction of one core per role; engine-core steps; stream timeline ms)\n"
+        text += "\n".join(diag)
+        print("\n".join(diag), flush=True)
     return text
 
 

@@ -264,7 +264,11 @@ class Backend(Protocol):
 
     def wake_fd(self) -> int | None:
         """A file descriptor that becomes readable when step() has output
-        (backends that produce output on another thread); None otherwise."""
+        (backends that produce output on another thread); None otherwise.
+        Such a backend may also define `output_ready() -> bool` (output queued
+        now) and `step_wait_s`: while output_ready() is False the node waits
+        in its poll, wake fd and sockets together, for up to step_wait_s
+        instead of calling step()."""
         ...
 
     def close(self) -> None:

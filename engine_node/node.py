@@ -121,7 +121,13 @@ class EngineNode:
         if curve is not None and cfg.head_events.startswith("tcp://"):
             self._events_monitor = self.events.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             self.poller.register(self._events_monitor, zmq.POLLIN)
+        # Where the loop thread's time goes (cumulative seconds; Stats detail "loop").
+        self.loop_stats: dict[str, float] = {"turns": 0, "poll_s": 0.0, "read_s": 0.0, "step_s": 0.0, "flush_s": 0.0}
         self._backend_fd = backend.wake_fd()
+        # Backends with a wake fd may say whether output is queued now; while
+        # none is, the turn blocks in poll (sockets + wake fd) for up to this.
+        self._output_ready = getattr(backend, "output_ready", None) if self._backend_fd is not None else None
+        self._step_wait_ms = max(1, int(round(1000 * float(getattr(backend, "step_wait_s", 0.005)))))
         if self._backend_fd is not None:
             self.poller.register(self._backend_fd, zmq.POLLIN)
 
@@ -243,8 +249,13 @@ class EngineNode:
 
     def _turn(self) -> None:
         core = self.core
-        busy = self.backend.has_work()
-        for sock, _ in self.poller.poll(0 if busy else 50):
+        ls = self.loop_stats
+        t0 = time.perf_counter()
+        events = self.poller.poll(self._poll_ms())
+        t1 = time.perf_counter()
+        ls["turns"] += 1
+        ls["poll_s"] += t1 - t0
+        for sock, _ in events:
             ep = self._endpoints.get(sock)
             if ep is not None:
                 ep.drain()
@@ -262,6 +273,8 @@ class EngineNode:
             core.accepting = False
         if core.admit_dirty:
             core.admit()
+        t2 = time.perf_counter()
+        ls["read_s"] += t2 - t1
         if self.backend.has_work():
             try:
                 outs = self.backend.step()
@@ -273,9 +286,25 @@ class EngineNode:
                 # backend, i.e. after the step, not when this turn began.
                 core.set_time(time.monotonic(), time.time())
                 core.on_step(outs)
+        t3 = time.perf_counter()
+        ls["step_s"] += t3 - t2
         if now - self._snapshot_at > _TICK_S:
             self._tick(now)
         self._flush()
+        ls["flush_s"] += time.perf_counter() - t3
+
+    def _poll_ms(self) -> int:
+        """How long this turn may wait for sockets. A backend that produces on
+        another thread (wake fd) and has nothing queued yet is waited for HERE,
+        next to the sockets, so a Generate that arrives while the engine steps
+        is read and submitted at once (a wait inside step() would hold it back
+        for up to step_wait_s: a whole engine step later for a burst's tail)."""
+        if not self.backend.has_work():
+            return 50
+        ready = self._output_ready
+        if ready is None or ready():
+            return 0
+        return self._step_wait_ms
 
     def _flush(self) -> None:
         for seq, ok, result, error, code in self.core.take_acks():
@@ -517,7 +546,10 @@ class EngineNode:
 
     def _op_stats(self, op: P.Stats, seq: int) -> P.StatsResult:
         hb = self._make_heartbeat()
-        return P.StatsResult(heartbeat={f: getattr(hb, f) for f in hb.__struct_fields__}, detail=self.backend.stats())
+        return P.StatsResult(
+            heartbeat={f: getattr(hb, f) for f in hb.__struct_fields__},
+            detail={**self.backend.stats(), "loop": dict(self.loop_stats)},
+        )
 
 
 SEEDED_BACKENDS = ("torch", "vllm")  # backends whose `seed` option run_engine_node derives
@@ -545,6 +577,9 @@ def run_engine_node(argv: list[str] | None = None) -> int:
         options["seed"] = backend_seed(cfg.backend, derive_seed(cfg.seed, cfg.engine_id, incarnation))
     log.info("engine_starting", engine_id=cfg.engine_id, backend=cfg.backend, model=cfg.model, incarnation=incarnation)
     backend = load_backend(cfg.backend, cfg.model, **options)
+    from bus.profiler import start_from_env
+
+    start_from_env(f"engine-{cfg.engine_id}")  # benchmarks only: ROLLOUT_BUS_PROFILE_DIR
     node = EngineNode(cfg, backend, incarnation=incarnation)
     signal.signal(signal.SIGTERM, node.request_stop)
     signal.signal(signal.SIGINT, node.request_stop)

@@ -368,6 +368,9 @@ def run_router_node(argv: list[str] | None = None) -> int:
 
     cfg = parse_args(argv)
     become_child_process("rollout-bus router_node")
+    from bus.profiler import start_from_env
+
+    start_from_env("head")  # benchmarks only: ROLLOUT_BUS_PROFILE_DIR
     router = Router(cfg)
     if cfg.metrics_port >= 0:
         from router_node.metrics import serve_metrics

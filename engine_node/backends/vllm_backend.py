@@ -14,8 +14,9 @@ Threads: every method runs on the node's loop thread, and that thread alone
 sends on the engine core's input socket. vLLM's output thread reads batches and
 resolves utility futures; control ops complete on it (their done-callbacks only
 set flags and settle futures). Outputs: the output thread queues a batch and
-writes the wake pipe (wake_fd); step() drains what is queued, waiting at most
-step_wait_s when runnable sequences exist. No per-sequence task, queue or future.
+writes the wake pipe (wake_fd); step() drains what is queued and never waits:
+the node blocks in its poll on the wake fd and its sockets (up to step_wait_s)
+while output_ready() is False. No per-sequence task, queue or future.
 
 Control calls send their utility message(s) at once and return a BackendOp
 whose deadline names the option that sets it (rpc_timeout_s, weight_timeout_s,
@@ -296,9 +297,15 @@ class VllmBackend:
         if self._link.dead:
             self._link.check_alive()
             raise BackendError("the vLLM engine core died; the engine node must restart")
-        runnable = len(self._rid_of) > len(self._frozen)
-        self._collect(self.step_wait_s if runnable and not self._out.items else 0.0)
+        # Never blocks: the node waits for output in its poll (wake fd next to
+        # the sockets, up to step_wait_s) when output_ready() says none is queued.
+        self._collect(0.0)
         return self._out.take()
+
+    def output_ready(self) -> bool:
+        """Output (or a continuation, or a ramp to release) is waiting: the
+        node must not block in poll before the next step()."""
+        return bool(self._out.items) or self._link.has_output() or bool(self._later)
 
     def abort(self, seq_ids: Iterable[str]) -> list[StepOutput]:
         try:
@@ -338,6 +345,7 @@ class VllmBackend:
         return {
             "kv_usage": 0.0,
             **self._out.kv_stats,
+            **self._out.counters,
             "sleep_level": self._sleep_level,
             "frozen": self._paused,
             "engine_dead": self._link.dead,

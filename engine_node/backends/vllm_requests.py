@@ -139,6 +139,8 @@ class OutputBuffer:
     def __init__(self) -> None:
         self.items: dict[str, StepOutput] = {}  # request id -> merged output
         self.kv_stats: dict[str, Any] = {}
+        # Cumulative, for benchmarks (stats()): one batch = one core step's output.
+        self.counters: dict[str, int] = {"core_batches": 0, "core_outputs": 0, "core_max_outputs": 0}
         self.top_k: dict[str, int] = {}  # request id -> top-k logprobs it asked for (> 0)
         self.prompt: dict[str, _PromptAcc] = {}  # request id -> prompt logprobs being gathered
 
@@ -158,7 +160,12 @@ class OutputBuffer:
         """Merge one EngineCoreOutputs. Outputs of request ids not in `seq_of`
         (aborted: late arrivals) are dropped. Returns the request ids that finished."""
         finished: list[str] = []
-        for o in batch.outputs or ():
+        outs = batch.outputs or ()
+        c = self.counters
+        c["core_batches"] += 1
+        c["core_outputs"] += len(outs)
+        c["core_max_outputs"] = max(c["core_max_outputs"], len(outs))
+        for o in outs:
             sid = seq_of.get(o.request_id)
             if sid is None:
                 continue

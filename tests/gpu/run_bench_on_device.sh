@@ -44,6 +44,9 @@ wait $BUILD
 [ -f $MODEL/config.json ] || { tail -20 $LOGS/q05.log; exit 1; }
 python3 -c "import vllm, uvicorn, structlog, prometheus_fastapi_instrumentator, model_hosting_container_standards.sagemaker, watchfiles, aiohttp; print('imports ok: vllm', vllm.__version__)" 2>&1 | tail -3
 
+# PROFILE=1: the head, the engine nodes and the bench client's streams mode sample their Python stacks
+# (bus/profiler.py; no ptrace needed) into $OUT/profiles.txt. Compare profiled runs with profiled runs only.
+[ -n "$PROFILE" ] && export ROLLOUT_BUS_PROFILE_DIR=$LOGS/prof ROLLOUT_BUS_PROFILE_INTERVAL_S=${PROFILE_INTERVAL_S:-0.003}
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 tp_budget() { if [ "$WHAT" = all ]; then echo $(( ($(left) - 30) * 3 / 5 )); else echo $(( $(left) - 30 )); fi; }
 if [ "$WHAT" = throughput ] || [ "$WHAT" = all ]; then
@@ -66,6 +69,7 @@ fi
 for f in $(find $LOGS -type f -name "*.log" -o -type f -name "*.out" | sort); do
   echo "===== $f"; tail -c 4000 "$f"; echo
 done > "$OUT/phase_logs.txt" 2>&1
+[ -d $LOGS/prof ] && for f in $LOGS/prof/*.txt; do echo "===== $f"; head -c 6000 "$f"; echo; done > "$OUT/profiles.txt" 2>&1
 echo "== done after $(( $(date +%s) - T0 ))s"
 # the tables last
 [ -f "$OUT/gpu_throughput.json" ] && python3 -m bench.gpu_throughput --plot-from "$OUT/gpu_throughput.json" 2>&1 | grep -v "^wrote"
