@@ -392,8 +392,6 @@ async def _server_sched(s: Any, base: str) -> dict[str, Any]:
 
 
 def phase_rb(spec: dict[str, Any]) -> dict[str, Any]:
-    from trainer_bridge import Client
-
     ps = prompt_sets(spec)
     cpu = spec.get("cpu", False)
     probe = G.CpuProbe()
@@ -421,65 +419,20 @@ def phase_rb(spec: dict[str, Any]) -> dict[str, Any]:
         out["launch_argv"] = cl.argv[1:]
         spec["_partial"].update(out)
         params = {"max_tokens": spec["max_tokens"], "temperature": spec["temperature"], "ignore_eos": True}
-        client = Client(cl.address, timeout_s=spec["request_timeout_s"], control_timeout_s=60)
-        try:
-            client.generate(ps["warm"], {**params, "max_tokens": spec["warmup"]["max_tokens"]})
-            out["modes"] = {}
-            reps: list[dict[str, Any]] = []
-            try:
-                for _ in range(spec.get("reps", 1)):
-                    _reset(client)
-                    st0 = _engine_stats(client)
-                    with probe.measure() as m:
-                        t0 = time.perf_counter()
-                        res = client.generate(ps["main"], params)
-                        wall = time.perf_counter() - t0
-                    assert isinstance(res, list)  # a batch in, a list out
-                    toks = sum(len(r.token_ids) for r in res)
-                    reps.append(
-                        {
-                            **throughput(toks, wall, 0, len(res), [], _expected(spec)),
-                            **m,
-                            "engine": _stats_delta(st0, _engine_stats(client), wall),
-                        }
-                    )
-                out["modes"]["generate batch"] = median_of(reps)
-            except Exception as e:
-                out["modes"]["generate batch"] = {"error": repr(e)[:500], "reps_done": len(reps)}
-            spec["_partial"].update(out)
-            out["prefix_cache_reset"] = _reset(client)
-        finally:
-            client.close()
-        asyncio.run(_rb_streams(spec, cl.address, ps, params, out, probe))
+        asyncio.run(_rb_modes(spec, cl.address, ps, params, out, probe))
     return out
 
 
-def _engine_stats(client: Any) -> Any:
+async def _engine_stats(ac: Any) -> dict[str, Any]:
     """The first engine's backend counters (vLLM backend: core_batches /
-    core_outputs) and the node's loop seconds, through a Stats control op;
-    a coroutine of them for an AsyncClient."""
+    core_outputs) and the node's loop seconds, through a Stats control op."""
     from bus import protocol as P
 
-    def pick(res: Any) -> dict[str, Any]:
-        try:
-            return dict(next(iter(res.values())).detail or {})
-        except Exception as e:
-            return {"error": repr(e)[:200]}
-
     try:
-        got = client.control(P.Stats(), strict=False, timeout_s=10)
+        res = await ac.control(P.Stats(), strict=False, timeout_s=10)
+        return dict(next(iter(res.values())).detail or {})
     except Exception as e:
         return {"error": repr(e)[:200]}
-    if asyncio.iscoroutine(got):
-
-        async def later() -> dict[str, Any]:
-            try:
-                return pick(await got)
-            except Exception as e:
-                return {"error": repr(e)[:200]}
-
-        return later()
-    return pick(got)
 
 
 def _stats_delta(a: dict[str, Any], b: dict[str, Any], wall: float) -> dict[str, Any]:
@@ -523,15 +476,7 @@ def _timeline(marks: list[tuple[float, float, float]], t0: float) -> dict[str, A
     }
 
 
-def _reset(client: Any) -> Any:
-    try:
-        client.reset_prefix_cache()
-        return True
-    except Exception as e:
-        return f"failed: {e!r}"[:200]
-
-
-async def _rb_streams(
+async def _rb_modes(
     spec: dict[str, Any],
     address: str,
     ps: dict[str, list[list[int]]],
@@ -539,10 +484,16 @@ async def _rb_streams(
     out: dict[str, Any],
     probe: G.CpuProbe,
 ) -> None:
+    """Batch `generate` and 512 AsyncClient streams, their reps INTERLEAVED
+    (batch, streams, streams, batch, ...) so a drift of the engine's pace over
+    the phase (warm-up effects, clocks) weighs on both modes alike; then TTFT."""
     from trainer_bridge import AsyncClient
 
     ac = AsyncClient(address, timeout_s=spec["request_timeout_s"], control_timeout_s=60)
+    n_main = len(ps["main"])
+    streams_mode = f"{n_main} AsyncClient streams"
     try:
+        await ac.generate(ps["warm"], {**params, "max_tokens": spec["warmup"]["max_tokens"]})
         marks: list[tuple[float, float, float]] = []  # per stream: sent, first token, last token
 
         async def stream(p: list[int], prm: dict[str, Any]) -> int:
@@ -558,46 +509,57 @@ async def _rb_streams(
             marks.append((t0, first, last))
             return n
 
-        reps = []
+        async def batch() -> dict[str, Any]:
+            t0 = time.perf_counter()
+            res = await asyncio.wait_for(ac.generate(ps["main"], params), spec["request_timeout_s"])
+            wall = time.perf_counter() - t0
+            assert isinstance(res, list)  # a batch in, a list out
+            toks = sum(len(r.token_ids) for r in res)
+            return {**throughput(toks, wall, 0, len(res), [], _expected(spec)), "_wall": wall}
+
+        async def streams() -> dict[str, Any]:
+            marks.clear()
+            t_start = time.perf_counter()
+            r = await gather_all(n_main, lambda i: stream(ps["main"][i], params), spec["request_timeout_s"])
+            return {
+                **throughput(r["tokens"], r["wall_s"], r["errors"], n_main, r["error_sample"], _expected(spec)),
+                "_wall": r["wall_s"],
+                "timeline_ms": _timeline(marks, t_start),
+            }
+
         prof = None
-        if os.environ.get("ROLLOUT_BUS_PROFILE_DIR"):  # the client's stacks, streams mode only
+        if os.environ.get("ROLLOUT_BUS_PROFILE_DIR"):  # the client's stacks during the measured reps
             from bus.profiler import StackSampler
 
             prof = StackSampler(float(os.environ.get("ROLLOUT_BUS_PROFILE_INTERVAL_S", "0.003"))).start()
-        for _ in range(spec.get("reps", 1)):
-            try:
-                await ac.reset_prefix_cache()
-            except Exception:
-                pass
-            marks.clear()
-            st0 = _engine_stats(ac)
-            if asyncio.iscoroutine(st0):
-                st0 = await st0
-            with probe.measure() as m:
-                t_start = time.perf_counter()
-                r = await gather_all(
-                    len(ps["main"]), lambda i: stream(ps["main"][i], params), spec["request_timeout_s"]
-                )
-            st1 = _engine_stats(ac)
-            if asyncio.iscoroutine(st1):
-                st1 = await st1
-            reps.append(
-                {
-                    **throughput(
-                        r["tokens"], r["wall_s"], r["errors"], len(ps["main"]), r["error_sample"], _expected(spec)
-                    ),
-                    **m,
-                    "engine": _stats_delta(st0, st1, r["wall_s"]),
-                    "timeline_ms": _timeline(marks, t_start),
-                }
-            )
+        reps: dict[str, list[dict[str, Any]]] = {"generate batch": [], streams_mode: []}
+        runs = {"generate batch": batch, streams_mode: streams}
+        out["modes"] = {}
+        for i in range(spec.get("reps", 1)):
+            order = list(runs) if i % 2 == 0 else list(reversed(list(runs)))
+            for mode in order:
+                try:
+                    await ac.reset_prefix_cache()
+                except Exception:
+                    pass
+                try:
+                    st0 = await _engine_stats(ac)
+                    with probe.measure() as m:
+                        r = await runs[mode]()
+                    wall = r.pop("_wall")
+                    reps[mode].append({**r, **m, "engine": _stats_delta(st0, await _engine_stats(ac), wall)})
+                except Exception as e:
+                    reps[mode].append({"error": repr(e)[:500]})
         if prof is not None:
             prof.stop()
             d = Path(os.environ["ROLLOUT_BUS_PROFILE_DIR"])
             d.mkdir(parents=True, exist_ok=True)
-            (d / f"client-streams-{os.getpid()}.txt").write_text(prof.report())
-        out["modes"][f"{len(ps['main'])} AsyncClient streams"] = median_of(reps)
+            (d / f"client-{os.getpid()}.txt").write_text(prof.report())
+        for mode, rs in reps.items():
+            out["modes"][mode] = median_of(rs)
+            out["modes"][mode]["order"] = "interleaved with the other mode, rep by rep"
         spec["_partial"].update(out)
+        out["prefix_cache_reset"] = await _areset(ac)
         if spec.get("ttft"):
             tp = {**params, "max_tokens": spec["ttft"]["max_tokens"]}
 
@@ -612,6 +574,14 @@ async def _rb_streams(
             out["ttft"] = await ttft_rounds(spec, ps["ttft"], first_token)
     finally:
         await ac.close()
+
+
+async def _areset(ac: Any) -> Any:
+    try:
+        await ac.reset_prefix_cache()
+        return True
+    except Exception as e:
+        return f"failed: {e!r}"[:200]
 
 
 PHASES = {
