@@ -268,6 +268,7 @@ class RbCluster:
         backend_options: dict[str, Any] | None = None,
         ready_timeout_s: float = 240.0,
         log_dir: Path | None = None,
+        log_level: str = "WARNING",
     ) -> None:
         argv = [
             sys.executable,
@@ -281,7 +282,7 @@ class RbCluster:
             "--port",
             "0",
             "--log-level",
-            "WARNING",
+            log_level,
             "--ready-timeout-s",
             str(ready_timeout_s),
             "--backend-options",

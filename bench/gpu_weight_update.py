@@ -415,6 +415,9 @@ def weight_check(
     import torch
 
     out: dict[str, Any] = {}
+    end = time.monotonic() + 10.0  # the cancelled load's requests leave the engine first
+    while time.monotonic() < end and int(client.stats().get("in_flight", 0)):
+        time.sleep(0.05)
     at = engine_log_end(log_path)
     g = torch.Generator(device=named[0][1].device).manual_seed(1234)
     with torch.no_grad():
@@ -483,6 +486,9 @@ def _run_under_load(
         gpus=None if cpu else gpus,
         ready_timeout_s=spec["ready_timeout_s"],
         log_dir=Path(spec["log_dir"]),
+        # INFO: the engine's weight_commit_timing / weight_receive_timing lines (the
+        # breakdown and --check read them); the node logs nothing per request at INFO.
+        log_level="INFO",
         **eng,
     ) as cl:
         out["engine_start_s"], out["engines"] = cl.wait_ready()
@@ -493,14 +499,17 @@ def _run_under_load(
         if floor:
             out["floor"] = copy_floor(named, nbytes)
             spec["_partial"].update(out)
+        client = Client(cl.address, timeout_s=spec["request_timeout_s"], control_timeout_s=spec["control_timeout_s"])
+        # The reference greedy outputs come from the IDLE engine, as the check's do
+        # (after the load stopped): vLLM is not batch-invariant, so greedy tokens
+        # taken next to 64 streams may differ from the same request served alone.
+        greedy0 = _greedy(client, spec) if spec.get("check") else None
         load = StreamLoad(
             cl.address, spec["streams"], _prompts(spec), spec["stream_max_tokens"], spec["request_timeout_s"]
         ).start()
         instrument()
-        client = Client(cl.address, timeout_s=spec["request_timeout_s"], control_timeout_s=spec["control_timeout_s"])
         try:
             opts = {"device": trainer_device} if transport != "zmq" and not cpu else {}
-            greedy0 = _greedy(client, spec) if spec.get("check") else None
             if transport == "nccl" and spec.get("nccl_warm_up", True):
                 # as SkyRL's init_weight_update_communicator does: the group is set up
                 # before the first update (reported apart from it)
