@@ -303,6 +303,7 @@ class RbCluster:
         self.log_path = (log_dir or Path(tempfile.mkdtemp(prefix="rb-bench-"))) / f"launch-{self.port}.log"
         self.proc: subprocess.Popen | None = None
         self.engines = engines
+        self.log_level = log_level
 
     def __enter__(self) -> RbCluster:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -313,7 +314,7 @@ class RbCluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 cwd=str(REPO_ROOT),
-                env=child_env(),
+                env=child_env({"ROLLOUT_BUS_LOG_LEVEL": self.log_level}),  # the nodes' level too
                 start_new_session=True,
             )
         return self

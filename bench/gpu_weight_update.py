@@ -246,7 +246,7 @@ def engine_timing(log_path: Path, since: int = 0) -> tuple[list[dict[str, Any]],
     except OSError:
         return [], since
     for line in data.decode(errors="replace").splitlines():
-        if "weight_commit_timing" not in line and "weight_receive_timing" not in line:
+        if "weight_commit_timing" not in line and "weight_receive_timing" not in line and "resume_timing" not in line:
             continue
         i = line.find("{")
         try:
@@ -286,6 +286,13 @@ def timing_line(tag: str, rec: dict[str, Any]) -> str:
             + (f" fallback_names {eng['fallback']}" if eng.get("fallback") is not None else "")
         )
     parts.append(f"resume {rec.get('resume_ms', 0):.1f}")
+    res = rec.get("engine_resume") or {}
+    if res:
+        parts.append(
+            "engine after Resume "
+            + " ".join(f"{k.removesuffix('_ms')} {v}" for k, v in res.items() if k.endswith("_ms"))
+            + f" (running {res.get('running')})"
+        )
     parts.append(f"first token {rec.get('first_token_ms') or 0:.1f}")
     return f"TIMING {tag} update {rec.get('i')} (ms): " + " | ".join(parts)
 
@@ -354,6 +361,8 @@ def timed_updates(
                     rec["engine_commit"] = ev
                 elif ev.get("event") == "weight_receive_timing":
                     rec["engine_receive"] = ev
+                elif ev.get("event") == "resume_timing":
+                    rec["engine_resume"] = ev  # ms after the engine got the Resume
         out.append(rec)
         print(timing_line(tag, rec), flush=True)
         print(
@@ -362,7 +371,8 @@ def timed_updates(
                 {
                     k: (round(v, 2) if isinstance(v, float) else v)
                     for k, v in rec.items()
-                    if k not in ("engine_result", "engine_commit", "engine_receive", "control_ms", "sender")
+                    if k
+                    not in ("engine_result", "engine_commit", "engine_receive", "engine_resume", "control_ms", "sender")
                 }
             ),
             flush=True,
@@ -387,6 +397,8 @@ def breakdown(updates: list[dict[str, Any]]) -> dict[str, Any]:
             add("trainer." + k, v, 1e3)
         for k, v in (u.get("engine_receive") or {}).items():
             add("engine_receive." + k, v, 1e3)
+        for k, v in (u.get("engine_resume") or {}).items():
+            add("engine_resume." + k, v)
         for k, v in (u.get("engine_commit") or {}).items():
             if k != "fallback":
                 add("engine_commit." + k, v, 1e3)

@@ -121,6 +121,7 @@ class EngineNode:
         if curve is not None and cfg.head_events.startswith("tcp://"):
             self._events_monitor = self.events.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             self.poller.register(self._events_monitor, zmq.POLLIN)
+        self._resume_trace: dict[str, float] | None = None
         # Where the loop thread's time goes (cumulative seconds; Stats detail "loop").
         self.loop_stats: dict[str, float] = {"turns": 0, "poll_s": 0.0, "read_s": 0.0, "step_s": 0.0, "flush_s": 0.0}
         self._backend_fd = backend.wake_fd()
@@ -144,7 +145,7 @@ class EngineNode:
         handlers: dict[type, Callable[[Any, int], Any]] = {
             P.Ping: self._op_ping,
             P.Pause: self.core.pause,
-            P.Resume: self.core.resume,
+            P.Resume: self._op_resume,
             P.IsPaused: self.core.is_paused,
             P.Sleep: self.core.sleep,
             P.WakeUp: self.core.wake_up,
@@ -273,6 +274,8 @@ class EngineNode:
             core.accepting = False
         if core.admit_dirty:
             core.admit()
+            if self._resume_trace is not None:
+                self._trace_resume("admitted")
         t2 = time.perf_counter()
         ls["read_s"] += t2 - t1
         if self.backend.has_work():
@@ -286,6 +289,8 @@ class EngineNode:
                 # backend, i.e. after the step, not when this turn began.
                 core.set_time(time.monotonic(), time.time())
                 core.on_step(outs)
+                if outs and self._resume_trace is not None:
+                    self._trace_resume("first_output")
         t3 = time.perf_counter()
         ls["step_s"] += t3 - t2
         if now - self._snapshot_at > _TICK_S:
@@ -543,6 +548,26 @@ class EngineNode:
     def _lora_changed(self, _res: dict[str, Any]) -> P.LoraResult:
         self.core.config_changed()
         return self.core.config_result()
+
+    def _op_resume(self, op: P.Resume, seq: int) -> Any:
+        # Trace of where a resume's first token comes from (one INFO line per
+        # resume, "resume_timing"; the weight benchmark reads it).
+        self._resume_trace = {"t0": time.perf_counter()}
+        return self.core.resume(op, seq)
+
+    def _trace_resume(self, mark: str) -> None:
+        tr = self._resume_trace
+        if tr is None or mark in tr:
+            return
+        tr[mark] = time.perf_counter()
+        if mark == "first_output":
+            t0 = tr.pop("t0")
+            self._resume_trace = None
+            self.log.info(
+                "resume_timing",
+                **{f"{k}_ms": round((v - t0) * 1e3, 2) for k, v in tr.items()},
+                running=self.backend.num_running(),
+            )
 
     def _op_stats(self, op: P.Stats, seq: int) -> P.StatsResult:
         hb = self._make_heartbeat()
