@@ -281,9 +281,20 @@ class VllmBackend:
         for req in held.values():
             self._link.add(req)
 
+    def _ramp_output(self, batches: list[Any]) -> bool:
+        """A batch carries output of a request the ramp sent. Hazard: right
+        after a pause(abort) the core still drains outputs of the aborted
+        requests (and stats-only batches); releasing the held ones on those
+        would send the whole burst into the first step, the full-budget
+        re-prefill the ramp exists to avoid."""
+        live = self._seq_of
+        return any(
+            o.request_id in live and o.request_id not in self._deferred for b in batches for o in b.outputs or ()
+        )
+
     def _collect(self, wait_s: float) -> None:
         batches = self._link.drain(wait_s)
-        if batches and self._ramp_left is not None:
+        if batches and self._ramp_left is not None and self._ramp_output(batches):
             self._ramp_flush(force=True)  # the first step's output is here: the rest may go
         for batch in batches:
             for rid in self._out.add_batch(batch, self._seq_of):

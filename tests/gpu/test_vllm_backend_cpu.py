@@ -786,6 +786,37 @@ def test_resume_ramp_sends_a_small_first_batch_then_the_rest(model_dir):
         b.close()
 
 
+def test_resume_ramp_ignores_late_outputs_of_aborted_requests(model_dir):
+    """After a pause(abort) the core may still deliver outputs of the aborted
+    requests (or stats-only batches): those must not end the ramp."""
+    from engine_node.backends.vllm_backend import make_backend
+
+    b = make_backend(
+        model_dir, max_model_len=64, resume_ramp_tokens=10, resume_ramp_wait_s=5.0, _api=fake_api(model_dir)
+    )
+    try:
+        FAKE.paused = True  # the fake core steps nothing: only the batches below arrive
+        ids = [f"r{i}" for i in range(5)]
+        for sid in ids:
+            b.add(seq(sid, n=4, prompt=(10, 11, 12, 13, 14, 15)))
+        assert len(FAKE.seen) == 2
+        stale = types.SimpleNamespace(kv_cache_usage=0.0, num_running_reqs=0, num_waiting_reqs=0)
+        FAKE.outputs_queue.put_nowait(FakeBatch([FakeOut("gone#1", [5], None, 1, None)], stale))
+        FAKE.outputs_queue.put_nowait(FakeBatch([], stale))
+        time.sleep(0.05)
+        assert b.step() == []
+        assert len(FAKE.seen) == 2, "a late output of an aborted request does not release the held ones"
+        FAKE.paused = False  # the ramped requests produce output: the rest go
+        deadline = time.monotonic() + 2.0
+        while len(FAKE.seen) < 5 and time.monotonic() < deadline:
+            time.sleep(0.005)
+            b.step()
+        assert len(FAKE.seen) == 5
+        drive(b, ids)
+    finally:
+        b.close()
+
+
 def test_no_ramp_by_default(be):
     for i in range(5):
         be.add(seq(f"q{i}", n=2))
