@@ -423,14 +423,58 @@ class CpuProbe:
                 continue
         return out
 
+    def _colocation(self, stop: Any, out: dict[str, Any]) -> None:
+        """Every 10 ms: is a runnable thread of another process of the tree on the
+        physical core (SMT siblings) where the vLLM engine core's main thread runs?"""
+        from engine_node.cpu_placement import read_siblings
+
+        ps = self._psutil
+        samples = shared = 0
+        sib_cache: dict[int, frozenset[int]] = {}
+        while not stop.wait(0.01):
+            try:
+                procs = [ps.Process(self.me), *ps.Process(self.me).children(recursive=True)]
+            except Exception:
+                continue
+            core_pid = next((p.pid for p in procs if _role(p, self.me) == "vLLM engine core"), None)
+            if core_pid is None:
+                continue
+            threads: list[tuple[int, int, str, int]] = []  # pid, tid, state, cpu
+            for p in procs:
+                try:
+                    for tid in os.listdir(f"/proc/{p.pid}/task"):
+                        with open(f"/proc/{p.pid}/task/{tid}/stat") as f:
+                            rest = f.read().rsplit(")", 1)[1].split()
+                        threads.append((p.pid, int(tid), rest[0], int(rest[36])))
+                except Exception:
+                    continue
+            main = next((t for t in threads if t[1] == core_pid), None)
+            if main is None or main[2] != "R":
+                continue
+            sib = sib_cache.setdefault(main[3], read_siblings(main[3]))
+            samples += 1
+            if any(t[0] != core_pid and t[2] == "R" and t[3] in sib for t in threads):
+                shared += 1
+        out["core_running_samples"] = samples
+        out["core_core_shared"] = round(shared / samples, 3) if samples else None
+
     @contextlib.contextmanager
     def measure(self) -> Any:
+        import threading
+
         res: dict[str, Any] = {}
+        coloc: dict[str, Any] = {}
+        stop = threading.Event()
+        sampler = threading.Thread(target=self._colocation, args=(stop, coloc), daemon=True)
+        sampler.start()
         a, t0 = self.snap(), time.perf_counter()
         try:
             yield res
         finally:
             b, wall = self.snap(), time.perf_counter() - t0
+            stop.set()
+            sampler.join(2)
+            res["colocation"] = coloc
             by: dict[str, float] = {}
             for pid, (role, cpu) in b.items():
                 by[role] = by.get(role, 0.0) + cpu - a.get(pid, (role, 0.0))[1]

@@ -46,6 +46,7 @@ PATH_NAMES = {
 VLLM_PATHS = ("llm", "asyncllm", "http")
 SCHED_KEYS = ("max_num_seqs", "max_num_batched_tokens")
 NAME = "gpu_throughput"
+VARIANTS = {"pinned": {"cpu_affinity": "auto"}}  # rollout-bus backend options (engine_node/cpu_placement.py)
 
 CPU_DEFAULTS = dict(
     prompts=16,
@@ -175,7 +176,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     path = od / f"{NAME}.json"
     print(f"{NAME}: model {model}, env {json.dumps(env)}, budget {a.budget_s:.0f}s", flush=True)
     paths = [p for p in a.paths.split(",") if p]
-    plan: list[tuple[str, str, dict[str, Any]]] = [(p, "defaults", {}) for p in paths]
+    # PATH@VARIANT: the path again with a variant's engine options (rb@pinned: cpu_affinity auto)
+    plan: list[tuple[str, str, dict[str, Any]]] = [
+        (p.split("@")[0], p.split("@")[1], dict(VARIANTS[p.split("@")[1]])) if "@" in p else (p, "defaults", {})
+        for p in paths
+    ]
+    paths = [p.split("@")[0] for p in paths]
     i = 0
     while i < len(plan):
         p, label, overrides = plan[i]
@@ -356,10 +362,10 @@ def report(doc: dict[str, Any]) -> str:
     )
     diag = [
         f"[diag] {r.get('name')} [{r.get('config')}] {mode}: "
-        + json.dumps({k: m[k] for k in ("cpu", "engine", "timeline_ms") if m.get(k)})
+        + json.dumps({k: m[k] for k in ("cpu", "colocation", "engine", "timeline_ms") if m.get(k)})
         for r in doc.get("runs", [])
         for mode, m in (r.get("modes") or {}).items()
-        if isinstance(m, dict) and any(m.get(k) for k in ("cpu", "engine", "timeline_ms"))
+        if isinstance(m, dict) and any(m.get(k) for k in ("cpu", "colocation", "engine", "timeline_ms"))
     ]
     if diag:
         text += "\n\nWhere the time went (busy fraction of one core per role; engine-core steps; stream timeline ms)\n"

@@ -112,6 +112,7 @@ class VllmBackend:
         shutdown_timeout_s: float = 30.0,
         step_wait_s: float = 0.005,
         seed_every_request: bool = False,
+        cpu_affinity: str = "off",
         weight_plan: bool = True,
         resume_ramp_tokens: int = 0,
         resume_ramp_wait_s: float = 0.05,
@@ -151,6 +152,8 @@ class VllmBackend:
         self._ramp_left: int | None = None  # prompt tokens the current ramp may still send now
         self._ramp_deadline = 0.0
         self._deferred: dict[str, Any] = {}  # request id -> EngineCoreRequest held back by the ramp
+        if cpu_affinity not in ("off", "auto"):
+            raise BackendError(f"cpu_affinity must be 'auto' or 'off', got {cpu_affinity!r}", field="cpu_affinity")
         self._api = _api if _api is not None else load_vllm_api()
 
         engine_kw: dict[str, Any] = dict(
@@ -210,6 +213,17 @@ class VllmBackend:
         except Exception as e:
             raise BackendError(f"the vLLM engine failed to start: {type(e).__name__}: {e}") from e
         self._link = CoreLink(client, self._api.UTILITY)
+        # "auto": the engine core (and TP workers) get a physical core each,
+        # this node stays off them (engine_node/cpu_placement.py says why).
+        self.cpu_placement: dict[str, Any] = {"cpu_affinity": "off"}
+        if cpu_affinity not in ("off", "", None):
+            from engine_node import cpu_placement
+
+            try:
+                self.cpu_placement = cpu_placement.apply(str(cpu_affinity))
+            except Exception as e:  # placement is an optimisation: never fatal
+                log.warning("cpu_affinity_failed", error=repr(e))
+                self.cpu_placement = {"cpu_affinity": "failed", "error": repr(e)[:200]}
         self._tmp = tempfile.mkdtemp(prefix="rollout_bus_vllm_")  # PEFT folders we write
         self._max_model_len = int(cfg.model_config.max_model_len)  # the core may have fitted it
         self.start_seconds = time.perf_counter() - t0
@@ -357,6 +371,7 @@ class VllmBackend:
             "kv_usage": 0.0,
             **self._out.kv_stats,
             **self._out.counters,
+            "cpu_placement": self.cpu_placement,
             "sleep_level": self._sleep_level,
             "frozen": self._paused,
             "engine_dead": self._link.dead,
