@@ -223,10 +223,22 @@ class BeginWeightUpdate(_Msg, tag="begin_weights"):
 
 
 class ReceiveWeights(_Msg, tag="receive_weights"):
-    """GPU transports: pull the buckets (NCCL broadcast / IPC handles) now."""
+    """GPU transports: pull the buckets (NCCL broadcast / IPC handles) now.
+
+    Several senders (a BeginWeightUpdate with senders > 1 and streamed=True
+    over cuda_ipc / nccl): each sender rank sends ONE ReceiveWeights with its
+    own part: its tensors' metas (buckets numbered 0.. within the part), its
+    bucket sizes, and its handles (cuda_ipc) or its own NCCL group's
+    transport_args (host, port, group_id, world_size). The engine takes the
+    part, appends it to the update, and counts the sender as ended."""
 
     update_id: str
     handles: list[Any] = []  # cuda_ipc: one handle per bucket (per engine device)
+    # -- appended (multi-sender GPU parts) ----------------------------------
+    sender: int = 0
+    tensors: list[TensorMeta] = []
+    bucket_sizes: list[int] = []
+    transport_args: dict[str, Any] = {}
 
 
 class PrepareWeights(_Msg, tag="prepare_weights"):

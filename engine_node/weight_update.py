@@ -105,6 +105,11 @@ class WeightUpdate:
         return self.begin.streamed
 
     @property
+    def gpu_parts(self) -> bool:
+        """Streamed over a GPU transport: each sender's ReceiveWeights is its part."""
+        return self.begin.streamed and self.begin.transport != "zmq"
+
+    @property
     def missing(self) -> list[int]:
         return sorted(set(range(len(self.begin.bucket_sizes))) - self.received)
 
@@ -113,9 +118,11 @@ class WeightUpdate:
         if not self.streamed:
             missing = self.missing
             return f"bucket(s) {missing[:8]} never received" if missing else None
-        silent = [s for s in range(self.begin.senders) if s not in self.ended]
+        silent = [s for s in range(self.begin.senders) if self.ended.get(s, -1) < 0]  # -1: a GPU part in flight
         if silent:
             return f"sender(s) {silent} never finished sending"
+        if self.gpu_parts:
+            return None  # each part was received whole by its ReceiveWeights
         lost = [(s, b) for s, n in sorted(self.ended.items()) for b in range(n) if (s, b) not in self.held]
         if lost:
             return "bucket(s) (sender, index) " + str(lost[:8]) + " never received"
@@ -160,11 +167,20 @@ class WeightUpdates:
         result = P.BeginWeightsResult(buckets=len(op.bucket_sizes), weight_address=self.weight_address)
         if op.target == "model":
             up = self.current = WeightUpdate(op, touched_at=self.core.now)
+            if op.streamed and op.transport != "zmq":
+                # GPU parts: every sender's ReceiveWeights carries its own metas,
+                # sizes and handles / NCCL group; the backend appends each part.
+                if getattr(self.backend, "receive_part", None) is None:
+                    self._drop(up, "GPU parts not supported")
+                    raise BadRequest(
+                        f"the {self.core.info.backend} backend takes several GPU senders' parts only over zmq",
+                        field="transport",
+                    )
+                args = {**op.transport_args, "bucket_sizes": []}
+                bop = self.backend.begin_weight_update(op.update_id, op.transport, [], args)
+                return Pending(bop, lambda _r: result, lambda e: self._drop(up, f"begin failed: {e}"))
             if op.streamed:
                 up.backend_open = False
-                if op.transport != "zmq":
-                    self._drop(up, "streamed over a GPU transport")
-                    raise BadRequest("streamed updates (metas per bucket) travel over zmq", field="streamed")
                 return result  # the backend begins at prepare, when every tensor is known
             args = dict(op.transport_args)
             args.setdefault("bucket_sizes", list(op.bucket_sizes))
@@ -312,6 +328,8 @@ class WeightUpdates:
     def receive(self, op: P.ReceiveWeights, seq: int = 0) -> Any:
         up = self._require(op.update_id)
         t0 = self.core.now
+        if up.gpu_parts:
+            return self._receive_part(up, op)
 
         def then(res: dict[str, Any]) -> P.ReceiveWeightsResult:
             up.received.update(range(len(up.begin.bucket_sizes)))
@@ -319,6 +337,42 @@ class WeightUpdates:
             return P.ReceiveWeightsResult(seconds=round(self.core.now - t0, 4), detail=dict(res))
 
         return Pending(self.backend.receive_weights(list(op.handles)), then, lambda e: self._abort("receive failed"))
+
+    def _receive_part(self, up: WeightUpdate, op: P.ReceiveWeights) -> Any:
+        """One sender's part of a multi-sender GPU update. The ack says the part
+        is in (not a vote: the head's PrepareWeights collects the votes)."""
+        r = op.sender
+        if up.phase not in _OPEN:
+            raise BackendError(f"update {up.update_id} takes no part in phase {up.phase.value}", field="update_id")
+        if not 0 <= r < up.begin.senders:
+            raise BadRequest(
+                f"sender {r} is not one of the {up.begin.senders} sender(s) of update {up.update_id}", field="sender"
+            )
+        if r in up.ended:
+            raise BadRequest(f"sender {r} already sent its part of update {up.update_id}", field="sender")
+        if len(op.bucket_sizes) != len({m.bucket for m in op.tensors}) and op.tensors:
+            raise BadRequest(
+                f"sender {r}: {len(op.bucket_sizes)} bucket size(s) for buckets {sorted({m.bucket for m in op.tensors})}",
+                field="bucket_sizes",
+            )
+        up.ended[r] = -1  # taken: a second part from r is refused while this one is in flight
+        up.touched_at = self.core.now
+        t0 = self.core.now
+        bop = self.backend.receive_part(
+            r, list(op.tensors), list(op.bucket_sizes), list(op.handles), dict(op.transport_args)
+        )
+
+        def then(res: dict[str, Any]) -> P.ReceiveWeightsResult:
+            up.ended[r] = len(op.bucket_sizes)
+            up.tensors += len(op.tensors)
+            up.bytes += int(sum(op.bucket_sizes))
+            up.received.update(range(len(up.received), len(up.received) + len(op.bucket_sizes)))
+            if up.phase is Phase.BEGUN:
+                up.to(Phase.RECEIVING)
+            self._maybe_prepare(up)
+            return P.ReceiveWeightsResult(seconds=round(self.core.now - t0, 4), detail=dict(res))
+
+        return Pending(bop, then, lambda e: self._abort(f"sender {r}'s part failed: {e}", up))
 
     def commit(self, op: P.FinishWeightUpdate, seq: int = 0) -> Any:
         up = self._require(op.update_id)
@@ -410,7 +464,7 @@ class WeightUpdates:
         the full tensor list first), then the vote. Any refusal aborts."""
         t0 = self.core.now
         try:
-            if up.streamed:
+            if up.streamed and not up.gpu_parts:
                 self._stage_held(up)
         except Exception as e:
             self._abort(f"prepare failed: {e}", up)

@@ -108,8 +108,12 @@ class ClusterWeights:
 
     def on_votes(self, update_id: str, results: Mapping[str, Any]) -> None:
         txn = self.txns.get(update_id)
-        if txn is not None:
-            txn.prepared.update(eid for eid, r in results.items() if isinstance(r, _VOTES))
+        if txn is None:
+            return
+        # A ReceiveWeights ack is a vote only for a one-sender update; with
+        # several senders it acks one sender's PART (the prepare collects votes).
+        votes = _VOTES if txn.senders == 1 else (P.WeightsPrepared,)
+        txn.prepared.update(eid for eid, r in results.items() if isinstance(r, votes))
 
     # ------------------------------------------------------------ decisions
 
@@ -147,6 +151,12 @@ class ClusterWeights:
 
     def is_stale(self, weight_version: int) -> bool:
         return weight_version < self.version
+
+    def decisions(self) -> dict[str, Any]:
+        """Every tracked update's decision (None: open; "commit": its commit round
+        is still running; "abort"). A committed update leaves the table when its
+        commit round is over: cuda_ipc senders free their buckets then."""
+        return {"decisions": {uid: t.decision for uid, t in self.txns.items()}}
 
     def open_updates(self) -> dict[str, Any]:
         return {"updates": {uid: t.describe() for uid, t in self.txns.items() if t.decision is None}}

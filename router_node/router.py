@@ -124,6 +124,8 @@ class Router:
             "health": self.health,
             # weight updates begun and not decided yet (a sender rank joins one by id)
             "weight_updates": lambda: self.control.cluster.open_updates(),
+            # every tracked update's decision (a cuda_ipc sender waits for its commit round)
+            "weight_update_decisions": lambda: self.control.cluster.decisions(),
             "engines": lambda: {"engines": [e.describe(time.monotonic()) for e in self.engines.values()]},
             "stats": lambda: {
                 "counters": dict(self.counters),

@@ -64,6 +64,7 @@ class ScriptedBackend:
         self.staged: dict[int, bytes] = {}
         self.rng = random.Random(seed)
         self.commits = 0
+        self.parts: list[tuple[int, list[str], list[int]]] = []  # multi-sender GPU parts received
         self.handed: dict[tuple[int, int], int] = {}  # (request seed, sample) -> output position handed over
         self.seeds_seen: dict[tuple[int, int], int] = {}  # (request seed, sample) -> the sequence seed it came with
 
@@ -201,10 +202,20 @@ class ScriptedBackend:
         self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]
     ) -> BackendOp:
         self.staged = {}
+        self.parts = []
         return BackendOp.done("begin_weight_update")
 
     def receive_weights(self, handles: list[Any]) -> BackendOp:
         return BackendOp.failed("receive_weights", BackendError("zmq only", field="transport"))
+
+    def receive_part(
+        self, sender: int, tensors: list[Any], sizes: list[int], handles: list[Any], transport_args: dict[str, Any]
+    ) -> BackendOp:
+        """Multi-sender GPU parts, scripted: recorded; a tensor named "bad" is refused."""
+        if any(getattr(t, "name", "") == "bad" for t in tensors):
+            return BackendOp.failed("receive_part", BackendError(f"sender {sender}: bad refused", field="bad"))
+        self.parts.append((sender, [t.name for t in tensors], list(sizes)))
+        return BackendOp.done("receive_part", {"sender": sender})
 
     def commit_weight_update(self) -> BackendOp:
         self.commits += 1

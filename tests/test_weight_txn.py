@@ -257,3 +257,86 @@ def test_bucket_packer_matches_plan_buckets_and_holds_one_bucket() -> None:
             unpack_bucket(i, ms, b), unpack_bucket(i, metas, pack_bucket(i, metas, sizes, ts)), strict=True
         ):
             assert torch.equal(x, y) and torch.equal(x, dict(named)[n])
+
+
+# ---------------------------------------------------------------- several GPU senders
+
+
+def _gpu_parts(up: WeightUpdates, uid: str, senders: int = 2, transport: str = "nccl") -> None:
+    res = up.begin(P.BeginWeightUpdate(uid, transport, [], [], senders=senders, streamed=True))
+    if isinstance(res, Pending):
+        _finish(res)
+
+
+def _part(up: WeightUpdates, uid: str, sender: int, names: tuple[str, ...]) -> object:
+    metas = [P.TensorMeta(n, "float32", [2], 0, 8 * i, 8) for i, n in enumerate(names)]
+    return up.receive(
+        P.ReceiveWeights(uid, sender=sender, tensors=metas, bucket_sizes=[8 * len(names)], transport_args={"g": sender})
+    )
+
+
+def test_gpu_parts_of_two_senders_commit_once_after_both() -> None:
+    b, core, up = _txn()
+    _gpu_parts(up, "g1")
+    ack = _finish(_part(up, "g1", 1, ("b0", "b1")))
+    assert isinstance(ack, P.ReceiveWeightsResult)
+    assert up.current.phase is Phase.RECEIVING, "a part is not a vote"
+    assert up.prepare(P.PrepareWeights("g1", wait_s=5.0)) is DEFERRED  # sender 0 is still missing
+    _finish(_part(up, "g1", 0, ("a0",)))
+    [(seq, ok, vote, err)] = up.acks  # the deferred prepare completed with the last part
+    assert ok and vote.buckets == 2 and vote.tensors == 3 and vote.bytes == 24
+    assert b.parts == [(1, ["b0", "b1"], [16]), (0, ["a0"], [8])]
+    res = _finish(up.commit(P.FinishWeightUpdate("g1")))
+    assert b.commits == 1 and res["weight_version"] == core.weight_version == 1
+
+
+def test_gpu_part_refusals_name_the_sender_and_a_silent_sender_fails_the_prepare() -> None:
+    b, core, up = _txn()
+    _gpu_parts(up, "g2")
+    with pytest.raises(BadRequest, match="sender 2 is not one of the 2") as e:
+        _part(up, "g2", 2, ("x",))
+    assert e.value.field == "sender"
+    _finish(_part(up, "g2", 0, ("a0",)))
+    with pytest.raises(BadRequest, match="sender 0 already sent its part") as e:
+        _part(up, "g2", 0, ("a1",))
+    assert e.value.field == "sender"
+    assert up.prepare(P.PrepareWeights("g2", wait_s=1.0)) is DEFERRED
+    core.set_time(core.now + 2.0, 0.0)
+    up.tick(core.now)
+    [(seq, ok, _res, err)] = up.acks
+    assert not ok and "sender(s) [1] never finished sending" in str(err)
+    assert b.commits == 0 and core.weight_version == 0
+
+
+def test_a_refused_gpu_part_aborts_the_update() -> None:
+    b, core, up = _txn()
+    _gpu_parts(up, "g3")
+    with pytest.raises(BackendError, match="sender 1: bad refused"):
+        _finish(_part(up, "g3", 1, ("bad",)))
+    assert up.current is None or up.current.phase is Phase.ABORTED
+    assert b.commits == 0
+
+
+def test_the_head_counts_a_part_ack_as_no_vote() -> None:
+    from router_node.cluster_state import ClusterWeights
+
+    cw = ClusterWeights()
+    for uid, senders in (("one", 1), ("two", 2)):
+        cw.on_control(P.BeginWeightUpdate(uid, "nccl", [], [], senders=senders, streamed=senders > 1), ["e0"])
+        cw.on_votes(uid, {"e0": P.ReceiveWeightsResult(seconds=0.1)})
+    assert cw.txns["one"].prepared == {"e0"}, "one sender: its receive is the vote"
+    assert cw.txns["two"].prepared == set(), "two senders: a part ack is not a vote"
+    cw.on_votes("two", {"e0": P.WeightsPrepared(buckets=2)})
+    assert cw.txns["two"].prepared == {"e0"}
+
+
+def test_gpu_parts_need_a_backend_that_takes_them() -> None:
+    class ZmqOnly(ScriptedBackend):
+        receive_part = None  # type: ignore[assignment]
+
+    b = ZmqOnly()
+    core = RequestCore(b, b.info(), "e0")
+    up = WeightUpdates(b, core, "e0", "inproc://w")
+    with pytest.raises(BadRequest, match="several GPU senders' parts only over zmq") as e:
+        up.begin(P.BeginWeightUpdate("g4", "cuda_ipc", [], [], senders=2, streamed=True))
+    assert e.value.field == "transport" and up.current is None

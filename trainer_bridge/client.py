@@ -649,8 +649,11 @@ class AsyncClient:
         targets: list[str] | None = None,
         bucket_bytes: int | None = None,
         timeout_s: float | None = None,
+        transport: str = "zmq",
+        **transport_options: Any,
     ) -> Any:
-        """One update fed by several sender ranks (zmq), committed at once:
+        """One update fed by several sender ranks (zmq, cuda_ipc or nccl: each
+        rank delivers its own part, metas included), committed at once:
         `async with client.weight_update(senders=2) as upd:` then each rank
         `await upd.sender(rank).send(named_tensors)` (or, from its own
         process, `await client.weight_sender(upd.update_id, rank)`); leaving
@@ -665,16 +668,31 @@ class AsyncClient:
             targets=targets,
             bucket_bytes=bucket_bytes,
             timeout_s=timeout_s or self.control_timeout_s,
+            transport=transport,
+            options=transport_options,
         )
 
     async def weight_sender(
-        self, update_id: str, rank: int, *, bucket_bytes: int | None = None, timeout_s: float | None = None
+        self,
+        update_id: str,
+        rank: int,
+        *,
+        bucket_bytes: int | None = None,
+        timeout_s: float | None = None,
+        **transport_options: Any,
     ) -> Any:
-        """Join update `update_id` (opened by another process) as sender `rank`."""
+        """Join update `update_id` (opened by another process) as sender `rank`.
+        Over cuda_ipc use it as `async with`: its exit keeps this rank's buckets
+        until the coordinator's commit round is over."""
         from trainer_bridge.weights import join_update
 
         return await join_update(
-            self, update_id, rank, bucket_bytes=bucket_bytes, timeout_s=timeout_s or self.control_timeout_s
+            self,
+            update_id,
+            rank,
+            bucket_bytes=bucket_bytes,
+            timeout_s=timeout_s or self.control_timeout_s,
+            options=transport_options,
         )
 
     async def sync_stale(
@@ -1047,6 +1065,19 @@ class SyncWeightSender:
     def send(self, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, Any]:
         """Pack and stream this rank's tensors (any iterable), then declare its end."""
         return self._client._call(self._sender.send(named_tensors))
+
+    def wait_released(self, timeout_s: float | None = None) -> Any:
+        """cuda_ipc: keep this rank's buckets until the coordinator's commit round
+        is over (or it aborted), then free them. Other transports: nothing to wait for."""
+        wait = getattr(self._sender, "wait_released", None)
+        return None if wait is None else self._client._call(wait(timeout_s), timeout_s)
+
+    def __enter__(self) -> SyncWeightSender:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if getattr(self._sender, "_ipc", None) is not None:
+            self.wait_released()
 
 
 class SyncWeightUpdate:

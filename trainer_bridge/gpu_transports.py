@@ -335,10 +335,11 @@ def _nccl_sender(
     dev = options.get("device")
     dev = str(torch.device(dev) if dev is not None else _device_of(tensors, None))
     host = options.get("nccl_host", "127.0.0.1")
-    key = (world, dev, host, tuple(sorted(e["engine_id"] for e in engines)))
+    rank = options.get("sender_rank")  # several senders: each rank owns a group
+    key = (world, dev, host, tuple(sorted(e["engine_id"] for e in engines)), rank)
     s = _NCCL_SENDERS.get(key)
     if s is None:
-        for k in list(_NCCL_SENDERS):  # another engine set: that group is done
+        for k in [k for k in _NCCL_SENDERS if k[-1] == rank]:  # another engine set: that group is done
             _NCCL_SENDERS.pop(k).close()
         s = NcclSender(
             world,
@@ -452,3 +453,129 @@ class _NcclBridgeSender:
                 pass
             raise
         return await acks
+
+
+# ---------------------------------------------------------------- several senders
+
+
+class GpuPartSender:
+    """One sender rank's part of a multi-sender update over cuda_ipc or nccl
+    (`upd.sender(rank)` of a `client.weight_update(senders=n, transport=...)`,
+    or `client.weight_sender(update_id, rank)` from the rank's own process).
+
+    `send(named)` packs this rank's tensors into its own buckets and delivers
+    them in ONE ReceiveWeights carrying its metas: cuda_ipc with its IPC
+    handles, nccl over its own group (rank 0 of a group with every engine
+    worker; one NcclSender per rank, kept for later updates). The engines
+    append the part; the coordinator's commit is all-or-nothing.
+
+    cuda_ipc hazard: the engines load straight from this rank's buckets at the
+    COMMIT, so they must live until it is acked. The coordinator's own senders
+    are released after its commit / abort; a sender in another process uses
+    `async with` (its exit waits for the head's decision, `wait_released`)."""
+
+    def __init__(
+        self,
+        client: Any,
+        update_id: str,
+        rank: int,
+        engines: list[dict[str, Any]],
+        transport: str,
+        *,
+        bucket_bytes: int,
+        timeout_s: float,
+        cast: Any,
+        options: dict[str, Any],
+    ) -> None:
+        if transport not in ("cuda_ipc", "nccl"):
+            raise ValueError(f"GpuPartSender: transport {transport!r} is not a GPU transport (cuda_ipc, nccl)")
+        self.client = client
+        self.update_id = update_id
+        self.rank = rank
+        self.engines = engines
+        self.transport = transport
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.cast = cast
+        self.options = dict(options)
+        self._ipc: CudaIpcSender | None = None
+        self.stats: dict[str, Any] = {}
+
+    async def send(self, named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+        import asyncio
+
+        from bus import protocol as P
+
+        t0 = time.perf_counter()
+        named = [(n, self.cast(t.detach())) for n, t in named]
+        metas, sizes, tensors = plan_buckets(named, self.bucket_bytes)
+        eids = [e["engine_id"] for e in self.engines]
+        if self.transport == "cuda_ipc":
+            self._ipc = CudaIpcSender(self.bucket_bytes, device=self.options.get("device"))
+            handles = self._ipc.share(metas, sizes, tensors)
+            op = P.ReceiveWeights(self.update_id, handles, sender=self.rank, tensors=metas, bucket_sizes=sizes)
+            res = await self.client.control(op, targets=eids, timeout_s=self.timeout_s)
+        else:
+            key, ns = _nccl_sender(self.engines, {**self.options, "sender_rank": self.rank}, tensors)
+            args = {**ns.transport_args(sizes), "sender_group": True}
+            op = P.ReceiveWeights(
+                self.update_id, sender=self.rank, tensors=metas, bucket_sizes=sizes, transport_args=args
+            )
+            # The engines block in the part's receive until every bucket arrived:
+            # publish it, broadcast meanwhile (a thread: NCCL calls block), gather.
+            acks = asyncio.ensure_future(self.client.control(op, targets=eids, timeout_s=self.timeout_s))
+            try:
+                await asyncio.sleep(0)
+                await asyncio.to_thread(ns.send, metas, sizes, tensors)
+            except BaseException:
+                _NCCL_SENDERS.pop(key, None)
+                ns.close()
+                try:
+                    await asyncio.wait_for(acks, self.timeout_s)
+                except BaseException:
+                    pass
+                raise
+            res = await acks
+        self.stats = {
+            "rank": self.rank,
+            "buckets": len(sizes),
+            "tensors": len(metas),
+            "bytes": int(sum(sizes)),
+            "seconds": round(time.perf_counter() - t0, 4),
+            "engines": sorted(res),
+        }
+        return self.stats
+
+    def release(self) -> None:
+        """Free this rank's cuda_ipc buckets (only after the commit / abort is acked)."""
+        if self._ipc is not None:
+            self._ipc.release()
+            self._ipc = None
+
+    async def wait_released(self, timeout_s: float | None = None) -> str:
+        """Wait until the head decided and applied the update (it is no longer
+        open there), then release the buckets. Returns "done"; raises
+        TimeoutError naming `timeout_s` when the coordinator never finished."""
+        import asyncio
+
+        limit = self.timeout_s if timeout_s is None else float(timeout_s)
+        end = time.monotonic() + limit
+        while True:
+            decided = (await self.client._query("weight_update_decisions"))["decisions"]
+            if self.update_id not in decided or decided[self.update_id] == "abort":
+                break  # the commit round is over (the head dropped it), or aborted
+            if time.monotonic() > end:
+                raise TimeoutError(
+                    f"weight update {self.update_id}: the coordinator did not commit or abort within "
+                    f"timeout_s={limit} (sender {self.rank} keeps its cuda_ipc buckets meanwhile)"
+                )
+            await asyncio.sleep(0.02)
+        self.release()
+        return "done"
+
+    async def __aenter__(self) -> GpuPartSender:
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._ipc is not None:
+            await self.wait_released()

@@ -108,9 +108,16 @@ class WeightUpdate:
         target: str = "model",
         extra_args: dict[str, Any] | None = None,
         bucket_bytes: int | None = None,
+        transport: str = "zmq",
+        options: dict[str, Any] | None = None,
     ) -> None:
         if senders < 1:
             raise ValueError(f"senders must be >= 1, got {senders}")
+        if transport not in ("zmq", *GPU_TRANSPORTS):
+            raise ValueError(f"unknown transport {transport!r} (zmq, cuda_ipc, nccl)")
+        self.transport = transport
+        self.options = dict(options or {})  # GPU senders: device, nccl_host, nccl_port, nccl_timeout_s
+        self._gpu_senders: list[Any] = []  # cuda_ipc: their buckets live until the commit / abort is acked
         self.client = client
         self.senders = senders
         self.targets = targets
@@ -144,13 +151,28 @@ class WeightUpdate:
         self,
         *,
         plan: list[tuple[str, Any]] | None = None,
-        transport: str = "zmq",
+        transport: str | None = None,
         begin: P.BeginWeightUpdate | None = None,
     ) -> WeightUpdate:
         """Begin on every engine. `plan`: the tensors, known up front (one
-        sender): the begin announces their metas. None: streamed."""
+        sender): the begin announces their metas. None: streamed (over a GPU
+        transport: each sender's part brings its own metas)."""
+        transport = transport or self.transport
         if not self.engines:
             await self._pick_engines()
+        if begin is None and transport in GPU_TRANSPORTS:
+            if plan is not None:
+                raise ValueError("GPU senders bring their own metas: open(plan=...) is for zmq")
+            begin = P.BeginWeightUpdate(
+                self.update_id,
+                transport,
+                [],
+                [],
+                target=self.target,
+                transport_args=self.extra_args,
+                senders=self.senders,
+                streamed=True,
+            )
         if begin is None:
             metas: list[P.TensorMeta] = []
             sizes: list[int] = []
@@ -177,10 +199,26 @@ class WeightUpdate:
             raise
         return self
 
-    def sender(self, rank: int = 0) -> WeightSender:
+    def sender(self, rank: int = 0) -> Any:
         """The handle through which rank `rank` sends its tensors."""
         if not 0 <= rank < self.senders:
             raise ValueError(f"rank {rank} is not one of the {self.senders} sender(s)")
+        if self.transport in GPU_TRANSPORTS:
+            from trainer_bridge.gpu_transports import GpuPartSender
+
+            g = GpuPartSender(
+                self.client,
+                self.update_id,
+                rank,
+                self.engines,
+                self.transport,
+                bucket_bytes=self.bucket_bytes,
+                timeout_s=self.timeout_s,
+                cast=_caster(self.engines, self.target),
+                options=self.options,
+            )
+            self._gpu_senders.append(g)
+            return g
         return WeightSender(
             self.client,
             self.update_id,
@@ -208,6 +246,17 @@ class WeightUpdate:
         that committed (one that missed the commit is stale: see health())."""
         commit = P.FinishWeightUpdate(self.update_id, version=self.version)
         try:
+            return await self._commit(commit)
+        finally:
+            self._release_gpu()
+
+    def _release_gpu(self) -> None:
+        for g in self._gpu_senders:
+            g.release()
+        self._gpu_senders = []
+
+    async def _commit(self, commit: P.FinishWeightUpdate) -> dict[str, Any]:
+        try:
             # targets=None: the head commits on the update's own targets.
             self.results = await self.client.control(commit, timeout_s=self.timeout_s)
         except ControlError as e:
@@ -234,6 +283,8 @@ class WeightUpdate:
             )
         except Exception:
             pass
+        finally:
+            self._release_gpu()
 
     def opened(self, **kw: Any) -> _Opened:
         return _Opened(self, kw)
@@ -262,8 +313,14 @@ class _Opened:
 
 
 async def join_update(
-    client: AsyncClient, update_id: str, rank: int, *, bucket_bytes: int | None = None, timeout_s: float = 60.0
-) -> WeightSender:
+    client: AsyncClient,
+    update_id: str,
+    rank: int,
+    *,
+    bucket_bytes: int | None = None,
+    timeout_s: float = 60.0,
+    options: dict[str, Any] | None = None,
+) -> Any:
     """A sender handle for an update opened elsewhere (another process's
     coordinator): the head says its targets and senders."""
     ups = (await client._query("weight_updates"))["updates"]
@@ -274,6 +331,20 @@ async def join_update(
         raise ValueError(f"rank {rank} is not one of the {txn['senders']} sender(s) of update {update_id}")
     h = await client.health()
     engines = [h["engines"][eid] for eid in txn["targets"] if eid in h["engines"]]
+    if txn.get("transport") in GPU_TRANSPORTS:
+        from trainer_bridge.gpu_transports import GpuPartSender
+
+        return GpuPartSender(
+            client,
+            update_id,
+            rank,
+            engines,
+            txn["transport"],
+            bucket_bytes=int(bucket_bytes or DEFAULT_BUCKET_BYTES),
+            timeout_s=timeout_s,
+            cast=_caster(engines, txn["target"]),
+            options=dict(options or {}),
+        )
     return WeightSender(
         client,
         update_id,

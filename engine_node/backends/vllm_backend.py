@@ -654,6 +654,59 @@ class VllmBackend:
             )
         return self._op("receive_weights", "weight_timeout_s", [call], result)
 
+    def receive_part(
+        self, sender: int, tensors: list[Any], sizes: list[int], handles: list[Any], transport_args: dict[str, Any]
+    ) -> BackendOp:
+        """One sender's part of a multi-sender GPU update (engine_node/weight_update.py
+        `_receive_part`): its metas are validated and appended to the update
+        (bucket numbers shifted past the parts before it). cuda_ipc: its handles
+        are kept for the commit's one worker call, so the sender keeps its
+        buckets until the commit (or abort) is acked. nccl: the workers receive
+        the part now over the SENDER's own group (one communicator per sender
+        rank, kept for later updates)."""
+        what = f"receive_part(sender {sender})"
+        try:
+            up = self._require()
+        except BackendError as e:
+            return BackendOp.failed(what, e)
+        metas = [W.meta_list(t) for t in tensors]
+        sizes = [int(x) for x in sizes]
+        if self._ckpt_shapes is None:
+            self._ckpt_shapes = W.checkpoint_shapes(self.model)
+        tied = bool(getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False))
+        bad = W.validate(metas, sizes, self._ckpt_shapes, tied, self.model)
+        if bad is not None:
+            return BackendOp.failed(what, BackendError(f"sender {sender}: {bad[1]}", field=bad[0]))
+        seen = {m[0] for m in up.metas}
+        dup = next((m[0] for m in metas if m[0] in seen), None)
+        if dup is not None:
+            return BackendOp.failed(what, BackendError(f"sender {sender}: {dup} was sent by another sender", field=dup))
+        first = len(up.sizes)
+        for m in metas:
+            m[3] = int(m[3]) + first
+        up.metas += metas
+        up.sizes += sizes
+        if up.transport == "cuda_ipc":
+            if len(handles) != len(sizes):
+                return BackendOp.failed(
+                    what,
+                    BackendError(f"cuda_ipc: {len(handles)} handle(s) for {len(sizes)} bucket(s)", field="handles"),
+                )
+            up.handles += list(handles)
+            up.received = True
+            return BackendOp.done(what, {"bytes": sum(sizes), "deferred": True})
+        a = {**transport_args, "timeout_s": float(transport_args.get("timeout_s", self.weight_timeout_s))}
+        call = self._rpc("rollout_bus_recv_nccl_part", up.uid, a, metas, sizes, first, timeout=self.weight_timeout_s)
+        up.workers_know = True
+        t0 = time.perf_counter()
+
+        def result(rs: list[Any]) -> dict[str, Any]:
+            up.received = True
+            w = rs[0][0]
+            return {"bytes": sum(sizes), "backend_seconds": round(time.perf_counter() - t0, 4), **w}
+
+        return self._op(what, "weight_timeout_s", [call], result)
+
     def commit_weight_update(self) -> BackendOp:
         try:
             up = self._require()

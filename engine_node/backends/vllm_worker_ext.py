@@ -442,6 +442,41 @@ class RolloutBusWorkerExtension:
             **setup,
         }
 
+    def rollout_bus_recv_nccl_part(
+        self, uid: str, args: dict[str, Any], metas: list[Any], sizes: list[int], first: int
+    ) -> dict[str, Any]:
+        """One sender's part of a multi-sender update, over that sender's own
+        group: buckets first.. (metas already numbered globally). The first
+        part of an update begins it here."""
+        st = self._rb()
+        if st["uid"] != uid:
+            self.rollout_bus_begin(uid, [], [])
+        if len(st["sizes"]) != first:
+            raise RuntimeError(f"part of update {uid} starts at bucket {first}, {len(st['sizes'])} are in")
+        st["metas"] += [list(m) for m in metas]
+        st["sizes"] += [int(x) for x in sizes]
+        dev = self._rb_device()
+        t0 = time.perf_counter()
+        setup = self._rb_nccl(args)
+        comm = st["nccl"]
+        t1 = time.perf_counter()
+        with _on(dev):
+            for j, n in enumerate(sizes):
+                buf = torch.empty(int(n), dtype=torch.uint8, device=dev)
+                comm.broadcast(buf, src=0)
+                st["buckets"][first + j] = buf
+            _sync(dev)
+        t2 = time.perf_counter()
+        for j in range(len(sizes)):  # a lie fails this part, naming the tensor
+            st["named"][first + j] = unpack_bucket(first + j, st["metas"], st["buckets"][first + j])
+        st["layout"] = None  # complete only with every part: the commit validates the whole layout
+        return {
+            "seconds": time.perf_counter() - t0,
+            "setup_seconds": round(t1 - t0, 4),
+            "broadcast_s": round(t2 - t1, 4),
+            **setup,
+        }
+
     def rollout_bus_nccl_join(self, args: dict[str, Any]) -> dict[str, Any]:
         """Join the trainer's group now (ahead of the first update)."""
         t0 = time.perf_counter()
@@ -463,7 +498,14 @@ class RolloutBusWorkerExtension:
         key = str(a.get("group_id") or f"{a['host']}:{a['port']}")
         if st["nccl"] is not None and st["nccl_key"] == key:
             return {"rank": st["nccl"].rank, "reused": True}
-        self.rollout_bus_nccl_close()
+        # One communicator per group id (several sender ranks each own one);
+        # a key seen before is made current again.
+        comms: dict[str, Any] = st.setdefault("comms", {})
+        if key in comms:
+            st["nccl"], st["nccl_key"] = comms[key], key
+            return {"rank": comms[key].rank, "reused": True}
+        if not a.get("sender_group"):
+            self.rollout_bus_nccl_close()  # one trainer group: a new one replaces it (the old may be broken)
         timeout = float(a.get("timeout_s", 300.0))
         store = TCPStore(
             a["host"],
@@ -479,12 +521,14 @@ class RolloutBusWorkerExtension:
             rank = int(store.add(f"rollout_bus/{key}/next_rank", 1))  # 1, 2, …: the trainer is 0
         pg = StatelessProcessGroup(rank=rank, world_size=int(a["world_size"]), store=store)
         st["nccl"], st["nccl_key"] = PyNcclCommunicator(pg, device=self._rb_device()), key
+        comms[key] = st["nccl"]
         return {"rank": rank, "reused": False}
 
     def rollout_bus_nccl_close(self) -> None:
         st = self._rb()
-        comm, st["nccl"], st["nccl_key"], st["staging"] = st["nccl"], None, None, None
-        if comm is not None:
+        comms = st.get("comms") or {}
+        st["comms"], st["nccl"], st["nccl_key"], st["staging"] = {}, None, None, None
+        for comm in comms.values():
             try:
                 comm.destroy()
             except Exception:

@@ -822,3 +822,95 @@ def test_no_ramp_by_default(be):
         be.add(seq(f"q{i}", n=2))
     assert len(FAKE.seen) == 5
     drive(be, [f"q{i}" for i in range(5)])
+
+
+class FakeSenderComm:
+    """FAKE NCCL communicator (one per sender group): broadcast() fills the
+    engine's buffer with the next bucket that sender packed. The test is about
+    the engine's part bookkeeping, not NCCL (the device test runs NCCL)."""
+
+    def __init__(self, buckets):
+        self.buckets = list(buckets)
+        self.rank = 1
+
+    def broadcast(self, buf, src=0):
+        assert src == 0
+        buf.copy_(self.buckets.pop(0))
+
+    def destroy(self):
+        pass
+
+
+@pytest.fixture
+def be_slow(model_dir):
+    """weight_timeout_s 10: the commit may record a copy plan (seconds on a cold CPU)."""
+    from engine_node.backends.vllm_backend import make_backend
+
+    b = make_backend(model_dir, max_model_len=64, rpc_timeout_s=5, weight_timeout_s=10, _api=fake_api(model_dir))
+    yield b
+    b.close()
+
+
+def test_nccl_parts_of_two_senders_commit_as_one_update(be_slow, monkeypatch):
+    be = be_slow
+    """Two sender ranks, each its own group and its own metas (buckets
+    numbered within its part): the real worker extension appends the parts and
+    the one commit writes both; a name sent twice is refused naming it."""
+    import torch
+
+    from engine_node.backends import vllm_worker_ext as X
+
+    parts = {
+        0: [("w.a", torch.arange(16, dtype=torch.float32).reshape(4, 4))],
+        1: [("w.b", torch.full((8,), 7.0))],
+    }
+    packed = {}
+    for r, named in parts.items():
+        metas, sizes, tensors = plan_buckets(named, bucket_bytes=64)
+        packed[r] = (metas, sizes, [pack_bucket(i, metas, sizes, tensors) for i in range(len(sizes))])
+
+    def fake_nccl(self, a):
+        st = self._rb()
+        st["nccl"], st["nccl_key"] = FakeSenderComm(packed[a["group_id"]][2]), a["group_id"]
+        return {"rank": 1, "reused": False}
+
+    monkeypatch.setattr(X.RolloutBusWorkerExtension, "_rb_nccl", fake_nccl)
+    wait(be.begin_weight_update("m1", "nccl", [], {"bucket_sizes": []}))
+    for r in (1, 0):  # any order
+        metas, sizes, _ = packed[r]
+        res = wait(be.receive_part(r, metas, sizes, [], {"group_id": r}), be=be)
+        assert res["bytes"] == sum(sizes)
+    assert not FAKE.worker.weights, "nothing visible before the commit"
+    wait(be.commit_weight_update(), be=be)
+    for named in parts.values():
+        for n, t in named:
+            assert torch.equal(FAKE.worker.weights[n], t), n
+    # the same name from two senders: refused, naming it
+    wait(be.begin_weight_update("m2", "nccl", [], {"bucket_sizes": []}))
+    metas, sizes, _ = packed[0]
+    packed[0] = (metas, sizes, list(packed[0][2]))
+    wait(be.receive_part(0, metas, sizes, [], {"group_id": 0}), be=be)
+    with pytest.raises(BackendError, match="w.a was sent by another sender") as e:
+        wait(be.receive_part(1, metas, sizes, [], {"group_id": 0}), be=be)
+    assert e.value.field == "w.a"
+    wait(be.abort_weight_update(), be=be)
+
+
+def test_cuda_ipc_parts_append_handles_for_the_one_commit_call(be):
+    import torch
+
+    wait(be.begin_weight_update("i1", "cuda_ipc", [], {"bucket_sizes": []}))
+    m0, s0, _ = plan_buckets([("w.a", torch.ones(4, 4))], bucket_bytes=64)
+    m1, s1, _ = plan_buckets([("w.b", torch.ones(8))], bucket_bytes=64)
+    wait(be.receive_part(0, m0, s0, [b"h0"], {}))
+    with pytest.raises(BackendError, match="2 handle\\(s\\) for 1 bucket") as e:
+        wait(be.receive_part(1, m1, s1, [b"h1", b"h2"], {}))
+    assert e.value.field == "handles"
+    wait(be.abort_weight_update())
+    wait(be.begin_weight_update("i2", "cuda_ipc", [], {"bucket_sizes": []}))
+    wait(be.receive_part(0, m0, s0, [b"h0"], {}))
+    wait(be.receive_part(1, m1, s1, [b"h1"], {}))
+    up = be._update
+    assert up.handles == [b"h0", b"h1"] and up.sizes == s0 + s1
+    assert [m[3] for m in up.metas] == [0, 1], "sender 1's bucket follows sender 0's"
+    wait(be.abort_weight_update())
