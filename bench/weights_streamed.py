@@ -33,7 +33,9 @@ Allocator note: the trainer's tensors come from glibc malloc; after a freed
 mmapped chunk its dynamic mmap threshold rises (up to 32 MiB), so later
 tensors of a few MiB come from the heap, which keeps some of them resident
 after they are freed. That is part of what a trainer gets and is measured as
-is; MALLOC_MMAP_THRESHOLD_=65536 in the environment shows the sender alone.
+is (``streamed``); ``streamed_mmap`` is the same with MALLOC_MMAP_THRESHOLD_=65536
+in the trainer's environment (every tensor its own mmap, unmapped when freed):
+the sender's own bound.
 
 Modes rotate their order in every repetition; the tables show the median
 [min-max] across --reps, ratios are medians of per-repetition ratios.
@@ -41,7 +43,8 @@ Modes rotate their order in every repetition; the tables show the median
     python -m bench.weights_streamed                 # --gb 1 --reps 3 --bucket-mb 64,256
     python -m bench.weights_streamed --gb 0.02 --reps 1 --bucket-mb 4   # the CI dry run (~30 s)
 
-Writes bench/results/weights_streamed.json and .png (or --out-dir).
+Writes bench/results/weights_streamed.{txt,json,png} (the table, every run, the
+figure; --out-dir moves the first two).
 """
 
 from __future__ import annotations
@@ -60,7 +63,10 @@ from typing import Any
 from bench import harness as H
 from bench import rb_side as RB
 
-MODES = ("streamed", "list", "old")
+MODES = ("streamed", "streamed_mmap", "list", "old")
+# streamed_mmap: the trainer process runs with this (glibc: every allocation of
+# 64 KiB or more is its own mmap, given back on free): the sender's own bound.
+MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 NAME = "weights_streamed"
 GB = 1e9
 
@@ -230,7 +236,7 @@ async def _trainer(a: argparse.Namespace) -> dict[str, Any]:
         t_list = None
         with RssSampler(a.sample_hz) as sampler:
             t0 = time.perf_counter()
-            if a.mode == "streamed":
+            if a.mode in ("streamed", "streamed_mmap"):
                 res = await client.update_weights(produce(shapes, value), bucket_bytes=bucket_bytes)
             else:
                 named = list(produce(shapes, value))
@@ -287,7 +293,7 @@ def run_trainer(procs: H.Procs, a: argparse.Namespace, fe: str, model: str, mode
         "--timeout-s", str(a.timeout_s), "--result", str(out),
     ]  # fmt: skip
     name = f"trainer_{mode}_{rep}"
-    p = procs.start(name, argv)
+    p = procs.start(name, argv, env=MMAP_ENV if mode == "streamed_mmap" else None)
     try:
         p.wait(a.trainer_timeout_s)
     except Exception:
@@ -460,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{a.engines} torch engines, {a.reps} reps"
     )
     shown = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
-    H.print_table(shown, title=title)
+    table = H.print_table(shown, title=title)
     doc = {
         "benchmark": NAME,
         "machine": H.machine_info(),
@@ -473,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out_dir) if a.out_dir else H.RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{NAME}.json").write_text(json.dumps(H.jsonable(doc), indent=2) + "\n")
-    print(f"wrote {out / (NAME + '.json')}", flush=True)
+    (out / f"{NAME}.txt").write_text(table + "\n")
+    print(f"wrote {out / (NAME + '.json')} and .txt", flush=True)
     if not a.no_plot:
         note = "peak extra = peak RSS during the update - RSS before (trainer process, fresh per run); old = the pre-streaming sender"
         _plot(rows, title, note, NAME)

@@ -37,9 +37,9 @@ def test_weights_streamed_dry_run(tmp_path: Path) -> None:
         terminate_tree(p, 3.0)
     assert p.returncode == 0, out[-4000:]
     doc = json.loads((tmp_path / "weights_streamed.json").read_text())
-    assert [r["mode"] for r in doc["rows"]] == ["streamed", "list", "old"]
+    assert [r["mode"] for r in doc["rows"]] == ["streamed", "streamed_mmap", "list", "old"]
     runs = doc["runs"]
-    assert sorted(r["mode"] for r in runs) == ["list", "old", "streamed"]
+    assert sorted(r["mode"] for r in runs) == ["list", "old", "streamed", "streamed_mmap"]
     for r in runs:
         assert len(r["committed"]) == 2 and r["version"][1] > r["version"][0], r
         assert r["bytes"] > 15e6 and r["seconds"] > 0 and r["sampled_hz"] > 50, r
