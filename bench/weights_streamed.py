@@ -229,7 +229,7 @@ async def _trainer(a: argparse.Namespace) -> dict[str, Any]:
         await RB.wait_healthy(client, a.engines, a.timeout_s)
         before = (await client.health())["weight_version"]
         bucket_bytes = int(a.bucket_mb * 2**20)
-        value = 0.5 + 0.01 * a.rep  # differs from the engines' weights and from the previous update
+        value = 0.5 + 0.01 * a.rep  # a constant, unlike the engines' random init
         gc.collect()
         hwm_ok = _reset_hwm()
         rss0 = _rss_bytes()
