@@ -32,7 +32,10 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+# 5: the head believes an engine's heartbeats / acks only from its own events
+# connections (identity "engine_id/incarnation", heartbeats ".../hb"); GPU
+# weight parts of several senders (ReceiveWeights.sender/tensors/...).
+PROTOCOL_VERSION = 5
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):

@@ -464,7 +464,16 @@ class EngineNode:
     def _heartbeat_loop(self) -> None:
         # Own socket: sockets are not thread-safe, and this one must keep
         # beating while the loop is inside a long step.
-        sock = open_socket(self.ctx, zmq.DEALER, connect=self.cfg.head_events, hwm=16, curve=self._curve)
+        # Its identity is the head's proof that these heartbeats are ours
+        # (router_node/router.py _engine_of): "engine_id/incarnation/hb".
+        sock = open_socket(
+            self.ctx,
+            zmq.DEALER,
+            connect=self.cfg.head_events,
+            hwm=16,
+            curve=self._curve,
+            identity=f"{self.engine_id}/{self.incarnation}/hb".encode(),
+        )
         codec = Codec()
         try:
             while not self._hb_stop.wait(self.cfg.heartbeat_interval_s):

@@ -65,7 +65,14 @@ class Router:
             )
         self.engines: dict[str, EngineEntry] = {}
         self.sessions = Sessions(cfg.session_ttl_s)
-        self.counters = {"requests": 0, "errors": 0, "failovers": 0, "engine_dead": 0, "no_healthy_engine": 0}
+        self.counters = {
+            "requests": 0,
+            "errors": 0,
+            "failovers": 0,
+            "engine_dead": 0,
+            "no_healthy_engine": 0,
+            "spoofed_events": 0,  # heartbeats / acks whose connection is not the engine's own
+        }
         self.forwarding = Forwarder(
             cfg,
             self.codec,
@@ -274,6 +281,13 @@ class Router:
                 check_endpoint(reg.weight_address, field="weight_address")
             if not reg.engine_id or len(reg.engine_id) > 128:
                 raise BadRequest("engine_id must be 1-128 characters", field="engine_id")
+            if ident != _engine_ident(reg.engine_id, reg.incarnation):
+                # The node connects with identity "engine_id/incarnation"; heartbeats
+                # and acks are only believed from that connection (_engine_of).
+                raise BadRequest(
+                    "the events connection's identity must be 'engine_id/incarnation' of the Register",
+                    field="incarnation",
+                )
             data_curve = self._engine_curve(reg)
         except BadRequest as err:
             log.warning("register_refused", engine_id=reg.engine_id[:128], error=str(err))
@@ -330,14 +344,34 @@ class Router:
             )
         return self._curve.connecting_to(reg.curve_key.encode())
 
-    def _on_heartbeat(self, _: bytes, hb: P.Heartbeat, _b: list[Any]) -> None:
-        e = self.engines.get(hb.engine_id)
+    def _engine_of(self, ident: bytes, engine_id: str, what: str) -> EngineEntry | None:
+        """The registered engine `engine_id` if this message came over ITS events
+        connections (the loop's, and the heartbeat thread's ".../hb"). Hazard:
+        without --curve anyone who reaches the events socket
+        could otherwise speak for an engine (a forged ack of a commit, a heartbeat
+        with another weight version); a second connection cannot take a live
+        identity (ROUTER without handover), so the identity is the credential."""
+        e = self.engines.get(engine_id)
+        if e is None:
+            return None
+        own = _engine_ident(e.reg.engine_id, e.reg.incarnation)
+        if ident != own and ident != own + b"/hb":
+            self.counters["spoofed_events"] += 1
+            if self.counters["spoofed_events"] <= 10 or self.counters["spoofed_events"] % 1000 == 0:
+                log.warning("engine_event_from_another_connection", engine_id=engine_id, what=what)
+            return None
+        return e
+
+    def _on_heartbeat(self, ident: bytes, hb: P.Heartbeat, _b: list[Any]) -> None:
+        e = self._engine_of(ident, hb.engine_id, "heartbeat")
         if e is not None and e.reg.incarnation == hb.incarnation:
             e.on_heartbeat(hb, time.monotonic())
             self.control.intended.heartbeat(hb.engine_id, hb)
             self._recheck(hb.engine_id)
 
     def _on_ack(self, peer: bytes, ack: P.Ack, buffers: list[Any]) -> None:
+        if self._engine_of(peer, ack.engine_id, "ack") is None and ack.engine_id in self.engines:
+            return  # a forged ack for a registered engine
         self.control.on_ack(peer, ack, buffers)
         self._recheck(ack.engine_id)
 
@@ -389,3 +423,8 @@ def run_router_node(argv: list[str] | None = None) -> int:
             json.dump(router.addresses, f)
         os.replace(tmp, ready)
     return router.run()
+
+
+def _engine_ident(engine_id: str, incarnation: str) -> bytes:
+    """The events-socket identity an engine node connects with (engine_node/node.py)."""
+    return f"{engine_id}/{incarnation}".encode()

@@ -179,6 +179,7 @@ def test_a_register_that_never_joins_does_not_move_the_cluster_version(cluster):
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IDENTITY, b"ghost-v7/i1")  # as a node connects: engine_id/incarnation
     try:
         s.connect(cluster.events)
         s.send_multipart(_register("ghost-v7", "i1", weight_version=7))
@@ -196,20 +197,62 @@ def test_re_registering_a_joining_engine_is_refused_and_the_head_serves(cluster)
     id check (issue 13: an id held by a live engine cannot be taken), the second
     one is refused with retry=True, the first entry stays, and the head serves."""
     ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
     replies = []
-    try:
-        s.connect(cluster.events)
-        for inc in ("first", "second"):
+    for inc in ("first", "second"):  # two processes, each connecting as engine_id/incarnation
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IDENTITY, f"ghost-twice/{inc}".encode())
+        try:
+            s.connect(cluster.events)
             s.send_multipart(_register("ghost-twice", inc))
             assert s.poll(10_000), "the head must answer every Register"
             replies.append(Codec().decode(s.recv_multipart())[0])
-    finally:
-        s.close(linger=0)
+        finally:
+            s.close(linger=0)
     assert replies[0].ok
     assert not replies[1].ok and replies[1].retry and "held by a live engine" in replies[1].error
     engines = cluster.client().health()["engines"]
     if "ghost-twice" in engines:  # it never heartbeats: the head may already have dropped it
         assert engines["ghost-twice"]["incarnation"] == "first"
+    _serves(cluster)
+
+
+def test_heartbeats_and_acks_for_an_engine_count_only_from_its_own_connection(cluster):
+    """Without --curve, a process that reaches the events socket used to speak
+    for any engine: a heartbeat naming e0 (with its incarnation, which health()
+    shows) could change e0's reported weight version, and a forged ack could
+    answer a command for it. Now both are dropped and counted; a connection
+    that claims e0's own identity is not even attached (ROUTER without handover)."""
+    import time
+
+    c = cluster.client()
+    e0 = c.health()["engines"]["e0"]
+    before = c.stats()["counters"]["spoofed_events"]
+    codec = Codec()
+    hb = codec.encode(P.Heartbeat(engine_id="e0", incarnation=e0["incarnation"], weight_version=999))
+    ack = codec.encode(P.Ack(seq=1, engine_id="e0", ok=False, error="forged"))
+    ctx = zmq.Context.instance()
+    socks = []
+    try:
+        for ident in (None, f"e0/{e0['incarnation']}".encode(), f"e0/{e0['incarnation']}/hb".encode()):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            if ident is not None:
+                s.setsockopt(zmq.IDENTITY, ident)
+            s.connect(cluster.events)
+            socks.append(s)
+        for _ in range(3):
+            for s in socks:
+                s.send_multipart(hb)
+                s.send_multipart(ack)
+        deadline = time.monotonic() + 10
+        while c.stats()["counters"]["spoofed_events"] < before + 6:
+            assert time.monotonic() < deadline, c.stats()["counters"]
+            time.sleep(0.05)
+        time.sleep(0.5)  # what the taken identities sent would have landed by now
+    finally:
+        for s in socks:
+            s.close(linger=0)
+    h = c.health()["engines"]["e0"]
+    assert h["weight_version"] != 999 and h["healthy"], h
     _serves(cluster)
