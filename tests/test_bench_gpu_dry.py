@@ -63,3 +63,32 @@ def test_gpu_weight_update_dry_run(tmp_path):
     assert all(u["first_token_ms"] is not None for u in ipc["updates"])
     assert ipc["load"]["stream_errors"] == 0 and ipc["floor"]["bytes"] == ipc["bytes"] > 0
     assert "skipped" in doc["nccl"]
+
+
+def test_gpu_interleaved_dry_run(tmp_path):
+    doc = _run("bench.gpu_interleaved", str(tmp_path))
+    res = doc["result"]
+    assert res["ok"], doc.get("error")
+    assert set(res["reps"]) == {"rb batch", "rb streams"}
+    for mode, reps in res["reps"].items():
+        assert [r["rep"] for r in reps] == [0, 1], mode
+        assert all(r["tokens"] == r["expected_tokens"] == 16 * 16 for r in reps), reps
+    # rotated order: each mode runs first once
+    assert {r["slot"] for r in res["reps"]["rb batch"]} == {0, 1}
+
+
+def test_paired_ratios_pair_reps_by_index():
+    from bench.gpu_interleaved import paired_ratios
+
+    reps = {
+        "LLM.generate": [{"rep": 0, "tokens_per_s": 100.0}, {"rep": 1, "tokens_per_s": 50.0}],
+        "rb batch": [
+            {"rep": 0, "tokens_per_s": 110.0},
+            {"rep": 1, "tokens_per_s": 45.0},
+            {"rep": 2, "tokens_per_s": 9},
+        ],
+    }
+    (row,) = paired_ratios(reps)
+    # medians of the paths (105 / 75 = 1.4) would flatter; paired: 1.1 and 0.9
+    assert row["ratio"] == "rb batch / LLM.generate" and row["reps"] == 2
+    assert (row["min"], row["max"], row["median"]) == (0.9, 1.1, 1.0) and row["meets"]

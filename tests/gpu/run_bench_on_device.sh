@@ -7,7 +7,7 @@
 #   .device/bench-whl/*.whl  what the OpenAI api_server and launch.py import that the image and the
 #                            bundle lack: uvicorn, watchfiles, model-hosting-container-standards,
 #                            jmespath, prometheus-fastapi-instrumentator, structlog (bench/README.md)
-# Env: WHAT=throughput (default) | weights | all; MODEL (default /tmp/q05, built unless there);  NCCL=1: weights also on 2 GPUs (trainer 0, engine 1);
+# Env: WHAT=throughput (default) | weights | all | interleaved (IL_ARGS: its extra flags); MODEL (default /tmp/q05, built unless there);  NCCL=1: weights also on 2 GPUs (trainer 0, engine 1);
 #      DEADLINE (s, default 540: everything ends by then); TP_ARGS / WU_ARGS: extra flags;
 #      CHECK=0: weights without --check (on by default: the fast write path == load_weights, bit for bit).
 # The weights run prints, per update, a TIMING line (control round trips, trainer pack/send, the engine's
@@ -64,6 +64,14 @@ if [ "$WHAT" = weights ] || [ "$WHAT" = all ]; then
   timeout -k 15 $(( B + 20 )) python3 -m bench.gpu_weight_update --model $MODEL --out-dir "$OUT" --log-dir $LOGS/wu \
       --budget-s $B $N $WU_ARGS > $LOGS/gpu_weight_update.out 2>&1
   echo "gpu_weight_update rc=$? after $(( $(date +%s) - T0 ))s"; grep -E "^\[|^wrote|TIMING|CHECK" $LOGS/gpu_weight_update.out
+fi
+if [ "$WHAT" = interleaved ]; then
+  # every path alive on the one GPU, reps interleaved, paired ratios (bench/gpu_interleaved.py)
+  B=$(( $(left) - 30 ))
+  echo "== gpu_interleaved (limit ${B}s)"
+  timeout -k 15 $(( B + 20 )) python3 -m bench.gpu_interleaved --model $MODEL --out-dir "$OUT" --limit-s $B \
+      $IL_ARGS > $LOGS/gpu_interleaved.out 2>&1
+  echo "gpu_interleaved rc=$? after $(( $(date +%s) - T0 ))s"; cat "$OUT/gpu_interleaved.txt" 2>/dev/null
 fi
 # every phase / server / engine log, tailed into one file (the 8-file limit)
 for f in $(find $LOGS -type f -name "*.log" -o -type f -name "*.out" | sort); do
