@@ -19,8 +19,10 @@ sequence with that backend-side finish.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import random
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -65,6 +67,8 @@ class ScriptedBackend:
         self.rng = random.Random(seed)
         self.commits = 0
         self.parts: list[tuple[int, list[str], list[int]]] = []  # multi-sender GPU parts received
+        # A GPU receive (one sender, nccl): set by a test, resolved when its "broadcast" lands.
+        self.receive_gate: concurrent.futures.Future | None = None
         self.handed: dict[tuple[int, int], int] = {}  # (request seed, sample) -> output position handed over
         self.seeds_seen: dict[tuple[int, int], int] = {}  # (request seed, sample) -> the sequence seed it came with
 
@@ -206,6 +210,8 @@ class ScriptedBackend:
         return BackendOp.done("begin_weight_update")
 
     def receive_weights(self, handles: list[Any]) -> BackendOp:
+        if self.receive_gate is not None:
+            return BackendOp("receive_weights", self.receive_gate, time.monotonic() + 60.0, "weight_timeout_s")
         return BackendOp.failed("receive_weights", BackendError("zmq only", field="transport"))
 
     def receive_part(

@@ -340,3 +340,50 @@ def test_gpu_parts_need_a_backend_that_takes_them() -> None:
     with pytest.raises(BadRequest, match="several GPU senders' parts only over zmq") as e:
         up.begin(P.BeginWeightUpdate("g4", "cuda_ipc", [], [], senders=2, streamed=True))
     assert e.value.field == "transport" and up.current is None
+
+
+def _nccl_begin(up: WeightUpdates, uid: str) -> Pending:
+    metas = [P.TensorMeta("t0", "float32", [2], 0, 0, 8)]
+    res = up.begin(P.BeginWeightUpdate(uid, "nccl", metas, [8], prepare=True))
+    assert isinstance(res, Pending)
+    return res
+
+
+def test_nccl_begin_receives_and_votes_in_one_op_when_the_broadcast_lands() -> None:
+    """Two round trips over NCCL: the begin carries prepare=True, the engine
+    waits in the receive (the trainer broadcasts meanwhile), and the begin's
+    ack is the vote; the commit is the second round trip."""
+    import concurrent.futures
+
+    b, core, up = _txn()
+    b.receive_gate = concurrent.futures.Future()
+    res = _nccl_begin(up, "n1")
+    assert not res.op.future.done(), "the engine waits for the broadcast inside the begin"
+    assert up.current.phase is not Phase.PREPARED
+    b.receive_gate.set_result({"bytes": 8})
+    vote = _finish(res)
+    assert isinstance(vote, P.WeightsPrepared) and vote.buckets == 1 and vote.bytes == 8
+    assert up.current.phase is Phase.PREPARED and b.commits == 0
+
+    from router_node.cluster_state import ClusterWeights
+
+    cw = ClusterWeights()
+    cw.on_control(P.BeginWeightUpdate("n1", "nccl", [], [8], prepare=True), ["e0"])
+    cw.on_votes("n1", {"e0": vote})
+    assert cw.txns["n1"].prepared == {"e0"}, "the head takes the begin's ack as the vote: no prepare round"
+
+    res2 = _finish(up.commit(P.FinishWeightUpdate("n1")))
+    assert b.commits == 1 and res2["weight_version"] == core.weight_version == 1
+
+
+def test_a_broken_broadcast_inside_the_begin_aborts_the_update() -> None:
+    import concurrent.futures
+
+    b, core, up = _txn()
+    b.receive_gate = concurrent.futures.Future()
+    res = _nccl_begin(up, "n2")
+    b.receive_gate.set_exception(BackendError("nccl: the trainer's group broke mid-broadcast"))
+    with pytest.raises(BackendError, match="group broke"):
+        _finish(res)
+    assert up.current is None or up.current.phase is Phase.ABORTED
+    assert b.commits == 0 and core.weight_version == 0

@@ -28,17 +28,20 @@ cuda_ipc (trainer and engines on the same GPU(s)) — two round trips:
   handles: one `bytes` per bucket (pickled reduce_tensor tuple + the GPU's uuid:
   the engine maps the physical GPU to its own device numbering).
 
-nccl (trainer on another GPU / node; trainer = rank 0):
+nccl (trainer on another GPU / node; trainer = rank 0) — two round trips:
     s = NcclSender(world_size=1 + sum(engine.tp for engine in engines), host=<trainer ip>)
                                                           # keep it for the trainer's lifetime
     metas, sizes, tensors = s.plan(named_tensors)
-    cmd BeginWeightUpdate(update_id, "nccl", metas, sizes, transport_args=s.transport_args(sizes))
-    publish ReceiveWeights(update_id) WITHOUT waiting for its acks (the engines block in it
-        until every bucket has arrived; the first time they also join the NCCL group;
-        an engine that received everything is prepared: its ack is its vote)
+    publish BeginWeightUpdate(update_id, "nccl", metas, sizes, prepare=True,
+                              transport_args=s.transport_args(sizes))
+        WITHOUT waiting for its acks: begin + receive + prepare in one op (the
+        engines block in the receive until every bucket has arrived; the first
+        time they also join the NCCL group; the ack is the engine's vote)
     s.send(metas, sizes, tensors)                         # connect() on first use, broadcast each bucket
-    gather the ReceiveWeights acks
+    gather the begin's acks
     cmd FinishWeightUpdate(update_id)                     # the head commits
+  (A separate ReceiveWeights after the begin acked works too — warm_up_nccl
+  does that — but costs a third round trip.)
   transport_args: host, port (the sender's TCPStore), world_size, group_id,
   bucket_sizes, timeout_s; engines take ranks 1.. from a counter in that store
   (or `rank_offset` when the bridge sets one per engine). If a broadcast fails
@@ -268,9 +271,10 @@ class NcclSender:
 
 # ---------------------------------------------------------------- bridge adapter
 # trainer_bridge.weights.push_weights calls make_sender(...) for a GPU transport,
-# puts sender.transport_args() into the BeginWeightUpdate; cuda_ipc: the begin
-# also carries sender.handles() (prepare=True); nccl: after the begin acks it
-# awaits sender.send(client, update_id, engine_ids, timeout_s). Then the commit.
+# puts sender.transport_args() into the BeginWeightUpdate (prepare=True: begin +
+# receive + prepare in one op); cuda_ipc: the begin also carries sender.handles();
+# nccl: sender.send_during(<the begin's control call>, timeout_s) broadcasts while
+# the engines wait in it. Then the commit.
 
 _NCCL_SENDERS: dict[tuple[Any, ...], NcclSender] = {}
 
@@ -305,14 +309,6 @@ class _IpcBridgeSender:
         """Pack and share the buckets now: the handles travel in the begin
         (begin + receive + prepare in one op). They live until release()."""
         return self.sender.share(self.metas, self.sizes, self.tensors)
-
-    async def send(self, client: Any, update_id: str, engine_ids: list[str], timeout_s: float) -> dict[str, Any]:
-        from bus import protocol as P
-
-        handles = self.sender.share(self.metas, self.sizes, self.tensors)
-        # The engines map the buckets and keep views until the finish: push_weights
-        # calls release() after FinishWeightUpdate / AbortWeightUpdate is acked.
-        return await client.control(P.ReceiveWeights(update_id, handles), targets=engine_ids, timeout_s=timeout_s)
 
     def release(self) -> None:
         self.sender.release()
@@ -431,21 +427,21 @@ class _NcclBridgeSender:
     def transport_args(self) -> dict[str, Any]:
         return {**self.sender.transport_args(self.sizes), **_check_arg(self.options)}
 
-    async def send(self, client: Any, update_id: str, engine_ids: list[str], timeout_s: float) -> dict[str, Any]:
+    async def send_during(self, begin: Any, timeout_s: float) -> Any:
+        """Publish the begin (begin + receive + prepare in one op: `begin` is
+        the awaitable that sends it and gathers its acks), broadcast while the
+        engines wait in it (on a thread: NCCL calls block), then return its acks.
+
+        Hazard: if the broadcast fails midway the group is broken: it is
+        dropped here (the next update makes a new one) and the caller aborts."""
         import asyncio
 
-        from bus import protocol as P
-
-        # The engines block inside ReceiveWeights until every bucket arrived: publish
-        # it, broadcast meanwhile (on a thread: NCCL calls block), then gather the acks.
-        acks = asyncio.ensure_future(
-            client.control(P.ReceiveWeights(update_id), targets=engine_ids, timeout_s=timeout_s)
-        )
+        acks = asyncio.ensure_future(begin)
         try:
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # the begin is on the wire before the first broadcast
             await asyncio.to_thread(self.sender.send, self.metas, self.sizes, self.tensors)
         except BaseException:
-            _NCCL_SENDERS.pop(self.key, None)  # the group may be broken: the next update makes a new one
+            _NCCL_SENDERS.pop(self.key, None)
             self.sender.close()
             try:
                 await asyncio.wait_for(acks, timeout_s)

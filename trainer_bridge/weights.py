@@ -24,9 +24,10 @@ metas: engines validate names/shapes before any byte moves and stage eagerly);
 any other iterable is streamed (each bucket carries its metas; engines hold
 them until the prepare).
 
-GPU transports (cuda_ipc, nccl) live in trainer_bridge.gpu_transports. cuda_ipc
-takes two round trips: begin + receive + prepare in one op, then the commit;
-the trainer's buckets live until the commit (or abort) is acked.
+GPU transports (cuda_ipc, nccl) live in trainer_bridge.gpu_transports. Both
+take two round trips: begin + receive + prepare in one op, then the commit.
+cuda_ipc: the trainer's buckets live until the commit (or abort) is acked;
+nccl: the begin is published and the broadcast runs while the engines wait in it.
 
 Several senders: `client.weight_update(senders=n)` opens an update (the
 coordinator); each rank sends its part through `upd.sender(rank)` or, from its
@@ -479,21 +480,23 @@ async def _push_gpu(
     metas, sizes, tensors = plan_buckets(named, upd.bucket_bytes)
     sender = gpu_transports.make_sender(transport, metas, sizes, tensors, upd.engines, options)
     args = {**upd.extra_args, **sender.transport_args()}
-    # cuda_ipc: begin + receive + prepare in one op (the handles travel with
-    # the begin); nccl: the engines join the broadcast in a ReceiveWeights.
+    # Both transports: begin + receive + prepare in one op, then the commit.
+    # cuda_ipc: the handles travel with the begin; nccl: the engines wait for
+    # the broadcast inside the begin, so it is published, not awaited, first.
     handles = sender.handles() if transport == "cuda_ipc" else []
     begin = P.BeginWeightUpdate(
         upd.update_id, transport, metas, sizes, target=upd.target, transport_args=args,
-        prepare=transport == "cuda_ipc", handles=handles,
+        prepare=True, handles=handles,
     )  # fmt: skip
     try:
-        await upd.open(begin=begin)
         if transport == "nccl":
             try:
-                await sender.send(upd.client, upd.update_id, upd.engine_ids, upd.timeout_s)
+                await sender.send_during(upd.open(begin=begin), upd.timeout_s)
             except BaseException:
                 await upd.abort()
                 raise
+        else:
+            await upd.open(begin=begin)
         return await upd.commit()
     finally:
         # cuda_ipc: the engines load straight from views of our buckets at the
