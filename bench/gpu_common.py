@@ -193,10 +193,8 @@ def run_phase(
     except Exception:
         res = {"ok": False}
     if timed_out:
-        res["ok"] = False
-        res.setdefault(
-            "error", f"phase ran past its limit of {timeout_s:.0f}s (--phase-limit-s, or what --budget-s had left)"
-        )
+        res["ok"] = False  # what it checkpointed (if anything) stays
+        res["error"] = f"phase ran past its limit of {timeout_s:.0f}s (--phase-limit-s, or what --budget-s had left)"
     elif not res.get("ok") and "error" not in res:
         res["error"] = f"phase exited with rc={p.returncode} and no result"
     res["phase_wall_s"] = round(wall, 2)
@@ -215,6 +213,20 @@ def _tail(path: Path, n: int) -> str:
         return ""
 
 
+def _write_json(path: str, doc: dict[str, Any]) -> None:
+    tmp = path + ".tmp"
+    Path(tmp).write_text(json.dumps(H.jsonable(doc)))
+    os.replace(tmp, path)
+
+
+def checkpoint(spec: dict[str, Any]) -> None:
+    """Inside a phase: write what spec["_partial"] holds now, so a phase killed
+    at its limit still reports the reps it finished (run_phase reads it)."""
+    path = spec.get("_out_path")
+    if path:
+        _write_json(path, {"ok": False, "error": "the phase did not finish", **spec.get("_partial", {})})
+
+
 def _phase_main(argv: list[str]) -> int:
     """Child side of run_phase: call the function, write {"ok": True, **result}
     or {"ok": False, "error", "traceback"} (partial results a phase saved in
@@ -224,12 +236,11 @@ def _phase_main(argv: list[str]) -> int:
     spec = json.loads(Path(spec_path).read_text())
     partial: dict[str, Any] = {}
     spec["_partial"] = partial
+    spec["_out_path"] = out_path  # checkpoint(spec): partial results survive a kill at the limit
     mod, fn = target.split(":")
 
     def write(doc: dict[str, Any]) -> None:
-        tmp = out_path + ".tmp"
-        Path(tmp).write_text(json.dumps(H.jsonable(doc)))
-        os.replace(tmp, out_path)
+        _write_json(out_path, doc)
 
     try:
         res = getattr(importlib.import_module(mod), fn)(spec)

@@ -11,12 +11,17 @@ started first, each engine with `--gpu-fraction` of the GPU (same scheduler
 defaults as alone), then rep i runs every mode once, in an order rotated by
 i. The verdict uses PAIRED ratios: rollout-bus rep i / LLM.generate rep i
 (measured within a minute of each other), median and range over the reps.
+Then time to first token the same way: `AsyncLLM` in-process (a fourth engine),
+rollout-bus streams and the HTTP server, round r of `--ttft-n` concurrent
+requests on every path in rotated order; the verdict is the median over rounds
+of (rollout-bus p50 of round r - AsyncLLM p50 of round r).
 
     python -m bench.gpu_interleaved --model /tmp/q05 --out-dir $OUT [--reps 5]
     python -m bench.gpu_interleaved --cpu      # dry run: rollout-bus (torch backend) only
 
 Writes gpu_interleaved.{json,txt,png}. Targets (issue 8): rb / LLM.generate
->= 1.0 and rb streams / HTTP >= 1.2.
+>= 1.0, rb streams / HTTP >= 1.2, TTFT p50 rb - AsyncLLM <= 2 ms. A phase
+killed at --limit-s still reports the reps it finished (checkpointed).
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ PAIRS = [  # (numerator mode, denominator mode, target)
     ("rb streams", "HTTP", 1.2),
     ("rb batch", "HTTP", 1.2),
 ]
+TTFT_PAIRS = [  # (path, reference path, target: the p50 difference in ms at most)
+    ("rb", "AsyncLLM", 2.0),
+    ("rb", "HTTP", None),
+]
 
 
 def phase_interleaved(spec: dict[str, Any]) -> dict[str, Any]:
@@ -56,6 +65,7 @@ async def _interleaved(spec: dict[str, Any]) -> dict[str, Any]:
     warm = {**params, "max_tokens": spec["warmup"]["max_tokens"]}
     out: dict[str, Any] = {"starts_s": {}}
     modes: dict[str, Callable[[], Awaitable[dict[str, Any]]]] = {}
+    ttft: dict[str, Callable[[list[int]], Awaitable[float]]] = {}  # path -> first_token(prompt) seconds
     resets: dict[str, Callable[[], Awaitable[Any]]] = {}
     closers: list[Callable[[], Awaitable[Any]]] = []
     log_dir = Path(spec["log_dir"])
@@ -97,22 +107,44 @@ async def _interleaved(spec: dict[str, Any]) -> dict[str, Any]:
                 r = await GP.gather_all(len(ps["main"]), lambda i: one(ps["main"][i]), spec["request_timeout_s"])
                 return {**_rep(r["tokens"], r["wall_s"], spec), "errors": r["errors"]}
 
+            async def rb_first(p: list[int]) -> float:
+                t = time.perf_counter()
+                first = None
+                async for ch in ac.stream(p, {**params, "max_tokens": spec["ttft"]["max_tokens"]}):
+                    if first is None and ch.token_ids:
+                        first = time.perf_counter() - t
+                return GP._got(first)
+
             modes["rb batch"], modes["rb streams"] = rb_batch, rb_streams
             resets["rb batch"] = resets["rb streams"] = ac.reset_prefix_cache
+            ttft["rb"] = rb_first
 
             if not cpu and "http" in spec["paths"]:
-                await _start_http(spec, eng, ps, procs, out, modes, resets, closers)
+                await _start_http(spec, eng, ps, procs, out, modes, resets, closers, ttft)
             if not cpu and "llm" in spec["paths"]:
                 await _start_llm(spec, eng, ps, out, modes, resets)
+            if not cpu and "asyncllm" in spec["paths"]:
+                await _start_asyncllm(spec, eng, ps, out, closers, ttft)
+            spec["_partial"].update(out)
             out["reps"] = await _run_reps(spec, modes, resets)
+            out["ttft"] = await _run_ttft(spec, ttft, ps["ttft"])
         finally:
             for close in reversed(closers):
                 try:
                     await close()
                 except Exception:
                     pass
-    out["modes"] = {m: GP.median_of(v) for m, v in out["reps"].items()}
-    out["paired"] = paired_ratios(out["reps"])
+    return summarize(out)
+
+
+def summarize(out: dict[str, Any]) -> dict[str, Any]:
+    """Medians and paired verdicts from whatever reps / rounds there are (a
+    checkpoint of a phase killed at its limit included)."""
+    reps = out.get("reps") or {}
+    out["modes"] = {m: GP.median_of(v) for m, v in reps.items() if any(r.get("tokens_per_s") for r in v)}
+    out["paired"] = paired_ratios(reps)
+    if out.get("ttft"):
+        out["ttft"]["paired"] = paired_ttft(out["ttft"].get("rounds") or {})
     return out
 
 
@@ -125,6 +157,7 @@ async def _start_http(
     modes: dict[str, Any],
     resets: dict[str, Any],
     closers: list[Any],
+    ttft: dict[str, Any],
 ) -> None:
     import aiohttp
 
@@ -169,7 +202,71 @@ async def _start_http(
         async with s.post(f"{base}/reset_prefix_cache") as rr:
             await rr.read()
 
+    async def first_token(p: list[int]) -> float:
+        body = {
+            "model": spec["model"],
+            "prompt": p,
+            "max_tokens": spec["ttft"]["max_tokens"],
+            "temperature": spec["temperature"],
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+        }
+        t = time.perf_counter()
+        first = None
+        async with s.post(f"{base}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}")
+            async for line in resp.content:
+                if first is None and line.startswith(b"data: {"):
+                    c = json.loads(line[6:])["choices"]
+                    if c and (c[0].get("token_ids") or c[0].get("text")):
+                        first = time.perf_counter() - t
+        return GP._got(first)
+
     modes["HTTP"], resets["HTTP"] = http, reset
+    ttft["HTTP"] = first_token
+
+
+async def _start_asyncllm(
+    spec: dict[str, Any],
+    eng: dict[str, Any],
+    ps: dict[str, list[list[int]]],
+    out: dict[str, Any],
+    closers: list[Any],
+    ttft: dict[str, Any],
+) -> None:
+    """AsyncLLM in-process: the TTFT reference (issue 8: within 2 ms of it)."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    t0 = time.perf_counter()
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=spec["model"], **eng))
+    closers.append(lambda: asyncio.to_thread(engine.shutdown))
+    out["starts_s"]["AsyncLLM"] = round(time.perf_counter() - t0, 1)
+    sp = SamplingParams(
+        temperature=spec["temperature"],
+        max_tokens=spec["ttft"]["max_tokens"],
+        ignore_eos=True,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    ids = iter(range(1 << 30))
+
+    async def first_token(p: list[int]) -> float:
+        t = time.perf_counter()
+        first = None
+        async for o in engine.generate({"prompt_token_ids": p}, sp, request_id=f"t{next(ids)}"):
+            if first is None and o.outputs and o.outputs[0].token_ids:
+                first = time.perf_counter() - t
+        return GP._got(first)
+
+    # its CUDA graphs and first steps: one warm round on the warm-up prompts
+    n = max(1, spec["ttft"]["n"])
+    await asyncio.gather(*(first_token(p) for p in ps["warm"][:n]))
+    ttft["AsyncLLM"] = first_token
 
 
 async def _start_llm(
@@ -226,7 +323,57 @@ async def _run_reps(
                 reps[m].append({**await modes[m](), "rep": i, "slot": order.index(m)})
             except Exception as e:
                 reps[m].append({"error": repr(e)[:300], "rep": i})
+            spec["_partial"]["reps"] = reps
+            G.checkpoint(spec)
     return reps
+
+
+async def _run_ttft(
+    spec: dict[str, Any], paths: dict[str, Callable[[list[int]], Awaitable[float]]], prompts: list[list[int]]
+) -> dict[str, Any]:
+    """Round r: ttft.n concurrent requests (the same prompts) on every path,
+    paths in an order rotated by r. Per path and round: first-token ms."""
+    t = spec["ttft"]
+    names = list(paths)
+    rounds: dict[str, list[list[float]]] = {m: [] for m in names}
+    errors: dict[str, list[str]] = {m: [] for m in names}
+    res: dict[str, Any] = {"n": t["n"], "max_tokens": t["max_tokens"], "rounds": rounds, "errors": errors}
+    for r in range(t["rounds"]):
+        batch = prompts[r * t["n"] : (r + 1) * t["n"]]
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for m in order:
+            got = await asyncio.gather(
+                *(asyncio.wait_for(paths[m](p), spec["request_timeout_s"]) for p in batch), return_exceptions=True
+            )
+            rounds[m].append([round(x * 1e3, 3) for x in got if isinstance(x, float)])
+            errors[m] += [repr(x)[:200] for x in got if isinstance(x, BaseException)][:3]
+        spec["_partial"]["ttft"] = res
+        G.checkpoint(spec)
+    res["p50_ms"] = {m: round(H.percentile([v for rr in rs for v in rr], 50), 3) for m, rs in rounds.items() if any(rs)}
+    return res
+
+
+def paired_ttft(rounds: dict[str, list[list[float]]]) -> list[dict[str, Any]]:
+    """Per round: p50 of the path - p50 of the reference; median and range."""
+    rows = []
+    for path, ref, target in TTFT_PAIRS:
+        a, b = rounds.get(path) or [], rounds.get(ref) or []
+        diffs = sorted(H.median(x) - H.median(y) for x, y in zip(a, b, strict=False) if x and y)
+        if not diffs:
+            continue
+        med = H.median(diffs)
+        rows.append(
+            {
+                "diff": f"TTFT p50 {path} - {ref} (ms)",
+                "median": round(med, 2),
+                "min": round(diffs[0], 2),
+                "max": round(diffs[-1], 2),
+                "rounds": len(diffs),
+                "target": f"<= {target}" if target is not None else "-",
+                "meets": None if target is None else med <= target,
+            }
+        )
+    return rows
 
 
 def _rep(tokens: int, wall: float, spec: dict[str, Any]) -> dict[str, Any]:
@@ -275,6 +422,21 @@ def report(doc: dict[str, Any]) -> str:
         [{k: r[k] for k in ("ratio", "median", "range", "reps", "target", "meets")} for r in pr],
         title="paired ratios (rep i of one path / rep i of the other)",
     )
+    tt = res.get("ttft") or {}
+    if tt.get("paired") or tt.get("p50_ms"):
+        p50 = ", ".join(f"{m} {v:.1f} ms" for m, v in (tt.get("p50_ms") or {}).items())
+        text += "\n\n" + H.print_table(
+            [
+                {
+                    **{k: r[k] for k in ("diff", "median", "rounds", "target")},
+                    "range": f"{r['min']}-{r['max']}",
+                    "meets": "-" if r["meets"] is None else ("yes" if r["meets"] else "NO"),
+                }
+                for r in tt.get("paired") or []
+            ],
+            title=f"time to first token, {tt.get('n')} concurrent, max_tokens {tt.get('max_tokens')}, "
+            f"rounds interleaved (p50 over all: {p50})",
+        )
     if doc.get("error"):
         text += f"\n\nERROR: {doc['error']}"
     return text
@@ -308,9 +470,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--cpu", action="store_true", help="dry run: rollout-bus on the torch backend only")
-    ap.add_argument("--paths", default="llm,http,rb", help="comma list of llm, http, rb (rb always runs)")
+    ap.add_argument(
+        "--paths", default="llm,http,rb,asyncllm", help="comma list of llm, http, rb, asyncllm (rb always runs)"
+    )
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--gpu-fraction", type=float, default=0.28, help="gpu_memory_utilization of EACH engine")
+    ap.add_argument("--gpu-fraction", type=float, default=0.2, help="gpu_memory_utilization of EACH engine")
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--min-len", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=512)
@@ -320,6 +484,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup-n", type=int, default=512)
     ap.add_argument("--warmup-max-tokens", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--ttft-n", type=int, default=16, help="concurrent requests per TTFT round")
+    ap.add_argument("--ttft-rounds", type=int, default=10)
+    ap.add_argument("--ttft-max-tokens", type=int, default=64)
     ap.add_argument("--ready-timeout-s", type=float, default=240.0)
     ap.add_argument("--request-timeout-s", type=float, default=300.0)
     ap.add_argument("--limit-s", type=float, default=540.0, help="the whole run (engine starts included)")
@@ -329,6 +496,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if a.cpu:
         a.prompts, a.min_len, a.max_len, a.max_tokens, a.reps = 16, 8, 32, 16, 2
         a.warmup_n, a.warmup_max_tokens, a.limit_s = 4, 4, 240.0
+        a.ttft_n, a.ttft_rounds, a.ttft_max_tokens = 4, 2, 4
     return a
 
 
@@ -359,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         "temperature": a.temperature,
         "reps": a.reps,
         "warmup": {"n": a.warmup_n, "max_tokens": a.warmup_max_tokens},
-        "ttft": None,
+        "ttft": {"n": a.ttft_n, "rounds": a.ttft_rounds, "max_tokens": a.ttft_max_tokens},
         "ready_timeout_s": a.ready_timeout_s,
         "request_timeout_s": a.request_timeout_s,
         "log_dir": str(log_dir),
@@ -376,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     res = G.run_phase(NAME, "bench.gpu_interleaved:phase_interleaved", spec, a.limit_s, log_dir)
     doc["result"] = {k: v for k, v in res.items() if k != "traceback"}
+    if not res.get("ok") and res.get("reps"):
+        summarize(doc["result"])  # a checkpoint: the reps / rounds it finished
     if not res.get("ok"):
         doc["error"] = res.get("error")
         doc["traceback"] = res.get("traceback")

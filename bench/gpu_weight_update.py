@@ -516,6 +516,9 @@ def _run_under_load(
         # (after the load stopped): vLLM is not batch-invariant, so greedy tokens
         # taken next to 64 streams may differ from the same request served alone.
         greedy0 = _greedy(client, spec) if spec.get("check") else None
+        # Taken twice: if the idle engine does not repeat itself, a check that
+        # differs after perturbed -> original says nothing about the weights.
+        repeat = None if greedy0 is None else _greedy(client, spec) == greedy0
         load = StreamLoad(
             cl.address, spec["streams"], _prompts(spec), spec["stream_max_tokens"], spec["request_timeout_s"]
         ).start()
@@ -551,6 +554,7 @@ def _run_under_load(
         try:
             if spec.get("check"):
                 out["check"] = weight_check(client, named, transport, opts, cl.log_path, greedy0, spec)
+                out["check"]["greedy_idle_repeat_equal"] = repeat
                 print("CHECK " + json.dumps(out["check"]), flush=True)
         finally:
             client.close()
@@ -832,7 +836,8 @@ def _check_rows(row: Any, phase: dict[str, Any]) -> None:
         None,
         "equal",
         ck.get("greedy_tokens_equal"),
-        f"logprobs equal {ck.get('greedy_logprobs_equal')}; perturbed changed output {ck.get('perturbed_changes_output')}",
+        f"logprobs equal {ck.get('greedy_logprobs_equal')}; perturbed changed output {ck.get('perturbed_changes_output')}; "
+        f"idle engine repeats itself (no update between) {ck.get('greedy_idle_repeat_equal')}",
     )
 
 

@@ -75,6 +75,9 @@ def test_gpu_interleaved_dry_run(tmp_path):
         assert all(r["tokens"] == r["expected_tokens"] == 16 * 16 for r in reps), reps
     # rotated order: each mode runs first once
     assert {r["slot"] for r in res["reps"]["rb batch"]} == {0, 1}
+    tt = res["ttft"]
+    assert [len(r) for r in tt["rounds"]["rb"]] == [4, 4] and tt["errors"]["rb"] == []
+    assert tt["p50_ms"]["rb"] > 0
 
 
 def test_paired_ratios_pair_reps_by_index():
@@ -92,3 +95,34 @@ def test_paired_ratios_pair_reps_by_index():
     # medians of the paths (105 / 75 = 1.4) would flatter; paired: 1.1 and 0.9
     assert row["ratio"] == "rb batch / LLM.generate" and row["reps"] == 2
     assert (row["min"], row["max"], row["median"]) == (0.9, 1.1, 1.0) and row["meets"]
+
+
+def test_paired_ttft_compares_round_by_round():
+    from bench.gpu_interleaved import paired_ttft
+
+    rounds = {"rb": [[10.0, 12.0, 11.0], [30.0, 31.0, 32.0]], "AsyncLLM": [[9.0, 10.0, 11.0], [27.0, 28.0, 29.0]]}
+    (row,) = paired_ttft(rounds)
+    assert row["diff"] == "TTFT p50 rb - AsyncLLM (ms)" and row["rounds"] == 2
+    assert (row["min"], row["max"], row["median"]) == (1.0, 3.0, 2.0) and row["meets"] is True
+    rounds["rb"][1] = [40.0, 41.0, 42.0]
+    assert paired_ttft(rounds)[0]["meets"] is False
+
+
+def test_a_phase_killed_at_its_limit_keeps_what_it_checkpointed(tmp_path):
+    from bench import gpu_common as G
+
+    res = G.run_phase("ck", "tests.test_bench_gpu_dry:_checkpoint_then_hang", {}, 6.0, tmp_path, log=lambda _m: None)
+    assert res["ok"] is False and "ran past its limit of 6s" in res["error"]
+    assert res["reps"] == {"rb batch": [{"rep": 0, "tokens_per_s": 1.0}]}
+
+
+def _checkpoint_then_hang(spec: dict) -> dict:
+    """A phase (run by run_phase in a child) that checkpoints one rep, then hangs."""
+    import time
+
+    from bench import gpu_common as G
+
+    spec["_partial"]["reps"] = {"rb batch": [{"rep": 0, "tokens_per_s": 1.0}]}
+    G.checkpoint(spec)
+    time.sleep(60)
+    return {}
