@@ -5,7 +5,8 @@
 #   .device/whl/compressed_tensors-0.17.0 + loguru wheels (test_vllm_fp8.py: vLLM's fp8 config imports them;
 #     pip download --no-deps --only-binary=:all: --python-version 3.12 compressed-tensors==0.17.0 loguru -d .device/whl)
 #   .device/make_tiny_model.py (only for BENCH=1; copy of ../shared/tools/make_tiny_model.py)
-# Env: BENCH=1 (0.5B benchmark), TESTS (default tests/gpu), DEADLINE (s), PYTEST_ARGS,
+# Env: BENCH=1 (0.5B benchmark), TESTS (default tests/gpu), TESTS_GPU1 (x2: run TESTS on GPU 0 and
+#      these on GPU 1 at once), DEADLINE (s), PYTEST_ARGS,
 #      ROLLOUT_BUS_BUNDLE_DIR / WHL_DIR / TINY_MODEL_SCRIPT: where those are when this tree is not the
 #      one carried (e.g. a worktree copied to .device/wt-x: ROLLOUT_BUS_BUNDLE_DIR=../vllm-bundle WHL_DIR=../whl).
 cd "$(dirname "$0")/../.." || exit 1
@@ -25,10 +26,30 @@ if [ -n "$BENCH" ]; then
 fi
 wait
 LEFT=$(( ${DEADLINE:-570} - ($(date +%s) - T0) ))
-timeout -k 10 $LEFT python3 -m pytest ${TESTS:-tests/gpu} -v -s -rA --timeout 300 -p no:unraisableexception ${PYTEST_ARGS} > "$OUT/pytest.log" 2>&1
-echo "pytest rc=$? after $(( $(date +%s) - T0 ))s"
-grep -E "^TIMING" "$OUT/pytest.log" | cut -c1-600
-grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/pytest.log" | cut -c1-220 | tail -40
-grep -nE "^E  |Error:|error:" "$OUT/pytest.log" | grep -v "TIMING" | head -40 | cut -c1-300
+summary() {  # $1: a pytest log
+  echo "---- $1"
+  grep -E "^TIMING" "$1" | cut -c1-600
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$1" | cut -c1-220 | tail -40
+  grep -nE "^E  |Error:|error:" "$1" | grep -v "TIMING" | head -40 | cut -c1-300
+}
+if [ -n "$TESTS_GPU1" ]; then
+  # Two pytest processes at once, one per GPU (x2): TESTS on GPU 0, TESTS_GPU1 on GPU 1. Never two
+  # on one GPU: vLLM's start-up memory profiling fails when another process frees memory meanwhile.
+  CUDA_VISIBLE_DEVICES=0 ROLLOUT_BUS_GPU_MODEL_DIR=/tmp/models0 ROLLOUT_BUS_GPU_TIMINGS=$OUT/timings0.jsonl \
+    timeout -k 10 $LEFT python3 -m pytest ${TESTS:-tests/gpu} -v -s -rA --timeout 300 -p no:unraisableexception \
+    ${PYTEST_ARGS} > "$OUT/pytest.log" 2>&1 &
+  P0=$!
+  CUDA_VISIBLE_DEVICES=1 ROLLOUT_BUS_GPU_MODEL_DIR=/tmp/models1 ROLLOUT_BUS_GPU_TIMINGS=$OUT/timings1.jsonl \
+    timeout -k 10 $LEFT python3 -m pytest $TESTS_GPU1 -v -s -rA --timeout 300 -p no:unraisableexception \
+    ${PYTEST_ARGS} > "$OUT/pytest_gpu1.log" 2>&1 &
+  P1=$!
+  wait $P0; R0=$?; wait $P1; R1=$?
+  echo "pytest rc=$R0 (GPU 0) rc=$R1 (GPU 1) after $(( $(date +%s) - T0 ))s"
+  summary "$OUT/pytest.log"; summary "$OUT/pytest_gpu1.log"
+else
+  timeout -k 10 $LEFT python3 -m pytest ${TESTS:-tests/gpu} -v -s -rA --timeout 300 -p no:unraisableexception ${PYTEST_ARGS} > "$OUT/pytest.log" 2>&1
+  echo "pytest rc=$? after $(( $(date +%s) - T0 ))s"
+  summary "$OUT/pytest.log"
+fi
 ls /tmp/pytest-of-root/*/ 2>/dev/null | head -3
 for f in $(ls -d /tmp/rbt-* 2>/dev/null | head -3); do tail -c 3000 $f/e0.log > "$OUT/$(basename $f)_e0.log" 2>/dev/null; done
