@@ -293,6 +293,11 @@ class EngineNode:
                     self._trace_resume("first_output")
         t3 = time.perf_counter()
         ls["step_s"] += t3 - t2
+        # The clock is read again AFTER the step: with `now` from before it, a
+        # turn whose step was long skipped the tick, and the heartbeat showed
+        # that step's progress only after the next one (the head's stall clock
+        # saw an engine with 1 s steps stuck for 2 s).
+        now = time.monotonic()
         if now - self._snapshot_at > _TICK_S:
             self._tick(now)
         self._flush()

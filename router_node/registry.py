@@ -59,9 +59,14 @@ class EngineEntry:
         return self.state is EngineState.HEALTHY
 
     def on_heartbeat(self, hb: P.Heartbeat, now: float) -> None:
-        # A control op in progress (hb.busy) may hold the model for longer than
-        # the stall timeout: that is not a hung loop, so the stall clock restarts.
-        if self.hb is None or hb.steps != self.hb.steps or hb.busy:
+        # The stall clock measures time WITH work and without a step. It restarts
+        # when the step counter moves, while a control op holds the model
+        # (hb.busy: not a hung loop), and while the engine has nothing running:
+        # otherwise an engine idle for longer than stall_timeout_s (waiting for a
+        # peer's restart, a trainer step) would be declared stalled by the first
+        # heartbeat that shows work, before its first step could finish.
+        prev = self.hb
+        if prev is None or hb.steps != prev.steps or hb.busy or prev.running == 0 or hb.running == 0:
             self.steps_changed_at = now
         self.hb = hb
         self.last_seen = now
