@@ -291,7 +291,13 @@ def timing_line(tag: str, rec: dict[str, Any]) -> str:
         parts.append(
             "engine after Resume "
             + " ".join(f"{k.removesuffix('_ms')} {v}" for k, v in res.items() if k.endswith("_ms"))
-            + f" (running {res.get('running')})"
+            + f" (running {res.get('running')}"
+            + "".join(
+                f", {k.removeprefix('core_')} {res[k]}"
+                for k in ("core_live", "core_sent", "core_sent_tokens", "core_batches_before")
+                if k in res
+            )
+            + ")"
         )
     parts.append(f"first token {rec.get('first_token_ms') or 0:.1f}")
     return f"TIMING {tag} update {rec.get('i')} (ms): " + " | ".join(parts)
@@ -489,8 +495,12 @@ def _run_under_load(
         if cpu
         else {"gpu_memory_utilization": spec["gpu_memory_utilization"], "max_model_len": spec["max_model_len"]}
     )
-    if not cpu and spec.get("resume_ramp_tokens"):
-        eng["backend_options"] = {"resume_ramp_tokens": int(spec["resume_ramp_tokens"])}
+    if not cpu:
+        # log_stats: vLLM then records each request's queued / scheduled times, which
+        # the engine's resume trace reports (where resume -> first token goes).
+        eng["backend_options"] = {"log_stats": bool(spec.get("log_stats", True))}
+        if spec.get("resume_ramp_tokens"):
+            eng["backend_options"]["resume_ramp_tokens"] = int(spec["resume_ramp_tokens"])
     with G.RbCluster(
         spec["model"],
         "torch" if cpu else "vllm",
@@ -900,6 +910,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="after the timed updates: fast path == load_weights bit for bit (weight_check) + greedy unchanged",
     )
     ap.add_argument(
+        "--no-log-stats",
+        dest="log_stats",
+        action="store_false",
+        help="start the engine without vLLM's log_stats (on by default: the resume trace reads its request events)",
+    )
+    ap.add_argument(
         "--resume-ramp-tokens",
         type=int,
         default=4096,
@@ -1001,6 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
         "ipc_transport": "zmq" if a.cpu else "cuda_ipc",
         "check": a.check,
         "resume_ramp_tokens": a.resume_ramp_tokens,
+        "log_stats": a.log_stats,
         "nccl_warm_up": a.nccl_warm_up,
     }
     doc = {

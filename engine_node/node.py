@@ -567,6 +567,9 @@ class EngineNode:
         # Trace of where a resume's first token comes from (one INFO line per
         # resume, "resume_timing"; the weight benchmark reads it).
         self._resume_trace = {"t0": time.perf_counter()}
+        arm = getattr(self.backend, "trace_outputs", None)  # optional: the vllm backend's core-side trace
+        if arm is not None:
+            arm()
         return self.core.resume(op, seq)
 
     def _trace_resume(self, mark: str) -> None:
@@ -577,10 +580,13 @@ class EngineNode:
         if mark == "first_output":
             t0 = tr.pop("t0")
             self._resume_trace = None
+            take = getattr(self.backend, "take_output_trace", None)
+            core = take() if take is not None else None
             self.log.info(
                 "resume_timing",
                 **{f"{k}_ms": round((v - t0) * 1e3, 2) for k, v in tr.items()},
                 running=self.backend.num_running(),
+                **{f"core_{k}": v for k, v in (core or {}).items()},
             )
 
     def _op_stats(self, op: P.Stats, seq: int) -> P.StatsResult:

@@ -126,3 +126,22 @@ def _checkpoint_then_hang(spec: dict) -> dict:
     G.checkpoint(spec)
     time.sleep(60)
     return {}
+
+
+def test_gpu_plan_copy_dry_run(tmp_path):
+    """bench/gpu_plan_copy.py on the CPU, 2 layers and a small vocabulary: every
+    way of copying writes exactly the sources (bit for bit)."""
+    out = tmp_path / "copy.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_plan_copy", "--device", "cpu", "--reps", "2", "--layers", "2"]
+        + ["--vocab", "1000", "--out", str(out)],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["tensors"] == 2 + 12 * 2 and doc["copies_equal_sources"] is True
+    assert {"loop", "foreach", "flat", "hybrid_1MiB"} <= set(doc) and doc["flat"]["ms"] > 0

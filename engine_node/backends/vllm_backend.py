@@ -115,7 +115,7 @@ class VllmBackend:
         cpu_affinity: str = "off",
         weight_plan: bool = True,
         resume_ramp_tokens: int = 0,
-        resume_ramp_wait_s: float = 0.05,
+        resume_ramp_wait_s: float = 0.2,
         _api: Any = None,  # vLLM's classes (tests pass a fake)
         **passthrough: Any,  # any other EngineArgs field: max_num_seqs, max_num_batched_tokens, …
     ) -> None:
@@ -143,7 +143,11 @@ class VllmBackend:
         # 0.5B model on an H200). With resume_ramp_tokens=N, when sequences
         # arrive at an engine with none live, the first ones up to N prompt
         # tokens go to the core at once and the rest only when the core's first
-        # output arrives (or after resume_ramp_wait_s): the first step is small,
+        # output arrives (or after resume_ramp_wait_s, a safety net: on an H200
+        # the core's first step after a resume took ~40 ms even for ~4.5k ramp
+        # tokens; a 50 ms net fired before that output was read in 3 of 6 updates,
+        # once 40 ms early, and the released burst pushed that first token to 98 ms:
+        # tests/gpu/RESULTS.md run 29). So the first step is small,
         # the first streams resume one short step after the resume, the rest one
         # short step later than they would have. Cold batches (a generate of
         # many prompts to an idle engine) ramp the same way.
@@ -152,6 +156,9 @@ class VllmBackend:
         self._ramp_left: int | None = None  # prompt tokens the current ramp may still send now
         self._ramp_deadline = 0.0
         self._deferred: dict[str, Any] = {}  # request id -> EngineCoreRequest held back by the ramp
+        # Output trace (armed by the node at a Resume, read at its first output):
+        # where the wait for the first token goes, in the core's own clock.
+        self._trace: dict[str, Any] | None = None
         if cpu_affinity not in ("off", "auto"):
             raise BackendError(f"cpu_affinity must be 'auto' or 'off', got {cpu_affinity!r}", field="cpu_affinity")
         self._api = _api if _api is not None else load_vllm_api()
@@ -280,6 +287,9 @@ class VllmBackend:
             self._link.add(req)
             if self._ramp_left is not None:
                 self._ramp_left -= len(seq.prompt)
+            if self._trace is not None and "built" not in self._trace:
+                self._trace["sent"] += 1
+                self._trace["sent_tokens"] += len(seq.prompt)
         self._out.expect(rid, seq)
         self._seq_of[rid] = seq.seq_id
         self._rid_of[seq.seq_id] = rid
@@ -294,6 +304,10 @@ class VllmBackend:
         held, self._deferred = self._deferred, {}
         for req in held.values():
             self._link.add(req)
+        if held and self._trace is not None and "built" not in self._trace:
+            self._trace["sent"] += len(held)
+            self._trace["sent_tokens"] += sum(len(r.prompt_token_ids or ()) for r in held.values())
+            self._trace.setdefault("ramp_released", time.monotonic())
 
     def _ramp_output(self, batches: list[Any]) -> bool:
         """A batch carries output of a request the ramp sent. Hazard: right
@@ -306,8 +320,46 @@ class VllmBackend:
             o.request_id in live and o.request_id not in self._deferred for b in batches for o in b.outputs or ()
         )
 
+    def trace_outputs(self) -> None:
+        """Arm the output trace (the node does at a Resume; see take_output_trace)."""
+        self._trace = {"armed": time.monotonic(), "batches_before": 0, "sent": 0, "sent_tokens": 0}
+
+    def take_output_trace(self) -> dict[str, Any] | None:
+        """Where the first live output after the arming came from, in ms after it
+        (time.monotonic: one clock for every process on the host). built_ms: the core
+        built the batch; drained_ms: this thread took it; queued_ms / scheduled_ms:
+        the core queued / first scheduled that output's request (only with
+        log_stats=True: vLLM records request events then); batches_before: batches
+        with no live output that came first (late output of aborted requests);
+        sent / sent_tokens: requests and prompt tokens sent to the core by then (the
+        resume ramp holds the rest back); live: live outputs in that batch."""
+        tr, self._trace = self._trace, None
+        if tr is None or "built" not in tr:
+            return None
+        t0 = tr.pop("armed")
+        out = {k: v for k, v in tr.items() if not isinstance(v, float)}
+        out.update({f"{k}_ms": round((v - t0) * 1e3, 2) for k, v in tr.items() if isinstance(v, float)})
+        return out
+
+    def _trace_batches(self, batches: list[Any]) -> None:
+        tr = self._trace
+        assert tr is not None
+        live = self._seq_of
+        for b in batches:
+            outs = [o for o in (b.outputs or ()) if o.request_id in live]
+            if not outs:
+                tr["batches_before"] += 1
+                continue
+            tr.update(built=float(b.timestamp), drained=time.monotonic(), live=len(outs))
+            for ev in getattr(outs[0], "events", None) or ():
+                name = getattr(ev.type, "name", str(ev.type)).lower()
+                tr.setdefault(name, float(ev.timestamp))  # queued, scheduled (first only)
+            return
+
     def _collect(self, wait_s: float) -> None:
         batches = self._link.drain(wait_s)
+        if batches and self._trace is not None and "built" not in self._trace:
+            self._trace_batches(batches)
         if batches and self._ramp_left is not None and self._ramp_output(batches):
             self._ramp_flush(force=True)  # the first step's output is here: the rest may go
         for batch in batches:

@@ -77,12 +77,14 @@ class FakeOut:  # EngineCoreOutput
     new_logprobs: object = None
     finish_reason: int | None = None
     new_prompt_logprobs_tensors: object = None
+    events: list | None = None  # EngineCoreEvent (type, timestamp), with log_stats
 
 
 @dataclasses.dataclass
 class FakeBatch:  # EngineCoreOutputs
     outputs: list
     scheduler_stats: object = None
+    timestamp: float = dataclasses.field(default_factory=time.monotonic)  # as vLLM's __post_init__
 
 
 class FakeModel(__import__("torch").nn.Module):
@@ -813,6 +815,44 @@ def test_resume_ramp_ignores_late_outputs_of_aborted_requests(model_dir):
             b.step()
         assert len(FAKE.seen) == 5
         drive(b, ids)
+    finally:
+        b.close()
+
+
+def test_output_trace_says_where_the_first_live_output_came_from(model_dir):
+    """The node arms the trace at a Resume; the first batch with output of a
+    live request closes it: late batches before it are counted, the ramp's
+    sends and its release are recorded, times are ms after the arming."""
+    from engine_node.backends.vllm_backend import make_backend
+
+    b = make_backend(
+        model_dir, max_model_len=64, resume_ramp_tokens=10, resume_ramp_wait_s=5.0, _api=fake_api(model_dir)
+    )
+    try:
+        assert b.take_output_trace() is None  # not armed
+        FAKE.paused = True
+        b.trace_outputs()
+        ids = [f"t{i}" for i in range(5)]
+        for sid in ids:
+            b.add(seq(sid, n=4, prompt=(10, 11, 12, 13, 14, 15)))
+        stale = types.SimpleNamespace(kv_cache_usage=0.0, num_running_reqs=0, num_waiting_reqs=0)
+        FAKE.outputs_queue.put_nowait(FakeBatch([FakeOut("gone#1", [5], None, 1, None)], stale))
+        time.sleep(0.02)
+        assert b.step() == []
+        FAKE.paused = False
+        deadline = time.monotonic() + 2.0
+        tr = None
+        while tr is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+            if b.step():
+                tr = b.take_output_trace()
+        assert tr is not None
+        assert tr["live"] >= 1 and tr["batches_before"] == 1  # the aborted request's late batch
+        assert (tr["sent"], tr["sent_tokens"]) == (2, 12)  # the ramp's first 10+ tokens; 3 held
+        assert "ramp_released_ms" not in tr  # released by that very output, after it was traced
+        assert 0 <= tr["built_ms"] <= tr["drained_ms"] < 2000
+        assert b.take_output_trace() is None  # taken once
+        b.abort(ids)  # (the loop above consumed the first outputs: no drive() to the end)
     finally:
         b.close()
 
