@@ -71,6 +71,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import gc
+import inspect
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -226,6 +227,10 @@ class TorchBackend:
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype)
         self.model.to(self.device).eval()
         self.model.requires_grad_(False)
+        # transformers 5.x renamed forward's `past_key_values` to `cache` (the old
+        # name warns, and warnings are errors under pytest): pass what it takes.
+        fwd = inspect.signature(type(self.model).forward).parameters
+        self._cache_arg = "cache" if "cache" in fwd else "past_key_values"
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.eos_token_ids = _eos_ids(self.model)
@@ -422,7 +427,7 @@ class TorchBackend:
         ids = torch.tensor([s.pending], dtype=torch.long, device=self.device)
         with torch.inference_mode(), self._lora.active(s.req.lora):
             out = self.model(
-                input_ids=ids, past_key_values=s.cache, use_cache=True, logits_to_keep=0 if all_logits else 1
+                input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1, **{self._cache_arg: s.cache}
             )
         s.num_tokens += len(s.pending)
         if all_logits:
