@@ -114,8 +114,9 @@ class VllmBackend:
         seed_every_request: bool = False,
         cpu_affinity: str = "off",
         weight_plan: bool = True,
-        resume_ramp_tokens: int = 0,
+        resume_ramp_tokens: int | str = 0,
         resume_ramp_wait_s: float = 0.2,
+        extra_graph_tokens: int = 0,
         _api: Any = None,  # vLLM's classes (tests pass a fake)
         **passthrough: Any,  # any other EngineArgs field: max_num_seqs, max_num_batched_tokens, …
     ) -> None:
@@ -139,21 +140,24 @@ class VllmBackend:
         # parked stream at once (prompt + tokens so far: tens of thousands of
         # tokens for 64 streams); vLLM's scheduler packs a full
         # max_num_batched_tokens prefill into its first step, and no stream sees
-        # a token before that whole step ends (~35-45 ms for 16k tokens of a
-        # 0.5B model on an H200). With resume_ramp_tokens=N, when sequences
-        # arrive at an engine with none live, the first ones up to N prompt
-        # tokens go to the core at once and the rest only when the core's first
-        # output arrives (or after resume_ramp_wait_s, a safety net: on an H200
-        # the core's first step after a resume took ~40 ms even for ~4.5k ramp
-        # tokens; a 50 ms net fired before that output was read in 3 of 6 updates,
-        # once 40 ms early, and the released burst pushed that first token to 98 ms:
-        # tests/gpu/RESULTS.md run 29). So the first step is small,
-        # the first streams resume one short step after the resume, the rest one
-        # short step later than they would have. Cold batches (a generate of
-        # many prompts to an idle engine) ramp the same way.
-        self.resume_ramp_tokens = int(resume_ramp_tokens)
+        # a token before that whole step ends. What a first step costs is set by
+        # CUDA graphs, not by its size: a step of at most the largest capture size
+        # (512 tokens for LLM's defaults) replays a graph, 9-15 ms for a 0.5B
+        # model on an H200; one token over it runs the compiled model piece by
+        # piece from Python, 25-50 ms of CPU for ~4 ms of GPU work, about the
+        # same for 1,000 tokens as for 7,000 (bench/gpu_first_step.py, RESULTS
+        # run 30). With resume_ramp_tokens=N (or "auto": that capture size),
+        # when sequences arrive at an engine with none live, they are held until
+        # the node's next step(); then the SHORTEST go to the core, up to N
+        # prompt tokens (at least one sequence), and the rest only when the
+        # core's first output of those arrives (or after resume_ramp_wait_s, a
+        # safety net: a 50 ms net fired before a 40 ms first step was read and
+        # released the whole burst, RESULTS run 29). So the first streams resume
+        # one graph step after the resume; the rest one step later than they
+        # would have. Cold batches (a generate of many prompts to an idle
+        # engine) ramp the same way.
         self.resume_ramp_wait_s = float(resume_ramp_wait_s)
-        self._ramp_left: int | None = None  # prompt tokens the current ramp may still send now
+        self._ramp_state: str | None = None  # None | "collect" (until the next step) | "hold" (first sent)
         self._ramp_deadline = 0.0
         self._deferred: dict[str, Any] = {}  # request id -> EngineCoreRequest held back by the ramp
         # Output trace (armed by the node at a Resume, read at its first output):
@@ -206,7 +210,19 @@ class VllmBackend:
         self._closed = False
 
         t0 = time.perf_counter()
-        self.vllm_config = cfg = self._api.build_config(engine_kw)
+        cfg = self._api.build_config(engine_kw)
+        if extra_graph_tokens:
+            # Piecewise CUDA graphs for mixed steps above LLM's largest size
+            # (512 by default). A step with no graph runs the compiled model
+            # piece by piece from Python: on an H200 host a resume's first step
+            # of 862 tokens took 13 ms median (up to 40) without one, 7.6 with
+            # one; a cold 4-request batch (1,100 tokens) 21 vs 7 ms (RESULTS
+            # run 32). Costs start-up time and graph memory, so it is opt-in:
+            # the defaults stay LLM's.
+            engine_kw = with_graph_sizes(engine_kw, cfg, int(extra_graph_tokens))
+            cfg = self._api.build_config(engine_kw)
+        self.vllm_config = cfg
+        self.resume_ramp_tokens = _ramp_budget(resume_ramp_tokens, cfg)  # before the engine starts
         mc = cfg.model_config
         self._max_model_len = int(mc.max_model_len)
         self._gen_cfg = dict(mc.try_get_generation_config() or {})
@@ -278,35 +294,50 @@ class VllmBackend:
         rid = f"{seq.seq_id}#{self._n}"
         salt = f"w{self._weights_epoch}" if self._weights_epoch else None
         req = build_request(self._api, rid, seq, sp, lr, salt)
-        if self.resume_ramp_tokens > 0 and not self._rid_of and self._ramp_left is None:
-            self._ramp_left = self.resume_ramp_tokens  # the engine was empty: a burst may follow
+        if self.resume_ramp_tokens > 0 and not self._rid_of and self._ramp_state is None:
+            self._ramp_state = "collect"  # the engine was empty: a burst may follow; step() picks
             self._ramp_deadline = time.monotonic() + self.resume_ramp_wait_s
-        if self._ramp_left is not None and self._ramp_left <= 0:
-            self._deferred[rid] = req  # sent by _ramp_flush
+        if self._ramp_state is not None:
+            self._deferred[rid] = req  # sent by _ramp_pick or _ramp_flush
         else:
-            self._link.add(req)
-            if self._ramp_left is not None:
-                self._ramp_left -= len(seq.prompt)
-            if self._trace is not None and "built" not in self._trace:
-                self._trace["sent"] += 1
-                self._trace["sent_tokens"] += len(seq.prompt)
+            self._send(req)
         self._out.expect(rid, seq)
         self._seq_of[rid] = seq.seq_id
         self._rid_of[seq.seq_id] = rid
 
+    def _send(self, req: Any) -> None:
+        self._link.add(req)
+        if self._trace is not None and "built" not in self._trace:
+            self._trace["sent"] += 1
+            self._trace["sent_tokens"] += len(req.prompt_token_ids or ())
+
+    def _ramp_pick(self) -> None:
+        """The burst is complete (this turn's adds are in): send its shortest
+        sequences, up to resume_ramp_tokens prompt tokens and at least one; hold
+        the rest until their first output (_collect) or the safety net."""
+        if self._ramp_state != "collect":
+            return
+        self._ramp_state = "hold"
+        budget, sent = self.resume_ramp_tokens, 0
+        for rid, req in sorted(self._deferred.items(), key=lambda kv: len(kv[1].prompt_token_ids or ())):
+            n = len(req.prompt_token_ids or ())
+            if sent and sent + n > budget:
+                break  # ascending: no later one fits either
+            del self._deferred[rid]
+            self._send(req)
+            sent += n
+
     def _ramp_flush(self, force: bool = False) -> None:
         """End the ramp: send what it held back (loop thread)."""
-        if self._ramp_left is None:
+        if self._ramp_state is None:
             return
-        if not force and self._deferred and time.monotonic() < self._ramp_deadline:
+        if not force and self._ramp_state == "hold" and self._deferred and time.monotonic() < self._ramp_deadline:
             return
-        self._ramp_left = None
+        self._ramp_state = None
         held, self._deferred = self._deferred, {}
         for req in held.values():
-            self._link.add(req)
+            self._send(req)
         if held and self._trace is not None and "built" not in self._trace:
-            self._trace["sent"] += len(held)
-            self._trace["sent_tokens"] += sum(len(r.prompt_token_ids or ()) for r in held.values())
             self._trace.setdefault("ramp_released", time.monotonic())
 
     def _ramp_output(self, batches: list[Any]) -> bool:
@@ -360,7 +391,7 @@ class VllmBackend:
         batches = self._link.drain(wait_s)
         if batches and self._trace is not None and "built" not in self._trace:
             self._trace_batches(batches)
-        if batches and self._ramp_left is not None and self._ramp_output(batches):
+        if batches and self._ramp_state == "hold" and self._ramp_output(batches):
             self._ramp_flush(force=True)  # the first step's output is here: the rest may go
         for batch in batches:
             for rid in self._out.add_batch(batch, self._seq_of):
@@ -370,6 +401,7 @@ class VllmBackend:
 
     def step(self) -> list[StepOutput]:
         self._sweep()
+        self._ramp_pick()
         self._ramp_flush()
         if self._link.dead:
             self._link.check_alive()
@@ -382,7 +414,7 @@ class VllmBackend:
     def output_ready(self) -> bool:
         """Output (or a continuation, or a ramp to release) is waiting: the
         node must not block in poll before the next step()."""
-        return bool(self._out.items) or self._link.has_output() or bool(self._later)
+        return bool(self._out.items) or self._link.has_output() or bool(self._later) or self._ramp_state == "collect"
 
     def abort(self, seq_ids: Iterable[str]) -> list[StepOutput]:
         try:
@@ -929,6 +961,57 @@ def _backend_error(what: str, err: BaseException) -> BackendError:
     if isinstance(err, BackendError):
         return err
     return BackendError(f"{what} failed in the vLLM engine: {err}")
+
+
+# Sizes added between LLM's largest capture size and extra_graph_tokens: a step
+# pads up to the next one, so the ladder bounds the padding (<= 25 %) while
+# keeping the number of graphs (start-up time) small.
+_GRAPH_LADDER = (640, 768, 1024, 1280, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192, 10240, 12288, 16384)
+
+
+def with_graph_sizes(engine_kw: dict[str, Any], cfg: Any, tokens: int) -> dict[str, Any]:
+    """engine_kw whose compilation_config also captures graphs up to `tokens`
+    (capped at max_num_batched_tokens: no step is larger)."""
+    cc = getattr(cfg, "compilation_config", None)
+    sizes = sorted(int(x) for x in (getattr(cc, "cudagraph_capture_sizes", None) or ()))
+    if tokens < 0 or isinstance(tokens, bool):
+        raise BackendError(f"extra_graph_tokens must be >= 0, got {tokens!r}", field="extra_graph_tokens")
+    if not sizes or getattr(cfg.model_config, "enforce_eager", False):
+        raise BackendError(
+            "extra_graph_tokens needs CUDA graphs, and this engine has none (enforce_eager?)",
+            field="extra_graph_tokens",
+        )
+    top = min(tokens, int(cfg.scheduler_config.max_num_batched_tokens))
+    if top <= sizes[-1]:
+        return engine_kw
+    extra = [s for s in _GRAPH_LADDER if sizes[-1] < s < top] + [top]
+    given = engine_kw.get("compilation_config") or {}
+    if not isinstance(given, dict):
+        raise BackendError(
+            "extra_graph_tokens needs compilation_config as a dict of fields, if given", field="compilation_config"
+        )
+    return {**engine_kw, "compilation_config": {**given, "cudagraph_capture_sizes": sizes + extra}}
+
+
+def _ramp_budget(value: int | str, cfg: Any) -> int:
+    """resume_ramp_tokens as a token count: "auto" is the engine's largest
+    CUDA-graph capture size (0, off, for an engine without graphs)."""
+    if value == "auto":
+        cc = getattr(cfg, "compilation_config", None)
+        sizes = list(getattr(cc, "cudagraph_capture_sizes", None) or ())
+        mode = str(getattr(cc, "cudagraph_mode", "")).upper()
+        if not sizes or mode.endswith("NONE") or getattr(cfg.model_config, "enforce_eager", False):
+            return 0
+        return int(getattr(cc, "max_cudagraph_capture_size", None) or max(sizes))
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0 or isinstance(value, bool):
+        raise BackendError(
+            f"resume_ramp_tokens must be a token count >= 0 or 'auto', got {value!r}", field="resume_ramp_tokens"
+        )
+    return n
 
 
 def make_backend(model: str, **options: Any) -> VllmBackend:

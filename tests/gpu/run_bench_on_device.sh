@@ -7,7 +7,7 @@
 #   .device/bench-whl/*.whl  what the OpenAI api_server and launch.py import that the image and the
 #                            bundle lack: uvicorn, watchfiles, model-hosting-container-standards,
 #                            jmespath, prometheus-fastapi-instrumentator, structlog (bench/README.md)
-# Env: WHAT=throughput (default) | weights | all | interleaved (IL_ARGS: its extra flags); MODEL (default /tmp/q05, built unless there);  NCCL=1: weights also on 2 GPUs (trainer 0, engine 1);
+# Env: WHAT=throughput (default) | weights | all | interleaved (IL_ARGS: its extra flags) | first_step (FS_ARGS); MODEL (default /tmp/q05, built unless there);  NCCL=1: weights also on 2 GPUs (trainer 0, engine 1);
 #      DEADLINE (s, default 540: everything ends by then); TP_ARGS / WU_ARGS: extra flags;
 #      CHECK=0: weights without --check (on by default: the fast write path == load_weights, bit for bit).
 # The weights run prints, per update, a TIMING line (control round trips, trainer pack/send, the engine's
@@ -72,6 +72,13 @@ if [ "$WHAT" = interleaved ]; then
   timeout -k 15 $(( B + 20 )) python3 -m bench.gpu_interleaved --model $MODEL --out-dir "$OUT" --limit-s $B \
       $IL_ARGS > $LOGS/gpu_interleaved.out 2>&1
   echo "gpu_interleaved rc=$? after $(( $(date +%s) - T0 ))s"; cat "$OUT/gpu_interleaved.txt" 2>/dev/null
+fi
+if [ "$WHAT" = first_step ]; then
+  # vLLM's engine core in-process, stepped by hand: where a resume's first token goes (bench/gpu_first_step.py)
+  B=$(( $(left) - 30 ))
+  echo "== gpu_first_step (limit ${B}s)"
+  timeout -k 15 $B python3 -m bench.gpu_first_step --model $MODEL --out-dir "$OUT" $FS_ARGS > $LOGS/gpu_first_step.out 2>&1
+  echo "gpu_first_step rc=$? after $(( $(date +%s) - T0 ))s"; grep -vE "^(INFO|DEBUG|WARNING) " $LOGS/gpu_first_step.out | tail -60
 fi
 # every phase / server / engine log, tailed into one file (the 8-file limit)
 for f in $(find $LOGS -type f -name "*.log" -o -type f -name "*.out" | sort); do

@@ -286,6 +286,18 @@ def fake_prompt_logprobs(req, gen):
     return (ids, lps, torch.zeros(len(rows))), first
 
 
+def fake_compilation_config(kw):
+    """As vLLM derives it: no graphs when eager, the given sizes, else LLM's (here 1..16)."""
+    if kw.get("enforce_eager"):
+        return types.SimpleNamespace(
+            cudagraph_capture_sizes=[], max_cudagraph_capture_size=None, cudagraph_mode="CUDAGraphMode.NONE"
+        )
+    sizes = sorted((kw.get("compilation_config") or {}).get("cudagraph_capture_sizes") or [1, 2, 4, 8, 16])
+    return types.SimpleNamespace(
+        cudagraph_capture_sizes=sizes, max_cudagraph_capture_size=sizes[-1], cudagraph_mode="FULL_AND_PIECEWISE"
+    )
+
+
 def fake_api(tmp_model: str):
     def build_config(kw):
         build_config.kw = kw
@@ -301,6 +313,7 @@ def fake_api(tmp_model: str):
                 max_num_seqs=kw.get("max_num_seqs", 1024), max_num_batched_tokens=16384
             ),
             parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+            compilation_config=fake_compilation_config(kw),
         )
 
     def make_client(cfg, log_stats):
@@ -763,29 +776,108 @@ def test_issue10_top_k_and_prompt_logprobs_to_step_outputs(be):
     assert pl.top_logprobs[1:] == pytest.approx([-1.1, -2.1, -3.1, -4.1])
 
 
-def test_resume_ramp_sends_a_small_first_batch_then_the_rest(model_dir):
+def test_resume_ramp_sends_the_shortest_first_then_the_rest(model_dir):
+    """A burst into an empty engine is held until the node's next step(); then
+    the shortest sequences go first, up to the budget; the rest when their
+    first output arrives."""
     from engine_node.backends.vllm_backend import make_backend
 
     b = make_backend(
         model_dir, max_model_len=64, resume_ramp_tokens=10, resume_ramp_wait_s=5.0, _api=fake_api(model_dir)
     )
     try:
-        ids = [f"r{i}" for i in range(5)]
-        for sid in ids:  # a burst into an empty engine (a resume re-submitting parked streams)
-            b.add(seq(sid, n=4, prompt=(10, 11, 12, 13, 14, 15)))
-        assert len(FAKE.seen) == 2, "6 + 6 prompt tokens reach the 10-token ramp: the rest is held"
-        b.abort(["r4"])  # a held one is dropped without reaching the core
-        res = drive(b, ids[:4])
+        lens = {"r0": 9, "r1": 4, "r2": 7, "r3": 5, "r4": 3}
+        for sid, n in lens.items():  # a resume re-submitting parked streams of different lengths
+            b.add(seq(sid, n=4, prompt=tuple(range(10, 10 + n))))
+        assert FAKE.seen == [], "held until the burst is complete"
+        assert b.output_ready(), "the node must not wait in poll before picking"
+        FAKE.paused = True  # the fake core steps nothing yet
+        assert b.step() == []
+        assert [r.request_id.split("#")[0] for r in FAKE.seen] == ["r4", "r1"], "3 + 4 tokens; 5 more would pass 10"
+        assert not b.output_ready()
+        b.abort(["r0"])  # a held one is dropped without reaching the core
+        FAKE.paused = False
+        ids = ["r1", "r2", "r3", "r4"]
+        res = drive(b, ids)
         assert all(r["finish"] == "length" and len(r["tokens"]) == 4 for r in res.values())
-        assert len(FAKE.seen) == 4 and not any(rid.startswith("r4#") for rid in FAKE.aborted)
-        # the engine was empty again: the next burst ramps again
+        assert len(FAKE.seen) == 4 and not any(r.request_id.startswith("r0#") for r in FAKE.seen)
+        assert not any(rid.startswith("r0#") for rid in FAKE.aborted)
+        # the engine was empty again: the next burst ramps again, and one sequence
+        # over the whole budget still goes first (alone)
         b.add(seq("s0", n=2, prompt=tuple(range(12))))
-        b.add(seq("s1", n=2))
-        assert len(FAKE.seen) == 5
+        b.add(seq("s1", n=2, prompt=tuple(range(11))))
+        FAKE.paused = True
+        b.step()
+        assert [r.request_id.split("#")[0] for r in FAKE.seen[4:]] == ["s1"]
+        FAKE.paused = False
         drive(b, ["s0", "s1"])
         assert len(FAKE.seen) == 6
+        # not empty: an add while a sequence runs goes straight to the core
+        b.add(seq("t0", n=50))
+        b.step()
+        b.add(seq("t1", n=2))
+        assert FAKE.seen[-1].request_id.startswith("t1#")
+        b.abort(["t0"])
+        drive(b, ["t1"])
     finally:
         b.close()
+
+
+def test_resume_ramp_auto_is_the_largest_cuda_graph(model_dir):
+    from engine_node.backends.vllm_backend import make_backend
+
+    b = make_backend(model_dir, max_model_len=64, resume_ramp_tokens="auto", _api=fake_api(model_dir))
+    try:
+        assert b.resume_ramp_tokens == 16  # the fake config's capture sizes end at 16
+    finally:
+        b.close()
+    b = make_backend(
+        model_dir, max_model_len=64, resume_ramp_tokens="auto", enforce_eager=True, _api=fake_api(model_dir)
+    )
+    try:
+        assert b.resume_ramp_tokens == 0, "no graphs: no ramp"
+    finally:
+        b.close()
+    for bad in (-1, "fast", 1.5j):
+        with pytest.raises(BackendError) as ei:
+            make_backend(model_dir, max_model_len=64, resume_ramp_tokens=bad, _api=fake_api(model_dir))
+        assert ei.value.field == "resume_ramp_tokens"
+
+
+def test_extra_graph_tokens_extends_llms_capture_sizes(model_dir):
+    """LLM's sizes (the fake's 1..16) plus a few up to the option (capped at
+    max_num_batched_tokens), the user's other compilation fields kept; the
+    ramp's "auto" then follows the largest graph."""
+    from engine_node.backends.vllm_backend import make_backend
+
+    api = fake_api(model_dir)
+    b = make_backend(
+        model_dir,
+        max_model_len=64,
+        extra_graph_tokens=1100,
+        resume_ramp_tokens="auto",
+        compilation_config={"mode": 3},
+        _api=api,
+    )
+    try:
+        cc = api.build_config.kw["compilation_config"]
+        assert cc == {"mode": 3, "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 640, 768, 1024, 1100]}
+        assert b.resume_ramp_tokens == 1100
+    finally:
+        b.close()
+    b = make_backend(model_dir, max_model_len=64, extra_graph_tokens=10**6, _api=api)
+    try:
+        assert api.build_config.kw["compilation_config"]["cudagraph_capture_sizes"][-1] == 16384  # the step budget
+    finally:
+        b.close()
+    b = make_backend(model_dir, max_model_len=64, extra_graph_tokens=8, _api=api)  # below LLM's largest: unchanged
+    try:
+        assert "compilation_config" not in api.build_config.kw
+    finally:
+        b.close()
+    with pytest.raises(BackendError) as ei:
+        make_backend(model_dir, max_model_len=64, extra_graph_tokens=2048, enforce_eager=True, _api=api)
+    assert ei.value.field == "extra_graph_tokens"
 
 
 def test_resume_ramp_ignores_late_outputs_of_aborted_requests(model_dir):
@@ -801,13 +893,13 @@ def test_resume_ramp_ignores_late_outputs_of_aborted_requests(model_dir):
         ids = [f"r{i}" for i in range(5)]
         for sid in ids:
             b.add(seq(sid, n=4, prompt=(10, 11, 12, 13, 14, 15)))
-        assert len(FAKE.seen) == 2
+        assert b.step() == [] and len(FAKE.seen) == 1
         stale = types.SimpleNamespace(kv_cache_usage=0.0, num_running_reqs=0, num_waiting_reqs=0)
         FAKE.outputs_queue.put_nowait(FakeBatch([FakeOut("gone#1", [5], None, 1, None)], stale))
         FAKE.outputs_queue.put_nowait(FakeBatch([], stale))
         time.sleep(0.05)
         assert b.step() == []
-        assert len(FAKE.seen) == 2, "a late output of an aborted request does not release the held ones"
+        assert len(FAKE.seen) == 1, "a late output of an aborted request does not release the held ones"
         FAKE.paused = False  # the ramped requests produce output: the rest go
         deadline = time.monotonic() + 2.0
         while len(FAKE.seen) < 5 and time.monotonic() < deadline:
@@ -848,7 +940,7 @@ def test_output_trace_says_where_the_first_live_output_came_from(model_dir):
                 tr = b.take_output_trace()
         assert tr is not None
         assert tr["live"] >= 1 and tr["batches_before"] == 1  # the aborted request's late batch
-        assert (tr["sent"], tr["sent_tokens"]) == (2, 12)  # the ramp's first 10+ tokens; 3 held
+        assert (tr["sent"], tr["sent_tokens"]) == (1, 6)  # the ramp's first pick (6 of 10 tokens; 12 would pass)
         assert "ramp_released_ms" not in tr  # released by that very output, after it was traced
         assert 0 <= tr["built_ms"] <= tr["drained_ms"] < 2000
         assert b.take_output_trace() is None  # taken once
