@@ -22,7 +22,7 @@ Also "cold": K fresh prompts into an idle engine (time to first token).
 functions), into the text report. The JSON has every step's duration.
 
     python3 -m bench.gpu_first_step --model /tmp/q05 --out-dir $OUT      # on a GPU
-    python3 -m bench.gpu_first_step --model DIR --cpu ...                  # dry run (CPU vLLM only)
+    python3 -m bench.gpu_first_step --plot-from gpu_first_step.json        # the PNG again
 """
 
 from __future__ import annotations
@@ -237,7 +237,8 @@ class Prof:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model")
+    ap.add_argument("--plot-from", default=None, metavar="JSON", help="only write the PNG of an earlier run")
     ap.add_argument("--out-dir", default=".")
     ap.add_argument("--cpu", action="store_true", help="dry run on vLLM's CPU build (not the GPU figures)")
     ap.add_argument("--streams", type=int, default=64)
@@ -254,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-args", default=None, help="JSON: more EngineArgs fields")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.plot_from:
+        plot(json.loads(Path(a.plot_from).read_text()), Path(a.plot_from).with_suffix(".png"))
+        return 0
+    if not a.model:
+        ap.error("--model is required (or --plot-from)")
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -318,7 +324,42 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "gpu_first_step.json").write_text(json.dumps(res, indent=1))
     (out_dir / "gpu_first_step.txt").write_text(text + "\n\n" + "\n".join(report))
     print(f"wrote {out_dir / 'gpu_first_step.json'}", flush=True)
+    plot(res, out_dir / "gpu_first_step.png")
     return 0
+
+
+def plot(res: dict[str, Any], png: Path) -> None:
+    """First-token ms per scenario (every rep a dot), prompt tokens of the first step on top."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        print(f"no PNG ({e!r})", flush=True)
+        return
+    groups: dict[str, list[tuple[float, int]]] = {}
+    for r in res.get("resume", []):
+        if r.get("first_ms") is not None:
+            groups.setdefault(f"resume K={r['k']}", []).append((r["first_ms"], r["first_tokens_sent"]))
+    for c in res.get("cold", []):
+        if c.get("first_ms") is not None:
+            groups.setdefault(f"cold K={c['k']}", []).append((c["first_ms"], c["tokens"]))
+    if not groups:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(groups) + 2), 4))
+    for i, pts in enumerate(groups.values()):
+        ax.plot([i] * len(pts), [p[0] for p in pts], "o", color="C0", alpha=0.7)
+        ax.annotate(f"{int(statistics.median(p[1] for p in pts))} tok", (i, max(p[0] for p in pts)), fontsize=7)
+    graphs = (res.get("info") or {}).get("cudagraph_capture_sizes_max")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(list(groups), rotation=30, fontsize=8)
+    ax.set_ylabel("first new token, ms (in-process core)")
+    ax.set_title(f"first step after a resume / into an idle engine (largest CUDA graph: {graphs} tokens)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    print(f"wrote {png}", flush=True)
 
 
 if __name__ == "__main__":

@@ -893,6 +893,7 @@ def plot(doc: dict[str, Any], png: Path) -> None:
         ax.bar(range(len(series)), vals, bottom=bottoms, label=k[:-3], color=c)
         bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
     ax.plot(range(len(series)), [u.get("first_token_ms") or 0 for _, u in series], "k.", label="resume -> first token")
+    ax.plot(range(len(series)), [u.get("all_streams_ms") or 0 for _, u in series], "kx", label="resume -> every stream")
     ax.axhline(TARGETS["e2e_ms"], color="gray", ls="--", lw=0.8)
     ax.set_xticks(range(len(series)))
     ax.set_xticklabels([n for n, _ in series], rotation=60, fontsize=7)
