@@ -123,6 +123,14 @@ class Driver:
         self.steps.append({"ms": round(dt * 1e3, 3), "new": new, "executed": bool(executed)})
         return dt, new, got
 
+    def first_token_ms(self, t0: float, deadline: float) -> float | None:
+        """Step until a step yields a new token: ms since t0 (None: deadline first)."""
+        while time.monotonic() < deadline:
+            _, new, _ = self.step()
+            if new:
+                return (time.perf_counter() - t0) * 1e3
+        return None
+
     def busy(self) -> bool:
         return bool(self.core.scheduler.has_requests() or getattr(self.core, "batch_queue", None))
 
@@ -155,12 +163,8 @@ def scenario_resume(
     t0 = time.perf_counter()
     ids = [d.add(p, a.max_tokens, salt) for p in first_k]
     add_ms = (time.perf_counter() - t0) * 1e3
-    first_ms = None
     end = time.monotonic() + 30
-    while first_ms is None and time.monotonic() < end:
-        _, new, _ = d.step()
-        if new:
-            first_ms = (time.perf_counter() - t0) * 1e3
+    first_ms = d.first_token_ms(t0, end)
     first_steps = d.steps[s0:]
     prof_txt = prof.stop() if prof is not None else None
     ids += [d.add(p, a.max_tokens, salt) for p in rest]
@@ -184,12 +188,8 @@ def scenario_cold(d: Driver, prompts: list[list[int]], a: argparse.Namespace) ->
     s0 = len(d.steps)
     t0 = time.perf_counter()
     ids = [d.add(p, a.max_tokens, None) for p in prompts]
-    first_ms = None
     end = time.monotonic() + 30
-    while first_ms is None and time.monotonic() < end:
-        _, new, _ = d.step()
-        if new:
-            first_ms = (time.perf_counter() - t0) * 1e3
+    first_ms = d.first_token_ms(t0, end)
     while any(not d.tokens[r] for r in ids) and time.monotonic() < end:
         d.step()
     all_ms = (time.perf_counter() - t0) * 1e3

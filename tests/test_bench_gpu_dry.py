@@ -128,20 +128,24 @@ def _checkpoint_then_hang(spec: dict) -> dict:
     return {}
 
 
-def test_gpu_plan_copy_dry_run(tmp_path):
-    """bench/gpu_plan_copy.py on the CPU, 2 layers and a small vocabulary: every
-    way of copying writes exactly the sources (bit for bit)."""
-    out = tmp_path / "copy.json"
+def _bench(module: str, *args: str, timeout_s: float = 80) -> None:
+    """python -m bench.<module> args..., which must exit 0."""
     p = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_plan_copy", "--device", "cpu", "--reps", "2", "--layers", "2"]
-        + ["--vocab", "1000", "--out", str(out)],
+        [sys.executable, "-m", f"bench.{module}", *args],
         cwd=ROOT,
         env=child_env(),
         capture_output=True,
         text=True,
-        timeout=80,
+        timeout=timeout_s,
     )
     assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_gpu_plan_copy_dry_run(tmp_path):
+    """bench/gpu_plan_copy.py on the CPU, 2 layers and a small vocabulary: every
+    way of copying writes exactly the sources (bit for bit)."""
+    out = tmp_path / "copy.json"
+    _bench("gpu_plan_copy", "--device", "cpu", "--reps", "2", "--layers", "2", "--vocab", "1000", "--out", str(out))
     doc = json.loads(out.read_text())
     assert doc["tensors"] == 2 + 12 * 2 and doc["copies_equal_sources"] is True
     assert {"loop", "foreach", "flat", "hybrid_1MiB"} <= set(doc) and doc["flat"]["ms"] > 0
@@ -155,13 +159,5 @@ def test_gpu_first_step_plots_a_recorded_run(tmp_path):
     doc = json.loads(src.read_text())
     assert doc["info"]["cudagraph_capture_sizes_max"] == 512 and doc["resume"] and doc["cold"]
     (tmp_path / "run.json").write_text(src.read_text())
-    p = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_first_step", "--plot-from", str(tmp_path / "run.json")],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    _bench("gpu_first_step", "--plot-from", str(tmp_path / "run.json"))
     assert (tmp_path / "run.png").stat().st_size > 10_000
