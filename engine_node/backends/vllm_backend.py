@@ -219,7 +219,7 @@ class VllmBackend:
             # one; a cold 4-request batch (1,100 tokens) 21 vs 7 ms (RESULTS
             # run 32). Costs start-up time and graph memory, so it is opt-in:
             # the defaults stay LLM's.
-            engine_kw = with_graph_sizes(engine_kw, cfg, int(extra_graph_tokens))
+            engine_kw = with_graph_sizes(engine_kw, cfg, extra_graph_tokens)
             cfg = self._api.build_config(engine_kw)
         self.vllm_config = cfg
         self.resume_ramp_tokens = _ramp_budget(resume_ramp_tokens, cfg)  # before the engine starts
@@ -969,13 +969,13 @@ def _backend_error(what: str, err: BaseException) -> BackendError:
 _GRAPH_LADDER = (640, 768, 1024, 1280, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192, 10240, 12288, 16384)
 
 
-def with_graph_sizes(engine_kw: dict[str, Any], cfg: Any, tokens: int) -> dict[str, Any]:
+def with_graph_sizes(engine_kw: dict[str, Any], cfg: Any, tokens: Any) -> dict[str, Any]:
     """engine_kw whose compilation_config also captures graphs up to `tokens`
     (capped at max_num_batched_tokens: no step is larger)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise BackendError(f"extra_graph_tokens must be a token count >= 0, got {tokens!r}", field="extra_graph_tokens")
     cc = getattr(cfg, "compilation_config", None)
     sizes = sorted(int(x) for x in (getattr(cc, "cudagraph_capture_sizes", None) or ()))
-    if tokens < 0 or isinstance(tokens, bool):
-        raise BackendError(f"extra_graph_tokens must be >= 0, got {tokens!r}", field="extra_graph_tokens")
     if not sizes or getattr(cfg.model_config, "enforce_eager", False):
         raise BackendError(
             "extra_graph_tokens needs CUDA graphs, and this engine has none (enforce_eager?)",

@@ -875,9 +875,10 @@ def test_extra_graph_tokens_extends_llms_capture_sizes(model_dir):
         assert "compilation_config" not in api.build_config.kw
     finally:
         b.close()
-    with pytest.raises(BackendError) as ei:
-        make_backend(model_dir, max_model_len=64, extra_graph_tokens=2048, enforce_eager=True, _api=api)
-    assert ei.value.field == "extra_graph_tokens"
+    for bad in ({"enforce_eager": True}, {"extra_graph_tokens": "lots"}, {"extra_graph_tokens": -5}):
+        with pytest.raises(BackendError) as ei:
+            make_backend(model_dir, max_model_len=64, **{"extra_graph_tokens": 2048, **bad}, _api=api)
+        assert ei.value.field == "extra_graph_tokens"
 
 
 def test_resume_ramp_ignores_late_outputs_of_aborted_requests(model_dir):
