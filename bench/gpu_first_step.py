@@ -330,11 +330,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def plot(res: dict[str, Any], png: Path) -> None:
     """First-token ms per scenario (every rep a dot), prompt tokens of the first step on top."""
-    try:
-        import matplotlib
+    from bench.plots import _plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:
+        plt = _plt()
     except Exception as e:
         print(f"no PNG ({e!r})", flush=True)
         return
