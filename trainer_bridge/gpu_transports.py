@@ -279,6 +279,81 @@ class NcclSender:
 _NCCL_SENDERS: dict[tuple[Any, ...], NcclSender] = {}
 
 
+# ---------------------------------------------------------------- zero-copy cuda_ipc
+#
+# update_weights(..., transport="cuda_ipc", zero_copy=True): no buckets. Every
+# tensor is its own "bucket" (offset 0, its exact byte size) and its handle
+# names the trainer's own parameter memory, so the engines copy straight from
+# the parameters into theirs: one device copy per update instead of two (pack +
+# load), and no allocation. The handles of a parameter that has not moved are
+# the same bytes every update (cached here), so the engines keep their maps
+# (transport_args keep_maps) and open nothing after the first update.
+# Contract (stronger than the packed mode's): the parameters must not be written
+# from the moment update_weights is called until it returns (the commit's ack);
+# a trainer that awaits update_weights between optimizer steps satisfies it.
+# Hazard: the engines' kept maps pin the memory of a parameter the trainer frees
+# (torch's IPC ref counter parks it), until their next update or their sleep.
+
+_ZERO_COPY_HANDLES: dict[tuple[Any, ...], bytes] = {}
+
+
+def plan_zero_copy(named: list[tuple[str, Any]]) -> tuple[list[Any], list[int], list[Any]] | None:
+    """(metas, sizes, tensors) with one tensor per bucket, or None when a
+    tensor cannot be shared in place (not on a GPU, not contiguous, on another
+    GPU than the first, empty): the caller packs buckets instead."""
+    from bus.protocol import TensorMeta
+    from bus.tensors import dtype_name
+
+    metas: list[Any] = []
+    sizes: list[int] = []
+    tensors: list[Any] = []
+    dev = None
+    for i, (name, t) in enumerate(named):
+        if not getattr(t, "is_cuda", False) or not t.is_contiguous() or t.numel() == 0:
+            return None
+        if dev is None:
+            dev = t.device
+        elif t.device != dev:
+            return None
+        nbytes = t.numel() * t.element_size()
+        metas.append(TensorMeta(name, dtype_name(t), list(t.shape), i, 0, nbytes))
+        sizes.append(nbytes)
+        tensors.append(t)
+    return (metas, sizes, tensors) if tensors else None
+
+
+def share_in_place(tensors: list[Any]) -> list[bytes]:
+    """One IPC handle per tensor, naming its own memory (a flat uint8 view),
+    cached while the tensor stays where it is (same storage address, offset,
+    size and dtype). Synchronizes the tensors' device first: the engines read
+    them from other processes, after this returns."""
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if not tensors:
+        return []
+    dev = tensors[0].device
+    torch.cuda.synchronize(dev)
+    uid = str(torch.cuda.get_device_properties(dev).uuid)
+    out: list[bytes] = []
+    seen: dict[tuple[Any, ...], bytes] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        key = (uid, st.data_ptr(), st.nbytes(), t.storage_offset(), t.numel(), str(t.dtype))
+        h = _ZERO_COPY_HANDLES.get(key) or seen.get(key)
+        if h is None:
+            fn, args = reduce_tensor(t.detach().reshape(-1).view(torch.uint8))
+            h = pickle.dumps((fn, args, uid))
+        seen[key] = h
+        out.append(h)
+    # Only this update's tensors stay cached: a key that did not come again
+    # may be memory the trainer freed (an address reused by another tensor
+    # would get a fresh handle, as its storage differs).
+    _ZERO_COPY_HANDLES.clear()
+    _ZERO_COPY_HANDLES.update(seen)
+    return out
+
+
 def make_sender(
     transport: str,
     metas: list[Any],
@@ -301,14 +376,27 @@ class _IpcBridgeSender:
         self.metas, self.sizes, self.tensors = metas, sizes, tensors
         self.sender = CudaIpcSender(device=options.get("device"))
         self.options = options
+        # zero-copy: _push_gpu planned one tensor per bucket (plan_zero_copy)
+        self.zero_copy = bool(options.get("zero_copy")) and len(sizes) == len(tensors)
+        self.last_share_seconds = 0.0
 
     def transport_args(self) -> dict[str, Any]:
-        return {"bucket_sizes": [int(x) for x in self.sizes], **_check_arg(self.options)}
+        a = {"bucket_sizes": [int(x) for x in self.sizes], **_check_arg(self.options)}
+        if self.zero_copy:
+            a["keep_maps"] = True
+        return a
 
     def handles(self) -> list[bytes]:
-        """Pack and share the buckets now: the handles travel in the begin
-        (begin + receive + prepare in one op). They live until release()."""
-        return self.sender.share(self.metas, self.sizes, self.tensors)
+        """Pack and share the buckets now (zero-copy: share the tensors
+        themselves): the handles travel in the begin (begin + receive + prepare
+        in one op). They live until release()."""
+        t0 = time.perf_counter()
+        try:
+            if self.zero_copy:
+                return share_in_place(self.tensors)
+            return self.sender.share(self.metas, self.sizes, self.tensors)
+        finally:
+            self.last_share_seconds = time.perf_counter() - t0
 
     def release(self) -> None:
         self.sender.release()

@@ -476,8 +476,18 @@ async def _push_gpu(
 
     await upd._pick_engines()
     cast = _caster(upd.engines, upd.target)
-    named = [(n, cast(t.detach())) for n, t in named]
-    metas, sizes, tensors = plan_buckets(named, upd.bucket_bytes)
+    cast_named = [(n, cast(t.detach())) for n, t in named]
+    planned = None
+    if transport == "cuda_ipc" and options.get("zero_copy"):
+        # In place only when nothing was cast (a cast tensor is a temporary:
+        # sharing it would pin a new allocation every update) and every
+        # tensor can be shared as it is; else the packed buckets, as usual.
+        uncast = all(c is t or c.data_ptr() == t.data_ptr() for (_, c), (_, t) in zip(cast_named, named, strict=True))
+        planned = gpu_transports.plan_zero_copy(cast_named) if uncast else None
+        if planned is None:
+            log.warning("zero_copy_unavailable", reason="a tensor is cast, not contiguous, or not on one GPU")
+            options = {**options, "zero_copy": False}
+    metas, sizes, tensors = planned or plan_buckets(cast_named, upd.bucket_bytes)
     sender = gpu_transports.make_sender(transport, metas, sizes, tensors, upd.engines, options)
     args = {**upd.extra_args, **sender.transport_args()}
     # Both transports: begin + receive + prepare in one op, then the commit.

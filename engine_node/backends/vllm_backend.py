@@ -566,6 +566,9 @@ class VllmBackend:
         level = int(level)
         t0 = time.perf_counter()
         op = BackendOp.pending(f"sleep({level})", self.sleep_timeout_s, "sleep_timeout_s")
+        # Kept zero-copy IPC maps pin the trainer's memory: a colocated trainer
+        # takes the GPU while the engine sleeps, so they go first.
+        self._link.utility("collective_rpc", "rollout_bus_drop_maps", None, (), None)
         before = self._link.utility("collective_rpc", "rollout_bus_info", None, (), None)
         slept = self._link.utility("sleep", level, "abort")
         self._ops.append((op, self.sleep_timeout_s))
@@ -812,7 +815,12 @@ class VllmBackend:
         t0 = time.perf_counter()
         # transport_args["weight_check"] (the trainer's update_weights(weight_check=True)):
         # the workers also run load_weights and compare every parameter with the plan's.
-        opts = {"plan": self.weight_plan, "check": bool(up.args.get("weight_check"))}
+        opts = {
+            "plan": self.weight_plan,
+            "check": bool(up.args.get("weight_check")),
+            # the trainer's zero-copy cuda_ipc: its handles repeat, keep the maps
+            "keep_maps": bool(up.args.get("keep_maps")),
+        }
         calls = []
         if up.transport == "zmq":
             calls.append(self._rpc("rollout_bus_begin", up.uid, up.metas, up.sizes, timeout=self.weight_timeout_s))
@@ -937,6 +945,7 @@ class VllmBackend:
 # What the worker's commit reports about where its time went (logged, returned).
 _WORKER_TIMING = (
     "path",
+    "maps_kept",
     "seconds",
     "open_s",
     "apply_s",

@@ -279,7 +279,16 @@ class RolloutBusWorkerExtension:
                 plan=plan.summary(),
             )
             return r
-        srcs = plan.sources_from_buckets(st["layout"], st["metas"], st["buckets"])
+        # The source views depend on the plan, the layout and the bucket
+        # tensors; with kept maps (zero-copy) all three repeat, so cutting
+        # hundreds of views (Python, ~10 us each) is done once, not per update.
+        skey = (id(plan), st["layout"], tuple(id(b) for _i, b in sorted(st["buckets"].items())))
+        cached = st.get("srcs")
+        if cached is not None and cached[0] == skey and st.get("maps"):
+            srcs = cached[1]
+        else:
+            srcs = plan.sources_from_buckets(st["layout"], st["metas"], st["buckets"])
+            st["srcs"] = (skey, srcs) if st.get("maps") else None
         n = plan.apply(srcs=srcs)
         del srcs
         t1 = time.perf_counter()
@@ -338,19 +347,40 @@ class RolloutBusWorkerExtension:
             nt for i, b in sorted(st["buckets"].items()) for nt in (known.get(i) or unpack_bucket(i, st["metas"], b))
         ]
 
-    def _rb_open_ipc(self, st: dict[str, Any], handles: list[Any]) -> int:
+    def _rb_open_ipc(self, st: dict[str, Any], handles: list[Any], keep_maps: bool = False) -> int:
         """Map every bucket of the trainer (validated: a lie fails naming the
         tensor). Same GPU: views of the trainer's buffers, alive until the
-        commit's ack. Returns how many buckets had to be copied (another GPU)."""
+        commit's ack. Returns how many buckets had to be copied (another GPU).
+
+        keep_maps (the trainer's zero-copy mode, trainer_bridge.gpu_transports):
+        the handles name the trainer's own parameters, which stay where they are
+        from one update to the next, so the same handle bytes come again. Maps
+        are kept across updates in st["maps"] (handle bytes -> flat uint8 view)
+        and opening them — cudaIpcOpenMemHandle, ~0.1 ms each, hundreds at 7B —
+        is paid once. Hazard: a kept map pins the trainer's memory (torch's IPC
+        ref counter keeps a freed block in limbo), so only this update's maps
+        survive it, and sleep drops them all (rollout_bus_drop_maps)."""
         dev = self._rb_device()
         if len(handles) != len(st["sizes"]):
             raise ValueError(f"cuda_ipc: {len(handles)} handle(s) for {len(st['sizes'])} bucket(s)")
         my_uuid = str(torch.cuda.get_device_properties(dev).uuid) if dev.type == "cuda" else ""
         copied = 0
+        old_maps: dict[bytes, torch.Tensor] = st.get("maps") or {}
+        maps: dict[bytes, torch.Tensor] = {}
         for i, h in enumerate(handles):
             if isinstance(h, dict):  # one handle per GPU (uuid -> bytes): take ours, else any
                 h = h.get(my_uuid) or next(iter(h.values()))
-            src = open_ipc_handle(bytes(h), dev.index if dev.index is not None else 0).view(torch.uint8).reshape(-1)
+            key = bytes(h)
+            if keep_maps:
+                src = old_maps.get(key)
+                if src is None:
+                    src = open_ipc_handle(key, dev.index if dev.index is not None else 0).view(torch.uint8).reshape(-1)
+                maps[key] = src
+                if src.device == dev:
+                    st["buckets"][i] = src
+                    continue
+            else:
+                src = open_ipc_handle(key, dev.index if dev.index is not None else 0).view(torch.uint8).reshape(-1)
             if src.device != dev:
                 # The trainer's buffer lives on another GPU (a TP>1 engine fed from
                 # one trainer GPU). load_weights would copy strided shards straight
@@ -362,6 +392,11 @@ class RolloutBusWorkerExtension:
                 src = local
                 copied += 1
             st["buckets"][i] = src
+        # Only this update's maps survive it (a handle that did not come again
+        # may name memory the trainer has freed); without keep_maps none do.
+        st["maps"] = maps
+        if not keep_maps:
+            st["srcs"] = None  # cached views would pin the old maps
         self._rb_validate(st)  # now: a lie fails the update before anything is written
         return copied
 
@@ -398,14 +433,35 @@ class RolloutBusWorkerExtension:
         self.rollout_bus_begin(uid, metas, sizes)
         st = self._rb()
         dev = self._rb_device()
+        keep = bool((opts or {}).get("keep_maps"))
         try:
             with _on(dev):
-                copied = self._rb_open_ipc(st, handles)
+                copied = self._rb_open_ipc(st, handles, keep_maps=keep)
                 t1 = time.perf_counter()
                 r = self._rb_apply(st, opts)
+        except BaseException:
+            st["maps"] = {}  # a failed update keeps nothing of the trainer's
+            raise
         finally:
-            st.update(_fresh_state())  # drop the maps: the trainer may free its buffers after the ack
-        return {**r, "open_s": round(t1 - t0, 4), "copied": copied, "seconds": time.perf_counter() - t0}
+            # drop the views: the trainer may free its buffers after the ack
+            # (kept maps stay in st["maps"]; _fresh_state does not name them)
+            st.update(_fresh_state())
+        return {
+            **r,
+            "open_s": round(t1 - t0, 4),
+            "copied": copied,
+            "maps_kept": len(st.get("maps") or {}),
+            "seconds": time.perf_counter() - t0,
+        }
+
+    def rollout_bus_drop_maps(self) -> int:
+        """Forget every kept IPC map (keep_maps): before a sleep, so that the
+        trainer's freed memory is really free for it while the engine sleeps."""
+        st = self._rb()
+        n = len(st.get("maps") or {})
+        st["maps"] = {}
+        st["srcs"] = None
+        return n
 
     def rollout_bus_recv_nccl(
         self, uid: str, args: dict[str, Any], metas: list[Any] | None = None, sizes: list[int] | None = None

@@ -287,3 +287,92 @@ def test_plan_through_lora_wrappers(vbe):
     from engine_node.backends.vllm_worker_ext import _LORA_SWAPS
 
     assert [m for _, _, m in _LORA_SWAPS[worker.model]] == [wrapper], "nested unwraps must not forget the wrappers"
+
+
+# ---------------------------------------------------------------- zero-copy cuda_ipc (kept maps)
+
+
+def _zero_copy_update(be, named, tag, handle_of):
+    """One tensor per bucket (trainer_bridge.gpu_transports.plan_zero_copy's
+    layout), handles that repeat for a tensor that did not move."""
+    from bus.protocol import TensorMeta
+    from bus.tensors import dtype_name
+    from tests.gpu.test_vllm_backend_cpu import wait
+
+    metas = [
+        TensorMeta(n, dtype_name(t), list(t.shape), i, 0, t.numel() * t.element_size())
+        for i, (n, t) in enumerate(named)
+    ]
+    sizes = [m.nbytes for m in metas]
+    handles = [handle_of(n, t) for n, t in named]
+    wait(be.begin_weight_update(tag, "cuda_ipc", metas, {"bucket_sizes": sizes, "keep_maps": True}))
+    wait(be.receive_weights(handles))
+    return wait(be.commit_weight_update(), timeout=10)
+
+
+def test_zero_copy_keeps_maps_and_views_across_updates(vbe, monkeypatch):
+    from engine_node.backends import vllm_worker_ext as X
+
+    ref, worker = vbe.test_ref, vbe.test_fake.worker
+    opened: list[bytes] = []
+    params: dict[str, torch.Tensor] = {}  # the trainer's parameters: written in place between updates
+
+    def open_counting(h, dev):
+        opened.append(h)
+        return params[h.decode()].reshape(-1).view(torch.uint8)
+
+    monkeypatch.setattr(X, "open_ipc_handle", open_counting)
+    for name, t in checkpoint(ref, seed=1):
+        params[name] = t.clone().contiguous()
+    paths = []
+    for k, seed in enumerate((1, 2, 3, 4)):
+        new = dict(checkpoint(ref, seed=seed))
+        for name, t in params.items():
+            t.copy_(new[name])  # the optimizer step: same memory, new values
+        named = list(params.items())
+        ref.load_weights(iter(named))
+        r = _zero_copy_update(vbe, named, f"z{k}", lambda n, t: n.encode())
+        paths.append(r["worker"]["path"])
+        assert r["worker"]["maps_kept"] == len(named)
+        assert same_bits(snapshot(ref), snapshot(worker.model)) == [], f"update {k}"
+    assert paths == ["load_weights+record", "plan", "plan", "plan"]
+    assert len(opened) == len(params), "a kept map was opened again"
+    cached = worker._rb()["srcs"]
+    assert cached is not None  # the plan's source views were cut once
+    # A failed update keeps no map; a sleep drops them (the colocated trainer's memory).
+    bad = dict(params)
+    first = next(iter(bad))
+    params[first] = torch.zeros(1)  # a short tensor behind the handle: the validation refuses it
+    opened.clear()
+    monkeypatch.setattr(
+        X,
+        "open_ipc_handle",
+        lambda h, dev: (
+            params[h.decode()].reshape(-1).view(torch.uint8)
+            if h.decode() != first
+            else torch.zeros(1, dtype=torch.uint8)
+        ),
+    )
+    worker.rollout_bus_drop_maps()
+    from engine_node.backend import BackendError
+
+    with pytest.raises(BackendError):
+        _zero_copy_update(vbe, list(bad.items()), "zbad", lambda n, t: n.encode())
+    assert worker._rb()["maps"] == {}
+    assert same_bits(snapshot(ref), snapshot(worker.model)) == [], "a refused update wrote parameters"
+
+
+def test_drop_maps_forgets_kept_maps(vbe):
+    worker = vbe.test_fake.worker
+    st = worker._rb()
+    st["maps"] = {b"x": torch.zeros(4, dtype=torch.uint8)}
+    st["srcs"] = (("k",), [])
+    assert worker.rollout_bus_drop_maps() == 1
+    assert st["maps"] == {} and st["srcs"] is None
+
+
+def test_plan_zero_copy_refuses_what_cannot_be_shared_in_place():
+    from trainer_bridge.gpu_transports import plan_zero_copy
+
+    assert plan_zero_copy([("w", torch.zeros(4))]) is None  # not on a GPU: packed buckets instead
+    assert plan_zero_copy([]) is None
