@@ -328,8 +328,10 @@ def timed_updates(
     options: dict[str, Any],
     log_path: Path | None = None,
     tag: str = "",
+    pause_mode: str = "abort",
 ) -> list[dict[str, Any]]:
-    """n pause+update+resume blocks under load; one dict of timings each."""
+    """n pause+update+resume blocks under load; one dict of timings each.
+    pause_mode "keep" leaves the streams in the engine with their KV cache."""
     out = []
     log_at = engine_log_end(log_path)
     for i in range(n):
@@ -338,7 +340,7 @@ def timed_updates(
         c0, s0 = len(CONTROL_LOG), len(SENDER_LOG)
         try:
             t0 = time.perf_counter()
-            with client.paused("abort"):
+            with client.paused(pause_mode):
                 t1 = time.perf_counter()
                 r = client.update_weights(named, transport=transport, **options)
                 t2 = time.perf_counter()
