@@ -165,3 +165,20 @@ class BucketPacker:
 
 def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def first_nonfinite(named: list[tuple[str, Any]]) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or inf (None:
+    all finite). Costs one pass over the bytes, on the loop thread."""
+    import torch
+
+    for name, t in named:
+        if not t.is_floating_point():
+            continue
+        try:
+            ok = bool(torch.isfinite(t).all())
+        except (RuntimeError, TypeError):  # dtypes without isfinite on this device (fp8)
+            ok = bool(torch.isfinite(t.float()).all())
+        if not ok:
+            return str(name)
+    return None
