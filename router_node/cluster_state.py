@@ -68,6 +68,7 @@ class WeightTxn:
     decision: str | None = None  # None | "commit" | "abort"
     reason: str = ""
     version: int | None = None  # decided version (model updates)
+    check_finite: bool = True  # its begin's: GPU sender ranks joining by id check their tensors
     holder: bytes = b""  # the client that began it (its frontend identity)
     began_at: float = 0.0  # monotonic
     began_wall: float = 0.0  # epoch seconds (for messages)
@@ -87,6 +88,7 @@ class WeightTxn:
             "prepared": sorted(self.prepared),
             "decision": self.decision,
             "version": self.version,
+            "check_finite": self.check_finite,
             "holder": self.holder_name,
             "began_wall": self.began_wall,
         }
@@ -167,6 +169,7 @@ class ClusterWeights:
             list(targets),
             transport=op.transport,
             senders=op.senders,
+            check_finite=op.check_finite,
             holder=client,
             began_at=now,
             began_wall=wall,
@@ -206,6 +209,8 @@ class ClusterWeights:
         # A finish the head did not coordinate (it never saw the begin).
         versions = [int(r.weight_version) for r in results.values() if isinstance(r, P.ConfigResult)]
         txn = self.txns.pop(op.update_id, None)
+        if txn is not None:
+            self._end(txn, "committed" if versions else "commit failed on every engine")
         if (txn is not None and txn.target != "model") or not versions:
             return False
         return self._moved_to(max(versions))
@@ -327,7 +332,13 @@ class ClusterWeights:
         return {"updates": {uid: t.describe() for uid, t in self.txns.items() if t.decision is None}}
 
     def describe(self) -> dict[str, Any]:
-        return {"weight_version": self.version, "source": self.source, "updates_committed": self.updates_committed}
+        return {
+            "weight_version": self.version,
+            "source": self.source,
+            "updates_committed": self.updates_committed,
+            # the update holding the cluster (one at a time), or None
+            "weight_update": self.current.describe() if self.current is not None else None,
+        }
 
 
 def _when(wall: float) -> str:

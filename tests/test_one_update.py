@@ -439,6 +439,24 @@ def test_nan_weights_are_refused_before_the_vote_and_the_cluster_keeps_its_weigh
     assert h["weight_version"] == h0["weight_version"]
     assert [x["weight_version"] for x in h["engines"].values()] == [h0["weight_version"]] * 2
     assert _tokens(c) == tokens, "the cluster serves the old weights"
+    # GPU transports: the bytes never pass the engine node, the trainer checks before the begin.
+    with pytest.raises(BadRequest, match=f"tensor {name!r} has NaN or inf values") as e2:
+        c.update_weights(named, transport="nccl", timeout_s=T)
+    assert e2.value.field == "tensors"
+    assert _in_sync(c)["weight_version"] == h0["weight_version"]
+
+
+def test_a_gpu_sender_rank_refuses_nan_before_sending() -> None:
+    import asyncio
+
+    from trainer_bridge.gpu_transports import GpuPartSender
+
+    bad = [("w.ok", torch.ones(3)), ("w.inf", torch.tensor([1.0, float("inf")]))]
+    kw = dict(bucket_bytes=1 << 20, timeout_s=5.0, cast=lambda t: t, options={})
+    g = GpuPartSender(None, "u1", 1, [], "cuda_ipc", **kw)  # type: ignore[arg-type]
+    with pytest.raises(BadRequest, match="sender 1: tensor 'w.inf' has NaN or inf values") as e:
+        asyncio.run(g.send(bad))
+    assert e.value.field == "tensors"
 
 
 @pytest.mark.timeout(120)

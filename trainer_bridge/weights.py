@@ -48,7 +48,7 @@ import structlog
 from bus import protocol as P
 from bus.codec import Codec
 from bus.endpoint import open_socket
-from bus.errors import BadRequest, ControlError, ErrorCode
+from bus.errors import BadRequest, ControlError, ErrorCode, UpdateInProgress
 from bus.tensors import DEFAULT_BUCKET_BYTES, BucketPacker, first_nonfinite, plan_buckets
 
 if TYPE_CHECKING:
@@ -203,6 +203,9 @@ class WeightUpdate:
         self.state = "open"
         try:
             await self.client.control(begin, targets=self.engine_ids, timeout_s=self.timeout_s)
+        except UpdateInProgress:
+            self.state = "aborted"  # refused at the head: nothing began, nothing to abort
+            raise
         except BaseException:
             await self.abort()
             raise
@@ -225,6 +228,7 @@ class WeightUpdate:
                 timeout_s=self.timeout_s,
                 cast=_caster(self.engines, self.target),
                 options=self.options,
+                check_finite=self.check_finite,
             )
             self._gpu_senders.append(g)
             return g
@@ -353,6 +357,7 @@ async def join_update(
             timeout_s=timeout_s,
             cast=_caster(engines, txn["target"]),
             options=dict(options or {}),
+            check_finite=bool(txn.get("check_finite", True)),
         )
     return WeightSender(
         client,
