@@ -16,6 +16,7 @@ real processes (a head, two torch engines, trainers over zmq).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -227,7 +228,7 @@ def test_a_stale_abort_queued_in_the_torch_backend_never_wipes_the_next_update(t
 
 T = 20.0
 TTL = 1.5  # engines' --prepare-ttl-s: a prepared update with no decision is dropped after it
-TXN_S = 4.0  # the head's --weight-txn-timeout-s
+TXN_S = 6.0  # the head's --weight-txn-timeout-s
 
 # A trainer process. "rounds": N updates, each printed as ok / busy (UpdateInProgress) / error.
 # "vanish": open an update (the begin, no bytes), print its id, die without a word.
@@ -246,8 +247,9 @@ with Client(front, control_timeout_s=30) as c:
         upd._client._call(upd._upd.open(plan=named))
         print(json.dumps({"update_id": upd.update_id}), flush=True)
         os._exit(0)
+    open(f"{go}.{seed}.ready", "w").close()
     while not os.path.exists(go):
-        time.sleep(0.01)
+        time.sleep(0.005)
     for r in range(int(rounds)):
         try:
             res = c.update_weights(named, timeout_s=30, bucket_bytes=1 << 15)
@@ -333,7 +335,7 @@ def test_two_trainers_updating_at_once_land_one_update_each_time_no_livelock(cl,
     before = _version(c)
     go = str(tmp_path / "go")
     procs = [_trainer(cl, tiny_model, "rounds", 3, seed, go) for seed in (1, 2)]
-    time.sleep(0.5)
+    wait_until(lambda: all(os.path.exists(f"{go}.{s}.ready") for s in (1, 2)), 90, "both trainers loaded")
     open(go, "w").close()  # both start their rounds together
     rounds = [line for p in procs for line in _lines(p)]
     assert len(rounds) == 6, rounds
