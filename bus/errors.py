@@ -20,6 +20,8 @@ class ErrorCode(str, enum.Enum):
     UNSUPPORTED = "unsupported"  # the backend or transport cannot do this op
     BACKEND_TIMEOUT = "backend_timeout"  # a backend op passed its deadline; the message names the knob
     BACKEND_REFUSED = "backend_refused"  # the backend refused the op or its input: `field` names it
+    UPDATE_IN_PROGRESS = "update_in_progress"  # another client's weight update holds the cluster
+    STALE_UPDATE = "stale_update"  # an op names a weight update that is not the current one
 
 
 class RolloutBusError(Exception):
@@ -84,6 +86,23 @@ class BackendRefused(BadRequest):
     code = ErrorCode.BACKEND_REFUSED
 
 
+class UpdateInProgress(RolloutBusError):
+    """A weight update was begun while another one holds the cluster (one at a
+    time). The message names the holder: its update id, its client and since
+    when. Retry after it ends (its commit or abort, its client's lease, or the
+    head's `weight_txn_timeout_s`)."""
+
+    code = ErrorCode.UPDATE_IN_PROGRESS
+
+
+class StaleUpdate(BadRequest):
+    """A weight-update op (prepare, commit, abort, a GPU part) names an update
+    that is not the cluster's current one (it ended, or never began): refused,
+    nothing changed. `field` is `update_id`."""
+
+    code = ErrorCode.STALE_UPDATE
+
+
 class AuthRefused(ProtocolError):
     """A secured peer's ZAP handler refused our CURVE key (it is not on that
     socket's allow-list); raised locally, never sent. `field`: the option that
@@ -123,6 +142,8 @@ EXCEPTION_OF: dict[str, type[RolloutBusError]] = {
     ErrorCode.INTERNAL.value: InternalError,
     ErrorCode.BACKEND_TIMEOUT.value: BackendTimeout,
     ErrorCode.BACKEND_REFUSED.value: BackendRefused,
+    ErrorCode.UPDATE_IN_PROGRESS.value: UpdateInProgress,
+    ErrorCode.STALE_UPDATE.value: StaleUpdate,
 }
 
 

@@ -223,6 +223,10 @@ class BeginWeightUpdate(_Msg, tag="begin_weights"):
     # broadcast) + prepare in ONE op; its ack is the engine's prepare vote.
     prepare: bool = False
     handles: list[Any] = []
+    # -- appended (issue 22) -------------------------------------------------
+    # Engines refuse, at the prepare (before their vote), an update carrying a
+    # NaN or inf value, naming the tensor. False: the trainer opted out.
+    check_finite: bool = True
 
 
 class ReceiveWeights(_Msg, tag="receive_weights"):

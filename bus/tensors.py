@@ -165,3 +165,36 @@ class BucketPacker:
 
 def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def first_nonfinite(named: list[tuple[str, Any]]) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or inf (None:
+    all finite). One pass over the bytes: the max-abs of every tensor by
+    torch._foreach_norm(ord=inf) (multi-tensor kernels, no temporary as large
+    as the tensor), one host sync for all of them. A 7B model's 339 tensors
+    checked one by one cost 339 syncs and 7.6 GB of bool temporaries; this
+    costs about one read of the weights. Tensors are looked at one by one only
+    when something is not finite, to name it."""
+    import torch
+
+    groups: dict[tuple[Any, Any], list[Any]] = {}
+    for _name, t in named:
+        if t.is_floating_point() and t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    try:
+        worst = [torch.stack(torch._foreach_norm(ts, float("inf"))).float() for ts in groups.values()]
+        finite = all(bool(torch.isfinite(w).all()) for w in worst)
+    except (RuntimeError, TypeError, NotImplementedError):  # dtypes without a norm kernel (fp8): one by one
+        finite = False
+    if finite:
+        return None
+    for name, t in named:
+        if not t.is_floating_point():
+            continue
+        try:
+            ok = bool(torch.isfinite(t).all())
+        except (RuntimeError, TypeError):  # dtypes without isfinite on this device (fp8)
+            ok = bool(torch.isfinite(t.float()).all())
+        if not ok:
+            return str(name)
+    return None

@@ -48,7 +48,7 @@ from typing import Any
 
 from bus import protocol as P
 from bus.errors import BadRequest
-from bus.tensors import unpack_bucket
+from bus.tensors import first_nonfinite, unpack_bucket
 from engine_node.backend import BackendError, BackendOp
 from engine_node.core import DEFERRED, Pending, RequestCore
 
@@ -91,6 +91,7 @@ class WeightUpdate:
     prepared_at: float = 0.0
     waiting: tuple[int, float, float] | None = None  # a deferred prepare: (seq, deadline, wait_s)
     backend_open: bool = True  # the backend holds a transaction for it (streamed: from prepare on)
+    nonfinite: str | None = None  # the first tensor seen with a NaN / inf value (refused at prepare)
 
     @property
     def update_id(self) -> str:
@@ -267,8 +268,12 @@ class WeightUpdates:
             raise BackendError(f"bucket {bucket} has {len(buf)} bytes, expected {sizes[bucket]}")
         if up.is_model:
             self.backend.stage_bucket(bucket, buf)
+            if up.begin.check_finite and up.nonfinite is None:
+                up.nonfinite = first_nonfinite(unpack_bucket(bucket, list(up.begin.tensors), buf))
         else:
             named = unpack_bucket(bucket, list(up.begin.tensors), buf)
+            if up.begin.check_finite and up.nonfinite is None:
+                up.nonfinite = first_nonfinite(named)
             up.lora_tensors.extend((n, t.clone()) for n, t in named)  # the frame dies after this call
         up.received.add(bucket)
 
@@ -466,6 +471,12 @@ class WeightUpdates:
         try:
             if up.streamed and not up.gpu_parts:
                 self._stage_held(up)
+            if up.nonfinite is not None:
+                raise BackendError(
+                    f"update {up.update_id} on {self.engine_id}: tensor {up.nonfinite!r} has NaN or inf values; "
+                    "refused before the vote (update_weights(check_finite=False) skips this check)",
+                    field="tensors",
+                )
         except Exception as e:
             self._abort(f"prepare failed: {e}", up)
             if isinstance(e, ValueError) and not isinstance(e, BackendError):
@@ -496,8 +507,12 @@ class WeightUpdates:
             buf = _view(frame)
             if up.is_model:
                 self.backend.stage_bucket(g, buf)
+                if up.begin.check_finite and up.nonfinite is None:
+                    up.nonfinite = first_nonfinite(unpack_bucket(g, metas, buf))
             else:
                 named = unpack_bucket(g, metas, buf)
+                if up.begin.check_finite and up.nonfinite is None:
+                    up.nonfinite = first_nonfinite(named)
                 up.lora_tensors.extend((n, t.clone()) for n, t in named)
             up.received.add(g)
 

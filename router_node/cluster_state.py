@@ -1,17 +1,34 @@
 """The head's view of the cluster's weights: which version is current, which
-engines are below it (stale), and the weight-update transactions in flight —
-the head is the coordinator of their two-phase commit.
+engines are below it (stale), and the weight-update transaction in flight —
+the head is the coordinator of its two-phase commit. I/O-free (events in,
+decisions out; router_node/control.py publishes them).
+
+ONE update at a time (issue 22): a begin while another update holds the
+cluster is refused with `UpdateInProgress` naming the holder (update id,
+client, since when) — never "the newer begin aborts the older", which
+livelocked two trainers. The holder's transaction ends only by
+
+    its own commit or abort · its client's lease expiring (`abort_held_by`,
+    called by the lease owner) · `weight_txn_timeout_s` since its begin.
 
 Transaction (one per update id, created when the head fans its begin out):
 
     begun ──every target voted (WeightsPrepared / ReceiveWeights ok)──► decision "commit"
       └──any target failed, silent or missing in the prepare, or an abort──► decision "abort"
 
+Every op naming an update (prepare, a GPU part, commit, abort) must name the
+CURRENT one; any other id is refused with `StaleUpdate` and changes nothing
+(a vanished trainer's late abort cannot touch the next trainer's update).
+Only a commit or abort for an id the head never saw, with no update current
+(a head restarted mid-update), is relayed as is.
+
 The decision is the head's and is recorded BEFORE the commit is published,
-with the version the engines take. An engine that misses the commit (killed,
-frozen) stays below the cluster version once the commit round is over, so it
-is STALE (router_node/registry.py: no traffic), never silently behind; if it
-wakes and still commits, it lands on exactly the cluster version. A commit is
+with the version the engines take; that version is monotonic: below the
+cluster's is refused, and equal only to sync STALE engines (sync_stale). The
+cluster version moves only when at least one engine acked the commit (an
+engine that acks late, after the round, moves it then). An engine that misses
+or fails the commit stays below the cluster version, so it is STALE
+(router_node/registry.py: no traffic), never silently behind. A commit is
 never published for an update that was aborted, so an engine can only ever
 serve a version the head decided; a prepared engine that hears no decision
 discards the update by itself (engine_node/weight_update.py, prepare_ttl_s).
@@ -19,9 +36,7 @@ discards the update by itself (engine_node/weight_update.py, prepare_ttl_s).
 The cluster weight version is the version of the last model update that
 committed. Until the head has seen one (a fresh head, or a head restarted under
 running engines) it adopts the highest version an engine registered with, so a
-head restart does not forget where the cluster was. A FinishWeightUpdate for an
-update the head never saw begin (a head restarted mid-update) is relayed as is,
-and the version follows its ok acks.
+head restart does not forget where the cluster was.
 
 Ownership: the router loop thread.
 """
@@ -33,8 +48,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from bus import protocol as P
+from bus.errors import BadRequest, StaleUpdate, UpdateInProgress
 
 _MAX_TRACKED_UPDATES = 64
+DEFAULT_WEIGHT_TXN_TIMEOUT_S = 300.0
 
 # Results that are a yes vote of phase one.
 _VOTES = (P.WeightsPrepared, P.ReceiveWeightsResult)
@@ -51,6 +68,15 @@ class WeightTxn:
     decision: str | None = None  # None | "commit" | "abort"
     reason: str = ""
     version: int | None = None  # decided version (model updates)
+    check_finite: bool = True  # its begin's: GPU sender ranks joining by id check their tensors
+    holder: bytes = b""  # the client that began it (its frontend identity)
+    began_at: float = 0.0  # monotonic
+    began_wall: float = 0.0  # epoch seconds (for messages)
+    finishing: bool = False  # the head is preparing / committing it (a FinishWeightUpdate is in)
+
+    @property
+    def holder_name(self) -> str:
+        return client_name(self.holder)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -62,15 +88,35 @@ class WeightTxn:
             "prepared": sorted(self.prepared),
             "decision": self.decision,
             "version": self.version,
+            "check_finite": self.check_finite,
+            "holder": self.holder_name,
+            "began_wall": self.began_wall,
         }
 
 
+def client_name(ident: bytes) -> str:
+    """A client's frontend identity, printable (zmq's are binary)."""
+    try:
+        text = ident.decode("ascii")
+    except UnicodeDecodeError:
+        return ident.hex()
+    if not text:
+        return "<unnamed>"
+    return text if text.isprintable() else ident.hex()
+
+
 class ClusterWeights:
-    def __init__(self) -> None:
+    def __init__(self, *, txn_timeout_s: float = DEFAULT_WEIGHT_TXN_TIMEOUT_S) -> None:
         self.version = 0
         self.source = "none"  # "none" | "registration" | "update"
         self.updates_committed = 0
+        self.txn_timeout_s = txn_timeout_s
+        self.current: WeightTxn | None = None  # the one update that holds the cluster
         self.txns: dict[str, WeightTxn] = {}  # begun updates (bounded, oldest dropped)
+        self.ended: dict[str, str] = {}  # update id -> how it ended (bounded): its ops are stale
+        # Versions decided by a commit round that no engine acked in time: an
+        # engine that acks later (it was frozen) moves the cluster there then.
+        self.unconfirmed: dict[int, str] = {}
 
     def on_register(self, weight_version: int) -> None:
         if self.source != "update" and weight_version > self.version:
@@ -79,18 +125,79 @@ class ClusterWeights:
 
     # ------------------------------------------------------------ fan-out hooks
 
-    def on_control(self, op: Any, targets: list[str] | None = None) -> None:
-        """A control op the head fans out (before publishing it)."""
+    def on_control(
+        self, op: Any, targets: list[str] | None = None, *, client: bytes = b"", now: float = 0.0, wall: float = 0.0
+    ) -> None:
+        """A control op the head fans out (before publishing it). Raises
+        UpdateInProgress (a begin while another update holds the cluster) or
+        StaleUpdate (an op naming an update that is not the current one)."""
         if isinstance(op, P.BeginWeightUpdate):
-            self.txns[op.update_id] = WeightTxn(
-                op.update_id, op.target, list(targets or []), transport=op.transport, senders=op.senders
-            )
-            while len(self.txns) > _MAX_TRACKED_UPDATES:
-                self.txns.pop(next(iter(self.txns)))
+            self.begin(op, targets or [], client=client, now=now, wall=wall)
+        elif isinstance(op, (P.ReceiveWeights, P.PrepareWeights)):
+            if self.require(op, op.update_id) is None:
+                raise StaleUpdate(
+                    f"{P.OP_NAMES[type(op)]} names weight update {op.update_id!r}, which never began here",
+                    field="update_id",
+                )
         elif isinstance(op, P.AbortWeightUpdate):
-            txn = self.txns.get(op.update_id)
-            if txn is not None and txn.decision is None:
+            txn = self.require(op, op.update_id)
+            if txn is not None:
+                if txn.decision == "commit":
+                    raise StaleUpdate(
+                        f"weight update {op.update_id!r} is committing: it cannot abort", field="update_id"
+                    )
                 self.decide_abort(txn, "aborted by the trainer")
+
+    def begin(
+        self, op: P.BeginWeightUpdate, targets: list[str], *, client: bytes, now: float, wall: float = 0.0
+    ) -> WeightTxn:
+        cur = self.current
+        if cur is not None:
+            raise UpdateInProgress(
+                f"weight update {cur.update_id!r} of client {cur.holder_name} holds the cluster since "
+                f"{_when(cur.began_wall)} ({now - cur.began_at:.1f}s ago, "
+                f"{'committing' if cur.decision == 'commit' else 'finishing' if cur.finishing else 'open'}); "
+                f"one update at a time: retry after it commits or aborts "
+                f"(at the latest after weight_txn_timeout_s={self.txn_timeout_s})",
+                field="update_id",
+            )
+        if op.update_id in self.txns or op.update_id in self.ended:
+            raise StaleUpdate(f"weight update {op.update_id!r} already began once", field="update_id")
+        txn = WeightTxn(
+            op.update_id,
+            op.target,
+            list(targets),
+            transport=op.transport,
+            senders=op.senders,
+            check_finite=op.check_finite,
+            holder=client,
+            began_at=now,
+            began_wall=wall,
+        )
+        self.txns[op.update_id] = self.current = txn
+        while len(self.txns) > _MAX_TRACKED_UPDATES:
+            self.txns.pop(next(iter(self.txns)))
+        return txn
+
+    def require(self, op: Any, update_id: str) -> WeightTxn | None:
+        """The current update if `update_id` names it; None for an id never
+        seen while no update is current (a head restarted mid-update: the
+        caller may relay a commit / abort as is); else StaleUpdate."""
+        cur = self.current
+        if cur is not None and cur.update_id == update_id:
+            return cur
+        what = P.OP_NAMES.get(type(op), type(op).__name__)
+        now_txt = f"the current one is {cur.update_id!r}" if cur is not None else "no update is current"
+        if update_id in self.ended:
+            raise StaleUpdate(
+                f"{what} names weight update {update_id!r}, which ended ({self.ended[update_id]}); {now_txt}",
+                field="update_id",
+            )
+        if cur is not None:
+            raise StaleUpdate(
+                f"{what} names weight update {update_id!r}, not the current one: {now_txt}", field="update_id"
+            )
+        return None
 
     def on_control_done(self, op: Any, results: Mapping[str, Any]) -> bool:
         """Acks of a fanned-out op are in. True when the cluster version moved."""
@@ -102,6 +209,8 @@ class ClusterWeights:
         # A finish the head did not coordinate (it never saw the begin).
         versions = [int(r.weight_version) for r in results.values() if isinstance(r, P.ConfigResult)]
         txn = self.txns.pop(op.update_id, None)
+        if txn is not None:
+            self._end(txn, "committed" if versions else "commit failed on every engine")
         if (txn is not None and txn.target != "model") or not versions:
             return False
         return self._moved_to(max(versions))
@@ -115,11 +224,46 @@ class ClusterWeights:
         votes = _VOTES if txn.senders == 1 else (P.WeightsPrepared,)
         txn.prepared.update(eid for eid, r in results.items() if isinstance(r, votes))
 
+    # ------------------------------------------------------------ endings
+
+    def expired(self, now: float) -> WeightTxn | None:
+        """The current update, if it is open past weight_txn_timeout_s (the
+        caller aborts it). One being finished is left to its own deadline."""
+        cur = self.current
+        if cur is None or cur.decision is not None or cur.finishing:
+            return None
+        if now - cur.began_at <= self.txn_timeout_s:
+            return None
+        return cur
+
+    def held_by(self, client: bytes) -> WeightTxn | None:
+        """The current update if `client` holds it and it can still abort."""
+        cur = self.current
+        if cur is None or cur.holder != client or cur.decision is not None:
+            return None
+        return cur
+
     # ------------------------------------------------------------ decisions
 
     def decide_abort(self, txn: WeightTxn, reason: str) -> None:
         if txn.decision is None:
             txn.decision, txn.reason = "abort", reason
+            self._end(txn, f"aborted: {reason}")
+
+    def check_version(self, txn: WeightTxn, version: int | None, target_versions: list[int]) -> None:
+        """Versions are monotonic: a commit below the cluster's version is
+        refused, and one AT it only when it syncs stale engines (every target
+        below it: Client.sync_stale)."""
+        if txn.target != "model" or version is None:
+            return
+        if version < self.version or (
+            version == self.version and (not target_versions or max(target_versions) >= self.version)
+        ):
+            raise BadRequest(
+                f"weight update {txn.update_id!r}: version {version} is not above the cluster weight version "
+                f"{self.version} (versions are monotonic; only stale engines are synced at it)",
+                field="version",
+            )
 
     def decide_commit(self, txn: WeightTxn, version: int | None, engine_versions: list[int]) -> int | None:
         """Record the commit and the version it gives (model updates: the
@@ -132,13 +276,39 @@ class ClusterWeights:
         txn.decision = "commit"
         return txn.version
 
-    def commit_done(self, txn: WeightTxn) -> bool:
-        """The commit round is over (acked or past its deadline): the decided
-        version is the cluster's now, whoever missed it. True when it moved."""
+    def commit_done(self, txn: WeightTxn, committed: Mapping[str, int] | None = None, *, missing: bool = False) -> bool:
+        """The commit round is over (acked or past its deadline). `committed`:
+        {engine: version} of the engines that acked the commit. The decided
+        version becomes the cluster's only if one did (None: assume so, for
+        callers that do not know); an engine that missed it is stale then.
+        With none committed but some `missing` (frozen), a late ack moves it
+        (`late_commit`). True when the version moved."""
         self.txns.pop(txn.update_id, None)
+        landed = committed is None or bool(committed)
+        self._end(txn, "committed" if landed else "commit failed on every engine")
         if txn.target != "model" or txn.version is None:
             return False
+        if not landed:
+            if missing:
+                self.unconfirmed[txn.version] = txn.update_id
+                while len(self.unconfirmed) > _MAX_TRACKED_UPDATES:
+                    self.unconfirmed.pop(next(iter(self.unconfirmed)))
+            return False
         return self._moved_to(txn.version)
+
+    def late_commit(self, weight_version: int) -> bool:
+        """An engine acked a commit after its round: if no engine had, the
+        decided version is the cluster's now. True when the version moved."""
+        if self.unconfirmed.pop(weight_version, None) is None or weight_version <= self.version:
+            return False
+        return self._moved_to(weight_version)
+
+    def _end(self, txn: WeightTxn, how: str) -> None:
+        if self.current is txn:
+            self.current = None
+        self.ended[txn.update_id] = how
+        while len(self.ended) > _MAX_TRACKED_UPDATES:
+            self.ended.pop(next(iter(self.ended)))
 
     def _moved_to(self, version: int) -> bool:
         self.updates_committed += 1
@@ -162,4 +332,18 @@ class ClusterWeights:
         return {"updates": {uid: t.describe() for uid, t in self.txns.items() if t.decision is None}}
 
     def describe(self) -> dict[str, Any]:
-        return {"weight_version": self.version, "source": self.source, "updates_committed": self.updates_committed}
+        return {
+            "weight_version": self.version,
+            "source": self.source,
+            "updates_committed": self.updates_committed,
+            # the update holding the cluster (one at a time), or None
+            "weight_update": self.current.describe() if self.current is not None else None,
+        }
+
+
+def _when(wall: float) -> str:
+    if not wall:
+        return "an unknown time"
+    import datetime
+
+    return datetime.datetime.fromtimestamp(wall, datetime.timezone.utc).strftime("%H:%M:%S UTC")

@@ -28,6 +28,9 @@ class RouterConfig:
     # deadline of one corrective op (pause/resume/sleep/wake_up) sent to an
     # engine that missed a control op; it is re-checked and retried after it
     converge_timeout_s: float = 30.0
+    # One weight update at a time: one open (begun, no commit / abort) longer
+    # than this is aborted so the next trainer can update (leases end it sooner)
+    weight_txn_timeout_s: float = 300.0
     seed: int = 0
     curve_dir: str | None = None
     metrics_port: int = -1  # Prometheus /metrics: -1 off, 0 any free port

@@ -36,7 +36,8 @@ import structlog
 
 from bus import protocol as P
 from bus.control_bus import ControlBus, PendingCommand
-from bus.errors import BadRequest, ErrorCode
+from bus.endpoint import error_message
+from bus.errors import BadRequest, ErrorCode, StaleUpdate
 from bus.validate import check_control_timeout
 from router_node.cluster_state import ClusterWeights, WeightTxn
 from router_node.config import RouterConfig
@@ -68,7 +69,7 @@ class ClusterControl:
         self.reply = reply  # (client, message) over the frontend
         self.forget = forget  # drop an engine that never joined
         # The cluster weight version; engines below it are STALE (no traffic).
-        self.cluster = ClusterWeights()
+        self.cluster = ClusterWeights(txn_timeout_s=cfg.weight_txn_timeout_s)
         self.reevaluate = reevaluate  # re-run every engine's health (the router's)
         # What every engine should be (paused scopes, sleep): an engine that
         # joins, restarts or missed an op is brought there before it serves.
@@ -90,11 +91,13 @@ class ClusterControl:
         before = self.intended.cluster.copy()
 
         if isinstance(msg.op, P.FinishWeightUpdate):
-            txn = self.cluster.txns.get(msg.op.update_id)
+            txn = self.cluster.require(msg.op, msg.op.update_id)  # StaleUpdate: not the current update
             if txn is not None:
-                self._commit(client, msg, txn)
+                self._finish(client, msg, txn)
                 return
-        self.cluster.on_control(msg.op, targets)
+            # An id never seen, no update current: a head restarted mid-update; relayed.
+        # One update at a time: UpdateInProgress / StaleUpdate raised here change nothing.
+        self.cluster.on_control(msg.op, targets, client=client, now=time.monotonic(), wall=time.time())
 
         def done(pc: PendingCommand) -> None:
             self.intended.expired(pc.seq, pc.missing, time.monotonic())
@@ -132,15 +135,34 @@ class ClusterControl:
         """Targets not worth waiting on: silent, or no longer registered."""
         return [t for t in targets if t not in self.engines or self.engines[t].state is EngineState.SILENT]
 
-    def _commit(self, client: bytes, msg: P.Control, txn: WeightTxn) -> None:
+    def _finish(self, client: bytes, msg: P.Control, txn: WeightTxn) -> None:
+        """The holder's FinishWeightUpdate: check its version, then prepare
+        what has not voted and commit (one finish per update)."""
         op = msg.op
         assert isinstance(op, P.FinishWeightUpdate)
-        if txn.decision == "abort":
+        if txn.finishing or txn.decision is not None:
             raise BadRequest(
-                f"weight update {txn.update_id} was aborted ({txn.reason}): it cannot commit",
+                f"weight update {txn.update_id!r} is already being committed",
                 request_id=msg.request_id,
                 field="update_id",
             )
+        targets = [self.engines[t].weight_version for t in txn.targets if t in self.engines]
+        try:
+            self.cluster.check_version(txn, op.version, targets)
+        except BadRequest as e:
+            self._abort(txn, e.message)  # the trainer learns why; the cluster is free again
+            e.request_id = msg.request_id
+            raise
+        txn.finishing = True
+        self._commit(client, msg, txn)
+
+    def _commit(self, client: bytes, msg: P.Control, txn: WeightTxn) -> None:
+        op = msg.op
+        assert isinstance(op, P.FinishWeightUpdate)
+        if txn.decision == "abort":  # ended while its prepare ran (an abort, its lease, the timeout)
+            err = StaleUpdate(f"weight update {txn.update_id!r} was aborted ({txn.reason}): it cannot commit")
+            self.reply(client, error_message(msg.request_id, err.code, err.message, "update_id"))
+            return
         unvoted = [t for t in txn.targets if t not in txn.prepared]
         if txn.decision is None and unvoted:
             # The engines' own wait ends well inside the command's deadline, so a
@@ -167,10 +189,21 @@ class ClusterControl:
 
         def committed(pc: PendingCommand) -> None:
             results = {eid: a.result or P.Done() for eid, a in pc.acks.items() if a.ok}
-            self.cluster.commit_done(txn)
-            self.reevaluate(time.monotonic())  # engines that missed the commit are stale now
+            landed = {eid: int(r.weight_version) for eid, r in results.items() if isinstance(r, P.WeightsCommitted)}
+            # The version moves only if an engine is on it; one that failed or
+            # missed the commit is below it then: stale, no traffic.
+            self.cluster.commit_done(txn, landed, missing=bool(pc.missing))
+            self.reevaluate(time.monotonic())
             errors = {eid: failure_of(a) for eid, a in pc.acks.items() if not a.ok}
-            if errors or pc.missing:
+            if not landed:
+                log.warning(
+                    "weight_commit_failed",
+                    update_id=txn.update_id,
+                    failed=sorted(errors),
+                    missing=pc.missing,
+                    cluster_version=self.cluster.version,
+                )
+            elif errors or pc.missing:
                 log.warning("weight_commit_missed", update_id=txn.update_id, failed=sorted(errors), missing=pc.missing)
             self.reply(
                 client, P.ControlReply(request_id=msg.request_id, results=results, errors=errors, missing=pc.missing)
@@ -181,6 +214,8 @@ class ClusterControl:
     def _abort(self, txn: WeightTxn, reason: str) -> None:
         """Decide abort and tell every target (best effort: an engine that
         misses it discards the update after its prepare_ttl_s)."""
+        if txn.decision is not None:
+            return  # already decided (an abort raced its prepare's failure)
         self.cluster.decide_abort(txn, reason)
         log.warning("weight_update_aborted", update_id=txn.update_id, reason=reason)
         self.bus.publish(
@@ -191,11 +226,35 @@ class ClusterControl:
             gone=self._gone(txn.targets),
         )
 
+    def tick(self, now: float) -> None:
+        """The router's tick: an update open past weight_txn_timeout_s is aborted."""
+        txn = self.cluster.expired(now)
+        if txn is not None:
+            self._abort(
+                txn,
+                f"open for more than weight_txn_timeout_s={self.cluster.txn_timeout_s} "
+                f"without a commit or abort from client {txn.holder_name}",
+            )
+
+    def abort_held_by(self, client: bytes, reason: str) -> list[str]:
+        """Abort the weight update that `client` (its frontend identity) holds,
+        if it is not committing yet; the engines drop what they staged and the
+        cluster takes the next update. The hook of client leases: call it when
+        a client's lease expires. Returns the update ids aborted ([] if none)."""
+        txn = self.cluster.held_by(client)
+        if txn is None:
+            return []
+        self._abort(txn, reason)
+        return [txn.update_id]
+
     def on_ack(self, _peer: bytes, ack: P.Ack, _b: list[Any]) -> None:
         e = self.engines.get(ack.engine_id)
         if e is not None and ack.ok and isinstance(ack.result, P.ConfigResult):
             r = ack.result
             e.apply_config(r.epoch, r.weight_version, r.loras)
+            if isinstance(r, P.WeightsCommitted) and self.cluster.late_commit(r.weight_version):
+                log.info("weight_commit_late", engine_id=ack.engine_id, version=r.weight_version)
+                self.reevaluate(time.monotonic())
         if e is not None:  # before the bus: its done-callback may re-evaluate health
             self.intended.acked(
                 ack.engine_id,

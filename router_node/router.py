@@ -185,6 +185,7 @@ class Router:
 
     def _tick(self, now: float) -> None:
         self.bus.tick(now)  # expiries first: health below already knows about them
+        self.control.tick(now)  # a weight update open past weight_txn_timeout_s ends
         self._evaluate_engines(now)
         self.sessions.expire(now)
         if self.gate is not None:

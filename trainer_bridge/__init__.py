@@ -10,6 +10,8 @@ from bus.errors import (
     ProtocolError,
     RequestTimeout,
     RolloutBusError,
+    StaleUpdate,
+    UpdateInProgress,
 )
 from bus.protocol import SamplingParams
 from trainer_bridge.client import AsyncClient, Client
@@ -37,5 +39,7 @@ __all__ = [
     "NoHealthyEngine",
     "ProtocolError",
     "RequestTimeout",
+    "StaleUpdate",
+    "UpdateInProgress",
     "UnsupportedParameter",
 ]

@@ -618,10 +618,14 @@ class AsyncClient:
         bucket_bytes: int | None = None,
         targets: list[str] | None = None,
         timeout_s: float | None = None,
+        check_finite: bool = True,
         **transport_options: Any,
     ) -> dict[str, Any]:
         """Push new weights into every engine: begin → buckets → commit (the
-        head's two-phase commit). `named_tensors`: a list (planned: engines
+        head's two-phase commit). One update at a time: while another client's
+        update holds the cluster this raises UpdateInProgress naming it.
+        `check_finite`: engines refuse a NaN / inf value before their vote,
+        naming the tensor (False skips the pass over the bytes). `named_tensors`: a list (planned: engines
         validate before any byte moves) or any iterable, e.g. a generator
         (streamed: buckets are packed and sent as tensors arrive, the trainer
         holds at most two buckets). All-or-nothing across the cluster: on any
@@ -639,6 +643,7 @@ class AsyncClient:
             targets=targets,
             timeout_s=timeout_s or self.control_timeout_s,
             options=transport_options,
+            check_finite=check_finite,
         )
 
     def weight_update(
@@ -650,6 +655,7 @@ class AsyncClient:
         bucket_bytes: int | None = None,
         timeout_s: float | None = None,
         transport: str = "zmq",
+        check_finite: bool = True,
         **transport_options: Any,
     ) -> Any:
         """One update fed by several sender ranks (zmq, cuda_ipc or nccl: each
@@ -670,6 +676,7 @@ class AsyncClient:
             timeout_s=timeout_s or self.control_timeout_s,
             transport=transport,
             options=transport_options,
+            check_finite=check_finite,
         )
 
     async def weight_sender(
@@ -989,6 +996,7 @@ class Client:
         bucket_bytes: int | None = None,
         targets: list[str] | None = None,
         timeout_s: float | None = None,
+        check_finite: bool = True,
         **transport_options: Any,
     ) -> dict[str, Any]:
         """Push new weights into every engine: begin → buckets → finish.
@@ -1001,6 +1009,7 @@ class Client:
             bucket_bytes=bucket_bytes,
             targets=targets,
             timeout_s=timeout_s,
+            check_finite=check_finite,
             **transport_options,
         )
         return self._call(coro, timeout_s)

@@ -67,7 +67,8 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
-from bus.tensors import DEFAULT_BUCKET_BYTES, plan_buckets
+from bus.errors import BadRequest
+from bus.tensors import DEFAULT_BUCKET_BYTES, first_nonfinite, plan_buckets
 
 
 def _device_of(tensors: list[Any], device: Any) -> Any:
@@ -591,6 +592,7 @@ class GpuPartSender:
         timeout_s: float,
         cast: Any,
         options: dict[str, Any],
+        check_finite: bool = True,
     ) -> None:
         if transport not in ("cuda_ipc", "nccl"):
             raise ValueError(f"GpuPartSender: transport {transport!r} is not a GPU transport (cuda_ipc, nccl)")
@@ -603,6 +605,7 @@ class GpuPartSender:
         self.timeout_s = timeout_s
         self.cast = cast
         self.options = dict(options)
+        self.check_finite = check_finite  # GPU bytes never pass the engine node: checked here
         self._ipc: CudaIpcSender | None = None
         self.stats: dict[str, Any] = {}
 
@@ -613,6 +616,14 @@ class GpuPartSender:
 
         t0 = time.perf_counter()
         named = [(n, self.cast(t.detach())) for n, t in named]
+        if self.check_finite:
+            bad = first_nonfinite(named)
+            if bad is not None:
+                raise BadRequest(
+                    f"sender {self.rank}: tensor {bad!r} has NaN or inf values: not sent "
+                    "(check_finite=False skips this check)",
+                    field="tensors",
+                )
         metas, sizes, tensors = plan_buckets(named, self.bucket_bytes)
         eids = [e["engine_id"] for e in self.engines]
         if self.transport == "cuda_ipc":

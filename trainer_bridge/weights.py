@@ -48,8 +48,8 @@ import structlog
 from bus import protocol as P
 from bus.codec import Codec
 from bus.endpoint import open_socket
-from bus.errors import ControlError, ErrorCode
-from bus.tensors import DEFAULT_BUCKET_BYTES, BucketPacker, plan_buckets
+from bus.errors import BadRequest, ControlError, ErrorCode, UpdateInProgress
+from bus.tensors import DEFAULT_BUCKET_BYTES, BucketPacker, first_nonfinite, plan_buckets
 
 if TYPE_CHECKING:
     from trainer_bridge.client import AsyncClient
@@ -71,6 +71,7 @@ async def push_weights(
     target: str = "model",
     extra_args: dict[str, Any] | None = None,
     version: int | None = None,
+    check_finite: bool = True,
 ) -> dict[str, Any]:
     """`version`: the weight version the engines take at commit (a model
     update). None: the head picks one above everything the cluster has served
@@ -86,6 +87,7 @@ async def push_weights(
         target=target,
         extra_args=extra_args,
         bucket_bytes=bucket_bytes,
+        check_finite=check_finite,
     )
     if transport in GPU_TRANSPORTS:
         return await _push_gpu(upd, list(named), transport, options)
@@ -111,12 +113,16 @@ class WeightUpdate:
         bucket_bytes: int | None = None,
         transport: str = "zmq",
         options: dict[str, Any] | None = None,
+        check_finite: bool = True,
     ) -> None:
         if senders < 1:
             raise ValueError(f"senders must be >= 1, got {senders}")
         if transport not in ("zmq", *GPU_TRANSPORTS):
             raise ValueError(f"unknown transport {transport!r} (zmq, cuda_ipc, nccl)")
         self.transport = transport
+        # Engines refuse NaN / inf values at the prepare (zmq); GPU transports
+        # are checked here, before the begin (the bytes never pass the node).
+        self.check_finite = check_finite
         self.options = dict(options or {})  # GPU senders: device, nccl_host, nccl_port, nccl_timeout_s
         self._gpu_senders: list[Any] = []  # cuda_ipc: their buckets live until the commit / abort is acked
         self.client = client
@@ -173,6 +179,7 @@ class WeightUpdate:
                 transport_args=self.extra_args,
                 senders=self.senders,
                 streamed=True,
+                check_finite=self.check_finite,
             )
         if begin is None:
             metas: list[P.TensorMeta] = []
@@ -191,10 +198,14 @@ class WeightUpdate:
                 transport_args=self.extra_args,
                 senders=self.senders,
                 streamed=plan is None,
+                check_finite=self.check_finite,
             )
         self.state = "open"
         try:
             await self.client.control(begin, targets=self.engine_ids, timeout_s=self.timeout_s)
+        except UpdateInProgress:
+            self.state = "aborted"  # refused at the head: nothing began, nothing to abort
+            raise
         except BaseException:
             await self.abort()
             raise
@@ -217,6 +228,7 @@ class WeightUpdate:
                 timeout_s=self.timeout_s,
                 cast=_caster(self.engines, self.target),
                 options=self.options,
+                check_finite=self.check_finite,
             )
             self._gpu_senders.append(g)
             return g
@@ -345,6 +357,7 @@ async def join_update(
             timeout_s=timeout_s,
             cast=_caster(engines, txn["target"]),
             options=dict(options or {}),
+            check_finite=bool(txn.get("check_finite", True)),
         )
     return WeightSender(
         client,
@@ -477,6 +490,13 @@ async def _push_gpu(
     await upd._pick_engines()
     cast = _caster(upd.engines, upd.target)
     cast_named = [(n, cast(t.detach())) for n, t in named]
+    if upd.check_finite:
+        bad = first_nonfinite(cast_named)
+        if bad is not None:
+            raise BadRequest(
+                f"tensor {bad!r} has NaN or inf values: not sent (update_weights(check_finite=False) skips this check)",
+                field="tensors",
+            )
     planned = None
     if transport == "cuda_ipc" and options.get("zero_copy"):
         # In place only when nothing was cast (a cast tensor is a temporary:
@@ -496,7 +516,7 @@ async def _push_gpu(
     handles = sender.handles() if transport == "cuda_ipc" else []
     begin = P.BeginWeightUpdate(
         upd.update_id, transport, metas, sizes, target=upd.target, transport_args=args,
-        prepare=True, handles=handles,
+        prepare=True, handles=handles, check_finite=upd.check_finite,
     )  # fmt: skip
     try:
         if transport == "nccl":

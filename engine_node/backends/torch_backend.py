@@ -263,6 +263,7 @@ class TorchBackend:
         # ONE worker for every long op: ops run in submission order.
         self._ops = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-backend-op")
         self._announced_metas: list[Any] = []
+        self._update_id: str | None = None  # the update `_announced` / `_staged` belong to
         log.debug("torch backend ready", model=model, device=str(self.device), dtype=dtype)
 
     def _set_threads(self, threads: int | None) -> None:
@@ -595,6 +596,7 @@ class TorchBackend:
         except BackendError as e:
             return BackendOp.failed("begin_weight_update", e)
         self._announced_metas = list(tensors)
+        self._update_id = update_id
         return BackendOp.done("begin_weight_update", {"tensors": len(self._announced or ())})
 
     def _begin(self, transport: str, tensors: list[Any]) -> None:
@@ -662,23 +664,27 @@ class TorchBackend:
         )
 
     def commit_weight_update(self) -> BackendOp:
-        return self._long_op("commit_weight_update", self._commit)
+        # The transaction is taken NOW, on the caller's thread: the worker runs
+        # later, and a begin of the next update (synchronous, on the loop
+        # thread) may have replaced `_announced` by then.
+        announced, staged, uid = self._announced, self._staged, self._update_id
+        return self._long_op("commit_weight_update", self._commit, announced, staged, uid)
 
-    def _commit(self) -> dict[str, Any]:
+    def _commit(self, announced: Any, staged: dict[str, Any], uid: str | None) -> dict[str, Any]:
         """All or nothing: every check happens before the first copy."""
-        if self._announced is None:
+        if announced is None:
             raise BackendError("commit_weight_update without begin_weight_update")
-        missing = sorted(set(self._announced) - set(self._staged))
+        missing = sorted(set(announced) - set(staged))
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise WeightUpdateError(f"weight update incomplete: missing tensors {missing[:5]}{more}")
         if self._weights_where == "discarded":
             raise BackendError("weights were discarded by sleep(2) during the update; wake_up first")
         with torch.no_grad():
-            for name, t in self._staged.items():
+            for name, t in staged.items():
                 self._targets[name].copy_(t)
-        n = len(self._staged)
-        self._announced, self._staged = None, {}
+        n = len(staged)
+        self._close_update(uid)
         self.reset_prefix_cache()
         # Running sequences keep KV computed by the old weights (like vLLM's
         # keep-mode pause); the node parks them when it wants fresh KV.
@@ -687,11 +693,16 @@ class TorchBackend:
 
     def abort_weight_update(self) -> BackendOp:
         # On the worker: it must not clear what a running commit is copying.
-        return self._long_op("abort_weight_update", self._abort_update)
+        # Keyed by the update open NOW: a stale abort that runs after the next
+        # update began (the node aborts the old one, then begins the new one
+        # at once) must not wipe the new one's staging.
+        return self._long_op("abort_weight_update", self._close_update, self._update_id)
 
-    def _abort_update(self) -> dict[str, Any]:
-        self._announced, self._staged = None, {}
-        return {}
+    def _close_update(self, uid: str | None) -> dict[str, Any]:
+        if self._update_id == uid:
+            self._announced, self._staged, self._update_id = None, {}, None
+            return {"had_update": uid is not None}
+        return {"had_update": False}
 
     # ------------------------------------------------------------ LoRA
 
