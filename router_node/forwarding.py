@@ -148,7 +148,15 @@ class Forwarder:
         engine = self.place(msg, exclude=None, client=client)
         self.flights[(client, rid)] = fl
         self.inflight_of[client] = self.inflight_of.get(client, 0) + 1
-        self.dispatch(fl, engine, list(fl.samples))
+        try:
+            self.dispatch(fl, engine, list(fl.samples))
+        except RolloutBusError:  # e.g. EncodeFailed: the endpoint answers it; nothing of it stays here
+            for prid in list(fl.parts):
+                part = self.parts.pop(prid, None)
+                if part is not None:
+                    engine.outstanding -= part.open
+            self._drop_flight(fl)
+            raise
 
     def _check_caps(self, client: bytes, msg: P.Generate) -> None:
         """Per-client bounds (issue 22): a client cannot hold the head's memory
@@ -438,7 +446,10 @@ class Forwarder:
                         to=target.engine_id,
                         samples=len(left),
                     )
-                    self.dispatch(fl, target, left)
+                    try:
+                        self.dispatch(fl, target, left)
+                    except RolloutBusError as err:  # e.g. EncodeFailed: this flight ends, the head goes on
+                        self.fail_flight(fl, err.code, err.message, err.field)
                     continue
             self.counters["engine_dead"] += 1
             self.fail_flight(

@@ -207,3 +207,34 @@ def test_truncate_keeps_echoes_under_1kb():
     assert truncate("short") == "short"
     t = truncate("y" * 10_000_000)
     assert len(t) <= 1024 and t.startswith("y") and "more chars" in t
+
+
+def test_an_encode_failure_at_the_endpoint_ends_the_requests_typed_not_the_process():
+    """The bus layer's net under the bounds: a message that cannot be encoded
+    (a bug of ours) becomes one typed Error per request it carried."""
+    import zmq
+
+    from bus.endpoint import Endpoint
+
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        router.bind("inproc://enc")
+        dealer.setsockopt(zmq.IDENTITY, b"peer")
+        dealer.connect("inproc://enc")
+        dealer.send_multipart([b"hello"])
+        peer = router.recv_multipart()[0]
+        ep = Endpoint(router, Codec(), {}, name="t", routed=True)
+        bad = P.ChunkBatch(
+            [P.Chunk("a", sample_index=2**64), P.Chunk("b"), P.Chunk("a")], [0, 0, 0]
+        )  # a ChunkBatch whose first chunk overflows
+        assert ep.send(peer, bad) is False
+        got = []
+        while dealer.poll(1000):
+            got.append(Codec().decode(dealer.recv_multipart())[0])
+        assert [(e.request_id, e.code) for e in got] == [("a", "internal"), ("b", "internal")], got
+        assert "cannot encode ChunkBatch" in got[0].message
+    finally:
+        router.close(linger=0)
+        dealer.close(linger=0)
+        ctx.term()
