@@ -313,13 +313,58 @@ def main(argv: list[str] | None = None) -> int:
     sup = Supervisor(a.max_restarts, a.grace_s)
     signal.signal(signal.SIGINT, sup.request_stop)
     signal.signal(signal.SIGTERM, sup.request_stop)
+    remove_stale_run_dirs()
     run_dir = tempfile.mkdtemp(prefix="rbus-")
+    mark_run_dir(run_dir)
     try:
         return _run(a, sup, run_dir)
     finally:
         sup.shutdown()
         shutil.rmtree(run_dir, ignore_errors=True)
         log.info("launch_stopped", leftover=len(sup.alive()))
+
+
+_RUN_OWNER = "launcher.pid"  # in a run folder: "<pid> <create time>" of the launcher that made it
+
+
+def mark_run_dir(run_dir: str) -> None:
+    """Record which launcher owns `run_dir`, so a later launch can tell that a
+    folder left by a kill -9 belongs to a dead process (remove_stale_run_dirs)."""
+    me = psutil.Process()
+    with open(os.path.join(run_dir, _RUN_OWNER), "w") as f:
+        f.write(f"{me.pid} {me.create_time()}")
+
+
+def remove_stale_run_dirs(tmp: str | None = None) -> list[str]:
+    """Remove the /tmp/rbus-* run folders of launchers that are gone (killed
+    with -9: their `finally` never ran). Only folders of this user that carry
+    a launcher.pid whose process is dead (or whose pid was reused: another
+    create time) are touched. Returns the folders removed."""
+    tmp = tmp or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(tmp):
+        d = os.path.join(tmp, name)
+        if not name.startswith("rbus-") or not os.path.isdir(d) or os.path.islink(d):
+            continue
+        try:
+            if os.stat(d).st_uid != os.getuid():
+                continue
+            with open(os.path.join(d, _RUN_OWNER)) as f:
+                pid_s, created_s = f.read().split()
+            pid, created = int(pid_s), float(created_s)
+        except (OSError, ValueError):
+            continue  # not a launcher's run folder (or not ours): leave it
+        try:
+            alive = abs(psutil.Process(pid).create_time() - created) < 1e-3
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            alive = False
+        except psutil.Error:
+            alive = True  # cannot tell: keep it
+        if not alive:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+            log.info("stale_run_dir_removed", path=d, pid=pid)
+    return removed
 
 
 def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:

@@ -8,28 +8,65 @@ meant to be shared across threads).
 from __future__ import annotations
 
 import re
+import types
+import typing
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 from bus import protocol as P
-from bus.errors import BadRequest, ProtocolError
+from bus.errors import BadRequest, EncodeFailed, ProtocolError, truncate
 from bus.frames import TOKEN_BYTES, token_bytes, token_count, unpack_tokens
 
 _PATH_INDEX = re.compile(r"\[(\d+)\]")
 
 
-def _field_path(cls: type, path: str) -> str | None:
+def _struct_of(ann: Any, raw: Any) -> Any:
+    """The Struct type a value of annotation `ann` decodes to (None: not a
+    Struct): Annotated is unwrapped, a union of tagged Structs is resolved by
+    the raw value's tag (its first element)."""
+    if typing.get_origin(ann) is typing.Annotated:
+        ann = typing.get_args(ann)[0]
+    if isinstance(ann, type) and issubclass(ann, msgspec.Struct):
+        return ann
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        structs = [a for a in typing.get_args(ann) if isinstance(a, type) and issubclass(a, msgspec.Struct)]
+        tag = raw[0] if isinstance(raw, list) and raw else None
+        for t in structs:
+            if t.__struct_config__.tag is not None and t.__struct_config__.tag == tag:
+                return t
+    return None
+
+
+def _item_of(ann: Any) -> Any:
+    """The element annotation of a list / dict annotation (None: neither)."""
+    if typing.get_origin(ann) is typing.Annotated:
+        ann = typing.get_args(ann)[0]
+    if typing.get_origin(ann) is list:
+        return typing.get_args(ann)[0]
+    return None
+
+
+def _field_path(cls: type, path: str, raw: Any = None) -> str | None:
     """Translate msgspec's array-like error path (`$[2][0]`) into field names
-    (`params.max_tokens`). Tagged structs carry the tag at index 0."""
+    (`params.max_tokens`, `op.version`, `tensors[3].name`). Tagged structs
+    carry the tag at index 0. `raw`: the body decoded untyped, to tell which
+    member of a tagged union (Control.op) the path goes through."""
     names: list[str] = []
     cur: Any = cls
+    item: Any = None  # the element annotation while the path is inside a list
     for m in _PATH_INDEX.finditer(path):
         idx = int(m.group(1))
-        if cur is None or not hasattr(cur, "__struct_fields__"):
-            names.append(f"[{idx}]")
-            cur = None
+        raw_next = raw[idx] if isinstance(raw, list) and idx < len(raw) else None
+        if cur is None:
+            if names:
+                names[-1] += f"[{idx}]"
+            else:
+                names.append(f"[{idx}]")
+            cur = _struct_of(item, raw_next) if item is not None else None
+            item = None
+            raw = raw_next
             continue
         if cur.__struct_config__.tag is not None:
             idx -= 1
@@ -42,10 +79,11 @@ def _field_path(cls: type, path: str) -> str | None:
             names.append(f"[{idx}]")
             cur = None
             continue
-        name = fields[idx]
-        names.append(name)
+        names.append(fields[idx])
         ann = msgspec.structs.fields(cur)[idx].type
-        cur = ann if isinstance(ann, type) and issubclass(ann, msgspec.Struct) else None
+        cur = _struct_of(ann, raw_next)
+        item = _item_of(ann) if cur is None else None
+        raw = raw_next
     return ".".join(names) if names else None
 
 
@@ -59,7 +97,18 @@ class Codec:
         }
 
     def encode(self, msg: Any, buffers: Sequence[Any] = ()) -> list[Any]:
-        return [P.KIND_OF[type(msg)], self._enc.encode(msg), *buffers]
+        """Raises EncodeFailed (typed, naming the message) instead of msgspec's
+        OverflowError / TypeError: a value the decoder's bounds (bus/protocol.py)
+        let through never gets here, but a bug of ours must end one request
+        with a typed error, not the process (the callers catch it: bus/endpoint.py)."""
+        try:
+            body = self._enc.encode(msg)
+        except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
+            raise EncodeFailed(
+                f"cannot encode {type(msg).__name__}: {truncate(str(e))}",
+                request_id=getattr(msg, "request_id", None),
+            ) from None
+        return [P.KIND_OF[type(msg)], body, *buffers]
 
     def decode(self, frames: Sequence[Any]) -> tuple[Any, list[Any]]:
         """Decode `[kind, body, *buffers]`. Raises ProtocolError (unknown kind,
@@ -76,8 +125,10 @@ class Codec:
         except msgspec.ValidationError as e:
             text = str(e)
             at = text.rsplit(" - at `$", 1)
-            field = _field_path(cls, at[1]) if len(at) == 2 else None
-            raise BadRequest(f"invalid {cls.__name__}: {at[0]}", field=field) from None
+            field = _field_path(cls, at[1], _raw(frames[1])) if len(at) == 2 else None
+            raise BadRequest(
+                f"invalid {cls.__name__}: {truncate(at[0])}", field=field, request_id=request_id_of(frames)
+            ) from None
         except msgspec.DecodeError as e:
             raise ProtocolError(f"undecodable {cls.__name__} body: {e}", field="body") from None
         except (UnicodeDecodeError, RecursionError, MemoryError, ValueError, TypeError, OverflowError) as e:
@@ -192,11 +243,20 @@ class Outbox:
                 yield peer, P.ChunkBatch([c for c, _ in items], [len(bs) for _, bs in items]), bufs
 
 
+def _raw(body: Any) -> Any:
+    try:
+        return msgspec.msgpack.decode(body)
+    except Exception:
+        return None
+
+
 def request_id_of(frames: Sequence[Any]) -> str:
-    """Best effort: the request id of an undecodable request, for the error reply."""
+    """Best effort: the request id of an undecodable request, for the error
+    reply. An id longer than the protocol allows is not echoed (a 32 MB id
+    would come back in a 32 MB reply): "" instead."""
     try:
         raw = msgspec.msgpack.decode(frames[1])
-        if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], str):
+        if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], str) and len(raw[1]) <= P.MAX_ID_CHARS:
             return raw[1]
     except Exception:
         pass

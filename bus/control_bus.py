@@ -23,6 +23,7 @@ import zmq
 
 from bus import protocol as P
 from bus.codec import Codec
+from bus.errors import EncodeFailed
 
 
 @dataclasses.dataclass(eq=False)
@@ -72,7 +73,13 @@ class ControlBus:
     def _send(self, pc: PendingCommand, now: float) -> None:
         waiting = sorted(pc.targets - set(pc.acks) - pc.gone)
         cmd = P.Command(seq=pc.seq, op=pc.op, targets=waiting)
-        frames = self.codec.encode(cmd)
+        try:
+            frames = self.codec.encode(cmd)
+        except EncodeFailed:
+            # Never a crash of the head (here inside its tick): an op that
+            # cannot be written ends now, every target missing.
+            self._complete(pc)
+            return
         if len(waiting) == 1:
             self.pub.send_multipart([waiting[0].encode() + b"\x00", *frames])
         else:

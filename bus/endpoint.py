@@ -27,7 +27,7 @@ import zmq
 
 from bus import protocol as P
 from bus.codec import Codec, request_id_of
-from bus.errors import ErrorCode, ProtocolError, RolloutBusError
+from bus.errors import EncodeFailed, ErrorCode, ProtocolError, RolloutBusError, truncate
 from bus.sockets import CurveKeys, make_socket
 
 log = structlog.get_logger("bus.endpoint")
@@ -66,7 +66,15 @@ def open_socket(
 
 
 def error_message(rid: str, code: ErrorCode, message: str, field: str | None) -> P.Error:
-    return P.Error(request_id=rid, code=code.value, message=message, field=field)
+    return P.Error(request_id=rid, code=code.value, message=truncate(message), field=field)
+
+
+def _request_ids(msg: Any) -> list[str]:
+    """The request ids a message answers (a ChunkBatch: each of its chunks')."""
+    if isinstance(msg, P.ChunkBatch):
+        return list(dict.fromkeys(c.request_id for c in msg.chunks))
+    rid = getattr(msg, "request_id", None)
+    return [rid] if isinstance(rid, str) else []
 
 
 class Endpoint:
@@ -89,6 +97,7 @@ class Endpoint:
         error_reply: ErrorReply | None = error_message,
         before_error: Callable[[], None] = lambda: None,
         on_peer_gone: Callable[[bytes], None] = lambda peer: None,
+        on_peer_full: Callable[[bytes], None] | None = None,
         max_batch: int = 512,
     ) -> None:
         self.sock = sock
@@ -99,6 +108,11 @@ class Endpoint:
         self.error_reply = error_reply
         self.before_error = before_error
         self.on_peer_gone = on_peer_gone
+        # None: a send to a peer over its high-water mark blocks (backpressure:
+        # an engine waits for a slow head). Set (the head's frontend): sends
+        # never block the loop; a peer over its HWM is reported here instead
+        # and the message is dropped (the callback ends that peer's requests).
+        self.on_peer_full = on_peer_full
         self.max_batch = max_batch  # messages per drain (fairness between sockets)
         # The frames of the message being handled (without the routing frame):
         # valid only during the handler call (zero-copy forwarding).
@@ -131,20 +145,38 @@ class Endpoint:
             self.fail(peer, e.request_id or _rid_of(body), e.code, e.message, e.field)
         except Exception as e:  # a bug of ours: answer it, keep serving
             log.exception("handler_crashed", socket=self.name)
-            self.fail(peer, _rid_of(body), ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", None)
+            self.fail(peer, _rid_of(body), ErrorCode.INTERNAL, truncate(f"{type(e).__name__}: {e}"), None)
         finally:
             self.frames = []
 
     # ------------------------------------------------------------ sending
 
     def send(self, peer: bytes, msg: Any, buffers: Sequence[Any] = ()) -> bool:
-        frames = self.codec.encode(msg, buffers)
+        try:
+            frames = self.codec.encode(msg, buffers)
+        except EncodeFailed as e:
+            # Never a crash: the requests this message answered end with a
+            # typed error instead (an Error that cannot be encoded: logged).
+            log.error("encode_failed", socket=self.name, error=e.message)
+            if isinstance(msg, P.Error):
+                return False
+            rids = _request_ids(msg)
+            for rid in rids:
+                self.send(peer, error_message(rid, ErrorCode.INTERNAL, e.message, None))
+            return False
         return self.send_frames([peer, *frames] if self.routed else frames)
 
     def send_frames(self, frames: list[Any]) -> bool:
-        """Send ready frames (routing frame included); False when the peer is gone."""
+        """Send ready frames (routing frame included); False when the peer is
+        gone or (with `on_peer_full`) over its high-water mark."""
+        full = self.on_peer_full
         try:
-            self.sock.send_multipart(frames)
+            self.sock.send_multipart(frames, zmq.NOBLOCK if full is not None else 0)
+        except zmq.Again:
+            if full is None:
+                raise
+            full(bytes(frames[0]) if self.routed else b"")
+            return False
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
@@ -155,10 +187,12 @@ class Endpoint:
     def fail(self, peer: bytes, rid: str, code: ErrorCode, message: str, field: str | None) -> None:
         """The typed reply to a failed request: what was produced before goes first."""
         if self.error_reply is None:
-            log.warning("bad_message", socket=self.name, code=code.value, error=message, field=field)
+            log.warning("bad_message", socket=self.name, code=code.value, error=truncate(message), field=field)
             return
         self.before_error()
-        log.info("request_error", socket=self.name, request_id=rid, code=code.value, field=field, error=message)
+        log.info(
+            "request_error", socket=self.name, request_id=rid, code=code.value, field=field, error=truncate(message)
+        )
         self.send(peer, self.error_reply(rid, code, message, field))
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ class ErrorCode(str, enum.Enum):
     BACKEND_REFUSED = "backend_refused"  # the backend refused the op or its input: `field` names it
     UPDATE_IN_PROGRESS = "update_in_progress"  # another client's weight update holds the cluster
     STALE_UPDATE = "stale_update"  # an op names a weight update that is not the current one
+    LIMIT_EXCEEDED = "limit_exceeded"  # a per-client cap was hit: `field` names its knob
 
 
 class RolloutBusError(Exception):
@@ -56,6 +57,13 @@ class EngineDead(RolloutBusError):
     code = ErrorCode.ENGINE_DEAD
 
 
+class LimitExceeded(RolloutBusError):
+    """A per-client cap of the head (in-flight requests, open sessions) was
+    reached; `field` names the head's knob that sets it. Retry later."""
+
+    code = ErrorCode.LIMIT_EXCEEDED
+
+
 class NoHealthyEngine(RolloutBusError):
     code = ErrorCode.NO_HEALTHY_ENGINE
 
@@ -70,6 +78,26 @@ class Unsupported(RolloutBusError):
 
 class InternalError(RolloutBusError):
     code = ErrorCode.INTERNAL
+
+
+class EncodeFailed(InternalError):
+    """A message could not be encoded (a value past what msgpack holds): a bug
+    of ours the decoder's bounds should have made impossible. It ends the one
+    request (bus/endpoint.py), never the process."""
+
+
+# Error texts and log lines echo peer-supplied values (ids, names, messages):
+# each echo is cut to this many characters, so a 32 MB field never becomes a
+# 32 MB reply or log line.
+MAX_ECHO = 1024
+
+
+def truncate(text: str, limit: int = MAX_ECHO) -> str:
+    """`text` cut to at most `limit` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    keep = limit - 32  # room for the tail below (up to 10**15 cut characters)
+    return text[:keep] + f"… [{len(text) - keep} more chars]"
 
 
 class BackendTimeout(RequestTimeout):
@@ -144,6 +172,7 @@ EXCEPTION_OF: dict[str, type[RolloutBusError]] = {
     ErrorCode.BACKEND_REFUSED.value: BackendRefused,
     ErrorCode.UPDATE_IN_PROGRESS.value: UpdateInProgress,
     ErrorCode.STALE_UPDATE.value: StaleUpdate,
+    ErrorCode.LIMIT_EXCEEDED.value: LimitExceeded,
 }
 
 

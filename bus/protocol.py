@@ -28,14 +28,52 @@ its chunks travel in ONE frame, so a batch of k chunks is 3 frames, not k + 2
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 # 5: the head believes an engine's heartbeats / acks only from its own events
 # connections (identity "engine_id/incarnation", heartbeats ".../hb"); GPU
 # weight parts of several senders (ReceiveWeights.sender/tensors/...).
 PROTOCOL_VERSION = 5
+
+# ------------------------------------------------------------- field bounds
+# Issue 22, "no poison pill": every integer and string field has a range or a
+# maximum length, checked by the DECODER (msgspec.Meta), so a value that the
+# decoder accepted can always be encoded again (msgpack ints stop at 64 bits)
+# and every value derived from it stays inside the bounds of the next hop
+# (sample_offset + num_samples fits Chunk.sample_index; a version bumped by a
+# commit stays below MAX_VERSION). A refused field is a BadRequest naming it
+# (bus/codec.py). Constraints do not change the wire shape: no version bump.
+# Hazard: a bound on a message a PEER of ours produces must hold for everything
+# that peer can legitimately send, or its message is dropped at decode (an
+# engine's Error dropped = a request that never ends); keep those generous.
+MAX_ID_CHARS = 256  # request / session / engine / update ids, LoRA names
+MAX_NAME_CHARS = 4096  # addresses, paths, model and tensor names
+MAX_SHORT_CHARS = 256  # codes, modes, dtypes, field names, query names
+MAX_MESSAGE_CHARS = 64 * 1024  # error texts (ours are cut to bus.errors.MAX_ECHO first)
+MAX_TEXT_CHARS = 1 << 24  # Chunk.text (a whole output, detokenized)
+MAX_SENDERS = 1024  # sender ranks of one weight update
+MAX_SAMPLE_INDEX = (1 << 31) - 1  # sample_offset + num_samples - 1 stays below this
+MAX_VERSION = (1 << 53) - 1  # weight versions: exact in a float64 too (JSON, metrics)
+MAX_COMMIT_VERSION = 1 << 52  # a trainer's version: leaves room for +1 commits below MAX_VERSION
+MAX_LIST = 1 << 20  # list fields of control messages (tensors, buckets, targets)
+
+Id = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
+Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
+Short = Annotated[str, Meta(max_length=MAX_SHORT_CHARS)]
+Message = Annotated[str, Meta(max_length=MAX_MESSAGE_CHARS)]
+I32 = Annotated[int, Meta(ge=-(1 << 31), le=(1 << 31) - 1)]
+U32 = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
+I64 = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+U63 = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]  # counts, sizes, seqs, epochs: non-negative int64
+Version = Annotated[int, Meta(ge=0, le=MAX_VERSION)]
+SampleIndex = Annotated[int, Meta(ge=0, le=MAX_SAMPLE_INDEX)]
+Sender = Annotated[int, Meta(ge=0, lt=MAX_SENDERS)]
+Ids = Annotated[list[Id], Meta(max_length=MAX_LIST)]
+StopStr = Annotated[str, Meta(max_length=1024)]  # bus.validate.MAX_STOP_STRING_CHARS
+Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -50,39 +88,40 @@ class _Part(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 
 class SamplingParams(_Part):
-    max_tokens: int = 16
+    max_tokens: I32 = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    seed: int | None = None  # sample i of a request uses seed + i
-    stop_token_ids: list[int] = []
+    top_k: I32 = 0  # 0 or -1: disabled
+    seed: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)] | None = None  # sample i of a request uses seed + i
+    stop_token_ids: Annotated[list[I32], Meta(max_length=MAX_LIST)] = []
     ignore_eos: bool = False
     # False: none. True or 0: the chosen token's logprob per token. k >= 1: the
     # chosen token's logprob, then the top-k alternatives per token (frames in
     # bus/frames.py).
-    logprobs: bool | int = False
+    logprobs: bool | I32 = False
     # -- issue 10 (appended: compatibility rule) ---------------------------
-    stop: list[str] = []  # stop strings, matched on the engine node's detokenized text
+    # stop strings, matched on the engine node's detokenized text
+    stop: Annotated[list[StopStr], Meta(max_length=64)] = []
     include_stop_str_in_output: bool = False
-    min_tokens: int = 0  # eos / stop_token_ids masked until this many tokens exist
+    min_tokens: I32 = 0  # eos / stop_token_ids masked until this many tokens exist
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # over prompt + output (vLLM's definition)
     presence_penalty: float = 0.0  # over the output
     frequency_penalty: float = 0.0  # over the output
     # None: off. k >= 0: each prompt token's logprob (+ top-k alternatives),
     # once per sample, on its final chunk.
-    prompt_logprobs: int | None = None
+    prompt_logprobs: I32 | None = None
     skip_special_tokens: bool = True  # text only (stop-string matching, Chunk.text)
 
 
 class Generate(_Msg, tag="gen"):
     """Frames after the body: [prompt token ids, int32 little-endian]."""
 
-    request_id: str
+    request_id: Id
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    num_samples: int = 1
-    session_id: str | None = None
-    lora: str | None = None
+    num_samples: I32 = 1
+    session_id: Id | None = None
+    lora: Id | None = None
     stream: bool = True
     # Client deadline in seconds from submission; a request held past it (paused
     # engine, no healthy engine) ends with Error(code="timeout").
@@ -90,20 +129,20 @@ class Generate(_Msg, tag="gen"):
     # Resumption: the last `resume_len` prompt tokens are output generated
     # earlier (by a parked or failed-over request). They count against
     # max_tokens and are not re-sent to the client.
-    resume_len: int = 0
+    resume_len: I32 = 0
     # Sample indexes of this request start here (a resumed single sample of a
     # multi-sample request keeps its index).
-    sample_offset: int = 0
+    sample_offset: SampleIndex = 0
     # Staleness bound: when a weight update lands and a sample's oldest token
     # (of the tokens the engine generated for it) comes from a version older
     # than current - max_staleness, the engine drops that sample's tokens and
     # regenerates it from the prompt on the new weights (Chunk.restarts counts
     # it). None: no bound (tokens of several versions, each stamped).
-    max_staleness: int | None = None
+    max_staleness: Version | None = None
 
 
 class Cancel(_Msg, tag="cancel"):
-    request_id: str
+    request_id: Id
 
 
 class Chunk(_Msg, tag="chunk"):
@@ -114,25 +153,25 @@ class Chunk(_Msg, tag="chunk"):
     aggregated, non-streamed chunk spans versions).
     """
 
-    request_id: str
-    sample_index: int = 0
-    weight_version: int = 0
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled" on the last chunk
-    version_changes: list[list[int]] = []
+    request_id: Id
+    sample_index: SampleIndex = 0
+    weight_version: Version = 0
+    finish_reason: Short | None = None  # "stop" | "length" | "cancelled" on the last chunk
+    version_changes: list[list[I64]] = []
     emitted_at: float = 0.0  # engine wall clock when the tokens were produced
-    num_prompt_tokens: int = 0  # set on the final chunk
-    engine_id: str = ""  # set on the final chunk: the engine that finished the sample
+    num_prompt_tokens: U32 = 0  # set on the final chunk
+    engine_id: Id = ""  # set on the final chunk: the engine that finished the sample
     # -- issue 10 (appended) ---------------------------------------------
-    top_logprobs: int = 0  # k > 0: frames carry top-k ids + logprobs (bus/frames.py)
-    prompt_logprobs: int = -1  # >= 0: the LAST frames carry prompt logprobs (+ top-k if > 0)
-    stop_reason: str | None = None  # final chunk: the stop string that ended the sample
-    text: str | None = None  # final chunk of a stop-string request: the output text, truncated as vLLM does
+    top_logprobs: I32 = 0  # k > 0: frames carry top-k ids + logprobs (bus/frames.py)
+    prompt_logprobs: I32 = -1  # >= 0: the LAST frames carry prompt logprobs (+ top-k if > 0)
+    stop_reason: StopStr | None = None  # final chunk: the stop string that ended the sample
+    text: Text | None = None  # final chunk of a stop-string request: the output text, truncated as vLLM does
     # How many times this sample was restarted by the staleness bound so far
     # (Generate.max_staleness). A chunk whose `restarts` is higher than the
     # previous chunk's of the same sample says: discard every token of this
     # sample received before it (the request's own resume prefix excepted);
     # its tokens begin the new attempt. The final chunk carries the total.
-    restarts: int = 0
+    restarts: U32 = 0
 
 
 class ChunkBatch(_Msg, tag="chunks"):
@@ -151,15 +190,15 @@ class ChunkBatch(_Msg, tag="chunks"):
     instead of once per chunk: the streaming hot path."""
 
     chunks: list[Chunk]
-    nbufs: list[int]
-    ntoks: list[int] = []
+    nbufs: list[I32]
+    ntoks: list[I32] = []
 
 
 class Error(_Msg, tag="error"):
-    request_id: str
-    code: str  # see bus.errors.ErrorCode
-    message: str
-    field: str | None = None
+    request_id: Id
+    code: Short  # see bus.errors.ErrorCode
+    message: Message
+    field: Short | None = None
 
 
 # ------------------------------------------------------------- control ops
@@ -170,25 +209,25 @@ class Ping(_Msg, tag="ping"):
 
 
 class Pause(_Msg, tag="pause"):
-    mode: str = "abort"  # "abort" | "keep" | "wait"
-    lora: str | None = None
+    mode: Short = "abort"  # "abort" | "keep" | "wait"
+    lora: Id | None = None
     timeout_s: float = 60.0  # wait mode: drain deadline
 
 
 class Resume(_Msg, tag="resume"):
-    lora: str | None = None
+    lora: Id | None = None
 
 
 class IsPaused(_Msg, tag="is_paused"):
-    lora: str | None = None
+    lora: Id | None = None
 
 
 class Sleep(_Msg, tag="sleep"):
-    level: int = 1
+    level: I32 = 1
 
 
 class WakeUp(_Msg, tag="wake_up"):
-    tags: list[str] | None = None
+    tags: Annotated[list[Short], Meta(max_length=64)] | None = None
 
 
 class ResetPrefixCache(_Msg, tag="reset_prefix_cache"):
@@ -196,26 +235,26 @@ class ResetPrefixCache(_Msg, tag="reset_prefix_cache"):
 
 
 class TensorMeta(_Part):
-    name: str
-    dtype: str  # torch dtype name without the "torch." prefix
-    shape: list[int]
-    bucket: int  # index of the bucket holding it
-    offset: int  # byte offset inside the bucket
-    nbytes: int
+    name: Name
+    dtype: Short  # torch dtype name without the "torch." prefix
+    shape: Annotated[list[U63], Meta(max_length=64)]
+    bucket: U32  # index of the bucket holding it
+    offset: U63  # byte offset inside the bucket
+    nbytes: U63
 
 
 class BeginWeightUpdate(_Msg, tag="begin_weights"):
-    update_id: str
-    transport: str  # "zmq" | "cuda_ipc" | "nccl"
-    tensors: list[TensorMeta]
-    bucket_sizes: list[int]  # bytes per bucket
+    update_id: Id
+    transport: Short  # "zmq" | "cuda_ipc" | "nccl"
+    tensors: Annotated[list[TensorMeta], Meta(max_length=MAX_LIST)]
+    bucket_sizes: Annotated[list[U63], Meta(max_length=MAX_LIST)]  # bytes per bucket
     # "model" or "lora:NAME" (stage a LoRA adapter's tensors).
-    target: str = "model"
+    target: Name = "model"
     transport_args: dict[str, Any] = {}
     # -- protocol 3 ---------------------------------------------------------
     # Sender ranks contributing buckets (0..senders-1), each ending its part
     # with a WeightSenderEnd on every engine's weight socket.
-    senders: int = 1
+    senders: Annotated[int, Meta(ge=1, le=MAX_SENDERS)] = 1
     # True: `tensors`/`bucket_sizes` are empty; every WeightBucket carries the
     # metas of its own tensors (names, dtypes and shapes arrive per sender).
     streamed: bool = False
@@ -239,12 +278,12 @@ class ReceiveWeights(_Msg, tag="receive_weights"):
     transport_args (host, port, group_id, world_size). The engine takes the
     part, appends it to the update, and counts the sender as ended."""
 
-    update_id: str
+    update_id: Id
     handles: list[Any] = []  # cuda_ipc: one handle per bucket (per engine device)
     # -- appended (multi-sender GPU parts) ----------------------------------
-    sender: int = 0
-    tensors: list[TensorMeta] = []
-    bucket_sizes: list[int] = []
+    sender: Sender = 0
+    tensors: Annotated[list[TensorMeta], Meta(max_length=MAX_LIST)] = []
+    bucket_sizes: Annotated[list[U63], Meta(max_length=MAX_LIST)] = []
     transport_args: dict[str, Any] = {}
 
 
@@ -255,7 +294,7 @@ class PrepareWeights(_Msg, tag="prepare_weights"):
     A prepared engine keeps its old weights until the commit, and discards the
     update if no commit or abort comes within its `prepare_ttl_s`."""
 
-    update_id: str
+    update_id: Id
     wait_s: float = 30.0
 
 
@@ -264,26 +303,26 @@ class FinishWeightUpdate(_Msg, tag="finish_weights"):
     engine that has not voted yet, records the decision and the new cluster
     version, and only then publishes it (engines that miss it are stale)."""
 
-    update_id: str
+    update_id: Id
     # The weight version the engine takes when the update commits (the
     # trainer's cluster-wide version: a stale engine jumps to it). None: the
     # engine's own version + 1.
-    version: int | None = None
+    version: Annotated[int, Meta(ge=0, le=MAX_COMMIT_VERSION)] | None = None
 
 
 class AbortWeightUpdate(_Msg, tag="abort_weights"):
-    update_id: str
+    update_id: Id
 
 
 class LoadLora(_Msg, tag="load_lora"):
-    name: str
-    path: str | None = None  # a PEFT adapter folder, or…
-    update_id: str | None = None  # …tensors staged by a BeginWeightUpdate(target="lora:NAME")
+    name: Id
+    path: Name | None = None  # a PEFT adapter folder, or…
+    update_id: Id | None = None  # …tensors staged by a BeginWeightUpdate(target="lora:NAME")
     config: dict[str, Any] = {}  # r, lora_alpha, target_modules (when staged)
 
 
 class UnloadLora(_Msg, tag="unload_lora"):
-    name: str
+    name: Id
 
 
 class Stats(_Msg, tag="stats"):
@@ -354,46 +393,46 @@ class ConfigResult(_Result, tag="config"):
     """The engine's weight/LoRA configuration after an op that may change it.
     The head applies it to its registry unless a newer `epoch` is known."""
 
-    weight_version: int = 0
-    loras: list[str] = []
-    epoch: int = 0
+    weight_version: Version = 0
+    loras: Ids = []
+    epoch: U63 = 0
 
 
 class PingResult(_Result, tag="ping"):
-    weight_version: int = 0
-    incarnation: str = ""
+    weight_version: Version = 0
+    incarnation: Id = ""
 
 
 class PauseResult(_Result, tag="pause"):
-    mode: str = ""
-    scope: str = ""
-    held: int = 0  # new requests behind the gate
-    parked: int = 0  # aborted, tokens kept, re-submitted on resume
-    frozen: int = 0  # keep mode: frozen with their KV
-    draining: int = 0  # wait mode: running when the pause began
+    mode: Short = ""
+    scope: Short = ""
+    held: U63 = 0  # new requests behind the gate
+    parked: U63 = 0  # aborted, tokens kept, re-submitted on resume
+    frozen: U63 = 0  # keep mode: frozen with their KV
+    draining: U63 = 0  # wait mode: running when the pause began
     resumed_before_drained: bool = False
 
 
 class ResumeResult(_Result, tag="resume"):
-    resumed: int = 0
-    scopes: list[str] = []
-    still_paused: list[str] = []
+    resumed: U63 = 0
+    scopes: Ids = []
+    still_paused: Ids = []
 
 
 class IsPausedResult(_Result, tag="is_paused"):
     paused: bool = False
-    scopes: list[str] = []
+    scopes: Ids = []
 
 
 class SleepResult(_Result, tag="sleep"):
-    level: int = 0
-    parked: int = 0
+    level: I32 = 0
+    parked: U63 = 0
     seconds: float = 0.0
     detail: dict[str, Any] = {}  # the backend's own report (e.g. weights kept/discarded)
 
 
 class WakeUpResult(ConfigResult, tag="wake_up"):
-    resumed: int = 0
+    resumed: U63 = 0
     seconds: float = 0.0
     weights_reloaded_from_checkpoint: bool = False
     detail: dict[str, Any] = {}
@@ -404,8 +443,8 @@ class ResetPrefixCacheResult(_Result, tag="reset_prefix_cache"):
 
 
 class BeginWeightsResult(_Result, tag="begin_weights"):
-    buckets: int = 0
-    weight_address: str = ""
+    buckets: U63 = 0
+    weight_address: Name = ""
     detail: dict[str, Any] = {}
 
 
@@ -417,21 +456,21 @@ class ReceiveWeightsResult(_Result, tag="receive_weights"):
 class WeightsPrepared(_Result, tag="prepare_weights"):
     """An engine's yes vote: every declared bucket is in and validated."""
 
-    buckets: int = 0
-    tensors: int = 0
-    bytes: int = 0
+    buckets: U63 = 0
+    tensors: U63 = 0
+    bytes: U63 = 0
     seconds: float = 0.0
     detail: dict[str, Any] = {}
 
 
 class WeightsCommitted(ConfigResult, tag="finish_weights"):
-    bytes: int = 0
+    bytes: U63 = 0
     seconds: float = 0.0
-    restarted: int = 0  # samples the staleness bound (Generate.max_staleness) restarted
+    restarted: U63 = 0  # samples the staleness bound (Generate.max_staleness) restarted
 
 
 class WeightsAborted(_Result, tag="abort_weights"):
-    weight_version: int = 0
+    weight_version: Version = 0
 
 
 class LoraResult(ConfigResult, tag="lora"):
@@ -474,91 +513,91 @@ Result = (
 class EngineFailure(_Part):
     """Why a control op failed on one engine (`code`: bus.errors.ErrorCode)."""
 
-    code: str
-    message: str
-    field: str | None = None
+    code: Short
+    message: Message
+    field: Short | None = None
 
 
 class Command(_Msg, tag="cmd"):
     """Head → engines over the control PUB. Idempotent by seq: a republished
     command is acked again from the engine's ack cache, never re-run."""
 
-    seq: int
+    seq: U63
     op: Op
-    targets: list[str] | None = None  # None: every engine
+    targets: Ids | None = None  # None: every engine
 
 
 class Ack(_Msg, tag="ack"):
-    seq: int
-    engine_id: str
+    seq: U63
+    engine_id: Id
     ok: bool = True
     result: Result | None = None
-    error: str | None = None
-    code: str | None = None  # bus.errors.ErrorCode of a failure
-    field: str | None = None  # the offending field of a refused op, when known
+    error: Message | None = None
+    code: Short | None = None  # bus.errors.ErrorCode of a failure
+    field: Short | None = None  # the offending field of a refused op, when known
 
 
 # --------------------------------------------------- client ↔ head control
 
 
 class Control(_Msg, tag="ctl"):
-    request_id: str
+    request_id: Id
     op: Op
-    targets: list[str] | None = None
+    targets: Ids | None = None
     timeout_s: float = 60.0
 
 
 class ControlReply(_Msg, tag="ctl_reply"):
-    request_id: str
-    results: dict[str, Result] = {}  # engine id -> result (ok engines)
-    errors: dict[str, EngineFailure] = {}  # engine id -> why it failed
-    missing: list[str] = []  # targeted engines that did not ack in time
+    request_id: Id
+    results: dict[Id, Result] = {}  # engine id -> result (ok engines)
+    errors: dict[Id, EngineFailure] = {}  # engine id -> why it failed
+    missing: Ids = []  # targeted engines that did not ack in time
 
 
 class Query(_Msg, tag="query"):
-    request_id: str
-    what: str  # "health" | "engines"
+    request_id: Id
+    what: Short  # "health" | "engines"
 
 
 class QueryReply(_Msg, tag="query_reply"):
-    request_id: str
+    request_id: Id
     body: dict[str, Any] = {}
 
 
 class EndSession(_Msg, tag="end_session"):
-    request_id: str
-    session_id: str
+    request_id: Id
+    session_id: Id
 
 
 # ------------------------------------------------------------------ events
 
 
 class Register(_Msg, tag="register"):
-    engine_id: str
-    data_address: str
-    weight_address: str
-    backend: str
-    model: str
-    protocol_version: int
-    incarnation: str  # changes when the process restarts
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    capacity: int = 64  # sequences it batches at once
-    vocab_size: int = 0
-    pid: int = 0
-    weight_version: int = 0
-    loras: list[str] = []
-    host: str = ""
-    dtype: str = ""  # weight dtype the engine expects in updates
+    engine_id: Id
+    data_address: Name
+    weight_address: Name
+    backend: Name
+    model: Name
+    protocol_version: I32
+    incarnation: Id  # changes when the process restarts
+    tp: I32 = 1
+    pp: I32 = 1
+    dp: I32 = 1
+    capacity: I32 = 64  # sequences it batches at once
+    vocab_size: I32 = 0
+    pid: I64 = 0
+    weight_version: Version = 0
+    loras: Ids = []
+    host: Name = ""
+    dtype: Short = ""  # weight dtype the engine expects in updates
     # z85 CURVE public key of its data/weight sockets ("" when not secured):
     # the head and trainers connect with it as the server key.
-    curve_key: str = ""
+    curve_key: Short = ""
 
 
 class RegisterReply(_Msg, tag="register_reply"):
     ok: bool
-    error: str | None = None
+    error: Message | None = None
     heartbeat_interval_s: float = 0.5
     # A refusal that may pass (the id is held by a live engine that may be
     # dying): the engine keeps re-registering until register_timeout_s.
@@ -566,29 +605,29 @@ class RegisterReply(_Msg, tag="register_reply"):
 
 
 class Heartbeat(_Msg, tag="heartbeat"):
-    engine_id: str
-    incarnation: str
-    running: int = 0
-    waiting: int = 0
-    held: int = 0  # behind the submission gate
-    parked: int = 0  # aborted by a pause, re-submitted on resume
+    engine_id: Id
+    incarnation: Id
+    running: U63 = 0
+    waiting: U63 = 0
+    held: U63 = 0  # behind the submission gate
+    parked: U63 = 0  # aborted by a pause, re-submitted on resume
     kv_usage: float = 0.0
-    weight_version: int = 0
-    paused: list[str] = []  # "*" for all, else LoRA names
-    steps: int = 0
-    loras: list[str] = []
-    sleeping: int = 0  # sleep level, 0 awake
-    tokens_out: int = 0
+    weight_version: Version = 0
+    paused: Ids = []  # "*" for all, else LoRA names
+    steps: U63 = 0
+    loras: Ids = []
+    sleeping: I32 = 0  # sleep level, 0 awake
+    tokens_out: U63 = 0
     # Bumped by every weight/LoRA change. Acks carry it too, so the head never
     # lets an older heartbeat overwrite what a newer ack told it.
-    config_epoch: int = 0
+    config_epoch: U63 = 0
     # The control op in progress ("" when none): a busy engine is not stalled.
-    busy: str = ""
+    busy: Short = ""
     # The highest Command seq the engine had acked when this snapshot was taken.
     # Heartbeats travel on another socket than acks: the head trusts `paused` /
     # `sleeping` only from a heartbeat at least as new as the last ack it got
     # (router_node/intended_state.py), so an old snapshot cannot undo an ack.
-    acked_seq: int = 0
+    acked_seq: U63 = 0
 
 
 # ------------------------------------------------------ weight socket (zmq)
@@ -597,27 +636,28 @@ class Heartbeat(_Msg, tag="heartbeat"):
 class WeightBucket(_Msg, tag="wbucket"):
     """Frames: [bucket bytes]."""
 
-    update_id: str
-    bucket: int  # the sender's own bucket index (0, 1, … per sender)
+    update_id: Id
+    bucket: U32  # the sender's own bucket index (0, 1, … per sender)
     # -- protocol 3
-    sender: int = 0
-    metas: list[TensorMeta] = []  # streamed updates: this bucket's tensors (bucket = this index)
+    sender: Sender = 0
+    # streamed updates: this bucket's tensors (bucket = this index)
+    metas: Annotated[list[TensorMeta], Meta(max_length=MAX_LIST)] = []
 
 
 class WeightSenderEnd(_Msg, tag="wsender_end"):
     """A sender rank is done: it sent `buckets` buckets (0..buckets-1).
     Acked with a WeightBucketAck whose bucket is -1."""
 
-    update_id: str
-    sender: int
-    buckets: int
+    update_id: Id
+    sender: Sender
+    buckets: U32
 
 
 class WeightBucketAck(_Msg, tag="wbucket_ack"):
-    update_id: str
-    bucket: int
+    update_id: Id
+    bucket: Annotated[int, Meta(ge=-1, le=(1 << 32) - 1)]  # -1: a WeightSenderEnd's ack
     ok: bool = True
-    error: str | None = None
+    error: Message | None = None
 
 
 # ------------------------------------------------------------ kind table

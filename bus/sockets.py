@@ -19,9 +19,14 @@ from bus.errors import BadRequest
 # connection (no reply is possible), so it sits well above the application
 # limits (max prompt tokens, weight bucket size), which do get a typed Error.
 MAX_MSG_BYTES = 2 << 30
-# Data-plane HWM 0 = unbounded: a chunk must never be dropped or block the
-# loop; memory is bounded by the engines' batch capacity instead.
-DATA_HWM = 0
+# High-water marks (messages queued per peer, each direction): every socket
+# has explicit, finite ones (issue 22: a peer that never reads must not grow
+# our memory without bound). Data plane: a chunk must never be dropped, so a
+# full pipe BLOCKS the sender (an engine waits for a slow head: backpressure)
+# except on the head's frontend, which must never block its loop: there a
+# client over its HWM (RouterConfig.client_hwm) has its requests cancelled
+# (bus/endpoint.py on_peer_full, router_node/router.py).
+DATA_HWM = 100_000
 CONTROL_HWM = 100_000
 
 

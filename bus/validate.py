@@ -13,7 +13,7 @@ import numpy as np
 
 from bus.errors import BadRequest
 from bus.frames import TOKEN_BYTES, token_count, tokens_view
-from bus.protocol import Generate
+from bus.protocol import MAX_SAMPLE_INDEX, Generate
 
 MAX_NUM_SAMPLES = 1024
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: top-k (and prompt top-k) at most this
@@ -70,6 +70,9 @@ def check_generate(msg: Generate, prompt: np.ndarray, *, vocab_size: int = 0) ->
         raise bad("params.seed", f"seed must be in [0, 2**63), got {p.seed}")
     if not 1 <= msg.num_samples <= MAX_NUM_SAMPLES:
         raise bad("num_samples", f"num_samples must be in [1, {MAX_NUM_SAMPLES}], got {msg.num_samples}")
+    if msg.sample_offset + msg.num_samples - 1 > MAX_SAMPLE_INDEX:
+        # Sample indexes go on the wire in every Chunk: they must stay inside its bound.
+        raise bad("sample_offset", f"sample_offset + num_samples - 1 must be <= {MAX_SAMPLE_INDEX}")
     if msg.timeout_s is not None and (not math.isfinite(msg.timeout_s) or msg.timeout_s <= 0):
         raise bad("timeout_s", f"timeout_s must be > 0, got {msg.timeout_s}")
     if not 0 <= msg.resume_len < len(prompt) or msg.resume_len >= p.max_tokens:

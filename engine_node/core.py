@@ -145,6 +145,13 @@ class RequestCore:
         if (client, rid) in self.requests:
             raise BadRequest(f"request id {rid!r} is already in flight", request_id=rid, field="request_id")
         base_len = len(prompt) - msg.resume_len
+        if base_len >= self.info.max_model_len:  # the prompt alone leaves no room: it is the field at fault
+            raise BadRequest(
+                f"prompt has {base_len} tokens, max_model_len={self.info.max_model_len} "
+                "(the prompt must leave room for at least one new token)",
+                request_id=rid,
+                field="prompt_token_ids",
+            )
         if base_len + msg.params.max_tokens > self.info.max_model_len:
             raise BadRequest(
                 f"prompt ({base_len}) + max_tokens ({msg.params.max_tokens}) exceeds max_model_len={self.info.max_model_len}",

@@ -22,6 +22,17 @@ class RouterConfig:
     session_placement: str = "open_sessions"
     failover: bool = True  # re-submit prompt + tokens so far to another engine
     max_failovers: int = 2  # per request
+    # A request that was in flight on this many engines that died or hung is
+    # ended (EngineDead naming it) instead of reaching another: one that kills
+    # engines (a poison request) takes at most this many with it.
+    max_engine_deaths: int = 2
+    # Per-client bounds (issue 22: bounded memory per peer). client_hwm:
+    # messages queued to one client before the head stops buffering for it
+    # and cancels its requests (a client that does not read its socket).
+    client_hwm: int = 4096
+    max_inflight_per_client: int = 4096  # requests in flight at once
+    max_sessions_per_client: int = 65536  # open sessions (session_id) at once
+    query_cache_s: float = 0.1  # health/engines/stats answers are rebuilt at most this often
     max_prompt_tokens: int = 32768
     forget_after_s: float = 60.0  # drop a dead engine from the registry
     join_timeout_s: float = 30.0  # an engine that never acks the join ping is dropped

@@ -34,7 +34,7 @@ import zmq
 from bus import protocol as P
 from bus.codec import Codec, Outbox, split_chunks
 from bus.endpoint import Endpoint
-from bus.errors import EXCEPTION_OF, BadRequest, ErrorCode, RolloutBusError
+from bus.errors import EXCEPTION_OF, BadRequest, ErrorCode, LimitExceeded, RolloutBusError
 from bus.frames import (
     chunk_payload,
     chunk_versions,
@@ -78,6 +78,9 @@ class Flight:
     failovers: int = 0
     open: int = 0
     started: float = 0.0
+    # Engines that died or hung with this request in flight: at
+    # cfg.max_engine_deaths it is ended, never sent to another (a poison request).
+    deaths: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -117,6 +120,7 @@ class Forwarder:
         self.rng = random.Random(cfg.seed)
         self.counters = counters
         self.flights: dict[tuple[bytes, str], Flight] = {}
+        self.inflight_of: dict[bytes, int] = {}  # client -> its flights (cfg.max_inflight_per_client)
         self.parts: dict[str, Part] = {}
         self.outbox = Outbox()  # chunks for clients, flushed per engine message
         self._rid = itertools.count(1)
@@ -132,6 +136,7 @@ class Forwarder:
         check_generate(msg, prompt, vocab_size=vocab)
         if (client, rid) in self.flights:
             raise BadRequest(f"request id {rid!r} is already in flight", request_id=rid, field="request_id")
+        self._check_caps(client, msg)
         fl = Flight(
             client=client,
             msg=msg,
@@ -140,9 +145,51 @@ class Forwarder:
             open=msg.num_samples,
             started=time.monotonic(),
         )
-        engine = self.place(msg, exclude=None)
+        engine = self.place(msg, exclude=None, client=client)
         self.flights[(client, rid)] = fl
-        self.dispatch(fl, engine, list(fl.samples))
+        self.inflight_of[client] = self.inflight_of.get(client, 0) + 1
+        try:
+            self.dispatch(fl, engine, list(fl.samples))
+        except RolloutBusError:  # e.g. EncodeFailed: the endpoint answers it; nothing of it stays here
+            for prid in list(fl.parts):
+                part = self.parts.pop(prid, None)
+                if part is not None:
+                    engine.outstanding -= part.open
+            self._drop_flight(fl)
+            raise
+
+    def _check_caps(self, client: bytes, msg: P.Generate) -> None:
+        """Per-client bounds (issue 22): a client cannot hold the head's memory
+        with unbounded requests or sessions. The error names the knob."""
+        cfg = self.cfg
+        if self.inflight_of.get(client, 0) >= cfg.max_inflight_per_client:
+            self.counters["limit_exceeded"] = self.counters.get("limit_exceeded", 0) + 1
+            raise LimitExceeded(
+                f"this client already has {cfg.max_inflight_per_client} requests in flight "
+                "(the head's --max-inflight-per-client)",
+                request_id=msg.request_id,
+                field="max_inflight_per_client",
+            )
+        sid = msg.session_id
+        if sid and not self.sessions.knows(sid) and self.sessions.owned(client) >= cfg.max_sessions_per_client:
+            self.counters["limit_exceeded"] = self.counters.get("limit_exceeded", 0) + 1
+            raise LimitExceeded(
+                f"this client already has {cfg.max_sessions_per_client} open sessions "
+                "(the head's --max-sessions-per-client; end_session() frees one)",
+                request_id=msg.request_id,
+                field="max_sessions_per_client",
+            )
+
+    def _drop_flight(self, fl: Flight) -> bool:
+        """Remove `fl` from the ledger (False: it was already gone)."""
+        if self.flights.pop((fl.client, fl.msg.request_id), None) is None:
+            return False
+        n = self.inflight_of.get(fl.client, 0) - 1
+        if n > 0:
+            self.inflight_of[fl.client] = n
+        else:
+            self.inflight_of.pop(fl.client, None)
+        return True
 
     def on_cancel(self, client: bytes, msg: P.Cancel, _: list[Any]) -> None:
         fl = self.flights.get((client, msg.request_id))
@@ -157,7 +204,7 @@ class Forwarder:
     def client_gone(self, client: bytes) -> None:
         """The frontend could not reach `client` (ROUTER_MANDATORY): stop its work."""
         for fl in [f for f in self.flights.values() if f.client == client]:
-            self.flights.pop((fl.client, fl.msg.request_id), None)
+            self._drop_flight(fl)
             for rid in list(fl.parts):
                 part = self.parts.pop(rid, None)
                 e = self.engines.get(part.engine_id) if part else None
@@ -167,7 +214,7 @@ class Forwarder:
 
     # ------------------------------------------------------------ placement and dispatch
 
-    def place(self, msg: P.Generate, exclude: str | None) -> EngineEntry:
+    def place(self, msg: P.Generate, exclude: str | None, client: bytes = b"") -> EngineEntry:
         """Choose an engine (raises NoHealthyEngine / BadRequest at once, never waits)."""
         cands = [e for e in self.engines.values() if e.healthy and e.engine_id != exclude]
         if not cands:
@@ -187,7 +234,7 @@ class Forwarder:
             e = self.engines.get(eid) if eid else None
             if e is None or e not in cands:
                 e = self.place_session(cands, self.sessions, self.rng)  # new or re-placed session
-            self.sessions.bind(msg.session_id, e.engine_id, now)
+            self.sessions.bind(msg.session_id, e.engine_id, now, owner=client)
             return e
         return self.pick(cands, self.rng)
 
@@ -319,7 +366,7 @@ class Forwarder:
             fl.parts.discard(part.rid)
         fl.open -= 1
         if fl.open == 0:
-            self.flights.pop((fl.client, fl.msg.request_id), None)
+            self._drop_flight(fl)
 
     def _aggregate(
         self, fl: Flight, tr: SampleTrack, last: P.Chunk, prompt_frames: list[Any]
@@ -368,10 +415,25 @@ class Forwarder:
                 pass
             if (fl.client, fl.msg.request_id) not in self.flights:
                 continue
+            if e.engine_id not in fl.deaths:
+                fl.deaths.append(e.engine_id)
+            if len(fl.deaths) >= self.cfg.max_engine_deaths:
+                # Poison: whatever in this request kills or wedges engines, no
+                # further engine receives it (at most max_engine_deaths go down).
+                self.counters["poison_requests"] = self.counters.get("poison_requests", 0) + 1
+                self.counters["engine_dead"] += 1
+                log.warning("poison_request", request_id=fl.msg.request_id, engines=fl.deaths, reason=reason)
+                self.fail_flight(
+                    fl,
+                    ErrorCode.ENGINE_DEAD,
+                    f"request {fl.msg.request_id} was in flight on {len(fl.deaths)} engines that died or hung "
+                    f"({', '.join(fl.deaths)}; last: {reason}): not sent to another (the head's --max-engine-deaths)",
+                )
+                continue
             left = [i for i in part.indices if not fl.samples[i].done]
             if self.cfg.failover and fl.failovers < self.cfg.max_failovers:
                 try:
-                    target: EngineEntry | None = self.place(fl.msg, exclude=e.engine_id)
+                    target: EngineEntry | None = self.place(fl.msg, exclude=e.engine_id, client=fl.client)
                 except RolloutBusError:
                     target = None
                 if target is not None:
@@ -384,7 +446,10 @@ class Forwarder:
                         to=target.engine_id,
                         samples=len(left),
                     )
-                    self.dispatch(fl, target, left)
+                    try:
+                        self.dispatch(fl, target, left)
+                    except RolloutBusError as err:  # e.g. EncodeFailed: this flight ends, the head goes on
+                        self.fail_flight(fl, err.code, err.message, err.field)
                     continue
             self.counters["engine_dead"] += 1
             self.fail_flight(
@@ -393,7 +458,7 @@ class Forwarder:
         e.outstanding = max(0, e.outstanding)
 
     def fail_flight(self, fl: Flight, code: ErrorCode, message: str, field: str | None = None) -> None:
-        if self.flights.pop((fl.client, fl.msg.request_id), None) is None:
+        if not self._drop_flight(fl):
             return
         for rid in list(fl.parts):
             part = self.parts.pop(rid, None)

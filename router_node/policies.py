@@ -78,6 +78,10 @@ class Sessions:
         self.ttl_s = ttl_s
         self._map: dict[str, tuple[str, float]] = {}
         self._per_engine: dict[str, int] = {}
+        # Who opened each session (issue 22: a cap per client): a session
+        # belongs to the client whose request created it.
+        self._owner: dict[str, bytes] = {}
+        self._per_owner: dict[bytes, int] = {}
 
     def engine_for(self, session_id: str, now: float) -> str | None:
         hit = self._map.get(session_id)
@@ -88,10 +92,13 @@ class Sessions:
             return None
         return hit[0]
 
-    def bind(self, session_id: str, engine_id: str, now: float) -> None:
+    def bind(self, session_id: str, engine_id: str, now: float, owner: bytes = b"") -> None:
         old = self._map.get(session_id)
         if old is not None:
             self._dec(old[0])
+        elif session_id not in self._owner:
+            self._owner[session_id] = owner
+            self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
         self._map[session_id] = (engine_id, now)
         self._per_engine[engine_id] = self._per_engine.get(engine_id, 0) + 1
 
@@ -109,6 +116,13 @@ class Sessions:
             return len(self._map)
         return self._per_engine.get(engine_id, 0)
 
+    def owned(self, owner: bytes) -> int:
+        """Open sessions the client `owner` created."""
+        return self._per_owner.get(owner, 0)
+
+    def knows(self, session_id: str) -> bool:
+        return session_id in self._map
+
     def per_engine(self) -> dict[str, int]:
         return dict(self._per_engine)
 
@@ -117,6 +131,13 @@ class Sessions:
         if hit is None:
             return False
         self._dec(hit[0])
+        owner = self._owner.pop(session_id, None)
+        if owner is not None:
+            n = self._per_owner.get(owner, 0) - 1
+            if n > 0:
+                self._per_owner[owner] = n
+            else:
+                self._per_owner.pop(owner, None)
         return True
 
     def _dec(self, engine_id: str) -> None:

@@ -26,7 +26,7 @@ from bus.auth import Gatekeeper, KeyDir
 from bus.codec import Codec
 from bus.control_bus import ControlBus
 from bus.endpoint import Endpoint, open_socket
-from bus.errors import BadRequest, ErrorCode
+from bus.errors import BadRequest, ErrorCode, truncate
 from bus.sockets import CONTROL_HWM, bound_address, check_endpoint
 from router_node.config import RouterConfig
 from router_node.control import ClusterControl
@@ -72,6 +72,9 @@ class Router:
             "engine_dead": 0,
             "no_healthy_engine": 0,
             "spoofed_events": 0,  # heartbeats / acks whose connection is not the engine's own
+            "poison_requests": 0,  # ended after cfg.max_engine_deaths engines died under them
+            "limit_exceeded": 0,  # requests refused by a per-client cap
+            "client_over_hwm": 0,  # clients whose requests were cancelled: they did not read (client_hwm)
         }
         self.forwarding = Forwarder(
             cfg,
@@ -92,19 +95,22 @@ class Router:
             cfg, self.bus, self.engines, reply=self._reply, forget=self._forget, reevaluate=self._evaluate_engines
         )
         self.front = Endpoint(
-            open_socket(self.ctx, zmq.ROUTER, bind=cfg.frontend, curve=self._curve, zap_domain=auth.CLIENTS),
+            open_socket(
+                self.ctx, zmq.ROUTER, bind=cfg.frontend, hwm=cfg.client_hwm, curve=self._curve, zap_domain=auth.CLIENTS
+            ),
             self.codec,
             {
-                P.Generate: fw.on_generate,
-                P.Cancel: fw.on_cancel,
-                P.Control: self.control.on_control,
+                P.Generate: self._changes(fw.on_generate),
+                P.Cancel: self._changes(fw.on_cancel),
+                P.Control: self._changes(self.control.on_control),
                 P.Query: self._on_query,
-                P.EndSession: self._on_end_session,
+                P.EndSession: self._changes(self._on_end_session),
             },
             name="frontend",
             routed=True,
             before_error=self._before_error,
             on_peer_gone=fw.client_gone,
+            on_peer_full=self._client_over_hwm,
         )
         fw.front = self.front
         self.events = Endpoint(
@@ -141,6 +147,13 @@ class Router:
             },
         }
         self._last_tick = 0.0
+        # Cached query answers (issue 22): a flood of health queries is served
+        # from one snapshot, rebuilt when it is cfg.query_cache_s old or when
+        # anything else happened since (`_gen`: bumped by every tick, engine
+        # event and non-query client message), so an answer is never older
+        # than what the caller already saw change.
+        self._query_cache: dict[str, tuple[float, int, dict[str, Any]]] = {}
+        self._gen = 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -162,6 +175,8 @@ class Router:
         for sock, _ in self.poller.poll(50):
             ep = self._endpoints.get(sock)
             if ep is not None:
+                if ep is not self.front:
+                    self._gen += 1
                 ep.drain()
         now = time.monotonic()
         if now - self._last_tick >= 0.05:
@@ -184,6 +199,7 @@ class Router:
     # ------------------------------------------------------------ health
 
     def _tick(self, now: float) -> None:
+        self._gen += 1
         self.bus.tick(now)  # expiries first: health below already knows about them
         self.control.tick(now)  # a weight update open past weight_txn_timeout_s ends
         self._evaluate_engines(now)
@@ -386,9 +402,32 @@ class Router:
         fn = self._queries.get(msg.what)
         if fn is None:
             raise BadRequest(
-                f"unknown query {msg.what!r} (one of {sorted(self._queries)})", request_id=msg.request_id, field="what"
+                f"unknown query {truncate(repr(msg.what), 64)} (one of {sorted(self._queries)})",
+                request_id=msg.request_id,
+                field="what",
             )
-        self._reply(client, P.QueryReply(request_id=msg.request_id, body=fn()))
+        now = time.monotonic()
+        hit = self._query_cache.get(msg.what)
+        if hit is None or hit[1] != self._gen or now - hit[0] >= self.cfg.query_cache_s:
+            hit = self._query_cache[msg.what] = (now, self._gen, fn())
+        self._reply(client, P.QueryReply(request_id=msg.request_id, body=hit[2]))
+
+    def _changes(self, handler: Any) -> Any:
+        """`handler`, marking the cached query answers out of date."""
+
+        def run(peer: bytes, msg: Any, buffers: list[Any]) -> None:
+            self._gen += 1
+            handler(peer, msg, buffers)
+
+        return run
+
+    def _client_over_hwm(self, client: bytes) -> None:
+        """The frontend queue to `client` is full (cfg.client_hwm messages it
+        has not read): the head stops buffering for it and cancels its
+        requests; it learns by its own timeout (nothing more can reach it)."""
+        self.counters["client_over_hwm"] += 1
+        log.warning("client_over_hwm", client=client.hex()[:64], client_hwm=self.cfg.client_hwm)
+        self.forwarding.client_gone(client)
 
     def _reply(self, client: bytes, msg: Any) -> None:
         self.front.send(client, msg)

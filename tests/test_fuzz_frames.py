@@ -147,7 +147,10 @@ def value_of(t: mi.Type, field: str = "") -> st.SearchStrategy[Any]:
     if isinstance(t, mi.IntType):
         if field == "seq":  # far from the head's own sequence numbers (its ack cache is by seq)
             return st.integers(10**12, 2**62)
-        return SMALL_INT
+        # Small values inside the field's bounds (bus/protocol.py: Meta ge/le).
+        lo = t.ge if t.ge is not None else (t.gt + 1 if t.gt is not None else -2)
+        hi = t.le if t.le is not None else (t.lt - 1 if t.lt is not None else 12)
+        return st.integers(max(-2, lo), min(12, hi))
     if isinstance(t, mi.FloatType):
         return st.floats(0.05, 5.0)
     if isinstance(t, mi.StrType):

@@ -287,6 +287,10 @@ class AsyncClient:
         max_staleness: int | None = None,
         _stream: bool = True,
     ) -> AsyncIterator[tuple[StreamChunk, list[list[int]]]]:
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            # Checked here, not only at the head: with 0 samples to wait for the
+            # loop below would return an empty result without a word.
+            raise BadRequest(f"num_samples must be an int >= 1, got {num_samples!r}", field="num_samples")
         rid = request_id or self._new_id()
         timeout = timeout_s or self.timeout_s
         sp = _params(params)
