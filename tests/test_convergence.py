@@ -347,7 +347,8 @@ class Watch:
             want = e["intended"]
             have = [s for s in e["paused"] if s != SLEEP_SCOPE]
             asleep = e["sleeping"] > 0 or SLEEP_SCOPE in e["paused"]
-            if e["healthy"] and (have != want["paused"] or asleep != bool(want["sleeping"])):
+            tags_off = e["asleep"] != want["asleep"]
+            if e["healthy"] and (have != want["paused"] or asleep != bool(want["sleeping"]) or tags_off):
                 self.violations.append({"engine": eid, **e})
 
     def summary(self) -> list[tuple[Any, ...]]:
@@ -446,6 +447,27 @@ def test_sleep_and_wake_up_missed(cl):
     with w.during():
         c.wake_up()
     wait_until(lambda: converged(c, "e1", []), 10, "e1 awake")
+    serves(c, "e1")
+    assert w.close() == [], w.summary()
+
+
+def test_a_missed_partial_wake_converges_per_tag(cl):
+    """SkyRL's order with an engine frozen through wake_up(['weights']): it
+    comes back fully asleep and is brought to the cluster's tags (weights
+    awake, KV cache asleep), then wakes with the cluster's last wake."""
+    c = cl.client(control_timeout_s=1.0, timeout_s=10)
+    w = Watch(cl)
+    with w.during():
+        c.sleep(1)
+    frozen_through(cl, w, "e1", lambda: c.wake_up(tags=["weights"]))
+    cl.kill("e1", signal.SIGCONT)
+
+    wait_until(lambda: c.health()["engines"]["e1"]["asleep"] == ["kv_cache"], 10, "e1 to wake its weights")
+    assert c.health()["engines"]["e0"]["asleep"] == ["kv_cache"]
+    assert c.health()["engines"]["e1"]["corrections"] >= 1
+    with w.during():
+        c.wake_up(tags=["kv_cache"])
+    wait_until(lambda: converged(c, "e1", []) and converged(c, "e0", []), 10, "both awake")
     serves(c, "e1")
     assert w.close() == [], w.summary()
 
