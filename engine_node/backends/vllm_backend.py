@@ -188,6 +188,7 @@ class VllmBackend:
         self._seq_of: dict[str, str] = {}  # request id -> seq id (live in the engine)
         self._rid_of: dict[str, str] = {}  # seq id -> request id
         self._n = 0
+        self._aborted = 0
         self._out = OutputBuffer()
         self._frozen: set[str] = set()
         self._paused = False  # the scheduler is paused (keep) by us
@@ -449,6 +450,7 @@ class VllmBackend:
             if so is not None and so.token_ids:
                 so.finish_reason = None
                 left.append(so)
+        self._aborted += len(rids)
         self._link.abort(rids)
         return left
 
@@ -471,6 +473,10 @@ class VllmBackend:
             "sleep_level": self._sleep_level,
             "sleeping": sorted(self._sleeping),
             "weights_stale": self._weights_stale,
+            # requests added to / aborted in vLLM: a keep-mode pause changes neither
+            # (a parked sequence is aborted and added again, i.e. re-prefilled)
+            "requests_added": self._n,
+            "requests_aborted": self._aborted,
             "frozen": self._paused,
             "engine_dead": self._link.dead,
             "pending_ops": len(self._ops),
