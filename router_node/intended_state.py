@@ -1,12 +1,13 @@
 """The cluster's intended control state and its reconciliation — no I/O.
 
 The head owns what every engine *should* be: its paused scopes ("*" or LoRA
-names), its sleep level and which sleep tags ("weights", "kv_cache") are asleep
-(sleep() puts both to sleep; wake_up(tags) wakes them one by one, in any order). Control ops change it when they are issued (a
-cluster-wide op changes the cluster default and every engine; a targeted op
-only its targets); acks and heartbeats tell what each engine *is*. An engine
-whose known state differs from its intended state, with no op on its way that
-would settle it, is *converging*: not routable, not healthy, and the head sends
+names), its sleep level and which sleep tags ("weights", "kv_cache") are
+asleep (sleep() puts both to sleep; wake_up(tags) wakes them one by one, in
+any order). Control ops change it when they are issued (a cluster-wide op
+changes the cluster default and every engine; a targeted op only its
+targets); acks and heartbeats tell what each engine *is*. An engine whose
+known state differs from its intended state, with no op on its way that would
+settle it, is *converging*: not routable, not healthy, and the head sends
 it one corrective op (Resume / Pause(scope) / Sleep / WakeUp) at a time, under
 `converge_timeout_s`, re-checking after each. That is how an engine that
 missed an op (frozen, partitioned, restarted) is brought back before it gets
