@@ -33,7 +33,11 @@ Hazards this module owns:
   what it had), and every later chunk carries the count;
 - keep-mode pause on a backend that can only freeze everything ("all") parks
   the LoRA subset instead;
-- chunk timestamps and deadlines use the times given by the last clock event.
+- chunk timestamps and deadlines use the times given by the last clock event;
+- sleep by tags (SLEEP_TAGS): sleep() closes the SLEEP_SCOPE gate and puts every
+  tag to sleep; wake_up(tags) wakes some, in any order and split, and the gate
+  opens only once none sleeps (any wake_up opens a gate a failed sleep left
+  closed). weight_update.py refuses model updates while "weights" sleeps.
 """
 
 from __future__ import annotations
