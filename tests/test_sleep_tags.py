@@ -53,7 +53,8 @@ def test_every_order_and_split_of_wakes_ends_sleep_and_serves(cl, level):
     c = cl.client()
     params = {**GREEDY, "max_tokens": 12}
     before = c.generate(P, params).token_ids
-    for order in ORDERS:
+    # level 2 reloads the checkpoint at each weights wake: the splits only (CI time)
+    for order in ORDERS if level == 1 else ORDERS[1:3]:
         c.sleep(level)
         check_asleep(c, ["kv_cache", "weights"], level)
         held = Streams(c, [P], params)
@@ -90,15 +91,18 @@ def test_unknown_tags_are_refused_naming_the_field_and_the_cluster_serves(cl):
     assert len(c.generate(P, {**GREEDY, "max_tokens": 4}).token_ids) == 4
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_skyrl_order_weight_update_between_the_wakes(cluster_factory, tiny_model, level):
+def test_skyrl_order_weight_update_between_the_wakes(cl, tiny_model):
     """sleep -> wake weights -> zmq update -> wake kv_cache -> greedy equals a
     reference on the new weights, every token stamped with the new version.
     Level 2 discards the weights: waking them reloads the checkpoint (a new
     version), the update replaces it."""
-    cl = cluster_factory(2)
-    cl.wait_ready(2)
     c = cl.client()
+    v = max(x["weight_version"] for x in c.engines())
+    for level in (1, 2):
+        v = _skyrl_step(c, tiny_model, level, v)
+
+
+def _skyrl_step(c, tiny_model: str, level: int, v0: int) -> int:
     params = {**GREEDY, "max_tokens": 12, "logprobs": True}
     new = _perturbed(tiny_model, seed=7 + level)
     ref_toks, ref_lps = _reference(new, P, 12)
@@ -109,12 +113,12 @@ def test_skyrl_order_weight_update_between_the_wakes(cluster_factory, tiny_model
     with pytest.raises(ControlError) as e:  # the weights sleep: refused, nothing changes
         c.update_weights(new.named_parameters())
     assert "wake_up(tags=['weights'])" in str(e.value)
-    assert {x["weight_version"] for x in c.engines()} == {0}
+    assert {x["weight_version"] for x in c.engines()} == {v0}
     res = c.wake_up(["weights"])
     assert all(r["weights_reloaded_from_checkpoint"] == (level == 2) for r in res.values()), res
     check_asleep(c, ["kv_cache"], level)
     up = c.update_weights(new.named_parameters(), bucket_bytes=1 << 16)
-    version = 2 if level == 2 else 1
+    version = v0 + (2 if level == 2 else 1)
     assert {r["weight_version"] for r in up.values()} == {version}
     time.sleep(0.2)
     assert held.counts() == [0], "served before the KV cache woke"
@@ -128,12 +132,14 @@ def test_skyrl_order_weight_update_between_the_wakes(cluster_factory, tiny_model
         assert out.token_ids == ref_toks
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref_lps, strict=True)) <= 1e-5
         assert set(out.token_versions) == {version}
+    return version
 
 
 def test_an_engine_restarted_while_the_cluster_is_half_awake_gets_the_same_tags(cluster_factory):
     """The head's intent is per tag: a restarted engine is brought to weights
     awake / KV cache asleep (Sleep, then WakeUp(["weights"])) before it serves,
-    and serves with the cluster after the last wake."""
+    and serves with the cluster after the last wake. (Its own cluster: on one
+    whose weights were updated, the restarted engine would be stale.)"""
     import signal
 
     cl = cluster_factory(2)
