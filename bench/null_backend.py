@@ -131,6 +131,7 @@ class NullBackend:
         self._runnable = 0  # unfrozen sequences
         self._loras: dict[str, dict[str, Any]] = {}
         self._sleeping = 0
+        self._asleep: set[str] = set()
         # weight update transaction
         self._wu_expect: dict[str, tuple[str, tuple[int, ...], int]] | None = None
         self._wu_staged: dict[str, int] = {}
@@ -252,10 +253,14 @@ class NullBackend:
         if level not in (1, 2):
             return BackendOp.failed("sleep", BackendError(f"sleep level must be 1 or 2, got {level}", field="level"))
         self._sleeping = level
+        self._asleep = {"weights", "kv_cache"}
         return BackendOp.done("sleep", {"level": level, "freed_bytes": 0, "backend": "null"})
 
     def wake_up(self, tags: list[str] | None) -> BackendOp:
-        self._sleeping = 0
+        # Per tag, like the real backends: asleep until every tag woke.
+        self._asleep -= {"weights", "kv_cache"} if tags is None else set(tags)
+        if not self._asleep:
+            self._sleeping = 0
         return BackendOp.done(
             "wake_up", {"tags": list(tags) if tags else ["weights", "kv_cache"], "restored_bytes": 0, "backend": "null"}
         )

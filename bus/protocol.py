@@ -628,6 +628,11 @@ class Heartbeat(_Msg, tag="heartbeat"):
     # `sleeping` only from a heartbeat at least as new as the last ack it got
     # (router_node/intended_state.py), so an old snapshot cannot undo an ack.
     acked_seq: U63 = 0
+    # The sleep tags ("weights", "kv_cache") asleep: sleep() puts both to sleep,
+    # wake_up(tags) wakes them one by one; `sleeping` stays the level until none
+    # is asleep. A peer from before tags leaves it empty: the head then reads
+    # `sleeping` > 0 as every tag asleep.
+    asleep: Ids = []
 
 
 # ------------------------------------------------------ weight socket (zmq)

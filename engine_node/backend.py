@@ -209,10 +209,17 @@ class Backend(Protocol):
     def thaw(self, seq_ids: Iterable[str]) -> BackendOp: ...
 
     def sleep(self, level: int) -> BackendOp:
-        """Only with no sequence held (the node parks them first)."""
+        """Only with no sequence held (the node parks them first). Puts both
+        tags ("weights", "kv_cache") to sleep, a half-awake backend's too; the
+        result's "weights": "discarded" (level 2) tells the node the woken
+        weights are a new weight state."""
         ...
 
-    def wake_up(self, tags: list[str] | None) -> BackendOp: ...
+    def wake_up(self, tags: list[str] | None) -> BackendOp:
+        """Wake `tags` (None: both), in any order and split; a tag awake already
+        is a no-op. The node's gate stays closed until no tag sleeps, and weight
+        updates come only while the weights are awake."""
+        ...
 
     def reset_prefix_cache(self) -> BackendOp: ...
 

@@ -33,7 +33,11 @@ Hazards this module owns:
   what it had), and every later chunk carries the count;
 - keep-mode pause on a backend that can only freeze everything ("all") parks
   the LoRA subset instead;
-- chunk timestamps and deadlines use the times given by the last clock event.
+- chunk timestamps and deadlines use the times given by the last clock event;
+- sleep by tags (SLEEP_TAGS): sleep() closes the SLEEP_SCOPE gate and puts every
+  tag to sleep; wake_up(tags) wakes some, in any order and split, and the gate
+  opens only once none sleeps (any wake_up opens a gate a failed sleep left
+  closed). weight_update.py refuses model updates while "weights" sleeps.
 """
 
 from __future__ import annotations
@@ -57,6 +61,21 @@ from engine_node.seeding import SeedStream, request_seed
 
 ALL = "*"
 SLEEP_SCOPE = "__sleep__"  # the gate scope sleep() closes
+# What sleep() puts to sleep and wake_up(tags) wakes, one by one (vLLM's tags).
+SLEEP_TAGS: tuple[str, ...] = ("weights", "kv_cache")
+
+
+def wake_tags(tags: list[str] | None) -> frozenset[str]:
+    """The tags a wake_up names (None: all); unknown ones are a BadRequest
+    naming `tags` (the head runs the same check: router_node/intended_state.py)."""
+    if tags is None:
+        return frozenset(SLEEP_TAGS)
+    unknown = sorted(set(tags) - set(SLEEP_TAGS))
+    if unknown:
+        raise BadRequest(f"unknown wake_up tags {unknown}; choose from {list(SLEEP_TAGS)}", field="tags")
+    return frozenset(tags)
+
+
 _CLIENT_FINISH = frozenset({"stop", "length"})  # "cancelled" comes from the node itself
 _MAX_RESUBMITS = 64  # a sample the backend keeps aborting on its own ends in an Error
 DEFERRED = object()  # a control result: "the core acks it later" (pause(wait))
@@ -107,7 +126,9 @@ class RequestCore:
         self.pauses: dict[str, str] = {}  # scope ("*", LoRA name, SLEEP_SCOPE) -> mode
         self.weight_version = 0
         self.config_epoch = 0
-        self.sleep_level = 0
+        self.sleep_level = 0  # the level of the last sleep while any tag is asleep, else 0
+        # Tags asleep (SLEEP_TAGS); the SLEEP_SCOPE gate stays closed until none is.
+        self.asleep: set[str] = set()
         self.steps = 0
         self.tokens_out = 0
         self._weights_discarded = False
@@ -269,6 +290,7 @@ class RequestCore:
             "paused": sorted(self.pauses),
             "steps": self.steps,
             "sleeping": self.sleep_level,
+            "asleep": sorted(self.asleep),
             "tokens_out": self.tokens_out,
             "config_epoch": self.config_epoch,
         }
@@ -623,6 +645,8 @@ class RequestCore:
         return P.IsPausedResult(paused=paused, scopes=sorted(self.pauses))
 
     def sleep(self, op: P.Sleep, seq: int) -> Any:
+        """Every tag goes to sleep (a sleep of a half-awake engine too): the gate
+        closes at once and stays closed until wake_up(s) woke every tag."""
         if op.level not in (1, 2):
             raise BadRequest(f"sleep level must be 1 or 2, got {op.level}", field="level")
         self.pauses[SLEEP_SCOPE] = "abort"
@@ -631,17 +655,21 @@ class RequestCore:
 
         def then(res: dict[str, Any]) -> P.SleepResult:
             self.sleep_level = op.level
+            self.asleep = set(SLEEP_TAGS)
             self._weights_discarded = res.get("weights") == "discarded"
             return P.SleepResult(level=op.level, parked=parked, seconds=round(self.now - t0, 4), detail=dict(res))
 
         return Pending(self.backend.sleep(op.level), then)
 
     def wake_up(self, op: P.WakeUp, seq: int) -> Any:
+        """Wake the named tags (None: all), in any order and split; a tag already
+        awake is a no-op. The engine serves again once no tag is asleep."""
+        wanted = wake_tags(op.tags)
         t0 = self.now
 
         def then(res: dict[str, Any]) -> P.WakeUpResult:
             reloaded = False
-            if self._weights_discarded and (op.tags is None or "weights" in op.tags):
+            if self._weights_discarded and "weights" in wanted:
                 # Level 2 dropped the weights; the checkpoint came back. That is a
                 # different weight state from any pushed version: tokens from now
                 # on carry a new version, never the old one.
@@ -650,8 +678,11 @@ class RequestCore:
                 self.config_epoch += 1
                 reloaded = True
                 res = {**res, "restarted": self._enforce_staleness()}
+            self.asleep -= wanted
             resumed = 0
-            if op.tags is None or {"weights", "kv_cache"} <= set(op.tags):
+            if not self.asleep:
+                # Also after a failed sleep (gate closed, nothing asleep): any
+                # wake_up opens the gate.
                 self.sleep_level = 0
                 self.pauses.pop(SLEEP_SCOPE, None)
                 # thaw cannot be needed here: sleep parked everything
@@ -663,10 +694,15 @@ class RequestCore:
                 resumed=resumed,
                 seconds=round(self.now - t0, 4),
                 weights_reloaded_from_checkpoint=reloaded,
-                detail=dict(res),
+                detail={**res, "woken": sorted(wanted), "asleep": sorted(self.asleep)},
             )
 
-        return Pending(self.backend.wake_up(op.tags), then)
+        return Pending(self.backend.wake_up(None if op.tags is None else sorted(wanted)), then)
+
+    def weights_asleep(self) -> bool:
+        """A weight update must not write into weights that sleep offloaded or
+        discarded (vLLM unmaps that memory): wake_up(['weights']) first."""
+        return "weights" in self.asleep
 
     def reset_prefix_cache(self, op: P.ResetPrefixCache, seq: int) -> Any:
         return Pending(self.backend.reset_prefix_cache(), lambda r: P.ResetPrefixCacheResult(detail=dict(r)))

@@ -47,7 +47,7 @@ import enum
 from typing import Any
 
 from bus import protocol as P
-from bus.errors import BadRequest
+from bus.errors import BackendRefused, BadRequest
 from bus.tensors import first_nonfinite, unpack_bucket
 from engine_node.backend import BackendError, BackendOp
 from engine_node.core import DEFERRED, Pending, RequestCore
@@ -161,6 +161,14 @@ class WeightUpdates:
     # ------------------------------------------------------------ ops
 
     def begin(self, op: P.BeginWeightUpdate, seq: int = 0) -> Any:
+        if op.target == "model" and self.core.weights_asleep():
+            # Offloaded or discarded weights (vLLM has unmapped that memory);
+            # refused before anything changes, an open update included.
+            raise BackendRefused(
+                f"the weights of {self.engine_id} are asleep (sleep level {self.core.sleep_level}): "
+                "wake_up(tags=['weights']) before a weight update",
+                field="target",
+            )
         if self.current is not None:
             self._abort("superseded by update " + op.update_id)
         if op.senders < 1:
@@ -385,6 +393,14 @@ class WeightUpdates:
             why = up.incomplete() or f"it is {up.phase.value}, not prepared"
             self._abort("commit before prepare")
             raise BackendError(f"update {op.update_id} cannot commit: {why}", field="update_id")
+        if up.is_model and self.core.weights_asleep():
+            # A sleep came between begin and commit: nothing written, update over.
+            self._abort("weights went to sleep before the commit")
+            raise BackendRefused(
+                f"update {op.update_id} cannot commit: the weights of {self.engine_id} went to sleep "
+                "after its begin; wake_up(tags=['weights']) and send it again",
+                field="target",
+            )
         up.to(Phase.COMMITTING)
         t0 = self.core.now
         if up.is_model:

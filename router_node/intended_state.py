@@ -1,11 +1,13 @@
 """The cluster's intended control state and its reconciliation — no I/O.
 
 The head owns what every engine *should* be: its paused scopes ("*" or LoRA
-names) and its sleep level. Control ops change it when they are issued (a
-cluster-wide op changes the cluster default and every engine; a targeted op
-only its targets); acks and heartbeats tell what each engine *is*. An engine
-whose known state differs from its intended state, with no op on its way that
-would settle it, is *converging*: not routable, not healthy, and the head sends
+names), its sleep level and which sleep tags ("weights", "kv_cache") are
+asleep (sleep() puts both to sleep; wake_up(tags) wakes them one by one, in
+any order). Control ops change it when they are issued (a cluster-wide op
+changes the cluster default and every engine; a targeted op only its
+targets); acks and heartbeats tell what each engine *is*. An engine whose
+known state differs from its intended state, with no op on its way that would
+settle it, is *converging*: not routable, not healthy, and the head sends
 it one corrective op (Resume / Pause(scope) / Sleep / WakeUp) at a time, under
 `converge_timeout_s`, re-checking after each. That is how an engine that
 missed an op (frozen, partitioned, restarted) is brought back before it gets
@@ -45,8 +47,10 @@ from bus.errors import BadRequest
 
 ALL = "*"
 # engine_node/core.py's gate scope for sleep(): heartbeats list it in `paused`
-# from the moment a sleep starts until a full wake_up (a failed sleep leaves it).
+# from the moment a sleep starts until no tag is asleep (a failed sleep leaves it
+# closed with no tag asleep: any wake_up opens it).
 SLEEP_SCOPE = "__sleep__"
+SLEEP_TAGS = frozenset({"weights", "kv_cache"})  # engine_node/core.py's SLEEP_TAGS
 # Ack codes of an op refused before it changed anything on the engine.
 REFUSED = frozenset({"bad_request", "unsupported", "backend_refused"})
 STATE_OPS = (P.Pause, P.Resume, P.Sleep, P.WakeUp)
@@ -63,20 +67,27 @@ def check(op: Any, request_id: str | None = None) -> None:
         )
     if isinstance(op, P.Sleep) and op.level not in (1, 2):
         raise BadRequest(f"sleep level must be 1 or 2, got {op.level}", request_id=request_id, field="level")
+    if isinstance(op, P.WakeUp) and op.tags is not None:
+        unknown = sorted(set(op.tags) - SLEEP_TAGS)
+        if unknown:
+            raise BadRequest(
+                f"unknown wake_up tags {unknown}; choose from {sorted(SLEEP_TAGS)}", request_id=request_id, field="tags"
+            )
 
 
-def full_wake(op: P.WakeUp) -> bool:
-    """Mirrors engine_node/core.py: only a wake_up of weights and KV cache ends sleep."""
-    return op.tags is None or {"weights", "kv_cache"} <= set(op.tags)
+def woken(op: P.WakeUp) -> frozenset[str]:
+    """The tags a wake_up wakes (None: all), as engine_node/core.py reads it."""
+    return SLEEP_TAGS if op.tags is None else frozenset(op.tags) & SLEEP_TAGS
 
 
 @dataclasses.dataclass
 class Intent:
     paused: dict[str, P.Pause] = dataclasses.field(default_factory=dict)  # scope -> the op that paused it
-    sleep: int = 0  # level, 0 awake
+    sleep: int = 0  # level of the last sleep while any tag is asleep, 0 awake
+    asleep: frozenset[str] = frozenset()  # the tags that should be asleep
 
     def copy(self) -> Intent:
-        return Intent(dict(self.paused), self.sleep)
+        return Intent(dict(self.paused), self.sleep, self.asleep)
 
     def apply(self, op: Any) -> None:
         if isinstance(op, P.Pause):
@@ -87,12 +98,14 @@ class Intent:
             else:
                 self.paused.pop(op.lora, None)
         elif isinstance(op, P.Sleep):
-            self.sleep = op.level
-        elif isinstance(op, P.WakeUp) and full_wake(op):
-            self.sleep = 0
+            self.sleep, self.asleep = op.level, SLEEP_TAGS
+        elif isinstance(op, P.WakeUp):
+            self.asleep = self.asleep - woken(op)
+            if not self.asleep:
+                self.sleep = 0
 
     def describe(self) -> dict[str, Any]:
-        return {"paused": sorted(self.paused), "sleeping": self.sleep}
+        return {"paused": sorted(self.paused), "sleeping": self.sleep, "asleep": sorted(self.asleep)}
 
 
 @dataclasses.dataclass
@@ -103,6 +116,7 @@ class Known:
     sleeping: int = 0  # sleep level (Heartbeat.sleeping)
     valid: bool = False  # False: wait for a heartbeat newer than `seq`
     seq: int = 0
+    tags: frozenset[str] = frozenset()  # sleep tags asleep (Heartbeat.asleep)
 
     @property
     def paused(self) -> frozenset[str]:
@@ -110,7 +124,8 @@ class Known:
 
     @property
     def asleep(self) -> bool:
-        return self.sleeping > 0 or SLEEP_SCOPE in self.gate
+        """Gated by sleep: some tag asleep, or a failed sleep's gate left closed."""
+        return self.sleeping > 0 or SLEEP_SCOPE in self.gate or bool(self.tags)
 
 
 @dataclasses.dataclass
@@ -152,6 +167,8 @@ class IntendedState:
         ops: list[Any] = list(it.paused.values())
         if it.sleep:
             ops.append(P.Sleep(level=it.sleep))
+            if it.asleep != SLEEP_TAGS:  # the cluster is half-awake: wake what it woke
+                ops.append(P.WakeUp(tags=sorted(SLEEP_TAGS - it.asleep)))
         return ops
 
     # ------------------------------------------------------------ ops
@@ -236,8 +253,8 @@ class IntendedState:
         after = before.copy()
         after.apply(op)
         if isinstance(op, (P.Sleep, P.WakeUp)):
-            if intent.sleep == after.sleep:
-                intent.sleep = before.sleep
+            if (intent.sleep, intent.asleep) == (after.sleep, after.asleep):
+                intent.sleep, intent.asleep = before.sleep, before.asleep
         elif intent.paused == after.paused:
             intent.paused = dict(before.paused)
 
@@ -246,7 +263,7 @@ class IntendedState:
         if isinstance(op, P.Pause) and intent.paused.get(op.lora or ALL) is op:
             del intent.paused[op.lora or ALL]
         elif isinstance(op, P.Sleep) and intent.sleep == op.level:
-            intent.sleep = 0
+            intent.sleep, intent.asleep = 0, frozenset()
 
     @staticmethod
     def _learn(k: Known, op: Any, result: Any) -> None:
@@ -255,22 +272,26 @@ class IntendedState:
             # the whole gate after it: sleep's scope stays closed while asleep
             k.gate = frozenset(result.still_paused)
             if SLEEP_SCOPE not in k.gate:  # awake: the whole state is known now
-                k.sleeping, k.valid = 0, True
+                k.sleeping, k.tags, k.valid = 0, frozenset(), True
             return
         if not k.valid:
             return  # the rest are deltas on a state we do not know
         if isinstance(op, P.Pause) and isinstance(result, P.PauseResult):
             k.gate = k.gate | {result.scope or op.lora or ALL}
         elif isinstance(op, P.Sleep):
-            k.gate, k.sleeping = k.gate | {SLEEP_SCOPE}, op.level
-        elif isinstance(op, P.WakeUp) and full_wake(op):
-            k.gate, k.sleeping = k.gate - {SLEEP_SCOPE}, 0
+            k.gate, k.sleeping, k.tags = k.gate | {SLEEP_SCOPE}, op.level, SLEEP_TAGS
+        elif isinstance(op, P.WakeUp):
+            k.tags = k.tags - woken(op)
+            if not k.tags:  # the engine's gate opens once no tag is asleep (core.wake_up)
+                k.gate, k.sleeping = k.gate - {SLEEP_SCOPE}, 0
 
     def heartbeat(self, engine_id: str, hb: P.Heartbeat) -> None:
         v = self.engines.get(engine_id)
         if v is None or hb.acked_seq < v.known.seq:
             return  # a snapshot from before an ack the head already has
-        v.known = Known(gate=frozenset(hb.paused), sleeping=hb.sleeping, valid=True, seq=v.known.seq)
+        # A peer from before tags sends no `asleep`: sleeping > 0 means every tag.
+        tags = frozenset(hb.asleep) & SLEEP_TAGS if hb.asleep else (SLEEP_TAGS if hb.sleeping else frozenset())
+        v.known = Known(gate=frozenset(hb.paused), sleeping=hb.sleeping, valid=True, seq=v.known.seq, tags=tags)
 
     # ------------------------------------------------------------ reconcile
 
@@ -301,8 +322,9 @@ class IntendedState:
             return None
         want, have = v.intent, k
         v.converging = (
-            f"converging: reports paused={sorted(have.paused)} asleep={have.asleep}, the cluster intends "
-            f"paused={sorted(want.paused)} asleep={bool(want.sleep)}"
+            f"converging: reports paused={sorted(have.paused)} asleep={sorted(have.tags)}"
+            + (" (sleep gate closed)" if have.asleep and not have.tags else "")
+            + f", the cluster intends paused={sorted(want.paused)} asleep={sorted(want.asleep)}"
             + (f"; last try: {v.last_error}" if v.last_error else "")
             + f"; sending {P.OP_NAMES[type(op)]}"
         )
@@ -313,7 +335,11 @@ class IntendedState:
 
     @staticmethod
     def correction(want: Intent, have: Known) -> Any | None:
-        """One op that moves `have` toward `want` (resumes, then pauses, then sleep)."""
+        """One op that moves `have` toward `want` (resumes, then pauses, then
+        sleep tags: a tag that should sleep but is awake needs a Sleep, which
+        puts every tag to sleep; tags asleep that should be awake get a WakeUp
+        of just those, or a plain WakeUp when nothing should sleep, which also
+        opens a gate a failed sleep left closed)."""
         extra = sorted(have.paused - set(want.paused))
         if extra:
             if not want.paused:
@@ -322,10 +348,12 @@ class IntendedState:
             return P.Resume(lora=extra[0])
         for scope in sorted(set(want.paused) - have.paused):
             return want.paused[scope]
-        if want.sleep and not have.asleep:
-            return P.Sleep(level=want.sleep)
-        if not want.sleep and have.asleep:
+        if want.asleep - have.tags:
+            return P.Sleep(level=want.sleep or 1)
+        if not want.asleep and have.asleep:
             return P.WakeUp()
+        if have.tags - want.asleep:
+            return P.WakeUp(tags=sorted(have.tags - want.asleep))
         return None
 
     def describe(self, engine_id: str) -> dict[str, Any]:
@@ -339,4 +367,5 @@ class IntendedState:
         }
         if v.known.valid:  # newer than the last heartbeat when an ack told it
             out["paused"], out["sleeping"] = sorted(v.known.gate), v.known.sleeping
+            out["asleep"] = sorted(v.known.tags)
         return out

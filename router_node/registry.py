@@ -144,6 +144,7 @@ class EngineEntry:
             "weight_version": self.weight_version,
             "paused": list(hb.paused) if hb else [],
             "sleeping": hb.sleeping if hb else 0,
+            "asleep": list(hb.asleep) if hb else [],  # sleep tags asleep ("weights", "kv_cache")
             "steps": hb.steps if hb else 0,
             "tokens_out": hb.tokens_out if hb else 0,
             "busy": hb.busy if hb else "",

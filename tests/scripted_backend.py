@@ -63,6 +63,7 @@ class ScriptedBackend:
         self.seqs: dict[str, _Seq] = {}
         self.loras_loaded: set[str] = {"a", "b"}
         self.sleeping = 0
+        self.asleep: set[str] = set()
         self.staged: dict[int, bytes] = {}
         self.rng = random.Random(seed)
         self.commits = 0
@@ -193,11 +194,15 @@ class ScriptedBackend:
         if self.seqs:
             return BackendOp.failed("sleep", BackendError(f"cannot sleep with {len(self.seqs)} sequences held"))
         self.sleeping = level
+        self.asleep = {"weights", "kv_cache"}
         return BackendOp.done("sleep", {"weights": "discarded" if level == 2 else "kept"})
 
     def wake_up(self, tags: list[str] | None) -> BackendOp:
-        self.sleeping = 0
-        return BackendOp.done("wake_up")
+        # Per tag, as the real backends: add() is refused until every tag is awake.
+        self.asleep -= {"weights", "kv_cache"} if tags is None else set(tags)
+        if not self.asleep:
+            self.sleeping = 0
+        return BackendOp.done("wake_up", {"sleeping": sorted(self.asleep)})
 
     def reset_prefix_cache(self) -> BackendOp:
         return BackendOp.done("reset_prefix_cache")

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from bus import protocol as P
 from bus.errors import ControlError, RequestTimeout
-from router_node.intended_state import ALL, SLEEP_SCOPE, IntendedState, full_wake
+from router_node.intended_state import ALL, SLEEP_SCOPE, SLEEP_TAGS, IntendedState
 from tests.cluster import Cluster, live_children, wait_until
 
 NULL = "bench.null_backend:make_backend"
@@ -34,12 +34,16 @@ NULL_OPTIONS = {"tokens_per_step": 1, "step_delay_s": 0.005}  # a few ms per tok
 
 
 class SimEngine:
-    """engine_node/core.py's gate semantics, and the node's ack / snapshot order."""
+    """engine_node/core.py's gate semantics (sleep tags woken one by one), and
+    the node's ack / snapshot order. `legacy`: heartbeats of a peer from before
+    tags (no `asleep` field)."""
 
-    def __init__(self) -> None:
+    def __init__(self, legacy: bool = False) -> None:
         self.gate: set[str] = set()
         self.sleeping = 0
+        self.asleep: set[str] = set()
         self.acked_seq = 0
+        self.legacy = legacy
 
     def run(self, seq: int, op: Any) -> P.Ack:
         self.acked_seq = max(self.acked_seq, seq)
@@ -57,25 +61,35 @@ class SimEngine:
         if isinstance(op, P.Sleep):
             self.gate.add(SLEEP_SCOPE)
             self.sleeping = op.level
+            self.asleep = set(SLEEP_TAGS)
             return P.Ack(seq=seq, engine_id="e", result=P.SleepResult(level=op.level))
         assert isinstance(op, P.WakeUp)
-        if full_wake(op):
+        tags = set(SLEEP_TAGS) if op.tags is None else set(op.tags)
+        if tags - SLEEP_TAGS:
+            return P.Ack(seq=seq, engine_id="e", ok=False, code="bad_request", error="tags", field="tags")
+        self.asleep -= tags
+        if not self.asleep:
             self.gate.discard(SLEEP_SCOPE)
             self.sleeping = 0
         return P.Ack(seq=seq, engine_id="e", result=P.WakeUpResult())
 
     def snapshot(self) -> P.Heartbeat:
         return P.Heartbeat(
-            engine_id="e", incarnation="i", paused=sorted(self.gate), sleeping=self.sleeping, acked_seq=self.acked_seq
+            engine_id="e",
+            incarnation="i",
+            paused=sorted(self.gate),
+            sleeping=self.sleeping,
+            acked_seq=self.acked_seq,
+            asleep=[] if self.legacy else sorted(self.asleep),
         )
 
 
 class Harness:
     """The head's side as router_node/control.py drives it, over a lossy channel."""
 
-    def __init__(self) -> None:
+    def __init__(self, legacy: bool = False) -> None:
         self.st = IntendedState(retry_s=0.0)
-        self.eng = SimEngine()
+        self.eng = SimEngine(legacy)
         self.st.add("e")
         self.seq = 0
         self.commands: list[tuple[int, Any]] = []  # published, not yet run by the engine
@@ -157,6 +171,11 @@ CLIENT_OPS = st.sampled_from(
         P.Sleep(level=2),
         P.WakeUp(),
         P.WakeUp(tags=["weights"]),
+        P.WakeUp(tags=["kv_cache"]),
+        P.WakeUp(tags=["kv_cache"]),
+        P.WakeUp(tags=["weights", "kv_cache"]),
+        P.WakeUp(tags=[]),
+        P.WakeUp(tags=["bogus"]),  # refused by the engine: never the intent
     ]
 )
 STEPS = st.one_of(
@@ -169,7 +188,24 @@ STEPS = st.one_of(
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(STEPS, max_size=60))
 def test_the_reconciler_converges_and_never_flaps(steps):
-    h = Harness()
+    _converges_and_never_flaps(Harness(), steps)
+
+
+def test_a_heartbeat_without_tags_reads_sleeping_as_every_tag_asleep():
+    """A peer from before tags sends no `asleep`: `sleeping` > 0 is every tag."""
+    h = Harness(legacy=True)
+    h.client(P.Sleep(level=1), targeted=False, lost=True)  # the engine missed it
+    h.eng.gate.add(SLEEP_SCOPE)
+    h.eng.sleeping = 1
+    h.eng.asleep = set(SLEEP_TAGS)
+    h.expire()
+    h.snapshot()
+    h.st.heartbeat("e", h.snapshots[-1])
+    assert h.st.engines["e"].known.tags == SLEEP_TAGS
+    assert h.st.correction(h.st.engines["e"].intent, h.st.engines["e"].known) is None
+
+
+def _converges_and_never_flaps(h: Harness, steps: list) -> None:
     for step in steps:
         kind = step[0]
         if kind == "client":
@@ -188,6 +224,9 @@ def test_the_reconciler_converges_and_never_flaps(steps):
     # the engine is where the last client op put it (a refused op changes nothing)
     assert h.eng.gate - {SLEEP_SCOPE} == set(v.intent.paused)
     assert (h.eng.sleeping > 0 or SLEEP_SCOPE in h.eng.gate) == bool(v.intent.sleep)
+    # per tag: the engine sleeps exactly the tags the head intends
+    assert h.eng.asleep == set(v.intent.asleep)
+    assert (SLEEP_SCOPE in h.eng.gate) == bool(v.intent.asleep)
     # converged: old snapshots, replayed in any order, never make it flap
     n = h.corrections
     for old in reversed(h.snapshots):
@@ -308,7 +347,8 @@ class Watch:
             want = e["intended"]
             have = [s for s in e["paused"] if s != SLEEP_SCOPE]
             asleep = e["sleeping"] > 0 or SLEEP_SCOPE in e["paused"]
-            if e["healthy"] and (have != want["paused"] or asleep != bool(want["sleeping"])):
+            tags_off = e["asleep"] != want["asleep"]
+            if e["healthy"] and (have != want["paused"] or asleep != bool(want["sleeping"]) or tags_off):
                 self.violations.append({"engine": eid, **e})
 
     def summary(self) -> list[tuple[Any, ...]]:
@@ -411,6 +451,27 @@ def test_sleep_and_wake_up_missed(cl):
     assert w.close() == [], w.summary()
 
 
+def test_a_missed_partial_wake_converges_per_tag(cl):
+    """SkyRL's order with an engine frozen through wake_up(['weights']): it
+    comes back fully asleep and is brought to the cluster's tags (weights
+    awake, KV cache asleep), then wakes with the cluster's last wake."""
+    c = cl.client(control_timeout_s=1.0, timeout_s=10)
+    w = Watch(cl)
+    with w.during():
+        c.sleep(1)
+    frozen_through(cl, w, "e1", lambda: c.wake_up(tags=["weights"]))
+    cl.kill("e1", signal.SIGCONT)
+
+    wait_until(lambda: c.health()["engines"]["e1"]["asleep"] == ["kv_cache"], 10, "e1 to wake its weights")
+    assert c.health()["engines"]["e0"]["asleep"] == ["kv_cache"]
+    assert c.health()["engines"]["e1"]["corrections"] >= 1
+    with w.during():
+        c.wake_up(tags=["kv_cache"])
+    wait_until(lambda: converged(c, "e1", []) and converged(c, "e0", []), 10, "both awake")
+    serves(c, "e1")
+    assert w.close() == [], w.summary()
+
+
 def test_a_lora_scoped_pause_missed(cl):
     c = cl.client(control_timeout_s=1.0, timeout_s=10)
     w = Watch(cl)
@@ -450,3 +511,25 @@ def test_an_engine_restarted_while_the_cluster_is_paused_comes_up_paused(cluster
     wait_until(lambda: converged(c, "e1", []) and converged(c, "e0", []), 10, "both engines to resume")
     serves(c, "e1")
     assert w.close() == [], w.summary()
+
+
+def test_a_half_awake_cluster_brings_a_new_or_awake_engine_to_the_same_tags():
+    """SkyRL's order leaves the cluster with weights awake and the KV cache
+    asleep: an engine that joins then (or reports itself fully awake) is put
+    to sleep and its weights woken, never left gated or serving."""
+    st_ = IntendedState(retry_s=0.0)
+    st_.issued(P.Sleep(level=2), None, 1, set())
+    st_.issued(P.WakeUp(tags=["weights"]), None, 2, set())
+    assert st_.cluster.asleep == {"kv_cache"} and st_.cluster.sleep == 2
+    st_.add("new")
+    assert st_.join_ops("new") == [P.Sleep(level=2), P.WakeUp(tags=["weights"])]
+    # an engine that reports itself awake converges in two corrections
+    h = Harness()
+    h.client(P.Sleep(level=1), targeted=False, lost=True)
+    h.client(P.WakeUp(tags=["weights"]), targeted=False, lost=True)
+    h.settle()
+    assert h.eng.asleep == {"kv_cache"} and SLEEP_SCOPE in h.eng.gate
+    assert h.st.describe("e")["asleep"] == ["kv_cache"]
+    h.client(P.WakeUp(tags=["kv_cache"]), targeted=False, lost=False)
+    h.settle()
+    assert not h.eng.asleep and not h.eng.gate

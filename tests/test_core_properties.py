@@ -14,7 +14,11 @@ Invariants:
   tests/scripted_backend.py);
 - max_tokens is never exceeded;
 - no step emits tokens for a sample whose scope is paused in keep/abort mode
-  (or while the engine sleeps);
+  (or while any sleep tag is asleep: wakes split by tags, in any order, end
+  sleep only once every tag is awake);
+- a weight update while the weights tag sleeps is refused before anything
+  changes (old weights and version kept); once the weights woke it commits,
+  also while the KV cache still sleeps;
 - weight versions on a sample's chunks never go backwards;
 - staleness bound (max_staleness = k): after every weight update, no live
   sample of such a request holds a token (core state, and what a stream
@@ -38,7 +42,7 @@ from hypothesis import strategies as st
 
 from bus import protocol as P
 from bus.codec import split_chunks
-from engine_node.core import ALL, DEFERRED, Pending, RequestCore
+from engine_node.core import ALL, DEFERRED, SLEEP_SCOPE, Pending, RequestCore
 from engine_node.weight_update import WeightUpdates
 from tests.scripted_backend import EOS, ScriptedBackend, expected_token
 
@@ -78,7 +82,8 @@ class Harness:
         # (client, rid) -> record
         self.reqs: dict[tuple[bytes, str], dict[str, Any]] = {}
         self.pauses: dict[str, str] = {}  # what the test believes is paused (scope -> mode)
-        self.sleeping = False
+        self.sleeping = False  # any tag asleep
+        self.asleep: set[str] = set()
         self.acks: dict[int, tuple] = {}
 
     # ------------------------------------------------------------ plumbing
@@ -266,12 +271,18 @@ class Harness:
     def sleep(self, level: int) -> None:
         self.control(self.core.sleep, P.Sleep(level=level))
         self.sleeping = True
+        self.asleep = {"weights", "kv_cache"}
 
-    def wake(self) -> None:
+    def wake(self, tags: list[str] | None = None) -> None:
         before = self.core.weight_version
         restarts_before = self._core_restarts()
-        self.control(self.core.wake_up, P.WakeUp(tags=None))
-        self.sleeping = False
+        res = self.control(self.core.wake_up, P.WakeUp(tags=tags))
+        assert isinstance(res, P.WakeUpResult), res
+        self.asleep -= {"weights", "kv_cache"} if tags is None else set(tags)
+        self.sleeping = bool(self.asleep)
+        assert self.core.asleep == self.asleep, (self.core.asleep, self.asleep)
+        assert (SLEEP_SCOPE in self.core.pauses) == self.sleeping, "the sleep gate follows the tags"
+        assert (self.core.sleep_level > 0) == self.sleeping
         assert self.core.weight_version >= before
         self._after_weights_changed(restarts_before)
 
@@ -283,6 +294,12 @@ class Harness:
         before = self.core.weight_version
         restarts_before = self._core_restarts()
         meta = P.TensorMeta("w", "float32", [1], 0, 0, 4)
+        if "weights" in self.asleep:
+            n = len(self.acks)
+            assert self.control(self.updates.begin, P.BeginWeightUpdate(uid, "zmq", [meta], [4])) is None
+            assert len(self.acks) == n + 1 and "asleep" in self.acks[self.seq][1], "refused, naming why"
+            assert self.core.weight_version == before and self.updates.current is None
+            return
         self.control(self.updates.begin, P.BeginWeightUpdate(uid, "zmq", [meta], [4]))
         self.updates.on_bucket(uid, 0, memoryview(b"\0\0\0\0"))
         self.control(self.updates.prepare, P.PrepareWeights(uid))
@@ -388,6 +405,10 @@ EVENTS = st.one_of(
     st.tuples(st.just("update"), st.sampled_from([None, None, 2])),
     st.tuples(st.just("sleep"), st.integers(1, 2)),
     st.tuples(st.just("wake")),
+    st.tuples(
+        st.just("wake"),
+        st.sampled_from([["weights"], ["kv_cache"], ["weights", "kv_cache"], ["kv_cache", "weights"], []]),
+    ),
     st.tuples(st.just("fault"), st.sampled_from(["abort", "abort", "error"]), st.integers(0, 50)),
     st.tuples(st.just("advance"), st.sampled_from([1, 2, 5])),
 )

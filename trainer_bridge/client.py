@@ -606,9 +606,14 @@ class AsyncClient:
             await self.resume(lora=lora)
 
     async def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Put both tags ("weights", "kv_cache") to sleep on every engine (1:
+        offload the weights, 2: discard them); {engine_id: SleepResult}."""
         return await self.control(P.Sleep(level=level))
 
     async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Wake `tags` (None: both) in any order and split, e.g. ["weights"],
+        a weight update, then ["kv_cache"]; requests run once no tag sleeps.
+        {engine_id: WakeUpResult} (`detail["asleep"]`: the tags still asleep)."""
         return await self.control(P.WakeUp(tags=tags))
 
     async def reset_prefix_cache(self) -> dict[str, Any]:
@@ -986,7 +991,8 @@ class Client:
         return self._call(self._aclient.sleep(level))
 
     def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
-        """Restore memory (`tags`: "weights", "kv_cache"; None: both) and resume."""
+        """Restore memory by tag ("weights", "kv_cache"; None: both), in any order
+        and split; requests run again once no tag is asleep. Per engine results."""
         return self._call(self._aclient.wake_up(tags))
 
     def reset_prefix_cache(self) -> dict[str, Any]:

@@ -256,6 +256,7 @@ class TorchBackend:
         self._weights_where = "device"  # "device" | "host" (offloaded) | "discarded"
         self._closed = False
         self._steps = 0
+        self._prefills = 0  # sequences whose prompt went through the model (stats: keep-mode evidence)
         self._op_timeout_s = float(op_timeout_s)
         self._fault_delay = {str(k): float(v) for k, v in (fault_op_delay_s or {}).items()}
         self._model_lock = threading.Lock()
@@ -380,6 +381,8 @@ class TorchBackend:
         req = s.req
         p = req.params
         plp = None
+        if s.cache is None:
+            self._prefills += 1  # a prefill: a re-submitted (parked) sequence counts again
         if s.cache is None and req.prompt_logprobs is not None:
             full = self._forward(s, all_logits=True)
             plp = SF.prompt_logprobs(full, req.prompt, req.prompt_logprobs)
@@ -757,6 +760,7 @@ class TorchBackend:
             "running": sum(1 for s in self._seqs.values() if not s.frozen),
             "frozen": sum(1 for s in self._seqs.values() if s.frozen),
             "steps": self._steps,
+            "prefills": self._prefills,
             "device": str(self.device),
             "dtype": _dtype_name(self.dtype),
             "params": self._num_params,

@@ -188,10 +188,23 @@ class VllmBackend:
         self._seq_of: dict[str, str] = {}  # request id -> seq id (live in the engine)
         self._rid_of: dict[str, str] = {}  # seq id -> request id
         self._n = 0
+        self._aborted = 0
         self._out = OutputBuffer()
         self._frozen: set[str] = set()
         self._paused = False  # the scheduler is paused (keep) by us
-        self._sleep_level = 0
+        self._sleep_level = 0  # the last sleep's level while any tag is asleep
+        # Sleep tags asleep, as vLLM's executor counts them. Changed on the loop
+        # thread when the op is sent (control ops run one at a time), rolled
+        # back by the op's `after` when it fails.
+        self._sleeping: set[str] = set()
+        # After a level-2 sleep, woken weights are mapped memory with undefined
+        # contents (vLLM does not reload them). They become defined by a weight
+        # update that writes every checkpoint tensor, else by vLLM's
+        # reload_weights, sent with the wake_up that ends sleep: lazily, so the
+        # colocated order (wake weights -> full update -> wake KV) never pays a
+        # checkpoint reload from disk.
+        self._weights_stale = False
+        self._buffers_held = False  # vllm_worker_ext holds level-2 buffers (see wake_up)
         self._ops: list[tuple[BackendOp, float]] = []  # pending ops and their timeouts
         # Continuations queued by op callbacks (vLLM's output thread) that must
         # send on the input socket: run by _sweep on the loop thread.
@@ -437,6 +450,7 @@ class VllmBackend:
             if so is not None and so.token_ids:
                 so.finish_reason = None
                 left.append(so)
+        self._aborted += len(rids)
         self._link.abort(rids)
         return left
 
@@ -457,6 +471,12 @@ class VllmBackend:
             **self._out.counters,
             "cpu_placement": self.cpu_placement,
             "sleep_level": self._sleep_level,
+            "sleeping": sorted(self._sleeping),
+            "weights_stale": self._weights_stale,
+            # requests added to / aborted in vLLM: a keep-mode pause changes neither
+            # (a parked sequence is aborted and added again, i.e. re-prefilled)
+            "requests_added": self._n,
+            "requests_aborted": self._aborted,
             "frozen": self._paused,
             "engine_dead": self._link.dead,
             "pending_ops": len(self._ops),
@@ -566,6 +586,14 @@ class VllmBackend:
         level = int(level)
         t0 = time.perf_counter()
         op = BackendOp.pending(f"sleep({level})", self.sleep_timeout_s, "sleep_timeout_s")
+        rewake: list[Any] = []
+        if self._sleeping:
+            # Half awake: vLLM's executor ignores a sleep while any tag sleeps
+            # (the awake ones would stay resident). Wake the rest, then sleep.
+            rewake.append(self._link.utility("wake_up", sorted(self._sleeping)))
+            if self._buffers_held:  # the weights are back: so are their buffers
+                rewake.append(self._link.utility("collective_rpc", "rollout_bus_restore_sleep_buffers", None, (), None))
+                self._buffers_held = False
         # Kept zero-copy IPC maps pin the trainer's memory: a colocated trainer
         # takes the GPU while the engine sleeps, so they go first.
         self._link.utility("collective_rpc", "rollout_bus_drop_maps", None, (), None)
@@ -578,50 +606,97 @@ class VllmBackend:
         # sent only once sleep answered, from the loop thread (see _sweep).
         def measure() -> None:
             try:
+                for f in rewake:
+                    f.result(0)
                 free0 = sum(int(r["gpu_free"]) for r in before.result(0))
                 slept.result(0)
             except Exception as e:
                 _settle(op.future, None, _backend_error(op.what, e))
                 return
             self._sleep_level = level
+            self._sleeping = {"weights", "kv_cache"}
             after = self._link.utility("collective_rpc", "rollout_bus_info", None, (), None)
 
             def done(f: Any) -> None:
                 freed = None if f.exception() else sum(int(r["gpu_free"]) for r in f.result()) - free0
-                _settle(
-                    op.future, {"backend_seconds": round(time.perf_counter() - t0, 4), "gpu_freed_bytes": freed}, None
-                )
+                res = {
+                    "backend_seconds": round(time.perf_counter() - t0, 4),
+                    "gpu_freed_bytes": freed,
+                    # the core's cue: a new weight state (and version) once they wake
+                    "weights": "discarded" if level >= 2 else "offloaded",
+                }
+                _settle(op.future, res, None)
 
             after.add_done_callback(done)
 
         def queue_measure(_f: Any) -> None:  # output thread: no sends here
-            if before.done() and slept.done():
+            if before.done() and slept.done() and all(f.done() for f in rewake):
                 self._later.append(measure)
                 self._link.kick()
 
         before.add_done_callback(queue_measure)
         slept.add_done_callback(queue_measure)
+        for f in rewake:
+            f.add_done_callback(queue_measure)
         return op
 
     def wake_up(self, tags: list[str] | None) -> BackendOp:
+        """Wake the named tags (None: all) that are asleep; the rest are a no-op
+        (vLLM's executor would skip the WHOLE call for one tag already awake).
+        vLLM's core resumes its scheduler once no tag sleeps; a keep-pause of
+        ours survives that."""
         t0 = time.perf_counter()
-        calls: list[tuple[str, tuple]] = [("wake_up", (list(tags) if tags is not None else None,))]
-        full = tags is None or {"weights", "kv_cache"} <= set(tags)
-        if self._sleep_level >= 2 and (tags is None or "weights" in tags):
-            self._weights_epoch += 1  # checkpoint weights come back: a new cache salt
+        wanted = {"weights", "kv_cache"} if tags is None else set(tags)
+        unknown = wanted - {"weights", "kv_cache"}
+        if unknown:
+            return BackendOp.failed("wake_up", BackendError(f"unknown wake_up tags {sorted(unknown)}", field="tags"))
+        to_wake = wanted & self._sleeping
+        if not to_wake:
+            return BackendOp.done("wake_up", {"woken": [], "sleeping": sorted(self._sleeping)})
+        before = (set(self._sleeping), self._weights_stale, self._sleep_level, self._weights_epoch, self._buffers_held)
+        self._sleeping -= to_wake
+        full = not self._sleeping
+        if self._sleep_level >= 2 and "weights" in to_wake:
+            self._weights_stale = True  # mapped again, contents undefined (see __init__)
+            self._weights_epoch += 1  # a new weight state: a new cache salt
+        calls: list[tuple[str, tuple]] = []
+        if self._sleep_level >= 2 and "weights" in self._sleeping:
+            # KV first after level 2: vLLM would restore the saved buffers into
+            # the still-sleeping weights pool (vllm_worker_ext holds them).
+            calls.append(self._rpc("rollout_bus_hold_sleep_buffers", timeout=self.sleep_timeout_s))
+            self._buffers_held = True
+        calls.append(("wake_up", (sorted(to_wake),)))
+        if self._buffers_held and "weights" in to_wake:
+            calls.append(self._rpc("rollout_bus_restore_sleep_buffers", timeout=self.sleep_timeout_s))
+            self._buffers_held = False
+        reload = full and self._weights_stale
+        if reload:
+            # About to serve on weights no update has written: the checkpoint's.
+            calls.append(self._rpc("reload_weights", timeout=self.sleep_timeout_s))
+            self._weights_stale = False
         if full and self._paused:
             # The core resumes its scheduler once fully awake: keep our freeze.
             calls.append(("pause_scheduler", ("keep", False)))
+        if full:
+            self._sleep_level = 0
+        left = sorted(self._sleeping)
 
-        def after(ok: bool) -> None:
-            if ok and full:
-                self._sleep_level = 0
+        def after(ok: bool) -> None:  # output thread: flags only
+            if not ok:
+                (self._sleeping, self._weights_stale, self._sleep_level, self._weights_epoch, self._buffers_held) = (
+                    before
+                )
 
         return self._op(
             "wake_up",
             "sleep_timeout_s",
             calls,
-            lambda rs: {"backend_seconds": round(time.perf_counter() - t0, 4)},
+            lambda rs: {
+                "backend_seconds": round(time.perf_counter() - t0, 4),
+                "woken": sorted(to_wake),
+                "sleeping": left,
+                "reloaded_from_checkpoint": reload,
+            },
             after,
         )
 
@@ -835,6 +910,8 @@ class VllmBackend:
             calls.append(self._rpc("rollout_bus_commit", up.uid, None, opts, timeout=self.weight_timeout_s))
         # The prefix cache is invalidated by a new salt, not a reset (see __init__).
         self._weights_epoch += 1
+        if self._weights_stale and self._ckpt_shapes and set(self._ckpt_shapes) <= {m[0] for m in up.metas}:
+            self._weights_stale = False  # every checkpoint tensor written: no reload needed
 
         def result(rs: list[Any]) -> dict[str, Any]:
             dt = time.perf_counter() - t0

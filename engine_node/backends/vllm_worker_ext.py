@@ -413,6 +413,26 @@ class RolloutBusWorkerExtension:
             "gpu_total": int(total),
         }
 
+    def rollout_bus_hold_sleep_buffers(self) -> int:
+        """A level-2 sleep saved the model's buffers (rotary caches, ...) and
+        vLLM's worker copies them back at the NEXT wake_up, whatever its tags:
+        a wake of kv_cache alone would write them into the weights pool, still
+        unmapped. Called before such a wake: hold them until the weights wake."""
+        saved = getattr(self, "_sleep_saved_buffers", None) or {}
+        self._rb_held_buffers = {**getattr(self, "_rb_held_buffers", {}), **saved}
+        self._sleep_saved_buffers: dict[str, Any] = {}
+        return len(saved)
+
+    def rollout_bus_restore_sleep_buffers(self) -> int:
+        """After the weights woke: put back what rollout_bus_hold_sleep_buffers held."""
+        held = getattr(self, "_rb_held_buffers", None) or {}
+        if held:
+            for name, buf in self._rb_model().named_buffers():
+                if name in held:
+                    buf.data.copy_(held[name].data)
+        self._rb_held_buffers = {}
+        return len(held)
+
     def rollout_bus_begin(self, uid: str, metas: list[Any], sizes: list[int]) -> int:
         st = self._rb()
         st.update(_fresh_state())

@@ -112,6 +112,19 @@ def make_worker():
             self.weights = self.model.weights
             self.shm_seen = []
 
+        _sleep_saved_buffers: dict = {}
+        buffers_restored = 0
+        reloads = 0
+
+        def reload_weights(self):  # vLLM's Worker.reload_weights (from the checkpoint)
+            self.reloads += 1
+
+        def rollout_bus_restore_sleep_buffers(self):
+            n = len(getattr(self, "_rb_held_buffers", None) or {})
+            self.buffers_restored += bool(n)
+            self._rb_held_buffers = {}
+            return n
+
         def rollout_bus_info(self):
             return {"gpu_free": 1000 if not FAKE.sleeping else 5000}
 
@@ -135,6 +148,10 @@ class FakeEngineCoreClient:
         self.salts = []  # cache_salt of every request added, in order
         self.paused = False
         self.sleeping = False
+        self.sleeping_tags = set()
+        self.wakes = []  # tags each wake_up woke
+        self.skipped_wakes = []
+        self.buffers_into_sleeping_weights = 0
         self.loras = {}
         self.worker = make_worker()
         self.calls = []  # utility method names, in order
@@ -241,10 +258,30 @@ class FakeEngineCoreClient:
         self.paused = False
 
     def u_sleep(self, level, mode):
+        if self.sleeping_tags:  # vLLM's executor: "already sleeping", nothing happens
+            self.paused = True
+            return
         self.sleeping, self.paused = True, True
+        self.sleeping_tags = {"weights", "kv_cache"}
+        if level == 2:  # vLLM's worker saves the model's buffers (in the weights pool)
+            self.worker._sleep_saved_buffers = {"rope": "saved"}
 
     def u_wake_up(self, tags):
-        self.sleeping, self.paused = False, False
+        # vLLM 0.24's executor + worker, as far as the backend can tell them apart
+        if tags and any(t not in self.sleeping_tags for t in tags):
+            self.skipped_wakes.append(tags)  # its warning: the WHOLE call is skipped
+            return
+        woken = set(self.sleeping_tags) if tags is None else set(tags)
+        self.sleeping_tags -= woken
+        if self.worker._sleep_saved_buffers:
+            # restored at the next wake, whatever its tags (gpu_worker.wake_up)
+            if "weights" in self.sleeping_tags:
+                self.buffers_into_sleeping_weights += 1
+            self.worker.buffers_restored += 1
+            self.worker._sleep_saved_buffers = {}
+        self.wakes.append(sorted(woken))
+        if not self.sleeping_tags:
+            self.sleeping, self.paused = False, False
 
     def u_reset_prefix_cache(self, a, b):
         return True
@@ -1048,3 +1085,91 @@ def test_cuda_ipc_parts_append_handles_for_the_one_commit_call(be):
     assert up.handles == [b"h0", b"h1"] and up.sizes == s0 + s1
     assert [m[3] for m in up.metas] == [0, 1], "sender 1's bucket follows sender 0's"
     wait(be.abort_weight_update())
+
+
+# ---------------------------------------------------------------- sleep tags (issue 21 §1)
+def test_wake_by_tags_any_order_vllm_calls_and_bookkeeping(be):
+    """Each wake sends only the tags still asleep (vLLM's executor skips the
+    whole call when one is awake); the scheduler resumes only once none is."""
+    for order in ([["weights"], ["kv_cache"]], [["kv_cache"], ["weights"]], [None], [["kv_cache", "weights"]]):
+        wait(be.sleep(1), be=be)
+        assert be.stats()["sleeping"] == ["kv_cache", "weights"]
+        for tags in order:
+            r = wait(be.wake_up(tags), be=be)
+            assert r["woken"] == sorted(tags or ["weights", "kv_cache"])
+        assert be.stats()["sleeping"] == [] and be.stats()["sleep_level"] == 0
+        assert not FAKE.sleeping_tags and not FAKE.paused
+    assert not FAKE.skipped_wakes
+    n = len(FAKE.calls)
+    r = wait(be.wake_up(["weights"]))  # awake already: no call at all
+    assert r["woken"] == [] and len(FAKE.calls) == n
+
+
+def test_partial_wake_keeps_the_scheduler_paused_and_a_keep_pause(be):
+    wait(be.freeze([]))
+    wait(be.sleep(1), be=be)
+    wait(be.wake_up(["weights"]), be=be)
+    assert be.stats()["sleep_level"] == 1 and FAKE.paused
+    assert wait(be.thaw([]))["asleep"] is True  # half awake: still the core's sleep pause
+    wait(be.freeze([]))
+    wait(be.wake_up(["weights", "kv_cache"]), be=be)  # weights awake already: only kv_cache is sent
+    assert FAKE.wakes[-1] == ["kv_cache"] and FAKE.calls[-2:] == ["wake_up", "pause_scheduler"] and FAKE.paused
+    assert not FAKE.skipped_wakes
+
+
+def test_sleep_of_a_half_awake_engine_sleeps_every_tag(be):
+    wait(be.sleep(1), be=be)
+    wait(be.wake_up(["weights"]), be=be)
+    wait(be.sleep(1), be=be)  # vLLM alone would leave the weights resident
+    assert FAKE.wakes[-1] == ["kv_cache"] and FAKE.sleeping_tags == {"weights", "kv_cache"}
+    assert be.stats()["sleeping"] == ["kv_cache", "weights"]
+    wait(be.wake_up(None), be=be)
+    assert not FAKE.sleeping_tags
+
+
+def test_level2_kv_first_holds_the_saved_buffers_until_the_weights_wake(be):
+    r = wait(be.sleep(2), be=be)
+    assert r["weights"] == "discarded"
+    wait(be.wake_up(["kv_cache"]), be=be)
+    assert FAKE.buffers_into_sleeping_weights == 0, "buffers written into the sleeping weights pool"
+    assert FAKE.worker._rb_held_buffers == {"rope": "saved"}
+    r = wait(be.wake_up(["weights"]), be=be)
+    assert FAKE.worker.buffers_restored == 1 and not FAKE.worker._rb_held_buffers
+    # no update wrote the woken weights: the checkpoint's are reloaded before serving
+    assert r["reloaded_from_checkpoint"] is True and FAKE.worker.reloads == 1
+
+
+def test_level2_weights_then_full_update_then_kv_needs_no_reload(be):
+    """SkyRL's order after a level-2 sleep: the update writes every checkpoint
+    tensor, so waking the KV cache serves those weights (no disk reload)."""
+    import torch
+
+    wait(be.sleep(2), be=be)
+    r = wait(be.wake_up(["weights"]), be=be)
+    assert r["reloaded_from_checkpoint"] is False and be.stats()["weights_stale"] is True
+    named = [("w.a", torch.full((4, 4), 2.0)), ("w.b", torch.full((8,), 3.0))]
+    metas, sizes, tensors = plan_buckets(named, bucket_bytes=1 << 10)
+    wait(be.begin_weight_update("u1", "zmq", metas, {"bucket_sizes": sizes}))
+    for b in range(len(sizes)):
+        be.stage_bucket(b, memoryview(pack_bucket(b, metas, sizes, tensors).numpy()))
+    wait(be.commit_weight_update(), be=be)
+    assert be.stats()["weights_stale"] is False
+    r = wait(be.wake_up(["kv_cache"]), be=be)
+    assert r["reloaded_from_checkpoint"] is False and FAKE.worker.reloads == 0
+    assert torch.equal(FAKE.worker.weights["w.a"], named[0][1])
+    assert not FAKE.sleeping_tags and not FAKE.paused
+
+
+def test_level2_partial_update_still_reloads_the_rest(be):
+    import torch
+
+    wait(be.sleep(2), be=be)
+    wait(be.wake_up(["weights"]), be=be)
+    named = [("w.a", torch.full((4, 4), 2.0))]  # w.b never written: still undefined
+    metas, sizes, tensors = plan_buckets(named, bucket_bytes=1 << 10)
+    wait(be.begin_weight_update("u1", "zmq", metas, {"bucket_sizes": sizes}))
+    be.stage_bucket(0, memoryview(pack_bucket(0, metas, sizes, tensors).numpy()))
+    wait(be.commit_weight_update(), be=be)
+    assert be.stats()["weights_stale"] is True
+    r = wait(be.wake_up(["kv_cache"]), be=be)
+    assert r["reloaded_from_checkpoint"] is True and FAKE.worker.reloads == 1
