@@ -41,7 +41,7 @@ from bus import auth
 from bus import protocol as P
 from bus.auth import Gatekeeper, KeyDir
 from bus.codec import Codec
-from bus.endpoint import Endpoint, open_socket
+from bus.endpoint import Endpoint, open_socket, readable
 from bus.errors import BadRequest, ErrorCode
 from bus.sockets import CONTROL_HWM, bound_address
 from bus.validate import check_generate, prompt_from_frames
@@ -56,6 +56,12 @@ log = structlog.get_logger("engine_node")
 
 _MAX_BATCH_RECV = 256  # messages read per socket per loop turn (fairness)
 _TICK_S = 0.05  # heartbeat snapshot, deadlines, op deadlines
+# While the backend has output ready every turn (a fast step), the turn checks
+# only the data socket (ZMQ_EVENTS, no syscall) and polls every socket and fd
+# at most this often: a zmq_poll over six items per chunk was the largest
+# single cost of the engine's chunk path (bench/profile_hop.py). Control,
+# weights, events and the op wake pipe wait at most this long while busy.
+_FULL_POLL_S = 0.001
 
 
 class Lifecycle(enum.Enum):
@@ -207,6 +213,8 @@ class EngineNode:
             error_reply=None,
         )
         self._endpoints = {ep.sock: ep for ep in (self.data_ep, self.weights_ep, self.sub_ep, self.events_ep)}
+        self._data_ready = [(self.data, zmq.POLLIN)]  # the busy turn's poll result when only data is checked
+        self._full_poll_at = 0.0  # perf_counter of the last poll over every socket and fd
         self._snapshot: P.Heartbeat = self._make_heartbeat()
         self._snapshot_at = 0.0
         self._hb_stop = threading.Event()
@@ -252,7 +260,13 @@ class EngineNode:
         core = self.core
         ls = self.loop_stats
         t0 = time.perf_counter()
-        events = self.poller.poll(self._poll_ms())
+        wait_ms = self._poll_ms()
+        events: Any
+        if wait_ms == 0 and t0 - self._full_poll_at < _FULL_POLL_S:
+            events = self._data_ready if readable(self.data) else ()
+        else:
+            events = self.poller.poll(wait_ms)
+            self._full_poll_at = time.perf_counter()
         t1 = time.perf_counter()
         ls["turns"] += 1
         ls["poll_s"] += t1 - t0
