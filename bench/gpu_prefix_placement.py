@@ -5,8 +5,9 @@ The workload: P prompts (default 64) × S samples (default 8), every sample
 sent as its OWN request (as a trainer that does not use n > 1 sends them),
 all at once; every prompt = one long shared system prompt (default 1000
 token ids) + a question of its own (32-128 ids). Per policy, a fresh cluster
-(`launch.py --engines 2 --gpus 0,0 --gpu-memory-utilization F --policy X`,
-so both start with a cold prefix cache) serves a small warm-up batch with
+(`launch.py --engines 1 --gpus 0 --gpu-memory-utilization F --policy X`, then
+a second `launch.py --join` engine on the same GPU once the first is up; both
+start with a cold prefix cache) serves a small warm-up batch with
 another system prompt, then the workload, R times (--reps).
 
 Reported per policy and rep: tokens/s (generated tokens / wall of the
@@ -25,6 +26,7 @@ GPU and the vllm-router wheel, which the device image does not carry
 
     python -m bench.gpu_prefix_placement --model /tmp/q05 --out-dir $OUT   # GPU
     python -m bench.gpu_prefix_placement --cpu --out-dir /tmp/pp           # dry run (torch backend, tiny model)
+    python -m bench.gpu_prefix_placement --cpu --cpu-backend bench.null_backend:make_backend  # placement only (CI)
 
 Writes gpu_prefix_placement.{json,txt,png} in --out-dir.
 """
@@ -90,22 +92,32 @@ def phase_policy(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"policy": spec["policy"], "reps": []}
     spec["_partial"].update(out)
     options: dict[str, Any] = {} if cpu else {"log_stats": True, **spec.get("engine", {})}
-    with G.RbCluster(
-        spec["model"],
-        "torch" if cpu else "vllm",
-        engines=2,
-        gpus=None if cpu else "0,0",
-        gpu_memory_utilization=None if cpu else spec["gpu_fraction"],
-        max_model_len=None if cpu else spec["max_model_len"],
-        backend_options=options,
-        ready_timeout_s=spec["ready_timeout_s"],
-        log_dir=Path(spec["log_dir"]),
-        extra_args=["--policy", spec["policy"]],
-    ) as cl:
-        out["engine_start_s"], engines = cl.wait_ready()
-        out["engines"] = [e.get("engine_id") for e in engines]
-        out["launch_argv"] = cl.argv[1:]
-        asyncio.run(_run(spec, cl.address, out))
+
+    def cluster(extra: list[str]) -> G.RbCluster:
+        return G.RbCluster(
+            spec["model"],
+            spec["cpu_backend"] if cpu else "vllm",
+            engines=1,
+            gpus=None if cpu else "0",
+            gpu_memory_utilization=None if cpu else spec["gpu_fraction"],
+            max_model_len=None if cpu else spec["max_model_len"],
+            backend_options=options,
+            ready_timeout_s=spec["ready_timeout_s"],
+            log_dir=Path(spec["log_dir"]),
+            extra_args=extra,
+        )
+
+    # The second engine joins once the first is up: two vLLM engines profiling
+    # the one GPU's memory at the same time can fail each other's start.
+    with cluster(["--policy", spec["policy"]]) as cl:
+        first_s, _ = cl.wait_ready()
+        with cluster(["--join", cl.address, "--engine-id-prefix", "b"]) as joined:
+            cl.engines = 2
+            second_s, engines = cl.wait_ready()
+            out["engine_start_s"] = [round(first_s, 1), round(second_s, 1)]
+            out["engines"] = [e.get("engine_id") for e in engines]
+            out["launch_argv"] = [cl.argv[1:], joined.argv[1:]]
+            asyncio.run(_run(spec, cl.address, out))
     return out
 
 
@@ -276,6 +288,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--cpu", action="store_true", help="dry run: torch backend, tiny model, a reduced workload")
+    ap.add_argument(
+        "--cpu-backend",
+        default="torch",
+        help="--cpu: torch (tiny model) or bench.null_backend:make_backend (no model: placement only, fast)",
+    )
     ap.add_argument("--policies", default="least_loaded,prefix")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=64)
@@ -294,11 +311,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--min-phase-s", type=float, default=60.0, help="a policy gets skipped below this much time")
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--plot-from", default=None, metavar="JSON")
-    a = ap.parse_args(argv)
-    if a.cpu:
-        a.prompts, a.samples, a.system_tokens, a.question_min, a.question_max = 6, 4, 64, 8, 24
-        a.max_tokens, a.reps, a.budget_s, a.min_phase_s = 2, 1, 240.0, 20.0
-    return a
+    if "--cpu" in (sys.argv[1:] if argv is None else argv):  # the dry run's defaults; flags still override
+        ap.set_defaults(prompts=6, samples=4, system_tokens=64, question_min=8, question_max=24, max_tokens=2,
+                        reps=1, budget_s=240.0, min_phase_s=20.0)  # fmt: skip
+    return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,17 +326,19 @@ def main(argv: list[str] | None = None) -> int:
         plot(saved, od / f"{NAME}.png")
         return 0
     model = a.model
+    null = a.cpu and a.cpu_backend != "torch"
     if model is None:
         if not a.cpu:
             raise SystemExit("--model is required (except with --cpu)")
         from engine_node.tiny_model import ensure_tiny_model
 
-        model = ensure_tiny_model()
+        model = "null" if null else ensure_tiny_model()
     log_dir = od / f"{NAME}_logs"
     spec = {
         "model": model,
         "cpu": a.cpu,
-        "vocab": G.model_vocab(model),
+        "cpu_backend": a.cpu_backend,
+        "vocab": 32000 if null else G.model_vocab(model),
         "workload": {
             "prompts": a.prompts,
             "samples": a.samples,

@@ -70,7 +70,7 @@ def _cpu_s(pid: int) -> float:
 def _ir(path: Path) -> int:
     """Instructions executed while instrumentation was on (callgrind's totals)."""
     for line in path.read_text(errors="replace").splitlines():
-        if line.startswith(("summary:", "totals:")):
+        if line.startswith("totals:"):  # (summary: reads 0 once instrumentation was switched off)
             return int(line.split()[1])
     raise ValueError(f"no totals in {path}")
 
@@ -153,6 +153,9 @@ async def _phase(args: argparse.Namespace, procs: H.Procs, out_dir: Path, phase:
         t0 = time.perf_counter()
         res = await RB.raw_load(drv, spec)
         wall = time.perf_counter() - t0
+        if args.callgrind:  # off before the exit: the interpreter's shutdown is not per-message work
+            for child in (router, engine):
+                subprocess.run(["callgrind_control", "-i", "off", str(child.pid)], check=True, capture_output=True)
         cpu = {role: _cpu_s(c.pid) - cpu0[role] for role, c in (("router", router), ("engine", engine))}
     finally:
         await drv.close()

@@ -38,14 +38,14 @@ log = structlog.get_logger("bus.endpoint")
 # a wrapper `send` per frame with `zmq.SNDMORE | flags` — IntFlag arithmetic
 # in Python's enum module; recv_multipart calls a wrapper recv and a
 # getsockopt(RCVMORE) per frame; and a drain that reads until zmq.Again
-# builds and raises a ZMQError per drain. Plain ints and the Cython methods
-# do the same libzmq calls.
+# builds and raises a ZMQError per drain (29k instructions, callgrind: more
+# than the message it ended). Plain ints and the Cython methods do the same
+# libzmq calls.
 _raw_send = zmq.backend.Socket.send
 _raw_recv = zmq.backend.Socket.recv
-_raw_get = zmq.backend.Socket.get
+_zmq_poll = zmq.zmq_poll
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
-_EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 # A frame at least this big goes out zero-copy when it is immutable (bytes,
 # or a received zmq.Frame); smaller ones are copied (cheaper than a Frame).
@@ -78,8 +78,10 @@ def recv_frames(sock: zmq.Socket) -> list[Any] | None:
 
 
 def readable(sock: zmq.Socket) -> bool:
-    """A message is queued on `sock` now (ZMQ_EVENTS, no syscall)."""
-    return bool(_raw_get(sock, _EVENTS) & _POLLIN)  # type: ignore[operator]  # an int for EVENTS
+    """A message is queued on `sock` now. A one-item zmq_poll with timeout 0:
+    about a third of the instructions of getsockopt(ZMQ_EVENTS), which builds
+    a SocketOption enum per call (3.5k vs 9.7k instructions, callgrind)."""
+    return bool(_zmq_poll([(sock, _POLLIN)], 0))
 
 
 Handler = Callable[[bytes, Any, list[Any]], None]  # (peer, message, raw buffers)

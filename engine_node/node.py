@@ -25,6 +25,7 @@ op's future completes, or a BackendTimeout naming the knob when
 from __future__ import annotations
 
 import enum
+import gc
 import os
 import signal
 import socket
@@ -240,6 +241,7 @@ class EngineNode:
 
     def run(self) -> int:
         self.lifecycle = Lifecycle.SERVING
+        gc.freeze()  # start-up's objects (the backend's included) leave the collector's walks (router.py)
         self._send_register()
         self._register_sent_at = time.monotonic()
         self._register_deadline = self._register_sent_at + self.cfg.register_timeout_s
@@ -260,7 +262,8 @@ class EngineNode:
         core = self.core
         ls = self.loop_stats
         t0 = time.perf_counter()
-        wait_ms = self._poll_ms()
+        busy = self.backend.has_work()
+        wait_ms = self._poll_ms(busy)
         events: Any
         if wait_ms == 0 and t0 - self._full_poll_at < _FULL_POLL_S:
             events = self._data_ready if readable(self.data) else ()
@@ -317,13 +320,13 @@ class EngineNode:
         self._flush()
         ls["flush_s"] += time.perf_counter() - t3
 
-    def _poll_ms(self) -> int:
+    def _poll_ms(self, busy: bool) -> int:
         """How long this turn may wait for sockets. A backend that produces on
         another thread (wake fd) and has nothing queued yet is waited for HERE,
         next to the sockets, so a Generate that arrives while the engine steps
         is read and submitted at once (a wait inside step() would hold it back
         for up to step_wait_s: a whole engine step later for a burst's tail)."""
-        if not self.backend.has_work():
+        if not busy:  # backend.has_work()
             return 50
         ready = self._output_ready
         if ready is None or ready():
@@ -331,8 +334,10 @@ class EngineNode:
         return self._step_wait_ms
 
     def _flush(self) -> None:
-        for seq, ok, result, error, code in self.core.take_acks():
-            self.control.ack(seq, ok=ok, result=result, error=error, code=code)
+        core = self.core
+        if core.acks:
+            for seq, ok, result, error, code in core.take_acks():
+                self.control.ack(seq, ok=ok, result=result, error=error, code=code)
         if self.updates.acks:  # prepares that waited for their senders
             acks, self.updates.acks = self.updates.acks, []
             for seq, ok, result, exc in acks:
@@ -341,8 +346,9 @@ class EngineNode:
                 else:
                     code, message, field = ack_error_of(exc or RuntimeError("prepare failed"))
                     self.control.ack(seq, ok=False, error=message, code=code, field=field)
-        for peer, msg, buffers in self.core.take_sends():
-            self._send_data(peer, msg, buffers)
+        if core.sends or core.outbox.by_peer:
+            for peer, msg, buffers in core.take_sends():
+                self._send_data(peer, msg, buffers)
 
     def _tick(self, now: float) -> None:
         self.core.tick(now, time.time())

@@ -11,6 +11,7 @@ ticks and queries.
 from __future__ import annotations
 
 import enum
+import gc
 import json
 import os
 import signal
@@ -158,6 +159,10 @@ class Router:
 
     def run(self) -> int:
         self.lifecycle = Lifecycle.SERVING
+        # What start-up made (modules, config, sockets) lives as long as the
+        # process: out of the collector's generations, a full collection no
+        # longer walks it (gc traversal was ~5% of a message's instructions).
+        gc.freeze()
         log.info("router_serving", **self.addresses, policy=self.cfg.policy)
         try:
             while self.lifecycle is Lifecycle.SERVING:

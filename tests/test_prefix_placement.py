@@ -154,7 +154,8 @@ def test_head_with_policy_prefix_keeps_a_prompts_samples_on_one_engine(cluster_f
     """Through a real head: the 8 samples of each of 6 prompts (a shared
     system prompt, then a question), sent as separate requests, each land on
     one engine, and the head's stats count the hits."""
-    cl = cluster_factory(2, router_args=["--policy", "prefix"], **NULL)
+    # The head also spins between its messages here (--busy-poll-us): same answers, same guarantees.
+    cl = cluster_factory(2, router_args=["--policy", "prefix", "--busy-poll-us", "200"], **NULL)
     cl.wait_ready(2)
     c = cl.client()
     params = {"max_tokens": 2, "temperature": 1.0, "ignore_eos": True}
