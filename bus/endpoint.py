@@ -165,8 +165,8 @@ class Endpoint:
             if frames is None:
                 return
             self.dispatch(frames)
-            # EVENTS instead of reading until zmq.Again: the common drain reads
-            # one message, and an exception per drain costs more than it.
+            # A one-item poll instead of reading until zmq.Again: the common
+            # drain reads one message, and an exception per drain costs more.
             if sock.closed or not readable(sock):  # a handler may close its own socket (an engine forgotten)
                 return
 
