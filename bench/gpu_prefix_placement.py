@@ -111,7 +111,7 @@ def phase_policy(spec: dict[str, Any]) -> dict[str, Any]:
     # the one GPU's memory at the same time can fail each other's start.
     with cluster(["--policy", spec["policy"]]) as cl:
         first_s, _ = cl.wait_ready()
-        with cluster(["--join", cl.address, "--engine-id-prefix", "b"]) as joined:
+        with cluster(["--join", cl.address, "--engine-id-prefix", "b", "--advertise-host", H.LOOPBACK]) as joined:
             cl.engines = 2
             second_s, engines = cl.wait_ready()
             out["engine_start_s"] = [round(first_s, 1), round(second_s, 1)]
