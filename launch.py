@@ -162,7 +162,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--advertise-host", default=None, help="how other nodes reach this one (default: hostname for multi-node)"
     )
-    ap.add_argument("--policy", default="least_loaded", choices=["least_loaded", "random"])
+    ap.add_argument(
+        "--policy",
+        default="least_loaded",
+        choices=["least_loaded", "random", "prefix"],
+        help="placement of requests without a session; prefix: the engine most likely to hold the prompt's prefix",
+    )
     ap.add_argument(
         "--head", action="store_true", help="multi-node: run the head here (engines here: --engines, default 0)"
     )

@@ -280,6 +280,7 @@ class RbCluster:
         ready_timeout_s: float = 240.0,
         log_dir: Path | None = None,
         log_level: str = "WARNING",
+        extra_args: list[str] | None = None,
     ) -> None:
         argv = [
             sys.executable,
@@ -309,6 +310,7 @@ class RbCluster:
             argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
         if max_model_len:
             argv += ["--max-model-len", str(max_model_len)]
+        argv += extra_args or []  # e.g. ["--policy", "prefix"]
         self.argv = argv
         self.ready_timeout_s = ready_timeout_s
         self.log_path = (log_dir or Path(tempfile.mkdtemp(prefix="rb-bench-"))) / f"launch-{self.port}.log"

@@ -83,6 +83,14 @@ def start_http_peers(
     return [f"http://{H.LOOPBACK}:{port}" for _, port in started]
 
 
+def vllm_router_missing() -> str | None:
+    """Why the vllm-router rows cannot run here (None: they can). The benches
+    then run without them and record this reason instead of failing."""
+    if shutil.which("vllm-router") is None:
+        return "vllm-router is not on PATH (pip install vllm-router: its Rust binary wheel, 0.1.17)"
+    return None
+
+
 def vllm_router_binary() -> str:
     exe = shutil.which("vllm-router")
     if exe is None:

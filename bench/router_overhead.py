@@ -59,10 +59,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     with H.Procs() as procs:
         # -- HTTP side
         peers = PS.start_http_peers(procs, args.engines, tokens_per_event=1)
-        vr = {
-            VR_CH: PS.start_vllm_router(procs, peers, "consistent_hash"),
-            VR_P2: PS.start_vllm_router(procs, peers, "power_of_two"),
-        }
+        missing = PS.vllm_router_missing()
+        if missing:
+            print(f"  skipping the vllm-router setups: {missing}", flush=True)
+        vr = (
+            {}
+            if missing
+            else {
+                VR_CH: PS.start_vllm_router(procs, peers, "consistent_hash"),
+                VR_P2: PS.start_vllm_router(procs, peers, "power_of_two"),
+            }
+        )
         # -- rollout-bus side
         cl = RB.start_cluster(procs, args.engines, backend=NULL_BACKEND, backend_options={"tokens_per_step": 1})
         rb_router = RB.make_client(cl.frontend)
@@ -71,8 +78,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         raw_direct = RB.RawDriver(next(iter(cl.engines.values())))
         sess = PS.make_session(max(args.concurrency) + 8)
         cpu_pids = {
-            VR_CH: [vr[VR_CH][1].pid],
-            VR_P2: [vr[VR_P2][1].pid],
+            **{name: [v[1].pid] for name, v in vr.items()},
             RB_ROUTER: [cl.router_pid],
             RB_SESSION: [cl.router_pid],
             RAW_ROUTER: [cl.router_pid],
@@ -80,7 +86,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             await RB.wait_healthy(rb_router, args.engines, 120, procs)
             await PS.wait_ready(sess, peers[0])
-            for name in (VR_CH, VR_P2):
+            for name in vr:
                 await PS.wait_ready(sess, vr[name][0])
             for max_tokens, stream in cases:
                 for c in args.concurrency:
@@ -101,14 +107,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
                     setups = {
                         HTTP_DIRECT: http(peers[0], 0),
-                        VR_CH: http(vr[VR_CH][0], c),
-                        VR_P2: http(vr[VR_P2][0], 0),
+                        VR_CH: http(vr[VR_CH][0] if vr else "", c),
+                        VR_P2: http(vr[VR_P2][0] if vr else "", 0),
                         RB_DIRECT: rbl(rb_direct, 0),
                         RB_ROUTER: rbl(rb_router, 0),
                         RB_SESSION: rbl(rb_router, c),
                         RAW_DIRECT: raw(raw_direct, 0),
                         RAW_ROUTER: raw(raw_router, 0),
                     }
+                    for name in (VR_CH, VR_P2):
+                        if name not in vr:
+                            setups.pop(name)
                     if args.no_raw:
                         setups.pop(RAW_DIRECT), setups.pop(RAW_ROUTER)
                     setups = {k: H.with_cpu(cpu_pids.get(k, []), fn) for k, fn in setups.items()}
@@ -272,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
                 "config": vars(args),
                 "elapsed_s": time.monotonic() - t0,
                 "results": res,
+                "vllm_router_skipped": PS.vllm_router_missing(),  # None: its rows ran
                 "drivers": {
                     "http": "aiohttp.ClientSession, TCPConnector keep-alive pool, one process",
                     "rollout_bus": "trainer_bridge.AsyncClient (zmq DEALER), one process",

@@ -48,7 +48,10 @@ async def run_delay(args: argparse.Namespace, delay_ms: float, deadline: H.Deadl
             tag=f"peer_d{delay_ms:g}_",
             extra=["--step-delay-ms", str(delay_ms)],
         )
-        vr_url, _ = PS.start_vllm_router(procs, peers, "power_of_two", tag=f"vr_d{delay_ms:g}")
+        missing = PS.vllm_router_missing()
+        if missing:
+            print(f"  skipping vllm-router p2: {missing}", flush=True)
+        vr_url = "" if missing else PS.start_vllm_router(procs, peers, "power_of_two", tag=f"vr_d{delay_ms:g}")[0]
         cl = RB.start_cluster(
             procs,
             args.engines,
@@ -64,7 +67,8 @@ async def run_delay(args: argparse.Namespace, delay_ms: float, deadline: H.Deadl
         try:
             await RB.wait_healthy(rb_router, args.engines, 120, procs)
             for u in (peers[0], vr_url):
-                await PS.wait_ready(sess, u)
+                if u:
+                    await PS.wait_ready(sess, u)
             for c in args.streams:
                 n = max(c, args.min_streams)
                 spec = RB.RbLoad(n, c, args.max_tokens, True, prompt, record_stream_lag=True)
@@ -79,6 +83,8 @@ async def run_delay(args: argparse.Namespace, delay_ms: float, deadline: H.Deadl
                     "vllm-router p2": functools.partial(PS.http_load, sess, hspec(vr_url)),
                     "http direct": functools.partial(PS.http_load, sess, hspec(peers[0])),
                 }
+                if not vr_url:
+                    setups.pop("vllm-router p2")
                 runs = await H.interleaved(setups, reps=args.reps, warmup=1, deadline=deadline)
                 case: dict[str, Any] = {"streams": c, "n": n, "step_delay_ms": delay_ms, "setups": {}}
                 for name, rs in runs.items():

@@ -25,6 +25,7 @@ op's future completes, or a BackendTimeout naming the knob when
 from __future__ import annotations
 
 import enum
+import gc
 import os
 import signal
 import socket
@@ -41,7 +42,7 @@ from bus import auth
 from bus import protocol as P
 from bus.auth import Gatekeeper, KeyDir
 from bus.codec import Codec
-from bus.endpoint import Endpoint, open_socket
+from bus.endpoint import Endpoint, open_socket, readable
 from bus.errors import BadRequest, ErrorCode
 from bus.sockets import CONTROL_HWM, bound_address
 from bus.validate import check_generate, prompt_from_frames
@@ -56,6 +57,12 @@ log = structlog.get_logger("engine_node")
 
 _MAX_BATCH_RECV = 256  # messages read per socket per loop turn (fairness)
 _TICK_S = 0.05  # heartbeat snapshot, deadlines, op deadlines
+# While the backend has output ready every turn (a fast step), the turn checks
+# only the data socket (ZMQ_EVENTS, no syscall) and polls every socket and fd
+# at most this often: a zmq_poll over six items per chunk was the largest
+# single cost of the engine's chunk path (bench/profile_hop.py). Control,
+# weights, events and the op wake pipe wait at most this long while busy.
+_FULL_POLL_S = 0.001
 
 
 class Lifecycle(enum.Enum):
@@ -207,6 +214,8 @@ class EngineNode:
             error_reply=None,
         )
         self._endpoints = {ep.sock: ep for ep in (self.data_ep, self.weights_ep, self.sub_ep, self.events_ep)}
+        self._data_ready = [(self.data, zmq.POLLIN)]  # the busy turn's poll result when only data is checked
+        self._full_poll_at = 0.0  # perf_counter of the last poll over every socket and fd
         self._snapshot: P.Heartbeat = self._make_heartbeat()
         self._snapshot_at = 0.0
         self._hb_stop = threading.Event()
@@ -232,6 +241,7 @@ class EngineNode:
 
     def run(self) -> int:
         self.lifecycle = Lifecycle.SERVING
+        gc.freeze()  # start-up's objects (the backend's included) leave the collector's walks (router.py)
         self._send_register()
         self._register_sent_at = time.monotonic()
         self._register_deadline = self._register_sent_at + self.cfg.register_timeout_s
@@ -252,7 +262,14 @@ class EngineNode:
         core = self.core
         ls = self.loop_stats
         t0 = time.perf_counter()
-        events = self.poller.poll(self._poll_ms())
+        busy = self.backend.has_work()
+        wait_ms = self._poll_ms(busy)
+        events: Any
+        if wait_ms == 0 and t0 - self._full_poll_at < _FULL_POLL_S:
+            events = self._data_ready if readable(self.data) else ()
+        else:
+            events = self.poller.poll(wait_ms)
+            self._full_poll_at = time.perf_counter()
         t1 = time.perf_counter()
         ls["turns"] += 1
         ls["poll_s"] += t1 - t0
@@ -303,13 +320,13 @@ class EngineNode:
         self._flush()
         ls["flush_s"] += time.perf_counter() - t3
 
-    def _poll_ms(self) -> int:
+    def _poll_ms(self, busy: bool) -> int:
         """How long this turn may wait for sockets. A backend that produces on
         another thread (wake fd) and has nothing queued yet is waited for HERE,
         next to the sockets, so a Generate that arrives while the engine steps
         is read and submitted at once (a wait inside step() would hold it back
         for up to step_wait_s: a whole engine step later for a burst's tail)."""
-        if not self.backend.has_work():
+        if not busy:  # backend.has_work()
             return 50
         ready = self._output_ready
         if ready is None or ready():
@@ -317,8 +334,10 @@ class EngineNode:
         return self._step_wait_ms
 
     def _flush(self) -> None:
-        for seq, ok, result, error, code in self.core.take_acks():
-            self.control.ack(seq, ok=ok, result=result, error=error, code=code)
+        core = self.core
+        if core.acks:
+            for seq, ok, result, error, code in core.take_acks():
+                self.control.ack(seq, ok=ok, result=result, error=error, code=code)
         if self.updates.acks:  # prepares that waited for their senders
             acks, self.updates.acks = self.updates.acks, []
             for seq, ok, result, exc in acks:
@@ -327,8 +346,9 @@ class EngineNode:
                 else:
                     code, message, field = ack_error_of(exc or RuntimeError("prepare failed"))
                     self.control.ack(seq, ok=False, error=message, code=code, field=field)
-        for peer, msg, buffers in self.core.take_sends():
-            self._send_data(peer, msg, buffers)
+        if core.sends or core.outbox.by_peer:
+            for peer, msg, buffers in core.take_sends():
+                self._send_data(peer, msg, buffers)
 
     def _tick(self, now: float) -> None:
         self.core.tick(now, time.time())

@@ -11,7 +11,7 @@ class RouterConfig:
     frontend: str = "tcp://127.0.0.1:5555"  # clients (trainer_bridge) connect here
     events: str = "tcp://127.0.0.1:5556"  # engines: register, heartbeats, acks
     control: str = "tcp://127.0.0.1:5557"  # engines subscribe: commands
-    policy: str = "least_loaded"  # random | least_loaded
+    policy: str = "least_loaded"  # random | least_loaded | prefix (router_node/prefix.py)
     heartbeat_interval_s: float = 0.5
     missed_heartbeats: int = 3  # this many intervals without one: unhealthy
     stall_timeout_s: float = 30.0  # steps frozen while having work: unhealthy
@@ -20,6 +20,20 @@ class RouterConfig:
     # requests ("open_sessions"), or by outstanding requests alone
     # ("outstanding": the pre-0.2 behaviour, kept for side-by-side benchmarks).
     session_placement: str = "open_sessions"
+    # --policy prefix: block size (tokens) and blocks hashed per prompt, the
+    # per-engine table bound (blocks), and the imbalance bound (a prefix hit is
+    # refused when the engine has more than ABS more outstanding sequences than
+    # the least-loaded one AND more than REL times as many)
+    prefix_block_tokens: int = 16
+    prefix_max_blocks: int = 256
+    prefix_table_blocks: int = 65536
+    prefix_imbalance_abs: int = 32
+    prefix_imbalance_rel: float = 1.5
+    # While requests are in flight, spin on a non-blocking poll for up to this
+    # many µs before sleeping in poll: the engine's reply is then read without a
+    # thread wake-up (tens of µs on an idle many-core machine). Costs a core
+    # while spinning; 0 (default) never spins.
+    busy_poll_us: int = 0
     failover: bool = True  # re-submit prompt + tokens so far to another engine
     max_failovers: int = 2  # per request
     # A request that was in flight on this many engines that died or hung is

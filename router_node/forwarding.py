@@ -33,7 +33,7 @@ import zmq
 
 from bus import protocol as P
 from bus.codec import Codec, Outbox, split_chunks
-from bus.endpoint import Endpoint
+from bus.endpoint import Endpoint, send_multipart
 from bus.errors import EXCEPTION_OF, BadRequest, ErrorCode, LimitExceeded, RolloutBusError
 from bus.frames import (
     chunk_payload,
@@ -49,6 +49,7 @@ from bus.frames import (
 from bus.validate import check_generate, prompt_from_frames
 from router_node.config import RouterConfig
 from router_node.policies import Sessions
+from router_node.prefix import PrefixPlacement
 from router_node.registry import EngineEntry, EngineState
 
 log = structlog.get_logger("router_node")
@@ -110,6 +111,7 @@ class Forwarder:
         pick: Pick,
         place_session: PlaceSession,
         counters: dict[str, int],
+        prefix: PrefixPlacement | None = None,
     ) -> None:
         self.cfg = cfg
         self.codec = codec
@@ -117,6 +119,7 @@ class Forwarder:
         self.sessions = sessions
         self.pick = pick
         self.place_session = place_session
+        self.prefix = prefix  # --policy prefix: requests without a session follow their prompt
         self.rng = random.Random(cfg.seed)
         self.counters = counters
         self.flights: dict[tuple[bytes, str], Flight] = {}
@@ -145,7 +148,7 @@ class Forwarder:
             open=msg.num_samples,
             started=time.monotonic(),
         )
-        engine = self.place(msg, exclude=None, client=client)
+        engine = self.place(msg, exclude=None, client=client, prompt=fl.prompt)
         self.flights[(client, rid)] = fl
         self.inflight_of[client] = self.inflight_of.get(client, 0) + 1
         try:
@@ -214,7 +217,7 @@ class Forwarder:
 
     # ------------------------------------------------------------ placement and dispatch
 
-    def place(self, msg: P.Generate, exclude: str | None, client: bytes = b"") -> EngineEntry:
+    def place(self, msg: P.Generate, exclude: str | None, client: bytes = b"", prompt: bytes = b"") -> EngineEntry:
         """Choose an engine (raises NoHealthyEngine / BadRequest at once, never waits)."""
         cands = [e for e in self.engines.values() if e.healthy and e.engine_id != exclude]
         if not cands:
@@ -236,6 +239,8 @@ class Forwarder:
                 e = self.place_session(cands, self.sessions, self.rng)  # new or re-placed session
             self.sessions.bind(msg.session_id, e.engine_id, now, owner=client)
             return e
+        if self.prefix is not None:
+            return self.prefix.pick(cands, prompt, self.rng)
         return self.pick(cands, self.rng)
 
     def dispatch(self, fl: Flight, e: EngineEntry, indices: list[int]) -> None:
@@ -286,7 +291,7 @@ class Forwarder:
         return rid
 
     def _to_engine(self, e: EngineEntry, msg: Any, buffers: Sequence[Any] = (), flags: int = 0) -> None:
-        e.sock.send_multipart(self.codec.encode(msg, buffers), flags)
+        send_multipart(e.sock, self.codec.encode(msg, buffers), flags)
 
     # ------------------------------------------------------------ engine replies
 
@@ -433,7 +438,9 @@ class Forwarder:
             left = [i for i in part.indices if not fl.samples[i].done]
             if self.cfg.failover and fl.failovers < self.cfg.max_failovers:
                 try:
-                    target: EngineEntry | None = self.place(fl.msg, exclude=e.engine_id, client=fl.client)
+                    target: EngineEntry | None = self.place(
+                        fl.msg, exclude=e.engine_id, client=fl.client, prompt=fl.prompt
+                    )
                 except RolloutBusError:
                     target = None
                 if target is not None:

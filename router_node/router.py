@@ -11,6 +11,7 @@ ticks and queries.
 from __future__ import annotations
 
 import enum
+import gc
 import json
 import os
 import signal
@@ -31,7 +32,8 @@ from bus.sockets import CONTROL_HWM, bound_address, check_endpoint
 from router_node.config import RouterConfig
 from router_node.control import ClusterControl
 from router_node.forwarding import Forwarder
-from router_node.policies import POLICIES, SESSION_PLACEMENTS, Sessions
+from router_node.policies import POLICIES, SESSION_PLACEMENTS, Sessions, pick_least_loaded_exact
+from router_node.prefix import PrefixPlacement
 from router_node.registry import Admission, EngineEntry, EngineState, admit_register
 
 log = structlog.get_logger("router_node")
@@ -63,6 +65,10 @@ class Router:
             raise ValueError(
                 f"--session-placement must be one of {sorted(SESSION_PLACEMENTS)}, got {cfg.session_placement!r}"
             )
+        if cfg.policy not in POLICIES and cfg.policy != "prefix":
+            raise ValueError(f"--policy must be one of {sorted([*POLICIES, 'prefix'])}, got {cfg.policy!r}")
+        # --policy prefix: requests without a session follow their prompt's prefix
+        self.prefix = PrefixPlacement.from_config(cfg) if cfg.policy == "prefix" else None
         self.engines: dict[str, EngineEntry] = {}
         self.sessions = Sessions(cfg.session_ttl_s)
         self.counters = {
@@ -81,9 +87,10 @@ class Router:
             self.codec,
             self.engines,
             self.sessions,
-            pick=POLICIES[cfg.policy],
+            pick=POLICIES.get(cfg.policy, pick_least_loaded_exact),
             place_session=SESSION_PLACEMENTS[cfg.session_placement],
             counters=self.counters,
+            prefix=self.prefix,
         )
         fw = self.forwarding
 
@@ -144,6 +151,7 @@ class Router:
                 "counters": dict(self.counters),
                 "in_flight": len(self.forwarding.flights),
                 "sessions": self.sessions.count(),
+                **({"prefix": self.prefix.describe()} if self.prefix is not None else {}),
             },
         }
         self._last_tick = 0.0
@@ -154,6 +162,7 @@ class Router:
         # than what the caller already saw change.
         self._query_cache: dict[str, tuple[float, int, dict[str, Any]]] = {}
         self._gen = 0
+        self._spin_s = max(0, cfg.busy_poll_us) / 1e6  # --busy-poll-us
 
     # ------------------------------------------------------------ lifecycle
 
@@ -163,6 +172,10 @@ class Router:
 
     def run(self) -> int:
         self.lifecycle = Lifecycle.SERVING
+        # What start-up made (modules, config, sockets) lives as long as the
+        # process: out of the collector's generations, a full collection no
+        # longer walks it (gc traversal was ~5% of a message's instructions).
+        gc.freeze()
         log.info("router_serving", **self.addresses, policy=self.cfg.policy)
         try:
             while self.lifecycle is Lifecycle.SERVING:
@@ -172,7 +185,15 @@ class Router:
         return 0
 
     def _turn(self) -> None:
-        for sock, _ in self.poller.poll(50):
+        spin = self._spin_s if self.forwarding.flights else 0.0
+        events = self.poller.poll(0 if spin else 50)
+        if not events and spin:
+            end = time.perf_counter() + spin
+            while not events and time.perf_counter() < end:
+                events = self.poller.poll(0)
+            if not events:
+                events = self.poller.poll(50)
+        for sock, _ in events:
             ep = self._endpoints.get(sock)
             if ep is not None:
                 if ep is not self.front:
@@ -255,6 +276,8 @@ class Router:
             e.silent_since = None
         if state in (EngineState.SILENT, EngineState.STALLED):
             self.forwarding.evacuate(e, reason)
+            if self.prefix is not None:
+                self.prefix.forget(e.engine_id)  # its cache may be gone: its prefixes move
 
     def _forget(self, e: EngineEntry) -> None:
         # Idempotent: a re-registration forgets the old entry, and evacuating it
@@ -262,6 +285,8 @@ class Router:
         if self.engines.get(e.engine_id) is e:
             self.engines.pop(e.engine_id)
             self.control.intended.remove(e.engine_id)
+            if self.prefix is not None:
+                self.prefix.forget(e.engine_id)
         ep = self._endpoints.pop(e.sock, None)
         if ep is not None:
             self.poller.unregister(e.sock)

@@ -161,3 +161,22 @@ def test_gpu_first_step_plots_a_recorded_run(tmp_path):
     (tmp_path / "run.json").write_text(src.read_text())
     _bench("gpu_first_step", "--plot-from", str(tmp_path / "run.json"))
     assert (tmp_path / "run.png").stat().st_size > 10_000
+
+
+def test_gpu_prefix_placement_dry_run(tmp_path):
+    """Both policies through launch.py with two model-less engines: every
+    request answered, and prefix placement keeps each prompt's samples on one
+    engine (the vLLM hit rate is n/a without vLLM; the ideal-cache estimate is not)."""
+    doc = _run(
+        "bench.gpu_prefix_placement", str(tmp_path), "--cpu-backend", "bench.null_backend:make_backend",
+        "--prompts", "4", "--samples", "3",
+    )  # fmt: skip
+    table = doc["summary"]
+    assert set(table) == {"least_loaded", "prefix"}
+    for pol, row in table.items():
+        assert row["ok"] and row["reps"] == 1 and row["errors"] == 0, (pol, row)
+        rep = doc["policies"][pol]["reps"][0]
+        assert rep["tokens"] == rep["expected_tokens"] == 4 * 3 * 2
+        assert rep["prefix_cache_hit_rate"] is None and 0 < rep["ideal_cache_hit_rate"] <= 1
+    assert table["prefix"]["split_prompts"] == 0
+    assert doc["policies"]["prefix"]["head_stats"]["placed"] >= 12

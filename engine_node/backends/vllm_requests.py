@@ -201,6 +201,12 @@ class OutputBuffer:
                 "engine_running": int(getattr(st, "num_running_reqs", 0) or 0),
                 "engine_waiting": int(getattr(st, "num_waiting_reqs", 0) or 0),
             }
+            # vLLM's PrefixCacheStats are per interval (reset on each report):
+            # summed here into counters (prompt tokens looked up / found cached).
+            pc = getattr(st, "prefix_cache_stats", None)
+            if pc is not None:
+                c["prefix_cache_queries"] = c.get("prefix_cache_queries", 0) + int(getattr(pc, "queries", 0) or 0)
+                c["prefix_cache_hits"] = c.get("prefix_cache_hits", 0) + int(getattr(pc, "hits", 0) or 0)
         return finished
 
     def pop(self, request_id: str) -> StepOutput | None:

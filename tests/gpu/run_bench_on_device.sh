@@ -7,7 +7,7 @@
 #   .device/bench-whl/*.whl  what the OpenAI api_server and launch.py import that the image and the
 #                            bundle lack: uvicorn, watchfiles, model-hosting-container-standards,
 #                            jmespath, prometheus-fastapi-instrumentator, structlog (bench/README.md)
-# Env: WHAT=throughput (default) | weights | all | interleaved (IL_ARGS: its extra flags) | first_step (FS_ARGS); MODEL (default /tmp/q05, built unless there);  NCCL=1: weights also on 2 GPUs (trainer 0, engine 1);
+# Env: WHAT=throughput (default) | weights | all | interleaved (IL_ARGS: its extra flags) | first_step (FS_ARGS) | prefix (PP_ARGS); MODEL (default /tmp/q05, built unless there);  NCCL=1: weights also on 2 GPUs (trainer 0, engine 1);
 #      DEADLINE (s, default 540: everything ends by then); TP_ARGS / WU_ARGS: extra flags;
 #      CHECK=0: weights without --check (on by default: the fast write path == load_weights, bit for bit).
 # The weights run prints, per update, a TIMING line (control round trips, trainer pack/send, the engine's
@@ -72,6 +72,14 @@ if [ "$WHAT" = interleaved ]; then
   timeout -k 15 $(( B + 20 )) python3 -m bench.gpu_interleaved --model $MODEL --out-dir "$OUT" --limit-s $B \
       $IL_ARGS > $LOGS/gpu_interleaved.out 2>&1
   echo "gpu_interleaved rc=$? after $(( $(date +%s) - T0 ))s"; cat "$OUT/gpu_interleaved.txt" 2>/dev/null
+fi
+if [ "$WHAT" = prefix ]; then
+  # two vLLM engines on the one GPU, --policy prefix vs least_loaded (bench/gpu_prefix_placement.py; PP_ARGS: extra flags)
+  B=$(( $(left) - 30 ))
+  echo "== gpu_prefix_placement (budget ${B}s)"
+  timeout -k 15 $(( B + 20 )) python3 -m bench.gpu_prefix_placement --model $MODEL --out-dir "$OUT" --budget-s $B \
+      $PP_ARGS > $LOGS/gpu_prefix_placement.out 2>&1
+  echo "gpu_prefix_placement rc=$? after $(( $(date +%s) - T0 ))s"; cat "$OUT/gpu_prefix_placement.txt" 2>/dev/null
 fi
 if [ "$WHAT" = first_step ]; then
   # vLLM's engine core in-process, stepped by hand: where a resume's first token goes (bench/gpu_first_step.py)
