@@ -143,7 +143,12 @@ def stream_load_child(arg: str) -> int:
         cfg["address"], cfg["n"], W._prompts(spec), spec["stream_max_tokens"], spec["request_timeout_s"]
     ).start()
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+
+    def wait_stop() -> None:  # the parent writes a line (or closes stdin) to stop us
+        sys.stdin.readline()
+        stop.set()
+
+    threading.Thread(target=wait_stop, daemon=True).start()
     sent: set[tuple[int, int]] = set()
     n_err = 0
     last_stat = 0.0
@@ -537,9 +542,9 @@ def main(argv: list[str] | None = None) -> int:
         return stream_load_child(a.stream_load_child)
     H.setup_logging()
     if a.plot_from:
-        doc = json.loads(Path(a.plot_from).read_text())
-        report(doc)
-        plot(doc, Path(a.plot_from).with_suffix(".png"))
+        saved = json.loads(Path(a.plot_from).read_text())
+        report(saved)
+        plot(saved, Path(a.plot_from).with_suffix(".png"))
         return 0
     budget = G.Budget(a.budget_s)
     od = G.out_dir(a.out_dir)
