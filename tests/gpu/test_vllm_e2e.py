@@ -217,6 +217,54 @@ def test_e2e_update_weights_cuda_ipc_then_zmq(e2e, model_dirs, llm_reference):
     assert out[0].samples[0].token_versions[0] == v0 + 2
 
 
+def test_e2e_zero_copy_updates_keep_maps_across_steps_and_sleep(e2e, model_dirs, llm_reference):
+    """update_weights(..., zero_copy=True): the engine copies straight from the
+    trainer's parameters (bit for bit what load_weights writes: weight_check),
+    keeps its maps while the parameters stay put (the trainer writes them in
+    place between updates, as an optimizer does), and drops them at sleep."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    v0 = e2e.generate(PROMPTS[0], dict(GREEDY)).samples[0].token_versions[0]
+    mB = AutoModelForCausalLM.from_pretrained(model_dirs["B"], dtype=torch.bfloat16).cuda()
+    named = list(mB.named_parameters())
+    sdA = load_file(os.path.join(model_dirs["A"], "model.safetensors"))
+    sdB = {n: t.detach().clone() for n, t in named}
+    opts = {"transport": "cuda_ipc", "zero_copy": True, "device": "cuda:0"}
+
+    def step(sd: dict, **kw: object) -> int:
+        with torch.no_grad():  # the optimizer step: same memory, new values
+            for n, t in named:
+                t.copy_(sd[n].to(t.dtype))
+        t0 = time.perf_counter()
+        with e2e.paused("abort"):
+            r = e2e.update_weights(named, **opts, **kw)
+        record_timing("e2e_zero_copy_update", seconds=round(time.perf_counter() - t0, 4), **kw)
+        return list(r.values())[0]["weight_version"]
+
+    assert step(sdB, weight_check=True) == v0 + 1  # maps opened (and the plan checked bit for bit)
+    toks, out = _greedy_tokens(e2e)
+    gap, agree = hf_check(model_dirs["B"], toks)
+    assert gap < HF_GAP_TOL and agree > 0.9
+    assert step(sdA) == v0 + 2  # maps kept: the same handles, new values behind them
+    toks, out = _greedy_tokens(e2e)
+    assert toks == llm_reference and set(out[0].samples[0].token_versions) == {v0 + 2}
+    e2e.sleep(1)  # drops the maps
+    e2e.wake_up(["weights"])
+    assert step(sdB, weight_check=True) == v0 + 3  # maps opened again
+    e2e.wake_up(["kv_cache"])
+    toks, _ = _greedy_tokens(e2e)
+    gap, agree = hf_check(model_dirs["B"], toks)
+    assert gap < HF_GAP_TOL and agree > 0.9
+    assert step(sdA) == v0 + 4
+    toks, _ = _greedy_tokens(e2e)
+    assert toks == llm_reference
+    named.clear()
+    del mB
+    torch.cuda.empty_cache()
+
+
 def test_e2e_bad_update_keeps_weights(e2e, llm_reference):
     import torch
 
