@@ -672,7 +672,7 @@ class VllmBackend:
         reload = full and self._weights_stale
         if reload:
             # About to serve on weights no update has written: the checkpoint's.
-            calls.append(self._rpc("reload_weights", timeout=self.sleep_timeout_s))
+            calls.append(self._rpc("rollout_bus_reload_checkpoint", timeout=self.sleep_timeout_s))
             self._weights_stale = False
         if full and self._paused:
             # The core resumes its scheduler once fully awake: keep our freeze.

@@ -423,6 +423,21 @@ class RolloutBusWorkerExtension:
         self._sleep_saved_buffers: dict[str, Any] = {}
         return len(saved)
 
+    def rollout_bus_reload_checkpoint(self) -> int:
+        """Write the checkpoint's weights back (after a level-2 sleep no update
+        rewrote). Through the model's own load_weights over vLLM's loader
+        iterator, not vLLM's `reload_weights`: its layerwise reload loses a
+        tied embedding (KeyError 'embed_tokens.weight' in Llama's loader, seen
+        on an H200 with vLLM 0.24, run 38 of tests/gpu/RESULTS.md)."""
+        from vllm.model_executor.model_loader import get_model_loader
+
+        model = self._rb_model()
+        loader = get_model_loader(self.load_config)
+        with _on(self._rb_device()), torch.no_grad():
+            n = self._rb_load(loader.get_all_weights(self.model_config, model))
+        self._rb().update(plans={}, srcs=None)  # the plan stays valid, but be safe: learn it again
+        return n
+
     def rollout_bus_restore_sleep_buffers(self) -> int:
         """After the weights woke: put back what rollout_bus_hold_sleep_buffers held."""
         held = getattr(self, "_rb_held_buffers", None) or {}

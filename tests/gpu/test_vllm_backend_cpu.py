@@ -116,8 +116,9 @@ def make_worker():
         buffers_restored = 0
         reloads = 0
 
-        def reload_weights(self):  # vLLM's Worker.reload_weights (from the checkpoint)
+        def rollout_bus_reload_checkpoint(self):  # needs vLLM's model loader: counted here
             self.reloads += 1
+            return 0
 
         def rollout_bus_restore_sleep_buffers(self):
             n = len(getattr(self, "_rb_held_buffers", None) or {})
