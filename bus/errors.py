@@ -20,6 +20,7 @@ class ErrorCode(str, enum.Enum):
     UNSUPPORTED = "unsupported"  # the backend or transport cannot do this op
     BACKEND_TIMEOUT = "backend_timeout"  # a backend op passed its deadline; the message names the knob
     BACKEND_REFUSED = "backend_refused"  # the backend refused the op or its input: `field` names it
+    UNAUTHORIZED = "unauthorized"  # no (or a wrong) join token, or a CURVE key taken off the allow-list
 
 
 class RolloutBusError(Exception):
@@ -90,6 +91,15 @@ class AuthRefused(ProtocolError):
     picks the key (`client_key`)."""
 
 
+class Unauthorized(RolloutBusError):
+    """The head refused a peer that is not (or no longer) part of the cluster:
+    an engine's Register or a client's state-changing control op without the
+    cluster's join token (`field` "token"), or frames of a CURVE key removed
+    from the allow-list (`field` "client_key")."""
+
+    code = ErrorCode.UNAUTHORIZED
+
+
 class ClosedByUs(RolloutBusError):
     """The client (or node) was closed locally while the call was waiting."""
 
@@ -123,6 +133,7 @@ EXCEPTION_OF: dict[str, type[RolloutBusError]] = {
     ErrorCode.INTERNAL.value: InternalError,
     ErrorCode.BACKEND_TIMEOUT.value: BackendTimeout,
     ErrorCode.BACKEND_REFUSED.value: BackendRefused,
+    ErrorCode.UNAUTHORIZED.value: Unauthorized,
 }
 
 

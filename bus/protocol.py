@@ -35,7 +35,11 @@ import msgspec
 # 5: the head believes an engine's heartbeats / acks only from its own events
 # connections (identity "engine_id/incarnation", heartbeats ".../hb"); GPU
 # weight parts of several senders (ReceiveWeights.sender/tensors/...).
-PROTOCOL_VERSION = 5
+# 6: the join token (Register.token, Control.token; refusals carry
+# RegisterReply.code/field); an engine's events identity carries a secret
+# per-process nonce ("engine_id/incarnation/NONCE"), so a stranger cannot
+# reconnect under a dead engine's identity and speak for it.
+PROTOCOL_VERSION = 6
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -502,6 +506,9 @@ class Control(_Msg, tag="ctl"):
     op: Op
     targets: list[str] | None = None
     timeout_s: float = 60.0
+    # The cluster's join token (launch.py makes it): ops that change cluster
+    # state need it unless the connection is CURVE-authenticated (README, Security).
+    token: str = ""
 
 
 class ControlReply(_Msg, tag="ctl_reply"):
@@ -550,6 +557,9 @@ class Register(_Msg, tag="register"):
     # z85 CURVE public key of its data/weight sockets ("" when not secured):
     # the head and trainers connect with it as the server key.
     curve_key: str = ""
+    # The cluster's join token ("" without one; a CURVE-authenticated
+    # connection needs none).
+    token: str = ""
 
 
 class RegisterReply(_Msg, tag="register_reply"):
@@ -559,6 +569,8 @@ class RegisterReply(_Msg, tag="register_reply"):
     # A refusal that may pass (the id is held by a live engine that may be
     # dying): the engine keeps re-registering until register_timeout_s.
     retry: bool = False
+    code: str | None = None  # bus.errors.ErrorCode of a refusal
+    field: str | None = None  # the Register field (or option) it was refused for
 
 
 class Heartbeat(_Msg, tag="heartbeat"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -39,7 +40,7 @@ import zmq
 
 from bus import auth
 from bus import protocol as P
-from bus.auth import Gatekeeper, KeyDir
+from bus.auth import Gatekeeper, KeyDir, read_token
 from bus.codec import Codec
 from bus.endpoint import Endpoint, open_socket
 from bus.errors import BadRequest, ErrorCode
@@ -101,12 +102,19 @@ class EngineNode:
             subscribe=[b"*\x00", self.engine_id.encode() + b"\x00"],
             curve=curve,
         )
+        # The join token (read before any socket: a bad file ends the node at
+        # once, naming it) and this process's events identity. Hazard: the
+        # identity is the head's proof that heartbeats and acks are ours
+        # (router_node/router.py _engine_of); its random part is never
+        # published, so nobody can reconnect under it once we are dead.
+        self._token = read_token(cfg.token_file) if cfg.token_file else ""
+        self._ident = f"{self.engine_id}/{self.incarnation}/{secrets.token_hex(16)}".encode()
         self.events = open_socket(
             self.ctx,
             zmq.DEALER,
             connect=cfg.head_events,
             hwm=CONTROL_HWM,
-            identity=f"{self.engine_id}/{self.incarnation}".encode(),
+            identity=self._ident,
             curve=curve,
         )
         self.data_address = self._advertised(bound_address(self.data))
@@ -403,6 +411,7 @@ class EngineNode:
             host=self.cfg.advertise_host,
             dtype=getattr(self.info, "dtype", ""),
             curve_key=self._curve.public.decode("ascii") if self._curve is not None else "",
+            token=self._token,
         )
         try:
             # NOBLOCK: a DEALER without a connected head (refused handshake,
@@ -436,7 +445,8 @@ class EngineNode:
             self._refused = msg.error
             return
         if not msg.ok:
-            self._fatal = f"the head refused registration: {msg.error}"
+            where = f" (field {msg.field})" if msg.field else ""
+            self._fatal = f"the head refused registration{where}: {msg.error}"
             return
         if not self._registered:
             self.log.info("engine_registered")
@@ -470,14 +480,14 @@ class EngineNode:
         # Own socket: sockets are not thread-safe, and this one must keep
         # beating while the loop is inside a long step.
         # Its identity is the head's proof that these heartbeats are ours
-        # (router_node/router.py _engine_of): "engine_id/incarnation/hb".
+        # (router_node/router.py _engine_of): the events identity + "/hb".
         sock = open_socket(
             self.ctx,
             zmq.DEALER,
             connect=self.cfg.head_events,
             hwm=16,
             curve=self._curve,
-            identity=f"{self.engine_id}/{self.incarnation}/hb".encode(),
+            identity=self._ident + b"/hb",
         )
         codec = Codec()
         try:
@@ -615,6 +625,14 @@ def run_engine_node(argv: list[str] | None = None) -> int:
 
     cfg = parse_args(argv)
     become_child_process(f"rollout-bus engine_node {cfg.engine_id}")
+    if cfg.token_file:  # before the (slow) backend: a bad token file ends the node at once
+        from bus.auth import KeyFileError
+
+        try:
+            read_token(cfg.token_file)
+        except KeyFileError as e:
+            log.error("engine_token_refused", engine_id=cfg.engine_id, error=str(e))
+            return 2
     incarnation = new_incarnation()
     options = dict(cfg.backend_options)
     if cfg.backend in SEEDED_BACKENDS and "seed" not in options:

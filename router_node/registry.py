@@ -49,6 +49,10 @@ class EngineEntry:
     weight_version: int = 0
     epoch: int = 0  # config epoch of what loras/weight_version say
     silent_since: float | None = None
+    # Its events connection's identity "engine_id/incarnation/NONCE" (the nonce
+    # is the engine's secret: never logged or shown): heartbeats and acks
+    # are believed only from it (and its ".../hb" twin).
+    ident: bytes = b""
 
     @property
     def engine_id(self) -> str:
@@ -87,9 +91,12 @@ class EngineEntry:
         stall_timeout_s: float,
         cluster_version: int = 0,
         converging: str | None = None,
+        committing: frozenset[int] = frozenset(),
     ) -> tuple[EngineState, str]:
         """The state this engine should be in now (JOINING is left by the join ack).
-        `converging`: why its control state differs from the intended one, if it does."""
+        `converging`: why its control state differs from the intended one, if it does.
+        `committing`: versions of commits the head decided and is publishing (an
+        engine already on one is not ahead of the cluster)."""
         if self.state is EngineState.JOINING:
             return self.state, self.reason
         if now - self.last_seen > deadline_s:
@@ -108,6 +115,16 @@ class EngineEntry:
                 f"weight version {self.weight_version} < cluster weight version {cluster_version} "
                 "(restarted from its checkpoint, joined late or missed an update): no traffic until "
                 "the next update_weights or Client.sync_stale() brings it up to date",
+            )
+        if self.weight_version > cluster_version and self.weight_version not in committing:
+            # The cluster version moves only by the head's own commits: an
+            # engine claiming more (a rogue, another cluster's checkpoint) serves
+            # nothing until an update brings it to the cluster version.
+            return (
+                EngineState.STALE,
+                f"weight version {self.weight_version} > cluster weight version {cluster_version}: the cluster "
+                "version moves only by the head's own commits, so this engine serves nothing until the next "
+                "update_weights or Client.sync_stale() brings it to the cluster version",
             )
         return EngineState.HEALTHY, "ok"
 

@@ -10,6 +10,7 @@ from bus.errors import (
     ProtocolError,
     RequestTimeout,
     RolloutBusError,
+    Unauthorized,
 )
 from bus.protocol import SamplingParams
 from trainer_bridge.client import AsyncClient, Client
@@ -37,5 +38,6 @@ __all__ = [
     "NoHealthyEngine",
     "ProtocolError",
     "RequestTimeout",
+    "Unauthorized",
     "UnsupportedParameter",
 ]
