@@ -445,8 +445,7 @@ class EngineNode:
             self._refused = msg.error
             return
         if not msg.ok:
-            where = f" (field {msg.field})" if msg.field else ""
-            self._fatal = f"the head refused registration{where}: {msg.error}"
+            self._fatal = f"the head refused registration: {msg.error}"
             return
         if not self._registered:
             self.log.info("engine_registered")

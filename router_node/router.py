@@ -340,7 +340,7 @@ class Router:
                 self.counters["register_refused"] += 1
                 event = "register_refused"
             log.warning(event, engine_id=reg.engine_id[:128], pid=reg.pid, field=err.field, error=err.message)
-            reply = P.RegisterReply(ok=False, error=err.message, code=err.code.value, field=err.field)
+            reply = P.RegisterReply(ok=False, error=str(err), code=err.code.value, field=err.field)
             self.events.send(ident, reply)
             return
         now = time.monotonic()
