@@ -43,7 +43,7 @@ from bus import protocol as P
 from bus.auth import Gatekeeper, KeyDir, read_token
 from bus.codec import Codec
 from bus.endpoint import Endpoint, open_socket
-from bus.errors import BadRequest, ErrorCode
+from bus.errors import BadRequest, ErrorCode, Unauthorized
 from bus.sockets import CONTROL_HWM, bound_address
 from bus.validate import check_generate, prompt_from_frames
 from engine_node.backend import Backend, BackendError, load_backend
@@ -185,7 +185,7 @@ class EngineNode:
         self.data_ep = Endpoint(
             self.data,
             self.codec,
-            {P.Generate: self._on_generate, P.Cancel: self._on_cancel},
+            {P.Generate: self._keyed(self._on_generate), P.Cancel: self._keyed(self._on_cancel)},
             name="data",
             routed=True,
             before_error=self._flush,
@@ -195,7 +195,7 @@ class EngineNode:
         self.weights_ep = Endpoint(
             self.weights,
             self.codec,
-            {P.WeightBucket: self._on_weight_bucket, P.WeightSenderEnd: self._on_sender_end},
+            {P.WeightBucket: self._keyed(self._on_weight_bucket), P.WeightSenderEnd: self._keyed(self._on_sender_end)},
             name="weights",
             routed=True,
             error_reply=lambda rid, code, message, field: P.WeightBucketAck(
@@ -219,6 +219,27 @@ class EngineNode:
         self._snapshot_at = 0.0
         self._hb_stop = threading.Event()
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+
+    def _keyed(self, handler: Callable[[bytes, Any, list[Any]], None]) -> Callable[[bytes, Any, list[Any]], None]:
+        """Security on: a data / weight frame whose CURVE key was taken off the
+        allow-list since its handshake is refused (typed Unauthorized), so a
+        removed key's open connection stops being served at the next re-read."""
+        gate = self.gate
+        if gate is None:
+            return handler
+
+        def run(peer: bytes, msg: Any, buffers: list[Any]) -> None:
+            ep = self.weights_ep if isinstance(msg, (P.WeightBucket, P.WeightSenderEnd)) else self.data_ep
+            key = auth.peer_key(ep.frames[0]) if ep.frames else None
+            if key is not None and not gate.allows(auth.PEERS, key.encode()):
+                raise Unauthorized(
+                    f"key {key} was removed from this engine's allow-list",
+                    request_id=getattr(msg, "request_id", None),
+                    field="client_key",
+                )
+            handler(peer, msg, buffers)
+
+        return run
 
     # ------------------------------------------------------------ lifecycle
 

@@ -39,6 +39,10 @@ log = structlog.get_logger("router_node")
 # Control ops that only read: open to any client that reaches the frontend.
 # Every other op changes cluster state and needs the join token (or a CURVE key).
 READ_ONLY_OPS: frozenset[type] = frozenset({P.Ping, P.IsPaused, P.Stats})
+# Frontend peers whose CURVE key is remembered for revocation (a peer dropped
+# from this table still has every later frame refused; only its open requests
+# would wait for their own deadline instead of ending at the revocation).
+_MAX_TRACKED_CLIENT_KEYS = 65536
 
 
 class Lifecycle(enum.Enum):
@@ -477,7 +481,10 @@ class Router:
                         request_id=getattr(msg, "request_id", None),
                         field="client_key",
                     )
-                self._client_keys.setdefault(client, key)
+                if client not in self._client_keys:
+                    if len(self._client_keys) >= _MAX_TRACKED_CLIENT_KEYS:  # bounded: the oldest goes
+                        self._client_keys.pop(next(iter(self._client_keys)))
+                    self._client_keys[client] = key
             handler(client, msg, buffers)
 
         return run

@@ -289,6 +289,9 @@ def test_removing_a_client_key_cuts_its_open_connection(cluster_factory, tmp_pat
     ops.wait_ready(1, 30)
     trainer = cl.client(curve_dir=key_dir, client_key="trainer")
     assert trainer.generate([4, 5, 6], {"max_tokens": 3}).token_ids == [7, 8, 9]
+    (engine,) = ops.engines()
+    direct = _DirectConnection(engine, KeyDir(key_dir).client("trainer"))  # straight to the engine's data socket
+    assert direct.generate() == [7, 8, 9]
     chunks: list = []
     ended: dict = {}
 
@@ -315,10 +318,46 @@ def test_removing_a_client_key_cuts_its_open_connection(cluster_factory, tmp_pat
     with pytest.raises(Unauthorized):
         trainer.pause("keep")
     assert not ops.is_paused()
+    # the engine re-reads its copy of the allow-list too: the open direct connection is refused
+    wait_until(lambda: isinstance(direct.generate(), Unauthorized), 10, "the engine to refuse the removed key")
+    direct.close()
     assert ops.generate([4, 5, 6], {"max_tokens": 3}).token_ids == [7, 8, 9]
     counters = ops.stats()["counters"]
     assert counters["clients_revoked"] == 1 and counters["unauthorized"] >= 2
     assert "client_key_revoked" in cl.log("head")
+
+
+class _DirectConnection:
+    """One AsyncClient connection to an engine's data socket, kept open across
+    calls (its own loop thread), as a trainer sending to an engine directly."""
+
+    def __init__(self, engine: dict, curve) -> None:
+        import asyncio
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._ac = AsyncClient(engine["data_address"], timeout_s=5, control_timeout_s=5)
+        self._ac._curve = curve.connecting_to(engine["curve_key"].encode())
+
+    def generate(self):
+        import asyncio
+
+        async def go():
+            try:
+                return (await self._ac.generate([4, 5, 6], {"max_tokens": 3})).token_ids
+            except Unauthorized as e:
+                return e
+
+        return asyncio.run_coroutine_threadsafe(go(), self._loop).result(30)
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self._ac.close(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
 
 
 def test_group_readable_secret_keys_are_refused(tmp_path):
