@@ -102,8 +102,8 @@ class EngineNode:
             subscribe=[b"*\x00", self.engine_id.encode() + b"\x00"],
             curve=curve,
         )
-        # The join token (read before any socket: a bad file ends the node at
-        # once, naming it) and this process's events identity. Hazard: the
+        # The join token (run_engine_node already refused a bad file, naming
+        # it) and this process's events identity. Hazard: the
         # identity is the head's proof that heartbeats and acks are ours
         # (router_node/router.py _engine_of); its random part is never
         # published, so nobody can reconnect under it once we are dead.

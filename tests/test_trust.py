@@ -285,3 +285,32 @@ def test_an_engine_far_ahead_does_not_move_the_cluster_version(cluster_factory):
         assert [r.token_ids for r in rs] == [[7, 8, 9]] * 20 and {r.engine_id for r in rs} == {"e0"}
     finally:
         rogue.stop()
+
+
+def test_version_rules_without_sockets():
+    """The rules behind the last test, as state machines: only the first joiner
+    of a head with no commit sets the version; an engine above it is STALE
+    unless it is on a commit the head decided and is publishing."""
+    from router_node.cluster_state import ClusterWeights
+    from router_node.registry import EngineEntry, EngineState
+    from router_node.router import _ident_ok
+
+    cw = ClusterWeights()
+    cw.on_register(3)  # a restarted head learns where the cluster was
+    cw.on_register(10**6)  # a later joiner cannot drag it along
+    assert (cw.version, cw.source) == (3, "registration")
+
+    reg = P.Register("e0", "ipc://d", "", "null", "m", P.PROTOCOL_VERSION, "inc")
+    e = EngineEntry(reg=reg, sock=None, registered_at=0.0, state=EngineState.HEALTHY, last_seen=10.0)  # type: ignore[arg-type]
+    e.weight_version = 10**6
+    state, reason = e.evaluate(10.0, deadline_s=1.0, stall_timeout_s=5.0, cluster_version=3)
+    assert state is EngineState.STALE and "> cluster weight version 3" in reason
+    e.weight_version = 4  # committed version 4 before the head's commit round closed
+    assert e.evaluate(10.0, deadline_s=1.0, stall_timeout_s=5.0, cluster_version=3, committing=frozenset({4}))[0] is (
+        EngineState.HEALTHY
+    )
+
+    nonce = secrets.token_hex(16)
+    assert _ident_ok(f"e0/inc/{nonce}".encode(), "e0", "inc")
+    for bad in ("e0/inc", "e0/inc/hb", f"e0/other/{nonce}", "e0/inc/" + "z" * 32, "e0/inc/abc"):
+        assert not _ident_ok(bad.encode(), "e0", "inc"), bad
