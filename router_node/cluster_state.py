@@ -77,15 +77,11 @@ class ClusterWeights:
         """An engine joined. Only the FIRST joiner of a head that has committed
         nothing sets the version (a restarted head learns where the cluster
         was); after that only the head's commits move it, so a later engine
-        claiming more (weight_version=10**6) cannot drag the cluster along: the
-        registry marks it STALE (ahead) instead."""
+        registering with more (weight_version=10**6) cannot drag the cluster
+        along: the registry marks it STALE (ahead) instead."""
         if self.source == "none":
             self.version = int(weight_version)
             self.source = "registration"
-
-    def committing(self) -> frozenset[int]:
-        """Versions of model commits decided and still being published."""
-        return frozenset(t.version for t in self.txns.values() if t.decision == "commit" and t.version is not None)
 
     # ------------------------------------------------------------ fan-out hooks
 

@@ -53,6 +53,11 @@ class EngineEntry:
     # is the engine's secret: never logged or shown): heartbeats and acks
     # are believed only from it (and its ".../hb" twin).
     ident: bytes = b""
+    # It registered with a weight version above the cluster's and is still on
+    # it (a rogue, another cluster's checkpoint): STALE until an update brings
+    # it to the cluster version. Sticky until then, so a version it moves by
+    # itself (a level-2 wake reloads the checkpoint: +1) does not clear it.
+    ahead: bool = False
 
     @property
     def engine_id(self) -> str:
@@ -91,12 +96,9 @@ class EngineEntry:
         stall_timeout_s: float,
         cluster_version: int = 0,
         converging: str | None = None,
-        committing: frozenset[int] = frozenset(),
     ) -> tuple[EngineState, str]:
         """The state this engine should be in now (JOINING is left by the join ack).
-        `converging`: why its control state differs from the intended one, if it does.
-        `committing`: versions of commits the head decided and is publishing (an
-        engine already on one is not ahead of the cluster)."""
+        `converging`: why its control state differs from the intended one, if it does."""
         if self.state is EngineState.JOINING:
             return self.state, self.reason
         if now - self.last_seen > deadline_s:
@@ -116,10 +118,15 @@ class EngineEntry:
                 "(restarted from its checkpoint, joined late or missed an update): no traffic until "
                 "the next update_weights or Client.sync_stale() brings it up to date",
             )
-        if self.weight_version > cluster_version and self.weight_version not in committing:
-            # The cluster version moves only by the head's own commits: an
-            # engine claiming more (a rogue, another cluster's checkpoint) serves
-            # nothing until an update brings it to the cluster version.
+        # The cluster version moves only by the head's own commits (and the first
+        # joiner): an engine that registered above it serves nothing until an
+        # update brings it to the cluster version. Versions an engine reaches
+        # after joining (commits, a level-2 wake) are not "ahead".
+        if self.weight_version <= cluster_version:
+            self.ahead = False
+        elif self.weight_version == self.reg.weight_version:
+            self.ahead = True
+        if self.ahead:
             return (
                 EngineState.STALE,
                 f"weight version {self.weight_version} > cluster weight version {cluster_version}: the cluster "

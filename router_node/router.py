@@ -239,7 +239,6 @@ class Router:
             stall_timeout_s=self.cfg.stall_timeout_s,
             cluster_version=cluster_version,
             converging=converging,
-            committing=self.control.cluster.committing(),
         )
         if state is not e.state:
             self._set_state(e, state, reason, now)

@@ -289,8 +289,10 @@ def test_an_engine_far_ahead_does_not_move_the_cluster_version(cluster_factory):
 
 def test_version_rules_without_sockets():
     """The rules behind the last test, as state machines: only the first joiner
-    of a head with no commit sets the version; an engine above it is STALE
-    unless it is on a commit the head decided and is publishing."""
+    of a head with no commit sets the version; an engine that registered above
+    it is STALE until an update brings it to the cluster version, while a
+    version an engine reaches after joining (a commit round still closing, a
+    level-2 wake reloading its checkpoint) is not "ahead"."""
     from router_node.cluster_state import ClusterWeights
     from router_node.registry import EngineEntry, EngineState
     from router_node.router import _ident_ok
@@ -300,15 +302,26 @@ def test_version_rules_without_sockets():
     cw.on_register(10**6)  # a later joiner cannot drag it along
     assert (cw.version, cw.source) == (3, "registration")
 
-    reg = P.Register("e0", "ipc://d", "", "null", "m", P.PROTOCOL_VERSION, "inc")
-    e = EngineEntry(reg=reg, sock=None, registered_at=0.0, state=EngineState.HEALTHY, last_seen=10.0)  # type: ignore[arg-type]
-    e.weight_version = 10**6
-    state, reason = e.evaluate(10.0, deadline_s=1.0, stall_timeout_s=5.0, cluster_version=3)
+    def entry(version: int) -> EngineEntry:
+        reg = P.Register("e0", "ipc://d", "", "null", "m", P.PROTOCOL_VERSION, "inc", weight_version=version)
+        e = EngineEntry(reg=reg, sock=None, registered_at=0.0, state=EngineState.HEALTHY, last_seen=10.0)  # type: ignore[arg-type]
+        e.weight_version = version
+        return e
+
+    def judge(e: EngineEntry, cluster_version: int) -> tuple[EngineState, str]:
+        return e.evaluate(10.0, deadline_s=1.0, stall_timeout_s=5.0, cluster_version=cluster_version)
+
+    rogue = entry(10**6)
+    state, reason = judge(rogue, 3)
     assert state is EngineState.STALE and "> cluster weight version 3" in reason
-    e.weight_version = 4  # committed version 4 before the head's commit round closed
-    assert e.evaluate(10.0, deadline_s=1.0, stall_timeout_s=5.0, cluster_version=3, committing=frozenset({4}))[0] is (
-        EngineState.HEALTHY
-    )
+    rogue.weight_version += 1  # it woke from a level-2 sleep: still ahead, still stale
+    assert judge(rogue, 3)[0] is EngineState.STALE
+    rogue.weight_version = 4  # an update brought it to the cluster version
+    assert judge(rogue, 4)[0] is EngineState.HEALTHY
+    real = entry(3)
+    assert judge(real, 3)[0] is EngineState.HEALTHY
+    real.weight_version = 4  # acked a commit (or reloaded its checkpoint) before the cluster version moved
+    assert judge(real, 3)[0] is EngineState.HEALTHY
 
     nonce = secrets.token_hex(16)
     assert _ident_ok(f"e0/inc/{nonce}".encode(), "e0", "inc")
