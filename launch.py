@@ -197,6 +197,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--client-key", default=None, help="the launcher's own client key (readiness, demo): a name in clients/"
     )
+    ap.add_argument(
+        "--token-file",
+        default=None,
+        help="the cluster's join token (0600). Head: use this file instead of making a new token in the run "
+        "folder. --join: the head's token (default $ROLLOUT_BUS_TOKEN_FILE, else the file the head's launcher "
+        "published for that address on this host; copy it to other nodes)",
+    )
     ap.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics of the head (-1: off)")
     ap.add_argument(
         "--seed",
@@ -304,6 +311,71 @@ def keys_main(argv: list[str]) -> int:
     return 0
 
 
+class JoinToken:
+    """The cluster's join token (bus/auth.py), kept apart from the supervisor.
+
+    Head: a new random token in a 0600 file of the run folder (or --token-file),
+    given to the head and the local engines as --token-file; once the head
+    serves, a copy is published where clients on this host look for it
+    (bus.auth.token_path_for(frontend)), so `Client(address)` finds it, and
+    removed when the launcher exits. --join: the head's token, read from
+    --token-file / $ROLLOUT_BUS_TOKEN_FILE / the published file."""
+
+    def __init__(self, a: argparse.Namespace, run_dir: str) -> None:
+        from bus.auth import KeyFileError, find_token, new_token, read_token, write_token
+
+        self.published: str | None = None
+        self._token = ""
+        try:
+            if a.join:
+                found = find_token(a.join, a.token_file)
+                self.path = found[1] if found else None
+                if found is None and not a.curve:
+                    log.warning(
+                        "join_without_token",
+                        hint="no --token-file, no $ROLLOUT_BUS_TOKEN_FILE and no token published for "
+                        f"{a.join} on this host: a head that requires its join token refuses these engines",
+                    )
+            elif a.token_file:
+                self._token = read_token(a.token_file)
+                self.path = a.token_file
+            else:
+                self._token = new_token()
+                self.path = write_token(os.path.join(run_dir, "cluster.token"), self._token)
+        except KeyFileError as e:
+            raise SystemExit(f"launch.py: {e}") from None
+
+    def argv(self) -> list[str]:
+        return ["--token-file", self.path] if self.path else []
+
+    def publish(self, front: str) -> None:
+        """Head: the copy clients on this host find by address; one line says where."""
+        import atexit
+
+        from bus.auth import token_path_for, write_token
+
+        path = token_path_for(front)
+        if not self._token or path is None:
+            return
+        self.published = write_token(path, self._token)
+        atexit.register(self.unpublish)
+        print(
+            f"join token: {self.path} (published for {front} at {self.published}: clients on this host find it; "
+            f"engines on other nodes: launch.py --join {front} --token-file <a copy>)",
+            flush=True,
+        )
+
+    def unpublish(self) -> None:
+        from bus.auth import read_token
+
+        path, self.published = self.published, None
+        try:
+            if path and read_token(path) == self._token:  # not a newer launcher's
+                os.remove(path)
+        except (OSError, Exception):
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keys"]:
@@ -385,8 +457,14 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
         if not keys.exists():
             if a.join:
                 raise SystemExit(f"--curve: no keys in {curve_dir}; copy the head's key folder here")
-            keys.init()
+            from bus.auth import KeyFileError
+
+            try:
+                keys.init()
+            except KeyFileError as e:  # a read-only folder: say which, not a traceback
+                raise SystemExit(f"launch.py --curve: {e}") from None
             log.info("curve_keys_made", curve_dir=curve_dir)
+    token = JoinToken(a, run_dir)
     backend = pick_backend(a.backend)
     model = a.model
     if backend == "torch" and not model:
@@ -417,6 +495,7 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
         ]  # fmt: skip
         if curve_dir:
             head_argv += ["--curve-dir", curve_dir]
+        head_argv += token.argv()
         sup.add(Child("head", head_argv, env))
         deadline = time.monotonic() + 30
         while not os.path.exists(ready_file):
@@ -429,6 +508,7 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
             adv = advertise_host(a)
             events, control = events.replace("0.0.0.0", adv), control.replace("0.0.0.0", adv)
             front = front.replace("0.0.0.0", adv)
+        token.publish(front)
 
     # ---- the engines
     n_engines = a.engines if a.engines is not None else (0 if a.head else None)
@@ -457,6 +537,7 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
             eargv += ["--advertise-host", advertise_host(a)]
         if curve_dir:
             eargv += ["--curve-dir", curve_dir]
+        eargv += token.argv()
         eenv = dict(env)
         if gpus is not None:
             eenv["CUDA_VISIBLE_DEVICES"] = gpus
@@ -465,7 +546,14 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
     # ---- readiness
     from trainer_bridge import Client
 
-    client = Client(front, timeout_s=120, control_timeout_s=30, curve_dir=curve_dir, client_key=a.client_key)
+    client = Client(
+        front,
+        timeout_s=120,
+        control_timeout_s=30,
+        curve_dir=curve_dir,
+        client_key=a.client_key,
+        token_file=token.path or "",
+    )
     try:
         want = len(groups)  # the engines this launcher started (0 for a bare head)
         deadline = time.monotonic() + a.ready_timeout_s

@@ -27,6 +27,16 @@ poll loops, and a handshake must be answered even while the engine loop sits
 inside a long backend step. The allow-lists are read at start and re-read by
 `refresh()` (the owner loop's tick) whenever a key file is added, removed or
 changed, so `launch.py keys add-client` takes effect on a running cluster.
+Removing a key also cuts what its holder already has open: `peer_key` reads
+the CURVE key ZAP vouched for off each received frame (its "User-Id"), and
+the owner refuses frames, and ends requests, of a key no longer allowed.
+
+Join token (security off, the default): `launch.py` makes one random secret per
+cluster (`new_token_file`, 0600). Engines present it in `Register`, clients in
+each `Control` that changes cluster state; a peer CURVE already authenticated
+needs none. `find_token` is how a client on the launcher's host finds it
+without being told: `token_path_for(address)` (next to an IPC socket, else in
+`token_dir()` under the frontend's host and port).
 """
 
 from __future__ import annotations
@@ -34,8 +44,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import glob
+import hmac
 import os
 import re
+import secrets
+import stat
 import time
 from collections.abc import Iterable
 
@@ -115,7 +128,24 @@ def check_name(name: str) -> str:
     return name
 
 
+def check_private(path: str, field: str) -> None:
+    """Refuse a secret readable by group or others, as ssh does: whoever could
+    read it can be this peer (the file's fix is in the message)."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError as e:
+        raise KeyFileError(f"cannot read {path}: {e.strerror}", field=field) from None
+    if mode & 0o077:
+        raise KeyFileError(
+            f"{path} is accessible by group/others (mode {mode:04o}): a secret must be private to its owner "
+            f"(chmod 600 {path})",
+            field=field,
+        )
+
+
 def _load(path: str, *, secret: bool, field: str = "curve_dir") -> tuple[bytes, bytes | None]:
+    if secret:
+        check_private(path, field)
     try:
         pub, sec = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:
@@ -143,15 +173,25 @@ class KeyDir:
 
     def init(self) -> KeyDir:
         """Make the head's keys, the engine credential and the default client
-        key where missing (never overwrites a key)."""
-        os.makedirs(self.root, mode=0o700, exist_ok=True)
-        os.chmod(self.root, 0o700)
-        if not self.exists():
-            write_keypair(self.root, HEAD)
-        if not glob.glob(os.path.join(self.engines_dir, "*.key_secret")):
-            write_keypair(self.engines_dir, ENGINE)
-        if not os.path.exists(os.path.join(self.clients_dir, f"{DEFAULT_CLIENT}.key")):
-            write_keypair(self.clients_dir, DEFAULT_CLIENT)
+        key where missing (never overwrites a key). A folder it cannot write
+        (read-only, another owner's) is a KeyFileError naming the folder."""
+        try:
+            if not os.path.isdir(self.root):
+                os.makedirs(self.root, mode=0o700)
+                os.chmod(self.root, 0o700)  # makedirs' mode passes through the umask
+            if not self.exists():
+                write_keypair(self.root, HEAD)
+            if not glob.glob(os.path.join(self.engines_dir, "*.key_secret")):
+                write_keypair(self.engines_dir, ENGINE)
+            if not os.path.exists(os.path.join(self.clients_dir, f"{DEFAULT_CLIENT}.key")):
+                write_keypair(self.clients_dir, DEFAULT_CLIENT)
+        except OSError as e:
+            where = e.filename or self.root
+            raise KeyFileError(
+                f"cannot make the CURVE keys in the key folder {self.root} ({where}: {e.strerror}): make it "
+                "writable, or point --curve-dir at a folder holding the keys (`launch.py keys init --curve-dir DIR`)",
+                field="curve_dir",
+            ) from None
         return self
 
     def add_client(self, name: str, public_file: str | None = None) -> str:
@@ -276,7 +316,9 @@ class Gatekeeper:
     (one attribute store, atomic under the GIL) and `callback` reads once.
     """
 
-    REFRESH_S = 2.0
+    # Allow-list re-read period: a removed key's open connections are cut at
+    # the next re-read (the owner's `revoked`), within 2 s of the removal.
+    REFRESH_S = 1.0
 
     def __init__(self, ctx: zmq.Context, keys: KeyDir, domains: Iterable[str]) -> None:
         self.keys = keys
@@ -326,3 +368,92 @@ class Gatekeeper:
         if self._started:
             self._started = False
             self._auth.stop()
+
+
+# ---------------------------------------------------------------- who sent a frame
+
+
+def peer_key(frame: object) -> str | None:
+    """The z85 CURVE public key ZAP authenticated for the connection a frame
+    came over (its "User-Id" property); None on an unsecured socket."""
+    get = getattr(frame, "get", None)
+    if get is None:
+        return None
+    try:
+        uid = get("User-Id")
+    except (zmq.ZMQError, KeyError, TypeError):
+        return None
+    return uid if isinstance(uid, str) and len(uid) == 40 else None
+
+
+# ---------------------------------------------------------------- join token
+
+TOKEN_FILE_ENV = "ROLLOUT_BUS_TOKEN_FILE"  # a token file's path (engines, clients, launch.py --join)
+TOKEN_DIR_ENV = "ROLLOUT_BUS_TOKEN_DIR"  # where launchers publish tokens by address (default token_dir())
+
+
+def token_dir() -> str:
+    return os.environ.get(TOKEN_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "rollout-bus", "tokens")
+
+
+def token_path_for(address: str) -> str | None:
+    """Where the launcher on this host publishes the token of the head at
+    `address`: next to its IPC socket file, else token_dir()/HOST_PORT.token."""
+    if address.startswith("ipc://"):
+        return address[len("ipc://") :] + ".token"
+    if address.startswith("tcp://") and ":" in address[6:]:
+        host, port = address[6:].rsplit(":", 1)
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{host.strip('[]')}_{port}")
+        return os.path.join(token_dir(), f"{name}.token")
+    return None
+
+
+def new_token() -> str:
+    return secrets.token_hex(32)
+
+
+def write_token(path: str, token: str) -> str:
+    """Write `token` to `path` 0600 (atomically: a reader never sees half a
+    token; an older file under that name is replaced)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(token + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_token(path: str, field: str = "token_file") -> str:
+    """The token in `path`: a file readable by group or others is refused
+    (KeyFileError naming it), like a CURVE secret."""
+    check_private(path, field)
+    try:
+        with open(path, encoding="ascii") as f:
+            token = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise KeyFileError(f"cannot read the join token {path}: {e}", field=field) from None
+    if not 32 <= len(token) <= 256:
+        raise KeyFileError(f"{path} holds no join token (32-256 characters expected)", field=field)
+    return token
+
+
+def find_token(address: str, token_file: str | None = None) -> tuple[str, str] | None:
+    """(token, the file it came from) for a peer of the head at `address`:
+    `token_file` if given ("" = none), else $ROLLOUT_BUS_TOKEN_FILE, else the
+    file a launcher on this host published for `address`; None when none exists."""
+    if token_file is not None:
+        return (read_token(token_file), token_file) if token_file else None
+    env = os.environ.get(TOKEN_FILE_ENV)
+    if env:
+        return read_token(env, TOKEN_FILE_ENV), env
+    path = token_path_for(address)
+    if path and os.path.exists(path):
+        return read_token(path), path
+    return None
+
+
+def token_matches(expected: str, given: str) -> bool:
+    """Constant time: the comparison leaks nothing of the token."""
+    return hmac.compare_digest(expected.encode(), given.encode())

@@ -23,6 +23,7 @@ class ErrorCode(str, enum.Enum):
     UPDATE_IN_PROGRESS = "update_in_progress"  # another client's weight update holds the cluster
     STALE_UPDATE = "stale_update"  # an op names a weight update that is not the current one
     LIMIT_EXCEEDED = "limit_exceeded"  # a per-client cap was hit: `field` names its knob
+    UNAUTHORIZED = "unauthorized"  # no (or a wrong) join token, or a CURVE key taken off the allow-list
 
 
 class RolloutBusError(Exception):
@@ -137,6 +138,15 @@ class AuthRefused(ProtocolError):
     picks the key (`client_key`)."""
 
 
+class Unauthorized(RolloutBusError):
+    """The head refused a peer that is not (or no longer) part of the cluster:
+    an engine's Register or a client's state-changing control op without the
+    cluster's join token (`field` "token"), or frames of a CURVE key removed
+    from the allow-list (`field` "client_key")."""
+
+    code = ErrorCode.UNAUTHORIZED
+
+
 class ClosedByUs(RolloutBusError):
     """The client (or node) was closed locally while the call was waiting."""
 
@@ -173,6 +183,7 @@ EXCEPTION_OF: dict[str, type[RolloutBusError]] = {
     ErrorCode.UPDATE_IN_PROGRESS.value: UpdateInProgress,
     ErrorCode.STALE_UPDATE.value: StaleUpdate,
     ErrorCode.LIMIT_EXCEEDED.value: LimitExceeded,
+    ErrorCode.UNAUTHORIZED.value: Unauthorized,
 }
 
 

@@ -36,7 +36,11 @@ from msgspec import Meta
 # 5: the head believes an engine's heartbeats / acks only from its own events
 # connections (identity "engine_id/incarnation", heartbeats ".../hb"); GPU
 # weight parts of several senders (ReceiveWeights.sender/tensors/...).
-PROTOCOL_VERSION = 5
+# 6: the join token (Register.token, Control.token; refusals carry
+# RegisterReply.code/field); an engine's events identity carries a secret
+# per-process nonce ("engine_id/incarnation/NONCE"), so a stranger cannot
+# reconnect under a dead engine's identity and speak for it.
+PROTOCOL_VERSION = 6
 
 # ------------------------------------------------------------- field bounds
 # Issue 22, "no poison pill": every integer and string field has a range or a
@@ -545,6 +549,9 @@ class Control(_Msg, tag="ctl"):
     op: Op
     targets: Ids | None = None
     timeout_s: float = 60.0
+    # The cluster's join token (launch.py makes it): ops that change cluster
+    # state need it unless the connection is CURVE-authenticated (README, Security).
+    token: str = ""
 
 
 class ControlReply(_Msg, tag="ctl_reply"):
@@ -593,6 +600,9 @@ class Register(_Msg, tag="register"):
     # z85 CURVE public key of its data/weight sockets ("" when not secured):
     # the head and trainers connect with it as the server key.
     curve_key: Short = ""
+    # The cluster's join token ("" without one; a CURVE-authenticated
+    # connection needs none).
+    token: Short = ""
 
 
 class RegisterReply(_Msg, tag="register_reply"):
@@ -602,6 +612,8 @@ class RegisterReply(_Msg, tag="register_reply"):
     # A refusal that may pass (the id is held by a live engine that may be
     # dying): the engine keeps re-registering until register_timeout_s.
     retry: bool = False
+    code: str | None = None  # bus.errors.ErrorCode of a refusal
+    field: str | None = None  # the Register field (or option) it was refused for
 
 
 class Heartbeat(_Msg, tag="heartbeat"):

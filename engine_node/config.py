@@ -32,6 +32,9 @@ class EngineNodeConfig:
     # discarded (old weights and version kept); also the idle limit of an
     # update that stopped receiving.
     prepare_ttl_s: float = 60.0
+    # The cluster's join token file (launch.py makes it; 0600). "" / None: none
+    # (a head that requires one refuses this engine, field "token").
+    token_file: str | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> EngineNodeConfig:
@@ -66,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> EngineNodeConfig:
         default=60.0,
         help="discard a prepared weight update that gets no commit/abort decision within this many seconds",
     )
+    ap.add_argument(
+        "--token-file",
+        default=os.environ.get("ROLLOUT_BUS_TOKEN_FILE") or None,
+        help="the cluster's join token (a 0600 file made by launch.py; default $ROLLOUT_BUS_TOKEN_FILE)",
+    )
     a = ap.parse_args(argv)
     return EngineNodeConfig(
         engine_id=a.engine_id,
@@ -84,4 +92,5 @@ def parse_args(argv: list[str] | None = None) -> EngineNodeConfig:
         curve_dir=a.curve_dir,
         seed=a.seed,
         prepare_ttl_s=a.prepare_ttl_s,
+        token_file=a.token_file,
     )

@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import gc
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -40,10 +41,10 @@ import zmq
 
 from bus import auth
 from bus import protocol as P
-from bus.auth import Gatekeeper, KeyDir
+from bus.auth import Gatekeeper, KeyDir, read_token
 from bus.codec import Codec
 from bus.endpoint import Endpoint, open_socket, readable
-from bus.errors import BadRequest, ErrorCode
+from bus.errors import BadRequest, ErrorCode, Unauthorized
 from bus.sockets import CONTROL_HWM, bound_address
 from bus.validate import check_generate, prompt_from_frames
 from engine_node.backend import Backend, BackendError, load_backend
@@ -108,12 +109,19 @@ class EngineNode:
             subscribe=[b"*\x00", self.engine_id.encode() + b"\x00"],
             curve=curve,
         )
+        # The join token (run_engine_node already refused a bad file, naming
+        # it) and this process's events identity. Hazard: the
+        # identity is the head's proof that heartbeats and acks are ours
+        # (router_node/router.py _engine_of); its random part is never
+        # published, so nobody can reconnect under it once we are dead.
+        self._token = read_token(cfg.token_file) if cfg.token_file else ""
+        self._ident = f"{self.engine_id}/{self.incarnation}/{secrets.token_hex(16)}".encode()
         self.events = open_socket(
             self.ctx,
             zmq.DEALER,
             connect=cfg.head_events,
             hwm=CONTROL_HWM,
-            identity=f"{self.engine_id}/{self.incarnation}".encode(),
+            identity=self._ident,
             curve=curve,
         )
         self.data_address = self._advertised(bound_address(self.data))
@@ -184,7 +192,7 @@ class EngineNode:
         self.data_ep = Endpoint(
             self.data,
             self.codec,
-            {P.Generate: self._on_generate, P.Cancel: self._on_cancel},
+            {P.Generate: self._keyed(self._on_generate), P.Cancel: self._keyed(self._on_cancel)},
             name="data",
             routed=True,
             before_error=self._flush,
@@ -194,7 +202,7 @@ class EngineNode:
         self.weights_ep = Endpoint(
             self.weights,
             self.codec,
-            {P.WeightBucket: self._on_weight_bucket, P.WeightSenderEnd: self._on_sender_end},
+            {P.WeightBucket: self._keyed(self._on_weight_bucket), P.WeightSenderEnd: self._keyed(self._on_sender_end)},
             name="weights",
             routed=True,
             error_reply=lambda rid, code, message, field: P.WeightBucketAck(
@@ -220,6 +228,27 @@ class EngineNode:
         self._snapshot_at = 0.0
         self._hb_stop = threading.Event()
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+
+    def _keyed(self, handler: Callable[[bytes, Any, list[Any]], None]) -> Callable[[bytes, Any, list[Any]], None]:
+        """Security on: a data / weight frame whose CURVE key was taken off the
+        allow-list since its handshake is refused (typed Unauthorized), so a
+        removed key's open connection stops being served at the next re-read."""
+        gate = self.gate
+        if gate is None:
+            return handler
+
+        def run(peer: bytes, msg: Any, buffers: list[Any]) -> None:
+            ep = self.weights_ep if isinstance(msg, (P.WeightBucket, P.WeightSenderEnd)) else self.data_ep
+            key = auth.peer_key(ep.frames[0]) if ep.frames else None
+            if key is not None and not gate.allows(auth.PEERS, key.encode()):
+                raise Unauthorized(
+                    f"key {key} was removed from this engine's allow-list",
+                    request_id=getattr(msg, "request_id", None),
+                    field="client_key",
+                )
+            handler(peer, msg, buffers)
+
+        return run
 
     # ------------------------------------------------------------ lifecycle
 
@@ -423,6 +452,7 @@ class EngineNode:
             host=self.cfg.advertise_host,
             dtype=getattr(self.info, "dtype", ""),
             curve_key=self._curve.public.decode("ascii") if self._curve is not None else "",
+            token=self._token,
         )
         try:
             # NOBLOCK: a DEALER without a connected head (refused handshake,
@@ -490,14 +520,14 @@ class EngineNode:
         # Own socket: sockets are not thread-safe, and this one must keep
         # beating while the loop is inside a long step.
         # Its identity is the head's proof that these heartbeats are ours
-        # (router_node/router.py _engine_of): "engine_id/incarnation/hb".
+        # (router_node/router.py _engine_of): the events identity + "/hb".
         sock = open_socket(
             self.ctx,
             zmq.DEALER,
             connect=self.cfg.head_events,
             hwm=16,
             curve=self._curve,
-            identity=f"{self.engine_id}/{self.incarnation}/hb".encode(),
+            identity=self._ident + b"/hb",
         )
         codec = Codec()
         try:
@@ -635,6 +665,14 @@ def run_engine_node(argv: list[str] | None = None) -> int:
 
     cfg = parse_args(argv)
     become_child_process(f"rollout-bus engine_node {cfg.engine_id}")
+    if cfg.token_file:  # before the (slow) backend: a bad token file ends the node at once
+        from bus.auth import KeyFileError
+
+        try:
+            read_token(cfg.token_file)
+        except KeyFileError as e:
+            log.error("engine_token_refused", engine_id=cfg.engine_id, error=str(e))
+            return 2
     incarnation = new_incarnation()
     options = dict(cfg.backend_options)
     if cfg.backend in SEEDED_BACKENDS and "seed" not in options:

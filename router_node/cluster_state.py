@@ -35,8 +35,11 @@ discards the update by itself (engine_node/weight_update.py, prepare_ttl_s).
 
 The cluster weight version is the version of the last model update that
 committed. Until the head has seen one (a fresh head, or a head restarted under
-running engines) it adopts the highest version an engine registered with, so a
-head restart does not forget where the cluster was.
+running engines) it adopts the version of the first engine that joins, so a
+head restart does not forget where the cluster was; a later engine above it
+is STALE (router_node/registry.py), never followed. A FinishWeightUpdate for an
+update the head never saw begin (a head restarted mid-update) is relayed as is,
+and the version follows its ok acks.
 
 Ownership: the router loop thread.
 """
@@ -119,7 +122,12 @@ class ClusterWeights:
         self.unconfirmed: dict[int, str] = {}
 
     def on_register(self, weight_version: int) -> None:
-        if self.source != "update" and weight_version > self.version:
+        """An engine joined. Only the FIRST joiner of a head that has committed
+        nothing sets the version (a restarted head learns where the cluster
+        was); after that only the head's commits move it, so a later engine
+        registering with more (weight_version=10**6) cannot drag the cluster
+        along: the registry marks it STALE (ahead) instead."""
+        if self.source == "none":
             self.version = int(weight_version)
             self.source = "registration"
 

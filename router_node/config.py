@@ -60,6 +60,14 @@ class RouterConfig:
     curve_dir: str | None = None
     metrics_port: int = -1  # Prometheus /metrics: -1 off, 0 any free port
     metrics_host: str = "127.0.0.1"
+    # The cluster's join token (a 0600 file, made by launch.py): engines must
+    # present it in Register, clients in state-changing control ops (peers
+    # CURVE authenticated excepted). None: open to anyone who reaches the
+    # sockets (logged as a warning at start).
+    token_file: str | None = None
+    # The cluster's vocabulary size: an engine registering another is refused
+    # (field vocab_size). 0: the first registered engine's.
+    vocab_size: int = 0
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
@@ -70,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         default = getattr(d, f.name)
         if isinstance(default, bool):
             ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif f.name == "curve_dir":
+        elif f.name in ("curve_dir", "token_file"):
             ap.add_argument(flag, default=None)
         else:
             ap.add_argument(flag, type=type(default), default=default)

@@ -49,6 +49,15 @@ class EngineEntry:
     weight_version: int = 0
     epoch: int = 0  # config epoch of what loras/weight_version say
     silent_since: float | None = None
+    # Its events connection's identity "engine_id/incarnation/NONCE" (the nonce
+    # is the engine's secret: never logged or shown): heartbeats and acks
+    # are believed only from it (and its ".../hb" twin).
+    ident: bytes = b""
+    # It registered with a weight version above the cluster's and is still on
+    # it (a rogue, another cluster's checkpoint): STALE until an update brings
+    # it to the cluster version. Sticky until then, so a version it moves by
+    # itself (a level-2 wake reloads the checkpoint: +1) does not clear it.
+    ahead: bool = False
 
     @property
     def engine_id(self) -> str:
@@ -108,6 +117,21 @@ class EngineEntry:
                 f"weight version {self.weight_version} < cluster weight version {cluster_version} "
                 "(restarted from its checkpoint, joined late or missed an update): no traffic until "
                 "the next update_weights or Client.sync_stale() brings it up to date",
+            )
+        # The cluster version moves only by the head's own commits (and the first
+        # joiner): an engine that registered above it serves nothing until an
+        # update brings it to the cluster version. Versions an engine reaches
+        # after joining (commits, a level-2 wake) are not "ahead".
+        if self.weight_version <= cluster_version:
+            self.ahead = False
+        elif self.weight_version == self.reg.weight_version:
+            self.ahead = True
+        if self.ahead:
+            return (
+                EngineState.STALE,
+                f"weight version {self.weight_version} > cluster weight version {cluster_version}: the cluster "
+                "version moves only by the head's own commits, so this engine serves nothing until the next "
+                "update_weights or Client.sync_stale() brings it to the cluster version",
             )
         return EngineState.HEALTHY, "ok"
 

@@ -23,11 +23,11 @@ import zmq
 
 from bus import auth
 from bus import protocol as P
-from bus.auth import Gatekeeper, KeyDir
+from bus.auth import Gatekeeper, KeyDir, KeyFileError, peer_key, read_token, token_matches
 from bus.codec import Codec
 from bus.control_bus import ControlBus
 from bus.endpoint import Endpoint, open_socket
-from bus.errors import BadRequest, ErrorCode, truncate
+from bus.errors import BadRequest, ErrorCode, Unauthorized, truncate
 from bus.sockets import CONTROL_HWM, bound_address, check_endpoint
 from router_node.config import RouterConfig
 from router_node.control import ClusterControl
@@ -37,6 +37,14 @@ from router_node.prefix import PrefixPlacement
 from router_node.registry import Admission, EngineEntry, EngineState, admit_register
 
 log = structlog.get_logger("router_node")
+
+# Control ops that only read: open to any client that reaches the frontend.
+# Every other op changes cluster state and needs the join token (or a CURVE key).
+READ_ONLY_OPS: frozenset[type] = frozenset({P.Ping, P.IsPaused, P.Stats})
+# Frontend peers whose CURVE key is remembered for revocation (a peer dropped
+# from this table still has every later frame refused; only its open requests
+# would wait for their own deadline instead of ending at the revocation).
+_MAX_TRACKED_CLIENT_KEYS = 65536
 
 
 class Lifecycle(enum.Enum):
@@ -61,6 +69,19 @@ class Router:
             keys = KeyDir(cfg.curve_dir)
             self._curve = keys.head()
             self.gate = Gatekeeper(self.ctx, keys, (auth.CLIENTS, auth.ENGINES)).start()
+        # The join token: engines present it in Register, clients in control
+        # ops that change state (peers CURVE authenticated need none).
+        self.token: str | None = read_token(cfg.token_file) if cfg.token_file else None
+        if self.token is None and self.gate is None:
+            log.warning(
+                "head_open_to_anyone",
+                hint="no --token-file and no --curve-dir: any process that reaches the events socket may register "
+                "engines and any client may pause or update the cluster (launch.py always makes a token)",
+            )
+        self._vocab = cfg.vocab_size  # the cluster's vocabulary (0: the first registered engine's)
+        # CURVE key of each frontend peer (routing id -> z85), so removing a key
+        # from the allow-list cuts what that peer has open (_revoke_removed_keys).
+        self._client_keys: dict[bytes, str] = {}
         if cfg.session_placement not in SESSION_PLACEMENTS:
             raise ValueError(
                 f"--session-placement must be one of {sorted(SESSION_PLACEMENTS)}, got {cfg.session_placement!r}"
@@ -81,6 +102,10 @@ class Router:
             "poison_requests": 0,  # ended after cfg.max_engine_deaths engines died under them
             "limit_exceeded": 0,  # requests refused by a per-client cap
             "client_over_hwm": 0,  # clients whose requests were cancelled: they did not read (client_hwm)
+            "register_refused_token": 0,  # Registers without the cluster's join token
+            "register_refused": 0,  # Registers refused for another reason (vocab_size, identity, fields)
+            "unauthorized": 0,  # client control ops without the token, frames of a revoked CURVE key
+            "clients_revoked": 0,  # frontend peers cut because their CURVE key left the allow-list
         }
         self.forwarding = Forwarder(
             cfg,
@@ -107,16 +132,19 @@ class Router:
             ),
             self.codec,
             {
-                P.Generate: self._changes(fw.on_generate),
-                P.Cancel: self._changes(fw.on_cancel),
-                P.Control: self._changes(self.control.on_control),
-                P.Query: self._on_query,
-                P.EndSession: self._changes(self._on_end_session),
+                t: self._keyed(h)
+                for t, h in {
+                    P.Generate: self._changes(fw.on_generate),
+                    P.Cancel: self._changes(fw.on_cancel),
+                    P.Control: self._changes(self._on_control),
+                    P.Query: self._on_query,
+                    P.EndSession: self._changes(self._on_end_session),
+                }.items()
             },
             name="frontend",
             routed=True,
             before_error=self._before_error,
-            on_peer_gone=fw.client_gone,
+            on_peer_gone=self._client_gone,
             on_peer_full=self._client_over_hwm,
         )
         fw.front = self.front
@@ -225,8 +253,8 @@ class Router:
         self.control.tick(now)  # a weight update open past weight_txn_timeout_s ends
         self._evaluate_engines(now)
         self.sessions.expire(now)
-        if self.gate is not None:
-            self.gate.refresh(now)  # a client key added or removed: re-read the allow-lists
+        if self.gate is not None and self.gate.refresh(now):  # a key added or removed: re-read the allow-lists
+            self._revoke_removed_keys()
 
     def _evaluate_engines(self, now: float) -> None:
         deadline = self.cfg.missed_heartbeats * self.cfg.heartbeat_interval_s
@@ -307,6 +335,7 @@ class Router:
             "stale": sorted(eid for eid, e in self.engines.items() if e.state is EngineState.STALE),
             "intended": intended.cluster.describe(),
             "converging": sorted(eid for eid, e in self.engines.items() if e.state is EngineState.CONVERGING),
+            "vocab_size": self._vocab,
         }
 
     # ------------------------------------------------------------ events
@@ -314,30 +343,53 @@ class Router:
     def _on_register(self, ident: bytes, reg: P.Register, _b: list[Any]) -> None:
         if reg.protocol_version != P.PROTOCOL_VERSION:
             err = f"protocol version {reg.protocol_version} != head's {P.PROTOCOL_VERSION}: upgrade the older side"
-            log.error("register_refused", engine_id=reg.engine_id, error=err)
-            self.events.send(ident, P.RegisterReply(ok=False, error=err))
+            log.error("register_refused", engine_id=reg.engine_id[:128], error=err)
+            self.counters["register_refused"] += 1
+            self.events.send(ident, P.RegisterReply(ok=False, error=err, code=ErrorCode.PROTOCOL.value))
             return
+        old = self.engines.get(reg.engine_id)
         try:
+            # First the credential: without it nothing of the Register is believed
+            # (a stranger cannot take even a dead engine's id).
+            self._check_join_token(reg.token, self.events.frames, what="Register")
             check_endpoint(reg.data_address, field="data_address")
             if reg.weight_address:
                 check_endpoint(reg.weight_address, field="weight_address")
             if not reg.engine_id or len(reg.engine_id) > 128:
                 raise BadRequest("engine_id must be 1-128 characters", field="engine_id")
-            if ident != _engine_ident(reg.engine_id, reg.incarnation):
-                # The node connects with identity "engine_id/incarnation"; heartbeats
-                # and acks are only believed from that connection (_engine_of).
+            if not _ident_ok(ident, reg.engine_id, reg.incarnation):
+                # The node connects with identity "engine_id/incarnation/NONCE";
+                # heartbeats and acks are only believed from that connection.
                 raise BadRequest(
-                    "the events connection's identity must be 'engine_id/incarnation' of the Register",
+                    "the events connection's identity must be 'engine_id/incarnation/NONCE' (NONCE: 32+ hex "
+                    "characters, secret to the engine) of the Register",
                     field="incarnation",
                 )
+            if old is not None and old.reg.incarnation == reg.incarnation and old.ident != ident:
+                raise BadRequest(
+                    f"incarnation {reg.incarnation} of {reg.engine_id!r} is registered from another connection",
+                    field="incarnation",
+                )
+            if reg.vocab_size and self._vocab and reg.vocab_size != self._vocab:
+                raise BadRequest(
+                    f"vocab_size {reg.vocab_size} != the cluster's {self._vocab} (the first registered engine's, or "
+                    "the head's --vocab-size): every engine of a cluster must serve the same vocabulary",
+                    field="vocab_size",
+                )
             data_curve = self._engine_curve(reg)
-        except BadRequest as err:
-            log.warning("register_refused", engine_id=reg.engine_id[:128], error=str(err))
-            self.events.send(ident, P.RegisterReply(ok=False, error=str(err)))
+        except (BadRequest, Unauthorized) as err:
+            if isinstance(err, Unauthorized):
+                self.counters["register_refused_token"] += 1
+                event = "register_refused_token"
+            else:
+                self.counters["register_refused"] += 1
+                event = "register_refused"
+            log.warning(event, engine_id=reg.engine_id[:128], pid=reg.pid, field=err.field, error=err.message)
+            reply = P.RegisterReply(ok=False, error=str(err), code=err.code.value, field=err.field)
+            self.events.send(ident, reply)
             return
         now = time.monotonic()
         accepted = P.RegisterReply(ok=True, heartbeat_interval_s=self.cfg.heartbeat_interval_s)
-        old = self.engines.get(reg.engine_id)
         deadline = self.cfg.missed_heartbeats * self.cfg.heartbeat_interval_s
         admission, why = admit_register(old, reg, now, deadline_s=deadline)
         if admission is Admission.REPEAT:
@@ -355,7 +407,9 @@ class Router:
             self.bus.engine_gone(reg.engine_id)
             self._forget(old)
         sock = open_socket(self.ctx, zmq.DEALER, connect=reg.data_address, curve=data_curve)
-        e = EngineEntry(reg=reg, sock=sock, registered_at=now, last_seen=now, steps_changed_at=now)
+        e = EngineEntry(reg=reg, sock=sock, registered_at=now, last_seen=now, steps_changed_at=now, ident=ident)
+        if not self._vocab and reg.vocab_size > 0:
+            self._vocab = reg.vocab_size  # the cluster's vocabulary from now on
         e.loras = set(reg.loras)
         e.weight_version = reg.weight_version
         self.engines[reg.engine_id] = e
@@ -392,11 +446,13 @@ class Router:
         without --curve anyone who reaches the events socket
         could otherwise speak for an engine (a forged ack of a commit, a heartbeat
         with another weight version); a second connection cannot take a live
-        identity (ROUTER without handover), so the identity is the credential."""
+        identity (ROUTER without handover), so the identity is the credential,
+        and its NONCE part, secret to the engine process, keeps it from being
+        re-used once that process is dead."""
         e = self.engines.get(engine_id)
         if e is None:
             return None
-        own = _engine_ident(e.reg.engine_id, e.reg.incarnation)
+        own = e.ident
         if ident != own and ident != own + b"/hb":
             self.counters["spoofed_events"] += 1
             if self.counters["spoofed_events"] <= 10 or self.counters["spoofed_events"] % 1000 == 0:
@@ -412,10 +468,92 @@ class Router:
             self._recheck(hb.engine_id)
 
     def _on_ack(self, peer: bytes, ack: P.Ack, buffers: list[Any]) -> None:
-        if self._engine_of(peer, ack.engine_id, "ack") is None and ack.engine_id in self.engines:
-            return  # a forged ack for a registered engine
+        if self._engine_of(peer, ack.engine_id, "ack") is None:
+            return  # a forged ack, or one of an engine the head does not know (any more)
         self.control.on_ack(peer, ack, buffers)
         self._recheck(ack.engine_id)
+
+    # ------------------------------------------------------------ trust
+
+    def _check_join_token(self, given: str, frames: list[Any], *, what: str) -> None:
+        """Raise Unauthorized unless the message carries the cluster's join
+        token or came over a CURVE-authenticated connection (ZAP vouched for
+        its key: the allow-list is the credential there)."""
+        if self.token is None:
+            return
+        if frames and peer_key(frames[0]) is not None:
+            return
+        if given and token_matches(self.token, given):
+            return
+        why = "a wrong join token" if given else "no join token"
+        raise Unauthorized(
+            f"{what} with {why}: this cluster needs its join token (the 0600 file launch.py made: engines "
+            "--token-file or $ROLLOUT_BUS_TOKEN_FILE, clients Client(..., token_file=...) or the file launch.py "
+            "publishes for its address; README, Security)",
+            field="token",
+        )
+
+    def _on_control(self, client: bytes, msg: P.Control, buffers: list[Any]) -> None:
+        if type(msg.op) not in READ_ONLY_OPS:
+            try:
+                self._check_join_token(msg.token, self.front.frames, what=f"control op {P.OP_NAMES[type(msg.op)]}")
+            except Unauthorized as e:
+                self.counters["unauthorized"] += 1
+                log.warning("control_refused_token", op=P.OP_NAMES[type(msg.op)], request_id=msg.request_id[:128])
+                e.request_id = msg.request_id
+                raise
+        self.control.on_control(client, msg, buffers)
+
+    def _keyed(self, handler: Any) -> Any:
+        """A frontend handler that first checks the peer's CURVE key is still
+        allowed (removing a key must cut connections already open, not only new
+        handshakes). No-op without --curve."""
+        gate = self.gate
+        if gate is None:
+            return handler
+
+        def run(client: bytes, msg: Any, buffers: list[Any]) -> None:
+            key = peer_key(self.front.frames[0]) if self.front.frames else None
+            if key is not None:
+                if not gate.allows(auth.CLIENTS, key.encode()):
+                    self.counters["unauthorized"] += 1
+                    raise Unauthorized(
+                        f"client key {key} was removed from the head's clients allow-list",
+                        request_id=getattr(msg, "request_id", None),
+                        field="client_key",
+                    )
+                if client not in self._client_keys:
+                    if len(self._client_keys) >= _MAX_TRACKED_CLIENT_KEYS:  # bounded: the oldest goes
+                        self._client_keys.pop(next(iter(self._client_keys)))
+                    self._client_keys[client] = key
+            handler(client, msg, buffers)
+
+        return run
+
+    def _client_gone(self, client: bytes) -> None:
+        self._client_keys.pop(client, None)
+        self.forwarding.client_gone(client)
+
+    def _revoke_removed_keys(self) -> None:
+        """The allow-lists changed: every frontend peer whose key left them has
+        its requests ended (typed Unauthorized, engines told to cancel) and its
+        further frames refused (_keyed). ZeroMQ cannot close one peer of a
+        ROUTER, so the cut is by refusal."""
+        assert self.gate is not None
+        for client, key in list(self._client_keys.items()):
+            if self.gate.allows(auth.CLIENTS, key.encode()):
+                continue
+            del self._client_keys[client]
+            self.counters["clients_revoked"] += 1
+            flights = [f for f in self.forwarding.flights.values() if f.client == client]
+            log.warning("client_key_revoked", key=key, requests_ended=len(flights))
+            for fl in flights:
+                self.forwarding.fail_flight(
+                    fl,
+                    ErrorCode.UNAUTHORIZED,
+                    f"client key {key} was removed from the head's clients allow-list",
+                    "client_key",
+                )
 
     # ------------------------------------------------------------ frontend queries
 
@@ -472,7 +610,11 @@ def run_router_node(argv: list[str] | None = None) -> int:
     from bus.profiler import start_from_env
 
     start_from_env("head")  # benchmarks only: ROLLOUT_BUS_PROFILE_DIR
-    router = Router(cfg)
+    try:
+        router = Router(cfg)
+    except KeyFileError as e:  # an unreadable or group-readable token / key file: say which
+        log.error("head_refused_to_start", field=e.field, error=str(e))
+        return 2
     if cfg.metrics_port >= 0:
         from router_node.metrics import serve_metrics
 
@@ -490,6 +632,9 @@ def run_router_node(argv: list[str] | None = None) -> int:
     return router.run()
 
 
-def _engine_ident(engine_id: str, incarnation: str) -> bytes:
-    """The events-socket identity an engine node connects with (engine_node/node.py)."""
-    return f"{engine_id}/{incarnation}".encode()
+def _ident_ok(ident: bytes, engine_id: str, incarnation: str) -> bool:
+    """The events-socket identity an engine node connects with
+    (engine_node/node.py): "engine_id/incarnation/NONCE", NONCE 32+ hex chars."""
+    prefix = f"{engine_id}/{incarnation}/".encode()
+    nonce = ident[len(prefix) :]
+    return ident.startswith(prefix) and len(nonce) >= 32 and all(c in b"0123456789abcdef" for c in nonce)

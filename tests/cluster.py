@@ -18,6 +18,7 @@ from typing import Any
 
 import psutil
 
+from bus.auth import new_token, token_path_for, write_token
 from bus.proctree import terminate_tree
 from trainer_bridge import Client
 
@@ -65,11 +66,17 @@ class Cluster:
             self.control = f"ipc://{self.dir}/control"
         self.procs: dict[str, subprocess.Popen] = {}
         self.clients: list[Client] = []
+        # The join token, where launch.py would publish it for this frontend: a
+        # Client(cluster.frontend) in this process finds it by itself.
+        token_path = token_path_for(self.frontend)
+        assert token_path is not None
+        self.token_file = write_token(token_path, new_token())
         self.head = self._spawn(
             "head",
             [
                 "-m", "router_node", "--frontend", self.frontend, "--events", self.events,
-                "--control", self.control, "--heartbeat-interval-s", str(self.hb), *(router_args or []),
+                "--control", self.control, "--heartbeat-interval-s", str(self.hb),
+                "--token-file", self.token_file, *(router_args or []),
             ],
         )  # fmt: skip
         for i in range(n_engines):
@@ -86,10 +93,13 @@ class Cluster:
         return "tcp://127.0.0.1:*" if self.tcp else f"ipc://{self.dir}/{eid}.data"
 
     def start_engine(
-        self, eid: str, *, extra: list[str] | None = None, engine_id: str | None = None
+        self, eid: str, *, extra: list[str] | None = None, engine_id: str | None = None, token_file: str | None = None
     ) -> subprocess.Popen:
-        """Process `eid` (its log name, addresses) serving as `engine_id` (default `eid`)."""
+        """Process `eid` (its log name, addresses) serving as `engine_id` (default
+        `eid`), presenting `token_file` (default the cluster's; "": none)."""
         weights = "tcp://127.0.0.1:*" if self.tcp else f"ipc://{self.dir}/{eid}.weights"
+        token_file = self.token_file if token_file is None else token_file
+        token = ["--token-file", token_file] if token_file else []
         return self._spawn(
             eid,
             [
@@ -97,7 +107,7 @@ class Cluster:
                 "--head-control", self.control, "--data-address", self.data_address(eid),
                 "--weight-address", weights, "--backend", self.backend,
                 "--model", self.model, "--backend-options", json.dumps(self.backend_options),
-                "--heartbeat-interval-s", str(self.hb), *self.engine_args, *(extra or []),
+                "--heartbeat-interval-s", str(self.hb), *token, *self.engine_args, *(extra or []),
             ],
         )  # fmt: skip
 
@@ -128,6 +138,10 @@ class Cluster:
             c.close()
         self.clients.clear()
         terminate_tree(list(self.procs.values()), grace_s=10, kill_wait_s=5)
+        try:
+            os.remove(self.token_file)
+        except FileNotFoundError:
+            pass
 
     def __enter__(self) -> Cluster:
         return self

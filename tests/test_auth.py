@@ -15,6 +15,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -25,8 +26,8 @@ from bus import protocol as P
 from bus.auth import Gatekeeper, KeyDir, KeyFileError, write_keypair
 from bus.endpoint import open_socket
 from router_node.registry import Admission, EngineEntry, EngineState, admit_register
-from tests.cluster import ROOT, child_env, wait_until
-from trainer_bridge import AsyncClient, AuthRefused, Client
+from tests.cluster import ROOT, child_env, free_port, wait_until
+from trainer_bridge import AsyncClient, AuthRefused, Client, Unauthorized
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -267,3 +268,143 @@ def test_client_key_option_names_the_field(tmp_path):
     with pytest.raises(KeyFileError) as ei:
         Client("tcp://127.0.0.1:1", curve_dir=keys.root, client_key="nobody")
     assert ei.value.field == "client_key"
+
+
+# ---------------------------------------------------------------- issue 22: revocation, private secrets
+
+
+def test_removing_a_client_key_cuts_its_open_connection(cluster_factory, tmp_path):
+    """Issue 22: a client key removed with `keys remove-client` kept its open
+    connection served (generate, pause): revocation only stopped new
+    handshakes. Now the head re-reads the allow-list within Gatekeeper.REFRESH_S
+    and ends what that key has open (typed Unauthorized, field client_key),
+    then refuses its frames; other clients are served on."""
+    key_dir = str(tmp_path / "keys")
+    _keys("--curve-dir", key_dir, "init")
+    _keys("--curve-dir", key_dir, "add-client", "trainer")
+    curve = ["--curve-dir", key_dir]
+    slow = {**NULL, "backend_options": {"tokens_per_step": 1, "step_delay_s": 0.02}}  # 5000 tokens: 100 s
+    cl = cluster_factory(1, tcp=True, router_args=curve, engine_args=curve, **slow)
+    ops = cl.client(curve_dir=key_dir)  # the default client key: stays allowed
+    ops.wait_ready(1, 30)
+    trainer = cl.client(curve_dir=key_dir, client_key="trainer")
+    assert trainer.generate([4, 5, 6], {"max_tokens": 3}).token_ids == [7, 8, 9]
+    (engine,) = ops.engines()
+    direct = _DirectConnection(engine, KeyDir(key_dir).client("trainer"))  # straight to the engine's data socket
+    assert direct.generate() == [7, 8, 9]
+    chunks: list = []
+    ended: dict = {}
+
+    def consume() -> None:
+        try:
+            for ch in trainer.stream([4, 5, 6], {"max_tokens": 5000}):
+                chunks.append(ch)
+            ended["finished"] = True
+        except Exception as e:
+            ended["error"], ended["at"] = e, time.monotonic()
+
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    wait_until(lambda: chunks, 20, "the stream's first chunk")
+    removed_at = time.monotonic()
+    _keys("--curve-dir", key_dir, "remove-client", "trainer")
+    t.join(30)
+    err = ended.get("error")
+    assert isinstance(err, Unauthorized) and err.field == "client_key", ended
+    # the target is 2 s after the removal (Gatekeeper.REFRESH_S = 1 s); generous here for a loaded CI machine
+    assert ended["at"] - removed_at < 6, ended["at"] - removed_at
+    with pytest.raises(Unauthorized):
+        trainer.generate([4, 5, 6], {"max_tokens": 3})
+    with pytest.raises(Unauthorized):
+        trainer.pause("keep")
+    assert not ops.is_paused()
+    # the engine re-reads its copy of the allow-list too: the open direct connection is refused
+    wait_until(lambda: isinstance(direct.generate(), Unauthorized), 10, "the engine to refuse the removed key")
+    direct.close()
+    assert ops.generate([4, 5, 6], {"max_tokens": 3}).token_ids == [7, 8, 9]
+    counters = ops.stats()["counters"]
+    assert counters["clients_revoked"] == 1 and counters["unauthorized"] >= 2
+    assert "client_key_revoked" in cl.log("head")
+
+
+class _DirectConnection:
+    """One AsyncClient connection to an engine's data socket, kept open across
+    calls (its own loop thread), as a trainer sending to an engine directly."""
+
+    def __init__(self, engine: dict, curve) -> None:
+        import asyncio
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._ac = AsyncClient(engine["data_address"], timeout_s=5, control_timeout_s=5)
+        self._ac._curve = curve.connecting_to(engine["curve_key"].encode())
+
+    def generate(self):
+        import asyncio
+
+        async def go():
+            try:
+                return (await self._ac.generate([4, 5, 6], {"max_tokens": 3})).token_ids
+            except Unauthorized as e:
+                return e
+
+        return asyncio.run_coroutine_threadsafe(go(), self._loop).result(30)
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self._ac.close(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+def test_group_readable_secret_keys_are_refused(tmp_path):
+    """Issue 22: secret key files with mode 0644 in 0755 folders were loaded
+    without a word. Like ssh, a secret readable by group or others is refused
+    with an error naming the file; public keys may be readable."""
+    keys = KeyDir(str(tmp_path / "k")).init()
+    os.chmod(keys.root, 0o755)
+    client_secret = os.path.join(keys.clients_dir, "default.key_secret")
+    os.chmod(client_secret, 0o644)
+    with pytest.raises(KeyFileError) as ei:
+        keys.client()
+    assert client_secret in str(ei.value) and "0644" in str(ei.value) and ei.value.field == "client_key"
+    with pytest.raises(KeyFileError):
+        Client("tcp://127.0.0.1:1", curve_dir=keys.root)
+    os.chmod(client_secret, 0o600)
+    os.chmod(keys.path("head.key"), 0o644)  # a public key: fine
+    assert keys.client().server_public == keys.head_public()
+
+    head_secret = keys.path("head.key_secret")
+    os.chmod(head_secret, 0o640)
+    with pytest.raises(KeyFileError, match="group/others"):
+        keys.head()
+    ports = [f"tcp://127.0.0.1:{free_port()}" for _ in range(3)]
+    out = subprocess.run(
+        [sys.executable, "-m", "router_node", "--frontend", ports[0], "--events", ports[1], "--control", ports[2],
+         "--curve-dir", keys.root],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert head_secret in out.stdout + out.stderr and "Traceback" not in out.stdout + out.stderr
+
+
+def test_curve_with_a_read_only_key_folder_names_the_folder(tmp_path):
+    """Issue 22: `--curve` with a read-only key folder printed a raw OSError
+    traceback instead of an error naming the folder."""
+    ro = tmp_path / "ro-keys"
+    ro.mkdir()
+    os.chmod(ro, 0o500)
+    cmd = [sys.executable, "launch.py", "--curve", "--curve-dir", str(ro), "--port", "0", "--engines", "0", "--once"]
+    if os.geteuid() == 0:  # root writes anywhere: drop the capabilities that let it
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: permission bits do not bind root")
+        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--inh-caps=-all", "--", *cmd]
+    out = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    assert f"key folder {ro}" in text and "Traceback" not in text, text
+    assert os.listdir(ro) == []  # nothing made, the folder's mode left as the operator set it
+    assert stat.S_IMODE(os.stat(ro).st_mode) == 0o500

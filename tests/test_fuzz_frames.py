@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from bus import protocol as P
+from bus.auth import read_token
 from bus.codec import Codec
 from bus.errors import ErrorCode
 from tests.cluster import Cluster, live_children, wait_until
@@ -173,7 +174,15 @@ def value_of(t: mi.Type, field: str = "") -> st.SearchStrategy[Any]:
     raise NotImplementedError(t)
 
 
+# The fuzz cluster's join token (FuzzCluster sets it): half of the fuzzed
+# Registers and Controls carry it, so they get past the token check to the
+# fields behind it, as before the token existed.
+_TOKEN = [""]
+_TOKEN_OR_NOT = st.booleans().map(lambda carry: _TOKEN[0] if carry else "")
+
 OVERRIDES: dict[tuple[type, str], st.SearchStrategy[Any]] = {
+    (P.Register, "token"): _TOKEN_OR_NOT,
+    (P.Control, "token"): _TOKEN_OR_NOT,
     # A fuzzed Register must not take over a real engine id, and its data
     # address leads nowhere (the head connects a DEALER to it).
     (P.Register, "engine_id"): st.text(max_size=6).map(lambda s: "fz-" + s),
@@ -406,6 +415,7 @@ class FuzzCluster:
     def __init__(self, tiny_model: str) -> None:
         self.ctx = zmq.Context()
         self.cl = Cluster(1, backend="torch", model=tiny_model)
+        _TOKEN[0] = read_token(self.cl.token_file)
         self.relay = ControlRelay(self.ctx, self.cl.control, f"ipc://{self.cl.dir}/fuzz-control")
         self.cl.start_engine("fz", extra=["--head-control", self.relay.address])
         self.cl.wait_ready(2)

@@ -7,6 +7,7 @@ cluster must still serve a request end to end and every process must be alive.
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 
 import msgspec
@@ -14,7 +15,7 @@ import pytest
 import zmq
 
 from bus import protocol as P
-from bus.auth import KeyDir
+from bus.auth import KeyDir, read_token
 from bus.codec import Codec
 from bus.errors import BadRequest
 from bus.sockets import check_endpoint
@@ -79,7 +80,11 @@ def test_head_outlives_a_hostile_event_frame(cluster, name):
     s.setsockopt(zmq.LINGER, 0)
     try:
         s.connect(cluster.events)
-        s.send_multipart(HEAD_EVENT_FRAMES[name])
+        frames = HEAD_EVENT_FRAMES[name]
+        if name.startswith("register"):  # with the cluster's join token: the field check is what is tested
+            reg = Codec().decode(frames)[0]
+            frames = Codec().encode(msgspec.structs.replace(reg, token=read_token(cluster.token_file)))
+        s.send_multipart(frames)
         if name.startswith("register"):
             assert s.poll(10_000), "the head must answer a bad Register with a refusal"
             kind, body = s.recv_multipart()[:2]
@@ -159,7 +164,8 @@ def test_control_with_a_deadline_that_never_or_already_passed_is_refused(cluster
     _serves(cluster)
 
 
-def _register(engine_id: str, incarnation: str, weight_version: int = 0) -> list[bytes]:
+def _register(cluster, engine_id: str, incarnation: str, weight_version: int = 0) -> list[bytes]:
+    """A Register as a node holding the cluster's join token sends it."""
     reg = P.Register(
         engine_id=engine_id,
         data_address="ipc:///tmp/rollout-bus-nowhere",
@@ -169,8 +175,14 @@ def _register(engine_id: str, incarnation: str, weight_version: int = 0) -> list
         protocol_version=P.PROTOCOL_VERSION,
         incarnation=incarnation,
         weight_version=weight_version,
+        token=read_token(cluster.token_file),
     )
     return Codec().encode(reg)
+
+
+def _node_ident(engine_id: str, incarnation: str) -> bytes:
+    """As a node connects: engine_id/incarnation/NONCE (the nonce is its secret)."""
+    return f"{engine_id}/{incarnation}/{secrets.token_hex(16)}".encode()
 
 
 def test_a_register_that_never_joins_does_not_move_the_cluster_version(cluster):
@@ -179,10 +191,10 @@ def test_a_register_that_never_joins_does_not_move_the_cluster_version(cluster):
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.IDENTITY, b"ghost-v7/i1")  # as a node connects: engine_id/incarnation
+    s.setsockopt(zmq.IDENTITY, _node_ident("ghost-v7", "i1"))
     try:
         s.connect(cluster.events)
-        s.send_multipart(_register("ghost-v7", "i1", weight_version=7))
+        s.send_multipart(_register(cluster, "ghost-v7", "i1", weight_version=7))
         assert s.poll(10_000) and Codec().decode(s.recv_multipart())[0].ok
     finally:
         s.close(linger=0)
@@ -198,13 +210,13 @@ def test_re_registering_a_joining_engine_is_refused_and_the_head_serves(cluster)
     one is refused with retry=True, the first entry stays, and the head serves."""
     ctx = zmq.Context.instance()
     replies = []
-    for inc in ("first", "second"):  # two processes, each connecting as engine_id/incarnation
+    for inc in ("first", "second"):  # two processes, each connecting as engine_id/incarnation/NONCE
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.IDENTITY, f"ghost-twice/{inc}".encode())
+        s.setsockopt(zmq.IDENTITY, _node_ident("ghost-twice", inc))
         try:
             s.connect(cluster.events)
-            s.send_multipart(_register("ghost-twice", inc))
+            s.send_multipart(_register(cluster, "ghost-twice", inc))
             assert s.poll(10_000), "the head must answer every Register"
             replies.append(Codec().decode(s.recv_multipart())[0])
         finally:
@@ -221,8 +233,9 @@ def test_heartbeats_and_acks_for_an_engine_count_only_from_its_own_connection(cl
     """Without --curve, a process that reaches the events socket used to speak
     for any engine: a heartbeat naming e0 (with its incarnation, which health()
     shows) could change e0's reported weight version, and a forged ack could
-    answer a command for it. Now both are dropped and counted; a connection
-    that claims e0's own identity is not even attached (ROUTER without handover)."""
+    answer a command for it. Now both are dropped and counted: e0's own
+    identity carries a nonce only e0 knows (protocol 6), so the identities a
+    stranger can build from health() are not e0's."""
     import time
 
     c = cluster.client()

@@ -11,6 +11,7 @@ from bus.errors import (
     RequestTimeout,
     RolloutBusError,
     StaleUpdate,
+    Unauthorized,
     UpdateInProgress,
 )
 from bus.protocol import SamplingParams
@@ -41,5 +42,6 @@ __all__ = [
     "RequestTimeout",
     "StaleUpdate",
     "UpdateInProgress",
+    "Unauthorized",
     "UnsupportedParameter",
 ]

@@ -29,7 +29,7 @@ import numpy as np
 import zmq
 
 from bus import protocol as P
-from bus.auth import KeyDir
+from bus.auth import KeyDir, find_token
 from bus.codec import Codec, split_packed
 from bus.endpoint import open_socket
 from bus.errors import (
@@ -80,6 +80,7 @@ class AsyncClient:
         curve_dir: str | None = None,
         client_key: str | None = None,
         tokenizer: Any = None,
+        token_file: str | None = None,
     ) -> None:
         """`curve_dir`: the cluster's key folder (security on: its head.key is
         the server key); `client_key`: this client's key, a name in
@@ -87,13 +88,19 @@ class AsyncClient:
         file - its public key must be on the head's allow-list (README,
         "Security"). `tokenizer`: a Hugging Face tokenizer or a local model
         folder; without one, text/chat prompts load the tokenizer of the
-        engines' model folder."""
+        engines' model folder. `token_file`: the cluster's join token, needed
+        by control ops that change the cluster (pause, updates, sleep, LoRA);
+        None: $ROLLOUT_BUS_TOKEN_FILE, else the file launch.py published for
+        `address` on this host (bus.auth.token_path_for); "": none."""
         self.address = address
         self._tokenizer_spec = tokenizer
         self._text: Any = None  # trainer_bridge.text.Text, loaded on first use
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
         self._curve = KeyDir(curve_dir).client(client_key) if curve_dir else None
+        found = find_token(address, token_file)
+        self._token = found[0] if found else ""
+        self.token_file: str | None = found[1] if found else None  # where the join token came from
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         # Security on: a monitor of the DEALER reports a refused handshake (our
@@ -562,7 +569,7 @@ class AsyncClient:
         carries results, errors {engine_id: EngineFailure(code, message, field)}
         and missing)."""
         t = timeout_s or self.control_timeout_s
-        msg = P.Control(request_id=self._new_id(), op=op, targets=targets, timeout_s=t)
+        msg = P.Control(request_id=self._new_id(), op=op, targets=targets, timeout_s=t, token=self._token)
         rep: P.ControlReply = await self._request(msg, t + _GRACE_S, "control_timeout_s")
         if strict and (rep.errors or rep.missing):
             parts = [
@@ -790,12 +797,14 @@ class Client:
         curve_dir: str | None = None,
         client_key: str | None = None,
         tokenizer: Any = None,
+        token_file: str | None = None,
     ) -> None:
         """`timeout_s`: a request's deadline; `control_timeout_s`: a control
         op's; `curve_dir`: the cluster's key folder (launch.py --curve) and
         `client_key`: this client's key in it, a name or a .key_secret path
         (AsyncClient); `tokenizer`: a Hugging Face tokenizer or a local model
-        folder (else the engines' model's)."""
+        folder (else the engines' model's); `token_file`: the cluster's join
+        token (None: found as AsyncClient says; "": none)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-bus-client", daemon=True)
         self._thread.start()
@@ -806,6 +815,7 @@ class Client:
             curve_dir=curve_dir,
             client_key=client_key,
             tokenizer=tokenizer,
+            token_file=token_file,
         )
         self._finalizer = weakref.finalize(self, _close_loop, self._loop, self._thread, self._aclient)
 

@@ -432,9 +432,10 @@ class RolloutBusWorkerExtension:
         from vllm.model_executor.model_loader import get_model_loader
 
         model = self._rb_model()
-        loader = get_model_loader(self.load_config)
+        worker: Any = self  # vLLM's Worker: load_config and model_config are its attributes
+        loader = get_model_loader(worker.load_config)
         with _on(self._rb_device()), torch.no_grad():
-            n = self._rb_load(loader.get_all_weights(self.model_config, model))
+            n = self._rb_load(loader.get_all_weights(worker.model_config, model))
         self._rb().update(plans={}, srcs=None)  # the plan stays valid, but be safe: learn it again
         return n
 
