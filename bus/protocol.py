@@ -73,6 +73,11 @@ class SamplingParams(_Part):
     # once per sample, on its final chunk.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # text only (stop-string matching, Chunk.text)
+    # -- issue 23 (appended). Prefix-cache scope (vLLM's cache_salt): requests
+    # share cached prefix blocks only with requests of the same salt. The vLLM
+    # backend combines it with its own weight-version salt; outputs do not
+    # depend on it (the torch backend has no prefix cache and ignores it).
+    cache_salt: str | None = None
 
 
 class Generate(_Msg, tag="gen"):
@@ -550,6 +555,9 @@ class Register(_Msg, tag="register"):
     # z85 CURVE public key of its data/weight sockets ("" when not secured):
     # the head and trainers connect with it as the server key.
     curve_key: str = ""
+    # -- issue 23 (appended): prompt + output token limit (0: not reported).
+    # OpenAI-shaped clients default max_tokens to it minus the prompt, as vLLM's server does.
+    max_model_len: int = 0
 
 
 class RegisterReply(_Msg, tag="register_reply"):

@@ -403,6 +403,7 @@ class EngineNode:
             host=self.cfg.advertise_host,
             dtype=getattr(self.info, "dtype", ""),
             curve_key=self._curve.public.decode("ascii") if self._curve is not None else "",
+            max_model_len=int(getattr(self.info, "max_model_len", 0) or 0),
         )
         try:
             # NOBLOCK: a DEALER without a connected head (refused handshake,

@@ -304,11 +304,14 @@ class AsyncClient:
         self._streams[rid] = q
         timer = asyncio.get_running_loop().call_later(timeout + _GRACE_S, q.put_nowait, (_TIMED_OUT, None, None))
         open_samples = num_samples
+        sent = False
         try:
             self._send(msg, [pack_tokens(prompt_ids)])
+            sent = True
             while open_samples:
                 item, toks, rest = await q.get()
                 if type(item) is not P.Chunk:
+                    open_samples = 0  # a final answer (error, timeout, close): nothing left to cancel
                     if item is _TIMED_OUT:
                         self._send(P.Cancel(request_id=rid))
                         raise RequestTimeout(
@@ -349,6 +352,14 @@ class AsyncClient:
         finally:
             timer.cancel()
             self._streams.pop(rid, None)
+            # The awaiting task was cancelled (asyncio.CancelledError at the
+            # wait) or the stream's consumer stopped early (GeneratorExit at
+            # the yield): the request is still running on its engine, so ask
+            # for its end, else it generates on to max_tokens for nobody.
+            # Best effort: a closed socket has nothing left to cancel.
+            if sent and open_samples and not self._closed:
+                with contextlib.suppress(Exception):
+                    self._send(P.Cancel(request_id=rid))
 
     @staticmethod
     def _rich_chunk(rid: str, item: P.Chunk, toks: list[int], rest: list[Any]) -> StreamChunk:
@@ -448,7 +459,13 @@ class AsyncClient:
             out = await self._collect(prompt_ids, params, **kw)  # type: ignore[arg-type]
         if text is None:
             return out
-        return attach_text(out, text, skip_special_tokens=_params(params).skip_special_tokens)
+        sp = _params(params)
+        return attach_text(
+            out,
+            text,
+            skip_special_tokens=sp.skip_special_tokens,
+            include_stop_str_in_output=sp.include_stop_str_in_output,
+        )
 
     async def sample(
         self,
