@@ -390,3 +390,60 @@ def test_skyrl_weight_sync_strategy_sends_chunks(engine, loop, tiny_model):
     res = run(loop, sender.send_chunks(iter(chunks)))
     assert {r["weight_version"] for r in res.values()} == {max(before) + 1} and len(res) == 2
     sender.teardown()
+
+
+def test_cancelling_the_awaiting_tasks_cancels_the_requests_on_the_engines(engine, loop):
+    """Issue 23: a cancelled task that awaits generate / stream / sample (the
+    AsyncClient, the SkyRL adapter, the session helper) sends a Cancel; the
+    engines go idle instead of generating on to max_tokens for nobody."""
+    import time
+
+    from trainer_bridge.session import AsyncSession
+
+    client = engine.client
+    long = {"max_tokens": 1500, "ignore_eos": True}
+
+    async def multi_turn(i: int) -> None:  # 8 trajectories: a finished short turn, then a long one
+        async with AsyncSession(client, [5 + i, 17, 42], params={"max_tokens": 3}) as s:
+            await s.generate()
+            await s.add_observation([9, 9])
+            await s.generate(long)
+
+    async def streamed() -> None:
+        async for _ in client.stream([7, 8, 9], long):
+            pass
+
+    async def running() -> int:
+        return sum(e["running"] for e in (await client.health())["engines"].values())
+
+    sessions_before = run(loop, client.stats())["sessions"]
+
+    async def scenario() -> tuple[float, int, int]:
+        tasks = [asyncio.create_task(multi_turn(i)) for i in range(8)]
+        tasks += [
+            asyncio.create_task(
+                engine.generate({"prompt_token_ids": [[3, 4, 5]], "sampling_params": params(max_tokens=1500)})
+            ),
+            asyncio.create_task(engine.sample([1, 2, 3], 2, params(max_tokens=1500, logprobs=None))),
+            asyncio.create_task(streamed()),
+        ]
+        deadline = time.monotonic() + 30
+        while await running() < 12:  # 8 sessions + generate + 2 samples + stream
+            assert time.monotonic() < deadline, f"only {await running()} running"
+            await asyncio.sleep(0.05)
+        for t in tasks:
+            t.cancel()
+        t0 = time.monotonic()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        while await running():
+            assert time.monotonic() - t0 < 5.0, "engines still generating 5 s after the cancel"
+            await asyncio.sleep(0.05)
+        idle = time.monotonic() - t0
+        out0 = sum(e["tokens_out"] for e in (await client.health())["engines"].values())
+        await asyncio.sleep(1.0)
+        return idle, out0, sum(e["tokens_out"] for e in (await client.health())["engines"].values())
+
+    idle, out0, out1 = run(loop, scenario())
+    print(f"engines idle {idle:.2f} s after the cancel")  # heartbeats every 0.5 s
+    assert out1 == out0
+    assert run(loop, client.stats())["sessions"] == sessions_before  # the sessions' `async with` released them
