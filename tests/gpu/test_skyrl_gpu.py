@@ -22,8 +22,6 @@ import socket
 
 import pytest
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
-
 try:
     import skyrl_gym
     from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_sampling_params_for_backend
@@ -39,6 +37,7 @@ from tests.test_skyrl_adapter import CHAT_TEMPLATE
 from trainer_bridge import AsyncClient
 from trainer_bridge.skyrl import RolloutBusEngine
 
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 TURNS = 3
 
 
