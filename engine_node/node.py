@@ -566,7 +566,14 @@ class EngineNode:
 
     def _op_resume(self, op: P.Resume, seq: int) -> Any:
         # Trace of where a resume's first token comes from (one INFO line per
-        # resume, "resume_timing"; the weight benchmark reads it).
+        # resume, "resume_timing"; the weight benchmark reads it). Only when
+        # requests were parked or held by the pause: after an idle resume the
+        # "first output" is a later request's, and its delay (seconds of
+        # nobody asking) read like a stall (issue 23).
+        c = self.core.counters()
+        if not (c.get("parked", 0) or c.get("held", 0) or c.get("running", 0)):
+            self._resume_trace = None
+            return self.core.resume(op, seq)
         self._resume_trace = {"t0": time.perf_counter()}
         arm = getattr(self.backend, "trace_outputs", None)  # optional: the vllm backend's core-side trace
         if arm is not None:
@@ -585,6 +592,7 @@ class EngineNode:
             core = take() if take is not None else None
             self.log.info(
                 "resume_timing",
+                measures="resume op -> first output of a request the pause held or parked",
                 **{f"{k}_ms": round((v - t0) * 1e3, 2) for k, v in tr.items()},
                 running=self.backend.num_running(),
                 **{f"core_{k}": v for k, v in (core or {}).items()},
