@@ -143,6 +143,11 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
             self._client = _fresh(_options(old))
             old._closed = True
             if old._sock is not None:
+                # Every socket of its context first (the handshake monitor too),
+                # else term() waits for the open one forever.
+                if old._monitor is not None:
+                    old._monitor.close(linger=0)
+                    old._monitor = None
                 old._sock.close(linger=0)
                 old._ctx.term()  # type: ignore[union-attr]
         return self._client
