@@ -149,7 +149,7 @@ def test_multi_node_head_and_join_on_loopback():
 
 
 def test_curve_secured_cluster(tmp_path):
-    from bus.errors import RequestTimeout
+    from bus.errors import AuthRefused
 
     keys = str(tmp_path / "keys")
     p = _launch("--curve", "--curve-dir", keys)
@@ -159,9 +159,12 @@ def test_curve_secured_cluster(tmp_path):
         tree = _tree(p)
         with Client(addr, timeout_s=30, curve_dir=keys) as c:
             assert c.generate([4, 5, 6], {"max_tokens": 3}).token_ids
-        with Client(addr, timeout_s=2, control_timeout_s=2) as stranger:  # no keys: no handshake, no answer
-            with pytest.raises(RequestTimeout):
+        # no keys: refused at once, told that the cluster is secured (issue 23; was a timeout)
+        with Client(addr, timeout_s=20, control_timeout_s=20) as stranger:
+            t0 = time.monotonic()
+            with pytest.raises(AuthRefused) as ei:
                 stranger.health()
+            assert ei.value.field == "curve_dir" and time.monotonic() - t0 < 5
     finally:
         p.send_signal(signal.SIGTERM)
         p.communicate(timeout=60)
