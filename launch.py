@@ -37,6 +37,8 @@ from typing import Any
 import psutil
 import structlog
 
+from router_node.policies import SESSION_PLACEMENTS
+
 log = structlog.get_logger("launch")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -169,6 +171,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="placement of requests without a session; prefix: the engine most likely to hold the prompt's prefix",
     )
     ap.add_argument(
+        "--session-placement",
+        default="open_sessions",
+        choices=sorted(SESSION_PLACEMENTS),
+        help="which engine a new multi-turn session goes to (the head's --session-placement)",
+    )
+    ap.add_argument(
         "--head", action="store_true", help="multi-node: run the head here (engines here: --engines, default 0)"
     )
     ap.add_argument(
@@ -220,7 +228,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--once", action="store_true", help="exit after readiness (and the demo) instead of serving until Ctrl-C"
     )
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument(
+        "--log-level",
+        default=None,
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="every process's log level, the head's and engines' too (default: $ROLLOUT_BUS_LOG_LEVEL, else "
+        "WARNING: a quiet start, the table first); INFO shows the event log (JSON lines when not on a terminal)",
+    )
     ap.add_argument(
         "--ray",
         default=None,
@@ -264,16 +279,26 @@ def keys_main(argv: list[str]) -> int:
     from bus.auth import KeyDir, KeyFileError, write_keypair
 
     ap = argparse.ArgumentParser("launch.py keys", description="The CURVE key folder of a secured cluster.")
-    ap.add_argument("--curve-dir", default=DEFAULT_KEY_DIR)
+    ap.add_argument("--curve-dir", default=DEFAULT_KEY_DIR, help=f"the key folder (default {DEFAULT_KEY_DIR})")
+    # --curve-dir before or after the command (`keys init --curve-dir X`, as
+    # KeyFileError suggests): SUPPRESS keeps the main parser's value when absent.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--curve-dir", default=argparse.SUPPRESS, help="the key folder")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("init", help="make the head's keys, the engine credential and the default client key")
-    sub.add_parser("list", help="every key in the folder: role, name, public key, secret here?")
-    add = sub.add_parser("add-client", help="allow a client (trainer): make its keypair, or import --public FILE")
+    sub.add_parser(
+        "init", parents=[common], help="make the head's keys, the engine credential and the default client key"
+    )
+    sub.add_parser("list", parents=[common], help="every key in the folder: role, name, public key, secret here?")
+    add = sub.add_parser(
+        "add-client", parents=[common], help="allow a client (trainer): make its keypair, or import --public FILE"
+    )
     add.add_argument("name")
     add.add_argument("--public", default=None, help="a public key file the trainer made (then no secret is made)")
-    rm = sub.add_parser("remove-client", help="take a client off the allow-list")
+    rm = sub.add_parser("remove-client", parents=[common], help="take a client off the allow-list")
     rm.add_argument("name")
-    kp = sub.add_parser("keypair", help="on a trainer's machine: make its own keypair (NAME.key to send to the head)")
+    kp = sub.add_parser(
+        "keypair", parents=[common], help="on a trainer's machine: make its own keypair (NAME.key to send to the head)"
+    )
     kp.add_argument("name")
     kp.add_argument("--out", default=".", help="folder for NAME.key and NAME.key_secret (0600)")
     a = ap.parse_args(argv)
@@ -383,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     from bus.runtime import configure_logging, set_title
 
+    # One level for every process: children read ROLLOUT_BUS_LOG_LEVEL (bus.runtime).
+    a.log_level = a.log_level or os.environ.get("ROLLOUT_BUS_LOG_LEVEL", "WARNING").upper()
+    os.environ["ROLLOUT_BUS_LOG_LEVEL"] = a.log_level
     configure_logging(a.log_level)
     set_title("rollout-bus launch")
     if a.ray:
@@ -491,6 +519,7 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
             sys.executable, "-m", "router_node",
             "--frontend", front, "--events", events, "--control", control,
             "--policy", a.policy, "--heartbeat-interval-s", str(a.heartbeat_interval_s),
+            "--session-placement", a.session_placement,
             "--ready-file", ready_file, "--metrics-port", str(a.metrics_port), "--metrics-host", a.host,
         ]  # fmt: skip
         if curve_dir:
@@ -572,7 +601,7 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
             time.sleep(0.2)
         if sup.state is not State.RUNNING:
             return sup.exit_code
-        print_table(client.engines(), front, backend)
+        print_table(client.engines(), front, backend, curve_dir=curve_dir, client_key=a.client_key)
         if a.demo:
             run_demo(client)
         if a.once:
@@ -586,7 +615,22 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
         client.close()
 
 
-def print_table(engines: list[dict[str, Any]], front: str, backend: str) -> None:
+def client_line(front: str, curve_dir: str | None = None, client_key: str | None = None) -> str:
+    """The exact line a trainer writes to reach this cluster (CURVE keys included)."""
+    if not curve_dir:
+        return f"trainer_bridge.Client({front!r})"
+    key = f", client_key={client_key!r}" if client_key else ""  # default: the key folder's "default" client
+    return f"trainer_bridge.Client({front!r}, curve_dir={curve_dir!r}{key})"
+
+
+def print_table(
+    engines: list[dict[str, Any]],
+    front: str,
+    backend: str,
+    *,
+    curve_dir: str | None = None,
+    client_key: str | None = None,
+) -> None:
     rows = [("engine", "address", "backend", "model", "state")]
     for e in sorted(engines, key=lambda e: e["engine_id"]):
         model = e["model"] if len(e["model"]) <= 48 else "…" + e["model"][-47:]
@@ -597,7 +641,7 @@ def print_table(engines: list[dict[str, Any]], front: str, backend: str) -> None
     print("  ".join("-" * w for w in widths))
     for r in rows[1:]:
         print(line(r))
-    print(f"\ntrainer connects to: {front}   (trainer_bridge.Client({front!r}))", flush=True)
+    print(f"\ntrainer connects to: {front}   ({client_line(front, curve_dir, client_key)})", flush=True)
 
 
 def run_demo(client: Any) -> None:
@@ -629,7 +673,14 @@ def run_on_ray(a: argparse.Namespace) -> int:
     """--ray: the head and engines as Ray actors (trainer_bridge/ray_cluster.py).
     Ray places, restarts (engine actors, up to --max-restarts) and tears down;
     ZeroMQ carries requests and control as with any launch."""
-    import ray
+    try:
+        import ray
+    except ImportError:
+        print(
+            'launch.py --ray needs the ray extra, which is not installed: pip install -e ".[ray]" (ray==2.60.0)',
+            file=sys.stderr,
+        )
+        return 2
 
     from trainer_bridge.ray_cluster import RayCluster
 

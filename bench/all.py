@@ -2,7 +2,9 @@
 
 Each benchmark runs as its own ``python -m bench.<name>`` child (own process
 group, killed with its whole tree on timeout or Ctrl-C), prints its table and
-writes bench/results/<name>.json + .png. ``--quick`` passes ``--quick`` to each
+writes <out>/<name>.json + .png: a fresh folder under the system's temp dir
+unless ``--out DIR`` (``--out bench/results`` updates the tracked, recorded
+results). ``--quick`` passes ``--quick`` to each
 and keeps the whole run under 5 minutes on a 2-core machine (each child has a
 time budget; a child that overruns is killed and reported, the rest still run).
 """
@@ -14,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from bench import harness as H
@@ -30,7 +33,7 @@ BENCHMARKS = {
 }
 
 
-def run_one(name: str, quick: bool, budget: float, extra: list[str]) -> tuple[int | None, float]:
+def run_one(name: str, quick: bool, budget: float, extra: list[str], out: str) -> tuple[int | None, float]:
     argv = [
         sys.executable,
         "-m",
@@ -40,7 +43,7 @@ def run_one(name: str, quick: bool, budget: float, extra: list[str]) -> tuple[in
         str(max(10, int(budget - 15))),
         *extra,
     ]
-    env = dict(os.environ)
+    env = dict(os.environ, ROLLOUT_BUS_BENCH_OUT=out)  # bench.report.RESULTS_DIR
     env["PYTHONPATH"] = str(H.REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.monotonic()
     p = subprocess.Popen(argv, cwd=str(H.REPO_ROOT), env=env, start_new_session=True)
@@ -58,20 +61,28 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="reduced set, < 5 minutes in all")
     ap.add_argument("--only", nargs="+", choices=list(BENCHMARKS), default=list(BENCHMARKS))
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="folder for the results (default: a new one under the temp dir; bench/results: the tracked ones)",
+    )
     a = ap.parse_args(argv)
+    out = os.path.abspath(a.out) if a.out else tempfile.mkdtemp(prefix="rollout-bus-bench-")
+    os.makedirs(out, exist_ok=True)
+    print(f"results go to {out}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
     t0 = time.monotonic()
     summary = []
     for name in a.only:
         budget = BENCHMARKS[name][0 if a.quick else 1]
         print(f"\n=== bench.{name}{' --quick' if a.quick else ''} (budget {budget}s) ===", flush=True)
-        rc, took = run_one(name, a.quick, budget, [])
+        rc, took = run_one(name, a.quick, budget, [], out)
         summary.append(
             {
                 "benchmark": name,
                 "rc": "timeout" if rc is None else str(rc),
                 "seconds": f"{took:.0f}",
-                "results": f"bench/results/{name}.json, .png" if rc == 0 else "-",
+                "results": f"{out}/{name}.json, .png" if rc == 0 else "-",
             }
         )
     print()

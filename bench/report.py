@@ -18,7 +18,9 @@ from typing import Any
 
 from bench.stats import fmt
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# Where a benchmark's JSON and PNG go: bench/results (tracked, the recorded runs)
+# unless ROLLOUT_BUS_BENCH_OUT names another folder (bench.all sets it: --out).
+RESULTS_DIR = Path(os.environ.get("ROLLOUT_BUS_BENCH_OUT") or Path(__file__).resolve().parent / "results")
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

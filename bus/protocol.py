@@ -116,6 +116,11 @@ class SamplingParams(_Part):
     # once per sample, on its final chunk.
     prompt_logprobs: I32 | None = None
     skip_special_tokens: bool = True  # text only (stop-string matching, Chunk.text)
+    # -- issue 23 (appended). Prefix-cache scope (vLLM's cache_salt): requests
+    # share cached prefix blocks only with requests of the same salt. The vLLM
+    # backend combines it with its own weight-version salt; outputs do not
+    # depend on it (the torch backend has no prefix cache and ignores it).
+    cache_salt: Name | None = None
 
 
 class Generate(_Msg, tag="gen"):
@@ -551,7 +556,7 @@ class Control(_Msg, tag="ctl"):
     timeout_s: float = 60.0
     # The cluster's join token (launch.py makes it): ops that change cluster
     # state need it unless the connection is CURVE-authenticated (README, Security).
-    token: str = ""
+    token: Short = ""
 
 
 class ControlReply(_Msg, tag="ctl_reply"):
@@ -603,6 +608,9 @@ class Register(_Msg, tag="register"):
     # The cluster's join token ("" without one; a CURVE-authenticated
     # connection needs none).
     token: Short = ""
+    # -- issue 23 (appended): prompt + output token limit (0: not reported).
+    # OpenAI-shaped clients default max_tokens to it minus the prompt, as vLLM's server does.
+    max_model_len: U32 = 0
 
 
 class RegisterReply(_Msg, tag="register_reply"):
@@ -612,8 +620,8 @@ class RegisterReply(_Msg, tag="register_reply"):
     # A refusal that may pass (the id is held by a live engine that may be
     # dying): the engine keeps re-registering until register_timeout_s.
     retry: bool = False
-    code: str | None = None  # bus.errors.ErrorCode of a refusal
-    field: str | None = None  # the Register field (or option) it was refused for
+    code: Short | None = None  # bus.errors.ErrorCode of a refusal
+    field: Short | None = None  # the Register field (or option) it was refused for
 
 
 class Heartbeat(_Msg, tag="heartbeat"):

@@ -34,7 +34,9 @@ def configure_logging(level: str | int = "INFO", *, json: bool | None = None) ->
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line (message + newline together): processes sharing a
+        # terminal or pipe never splice two JSON objects onto one line.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")

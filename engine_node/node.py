@@ -453,6 +453,7 @@ class EngineNode:
             dtype=getattr(self.info, "dtype", ""),
             curve_key=self._curve.public.decode("ascii") if self._curve is not None else "",
             token=self._token,
+            max_model_len=int(getattr(self.info, "max_model_len", 0) or 0),
         )
         try:
             # NOBLOCK: a DEALER without a connected head (refused handshake,
@@ -615,7 +616,14 @@ class EngineNode:
 
     def _op_resume(self, op: P.Resume, seq: int) -> Any:
         # Trace of where a resume's first token comes from (one INFO line per
-        # resume, "resume_timing"; the weight benchmark reads it).
+        # resume, "resume_timing"; the weight benchmark reads it). Only when
+        # requests were parked or held by the pause: after an idle resume the
+        # "first output" is a later request's, and its delay (seconds of
+        # nobody asking) read like a stall (issue 23).
+        c = self.core.counters()
+        if not (c.get("parked", 0) or c.get("held", 0) or c.get("running", 0)):
+            self._resume_trace = None
+            return self.core.resume(op, seq)
         self._resume_trace = {"t0": time.perf_counter()}
         arm = getattr(self.backend, "trace_outputs", None)  # optional: the vllm backend's core-side trace
         if arm is not None:
@@ -634,6 +642,7 @@ class EngineNode:
             core = take() if take is not None else None
             self.log.info(
                 "resume_timing",
+                measures="resume op -> first output of a request the pause held or parked",
                 **{f"{k}_ms": round((v - t0) * 1e3, 2) for k, v in tr.items()},
                 running=self.backend.num_running(),
                 **{f"core_{k}": v for k, v in (core or {}).items()},

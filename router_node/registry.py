@@ -156,6 +156,7 @@ class EngineEntry:
             "dp": r.dp,
             "capacity": r.capacity,
             "vocab_size": r.vocab_size,
+            "max_model_len": r.max_model_len,
             "incarnation": r.incarnation,
             "curve_key": r.curve_key,  # server key of its data/weight sockets when secured
             "outstanding": self.outstanding,

@@ -218,6 +218,11 @@ def test_secured_cluster_serves_allowed_clients_only(cluster_factory, tmp_path):
     with pytest.raises(AuthRefused) as ei:
         cl.client(curve_dir=key_dir, client_key=stranger).generate([4, 5, 6], {"max_tokens": 3})
     assert ei.value.field == "client_key" and time.monotonic() - t0 < 5
+    # a client without keys is refused at once too, told that the cluster is secured (issue 23)
+    t0 = time.monotonic()
+    with pytest.raises(AuthRefused) as ei:
+        cl.client().generate([4, 5, 6], {"max_tokens": 3})
+    assert ei.value.field == "curve_dir" and "has no keys" in str(ei.value) and time.monotonic() - t0 < 5
     # ... and so is it on the engine's data socket (the head and allowed clients only)
     with pytest.raises(AuthRefused):
         _direct(engine, KeyDir(key_dir).client(stranger))

@@ -149,7 +149,7 @@ def test_multi_node_head_and_join_on_loopback():
 
 
 def test_curve_secured_cluster(tmp_path):
-    from bus.errors import RequestTimeout
+    from bus.errors import AuthRefused
 
     keys = str(tmp_path / "keys")
     p = _launch("--curve", "--curve-dir", keys)
@@ -159,9 +159,12 @@ def test_curve_secured_cluster(tmp_path):
         tree = _tree(p)
         with Client(addr, timeout_s=30, curve_dir=keys) as c:
             assert c.generate([4, 5, 6], {"max_tokens": 3}).token_ids
-        with Client(addr, timeout_s=2, control_timeout_s=2) as stranger:  # no keys: no handshake, no answer
-            with pytest.raises(RequestTimeout):
+        # no keys: refused at once, told that the cluster is secured (issue 23; was a timeout)
+        with Client(addr, timeout_s=20, control_timeout_s=20) as stranger:
+            t0 = time.monotonic()
+            with pytest.raises(AuthRefused) as ei:
                 stranger.health()
+            assert ei.value.field == "curve_dir" and time.monotonic() - t0 < 5
     finally:
         p.send_signal(signal.SIGTERM)
         p.communicate(timeout=60)
@@ -219,3 +222,43 @@ def test_curve_multi_node_zmq_weight_update(tmp_path):
             p.communicate(timeout=60)
         for t in trees:
             psutil.wait_procs(t, timeout=10)
+
+
+# ------------------------------------------------------------ first contact (issue 23), no processes
+
+
+def test_keys_options_in_any_position(tmp_path, capsys):
+    import launch
+
+    assert launch.keys_main(["init", "--curve-dir", str(tmp_path / "a")]) == 0  # as KeyFileError suggests
+    assert launch.keys_main(["--curve-dir", str(tmp_path / "b"), "init"]) == 0
+    assert (tmp_path / "a" / "head.key").exists() and (tmp_path / "b" / "head.key").exists()
+    assert launch.keys_main(["list", "--curve-dir", str(tmp_path / "a")]) == 0
+    assert "default" in capsys.readouterr().out
+
+
+def test_flags_the_readme_names_exist_and_log_level_reaches_children(monkeypatch):
+    import launch
+
+    a = launch.parse_args(["--session-placement", "outstanding", "--log-level", "info"])
+    assert a.session_placement == "outstanding" and a.log_level == "INFO"
+    with pytest.raises(SystemExit):
+        launch.parse_args(["--session-placement", "nope"])
+    assert launch.parse_args([]).log_level is None  # resolved in main: $ROLLOUT_BUS_LOG_LEVEL, else WARNING
+
+
+def test_client_line_for_a_curve_cluster():
+    import launch
+
+    assert launch.client_line("tcp://h:1") == "trainer_bridge.Client('tcp://h:1')"
+    assert launch.client_line("tcp://h:1", "/k") == "trainer_bridge.Client('tcp://h:1', curve_dir='/k')"
+    line = launch.client_line("tcp://h:1", "/k", "alice")
+    assert line == "trainer_bridge.Client('tcp://h:1', curve_dir='/k', client_key='alice')"
+
+
+def test_ray_without_the_extra_names_it(monkeypatch, capsys):
+    import launch
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray → ImportError
+    assert launch.run_on_ray(launch.parse_args(["--ray", "local"])) == 2
+    assert 'pip install -e ".[ray]"' in capsys.readouterr().err

@@ -178,9 +178,13 @@ def test_generate_prompt_logprobs_and_stop_strings(engine, loop):
         sp = params(temperature=0.0, stop=[stop], include_stop_str_in_output=include)
         got = run(loop, engine.generate({"prompt_token_ids": prompts, "sampling_params": sp}))
         assert got["stop_reasons"] == ["stop"]
-        cut = full.index(stop) + (len(stop) if include else 0)
-        assert got["responses"][0] == full[:cut]
         ids = got["response_ids"][0]
+        # issue 23: the text is the decoded ids (no leading space from the
+        # engine's incremental text), cut at the stop string as asked
+        whole = tok.decode(ids, skip_special_tokens=True)
+        cut = whole.index(stop) + (len(stop) if include else 0)
+        assert got["responses"][0] == whole[:cut] and whole.startswith(got["responses"][0])
+        assert got["responses"][0].endswith(stop) == include
         assert ids == out["response_ids"][0][: len(ids)]  # tokens up to the one completing the stop string
         assert stop in tok.decode(ids) and stop not in tok.decode(ids[:-1])
 
@@ -241,9 +245,15 @@ def test_openai_shaped_chat_completion_and_completion(engine, loop):
     with pytest.raises(Unsupported) as e:
         run(loop, engine.chat_completion({"json": {**body, "stream": True}}))
     assert e.value.field == "stream"
+    # issue 23: no max_tokens → up to the context limit, as vLLM's server (max_model_len - prompt)
+    limit = min(e["max_model_len"] for e in engine._engines)
+    assert limit > 8
+    long = [5 + i % 50 for i in range(limit - 6)]
+    c = run(loop, engine.completion({"json": {"prompt": long, "ignore_eos": True}}))
+    assert [len(x["token_ids"]) for x in c["choices"]] == [6] and c["choices"][0]["finish_reason"] == "length"
     with pytest.raises(BadRequest) as e:
-        run(loop, engine.completion({"json": {"prompt": "x"}}))
-    assert e.value.field == "max_tokens"
+        run(loop, engine.completion({"json": {"prompt": long + [5] * 6}}))
+    assert e.value.field == "prompt"
     run(loop, engine.finish_session("chat-1"))
 
 
@@ -254,7 +264,10 @@ def test_topology_and_identity(engine, loop, tiny_model):
     assert (engine.tp_size(), engine.pp_size(), engine.dp_size()) == (1, 1, 2)
     assert run(loop, engine.get_world_size()) == (2, 1)
     assert engine.model_name == tiny_model
-    assert engine.get_endpoint_url() == engine.client.address
+    with pytest.raises(Unsupported) as e:  # no HTTP endpoint: a tcp:// address would fail inside an HTTP client
+        engine.get_endpoint_url()
+    assert e.value.field == "endpoint_url"
+    assert RolloutBusEngine(engine.client, endpoint_url="http://proxy:8000").get_endpoint_url() == "http://proxy:8000"
 
 
 def test_sleep_wake_reset_and_pause_resume(engine, loop):
@@ -323,9 +336,16 @@ def test_update_named_weights_refuses_metadata_only_requests(engine, loop):
 def test_teardown_closes_an_owned_client(torch_cluster, loop):
     eng = RolloutBusEngine(torch_cluster.frontend)
     run(loop, eng.refresh())
+    first = eng.client
     run(loop, eng.teardown())
+    assert first._closed and first._sock is None or first._sock.closed
     with pytest.raises(ClosedByUs):
-        run(loop, eng.refresh())
+        run(loop, first.engines())
+    # SkyRL's Tinker path calls aclose() after every batch and samples again
+    # on the next: an owned client reopens
+    assert run(loop, eng.refresh()) and eng.client is not first
+    run(loop, eng.aclose())
+    assert eng._client._closed
 
 
 def test_owned_client_survives_new_event_loops_and_pickling(torch_cluster, tiny_model):
@@ -370,3 +390,60 @@ def test_skyrl_weight_sync_strategy_sends_chunks(engine, loop, tiny_model):
     res = run(loop, sender.send_chunks(iter(chunks)))
     assert {r["weight_version"] for r in res.values()} == {max(before) + 1} and len(res) == 2
     sender.teardown()
+
+
+def test_cancelling_the_awaiting_tasks_cancels_the_requests_on_the_engines(engine, loop):
+    """Issue 23: a cancelled task that awaits generate / stream / sample (the
+    AsyncClient, the SkyRL adapter, the session helper) sends a Cancel; the
+    engines go idle instead of generating on to max_tokens for nobody."""
+    import time
+
+    from trainer_bridge.session import AsyncSession
+
+    client = engine.client
+    long = {"max_tokens": 1500, "ignore_eos": True}
+
+    async def multi_turn(i: int) -> None:  # 8 trajectories: a finished short turn, then a long one
+        async with AsyncSession(client, [5 + i, 17, 42], params={"max_tokens": 3}) as s:
+            await s.generate()
+            await s.add_observation([9, 9])
+            await s.generate(long)
+
+    async def streamed() -> None:
+        async for _ in client.stream([7, 8, 9], long):
+            pass
+
+    async def running() -> int:
+        return sum(e["running"] for e in (await client.health())["engines"].values())
+
+    sessions_before = run(loop, client.stats())["sessions"]
+
+    async def scenario() -> tuple[float, int, int]:
+        tasks = [asyncio.create_task(multi_turn(i)) for i in range(8)]
+        tasks += [
+            asyncio.create_task(
+                engine.generate({"prompt_token_ids": [[3, 4, 5]], "sampling_params": params(max_tokens=1500)})
+            ),
+            asyncio.create_task(engine.sample([1, 2, 3], 2, params(max_tokens=1500, logprobs=None))),
+            asyncio.create_task(streamed()),
+        ]
+        deadline = time.monotonic() + 30
+        while await running() < 12:  # 8 sessions + generate + 2 samples + stream
+            assert time.monotonic() < deadline, f"only {await running()} running"
+            await asyncio.sleep(0.05)
+        for t in tasks:
+            t.cancel()
+        t0 = time.monotonic()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        while await running():
+            assert time.monotonic() - t0 < 5.0, "engines still generating 5 s after the cancel"
+            await asyncio.sleep(0.05)
+        idle = time.monotonic() - t0
+        out0 = sum(e["tokens_out"] for e in (await client.health())["engines"].values())
+        await asyncio.sleep(1.0)
+        return idle, out0, sum(e["tokens_out"] for e in (await client.health())["engines"].values())
+
+    idle, out0, out1 = run(loop, scenario())
+    print(f"engines idle {idle:.2f} s after the cancel")  # heartbeats every 0.5 s
+    assert out1 == out0
+    assert run(loop, client.stats())["sessions"] == sessions_before  # the sessions' `async with` released them

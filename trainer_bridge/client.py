@@ -130,12 +130,17 @@ class AsyncClient:
             self._ctx = zmq.Context()
             self._sock = open_socket(self._ctx, zmq.DEALER, connect=self.address, curve=self._curve)
             self._loop.add_reader(self._sock.fileno(), self._drain)
-            if self._curve is not None:
-                self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-                self._loop.add_reader(self._monitor.fileno(), self._on_monitor)
-                # zmq's FD only signals once its mailbox was drained: drain now
-                # so the refusal's event makes it readable.
-                self._loop.call_soon(self._on_monitor)
+            # Handshake refusals fail every wait at once, naming the fix, instead
+            # of a timeout much later: a key the head does not allow (AUTH), or
+            # a security mismatch (PROTOCOL: no keys against a CURVE head, or
+            # keys against a plain one).
+            self._monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            )
+            self._loop.add_reader(self._monitor.fileno(), self._on_monitor)
+            # zmq's FD only signals once its mailbox was drained: drain now
+            # so the refusal's event makes it readable.
+            self._loop.call_soon(self._on_monitor)
         if self._refused is not None:
             raise self._refused
         return self._sock
@@ -148,16 +153,27 @@ class AsyncClient:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                err = AuthRefused(
+                    f"the head at {self.address} is a secured (CURVE) cluster and this client has no keys: "
+                    "pass curve_dir= (a copy of the head's key folder) and client_key= - the launcher prints "
+                    "the exact Client(...) line (README, Security)"
+                    if self._curve is None
+                    else f"the handshake with the head at {self.address} failed (ZMTP error {event['value']:#x}): "
+                    "this client uses CURVE keys; is the head started with --curve?",
+                    field="curve_dir",
+                )
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self._curve is not None:
+                key = self._curve.public.decode("ascii")
+                err = AuthRefused(
+                    f"the head at {self.address} refused this client's CURVE key {key} (ZAP status "
+                    f"{event['value']}): it is not on the head's clients allow-list - add it with "
+                    "`python launch.py keys add-client NAME --public FILE` (README, Security)",
+                    field="client_key",
+                )
+            else:
                 continue
-            assert self._curve is not None
-            key = self._curve.public.decode("ascii")
-            self._refused = err = AuthRefused(
-                f"the head at {self.address} refused this client's CURVE key {key} (ZAP status "
-                f"{event['value']}): it is not on the head's clients allow-list - add it with "
-                "`python launch.py keys add-client NAME --public FILE` (README, Security)",
-                field="client_key",
-            )
+            self._refused = err
             for q in self._streams.values():
                 q.put_nowait((err, None, None))
             for f in self._replies.values():
@@ -315,11 +331,14 @@ class AsyncClient:
         self._streams[rid] = q
         timer = asyncio.get_running_loop().call_later(timeout + _GRACE_S, q.put_nowait, (_TIMED_OUT, None, None))
         open_samples = num_samples
+        sent = False
         try:
             self._send(msg, [pack_tokens(prompt_ids)])
+            sent = True
             while open_samples:
                 item, toks, rest = await q.get()
                 if type(item) is not P.Chunk:
+                    open_samples = 0  # a final answer (error, timeout, close): nothing left to cancel
                     if item is _TIMED_OUT:
                         self._send(P.Cancel(request_id=rid))
                         raise RequestTimeout(
@@ -360,6 +379,14 @@ class AsyncClient:
         finally:
             timer.cancel()
             self._streams.pop(rid, None)
+            # The awaiting task was cancelled (asyncio.CancelledError at the
+            # wait) or the stream's consumer stopped early (GeneratorExit at
+            # the yield): the request is still running on its engine, so ask
+            # for its end, else it generates on to max_tokens for nobody.
+            # Best effort: a closed socket has nothing left to cancel.
+            if sent and open_samples and not self._closed:
+                with contextlib.suppress(Exception):
+                    self._send(P.Cancel(request_id=rid))
 
     @staticmethod
     def _rich_chunk(rid: str, item: P.Chunk, toks: list[int], rest: list[Any]) -> StreamChunk:
@@ -459,7 +486,13 @@ class AsyncClient:
             out = await self._collect(prompt_ids, params, **kw)  # type: ignore[arg-type]
         if text is None:
             return out
-        return attach_text(out, text, skip_special_tokens=_params(params).skip_special_tokens)
+        sp = _params(params)
+        return attach_text(
+            out,
+            text,
+            skip_special_tokens=sp.skip_special_tokens,
+            include_stop_str_in_output=sp.include_stop_str_in_output,
+        )
 
     async def sample(
         self,

@@ -113,6 +113,7 @@ PARAMS: dict[str, _Rule] = {
     "presence_penalty": wire(conv=float),
     "frequency_penalty": wire(conv=float),
     "prompt_logprobs": wire(conv=_int),  # per prompt token, on each sample's final chunk
+    "cache_salt": wire(conv=str),  # prefix-cache scope (vLLM's cache_salt); outputs do not depend on it
 }
 
 # Keys of vLLM's SamplingParams with no effect on the tokens or logprobs the

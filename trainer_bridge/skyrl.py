@@ -15,12 +15,16 @@ What maps where:
 
 | SkyRL | rollout-bus |
 | --- | --- |
-| `generate(input_batch, model=)` | `generate` per prompt (`session_ids` → session affinity; `model` ≠ base → LoRA) |
-| `sample(prompt_token_ids, num_samples, sampling_params)` | one request, `num_samples` samples (Tinker: "stop"/"length") |
+| `generate(input_batch, model=)` | `generate` per prompt (`session_ids` → session affinity; `model` = a loaded LoRA's name → that LoRA, any other name → the base model; `cache_salt` → vLLM's prefix-cache salt) |
+| `sample({"json": tinker_body})` / `sample(prompt_token_ids, num_samples, sampling_params)` | one request, `num_samples` samples (Tinker: "stop"/"length") |
 | `chat_completion` / `completion` / `render_chat_completion` | OpenAI-shaped dicts in and out, over the bus (no HTTP) |
 | `pause_generation` / `resume_generation` | `pause("keep")` / `resume()` |
 | `abort_generation` | `pause("abort")`: requests are parked with their tokens, resumed by `resume_generation` (no "abort" reaches the generator) |
-| `sleep` / `wake_up` / `reset_prefix_cache` | the same control ops |
+| `sleep` (level 2 by default, as SkyRL's client) / `wake_up` / `reset_prefix_cache` | the same control ops |
+| `start_weight_update` / `update_weights_ipc` / `finish_weight_update` | SkyRL's CUDA IPC sender: chunks collected, one all-or-nothing update at finish |
+| `update_weights_nccl`, `BroadcastInitInfo` | Unsupported naming `weight_sync_backend` (SkyRL's own NCCL group) |
+| `get_endpoint_url` | `endpoint_url=` if given, else Unsupported (no HTTP endpoint) |
+| `aclose` / `teardown` | close an owned client (the next call reopens it) |
 | `init_weight_update_communicator` / `update_named_weights` | picks the transport / `update_weights` (tensors) or `load_lora` (`LoraLoadRequest`) |
 | `tp_size` / `pp_size` / `dp_size` / `get_world_size` | from the engines' registration |
 """
@@ -39,7 +43,7 @@ from bus.errors import BadRequest, ProtocolError, Unsupported
 from bus.frames import logprobs_wanted
 from trainer_bridge.client import AsyncClient
 from trainer_bridge.sampling import Translated, translate
-from trainer_bridge.text import Text, load_text
+from trainer_bridge.text import Text, load_text, output_text
 
 
 def _skyrl_base() -> type:
@@ -56,6 +60,25 @@ InferenceEngineBase = _skyrl_base()
 
 # SkyRL's init-info classes → rollout-bus transports (by class name: no skyrl import needed).
 TRANSPORT_OF_INIT_INFO = {"BroadcastInitInfo": "nccl", "CudaIpcInitInfo": "cuda_ipc"}
+
+# Tinker SamplingParams keys → vLLM-style keys (SkyRL's _TINKER_SAMPLE_TO_VLLM_PARAM_MAP).
+TINKER_PARAMS = {
+    "temperature": "temperature",
+    "max_tokens": "max_tokens",
+    "seed": "seed",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "stop_strings": "stop",
+    "stop_tokens": "stop_token_ids",
+}
+
+# What each SkyRL weight_sync_backend needs; the error for a machine without it.
+_NO_CUDA = (
+    "SkyRL's weight_sync_backend='nccl' ({info}) moves CUDA tensors and this machine has no CUDA device: "
+    "on CPU set generator.inference_engine.weight_sync_backend to anything but 'nccl' and send the weights "
+    "with rollout-bus's zmq transport (trainer_bridge.skyrl_weights.get_transfer_strategy_cls in place of "
+    "SkyRL's, or engine.update_named_weights(tensors))"
+)
 
 # OpenAI request keys → vLLM-style sampling keys (None: not a sampling key).
 OPENAI_KEYS: dict[str, str | None] = {
@@ -80,11 +103,17 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         model_name: str | None = None,
         sampling_params: Mapping[str, Any] | None = None,
         engines: list[dict[str, Any]] | None = None,
+        endpoint_url: str | None = None,
     ) -> None:
         """`client`: an AsyncClient or the head's address (then owned and
         closed by `teardown`). `tokenizer`: object or local folder (default:
-        the engines' model folder). `sampling_params`: used when a batch has
-        none. `engines`: the cluster's engine list (`connect` fetches it)."""
+        the engines' model folder). `model_name`: the name SkyRL's config uses
+        for the policy (its `model=` on every call means the base model; only
+        the name of a loaded LoRA adapter routes to that adapter); default: the
+        engines' `--model`. `sampling_params`: used when a batch has none.
+        `engines`: the cluster's engine list (`connect` fetches it).
+        `endpoint_url`: the base URL of an OpenAI-compatible HTTP server you run
+        in front of this cluster, if any (what `get_endpoint_url` returns)."""
         self._owns_client = isinstance(client, str)
         self._client = AsyncClient(client) if isinstance(client, str) else client
         self._text: Text | None = load_text(tokenizer) if tokenizer is not None else None
@@ -94,17 +123,31 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         self._transport = "zmq"
         self._transport_options: dict[str, Any] = {}
         self._weight_version = 0
+        self._endpoint_url = endpoint_url
+        # Names SkyRL passed as `model=` that named no loaded adapter (the base
+        # model): remembered so each call does not ask the head again.
+        self._base_names: set[str] = set()
+        self._update: Any = None  # the open weight update (start_weight_update .. finish_weight_update)
+        self._update_named: list[tuple[str, Any]] = []
 
     @property
     def client(self) -> AsyncClient:
         """The AsyncClient. An owned one whose event loop has closed (SkyRL
-        calls `asyncio.run` more than once) is replaced by a fresh one."""
+        calls `asyncio.run` more than once) or that `aclose` closed is
+        replaced by a fresh one."""
         loop = self._client._loop
-        if self._owns_client and loop is not None and loop.is_closed():
+        if self._owns_client and self._client._closed:
+            self._client = _fresh(_options(self._client))
+        elif self._owns_client and loop is not None and loop.is_closed():
             old = self._client
             self._client = _fresh(_options(old))
             old._closed = True
             if old._sock is not None:
+                # Every socket of its context first (the handshake monitor too),
+                # else term() waits for the open one forever.
+                if old._monitor is not None:
+                    old._monitor.close(linger=0)
+                    old._monitor = None
                 old._sock.close(linger=0)
                 old._ctx.term()  # type: ignore[union-attr]
         return self._client
@@ -141,7 +184,11 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
 
     async def refresh(self) -> list[dict[str, Any]]:
         self._engines = [e for e in await self.client.engines() if e["healthy"]]
+        self._base_names.clear()
         return self._engines
+
+    def _loaded_loras(self) -> set[str]:
+        return {n for e in self._engines or () for n in e.get("loras", ())}
 
     # ------------------------------------------------------------ identity / topology
 
@@ -154,8 +201,21 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         return self._text.name if self._text else ""
 
     def get_endpoint_url(self) -> str:
-        """The head's bus address: rollout-bus has no HTTP endpoint."""
-        return self.client.address
+        """SkyRL: the base URL of the OpenAI-compatible HTTP data plane that
+        generators hand to external HTTP clients (LiteLLM's OPENAI_BASE_URL).
+        rollout-bus serves over ZeroMQ, not HTTP: a `tcp://` address there
+        would fail later inside the HTTP client with no word about why, so
+        this returns `endpoint_url=` when given and otherwise raises
+        Unsupported naming it. `chat_completion` / `completion` serve the same
+        requests over the bus; `client.address` is the bus address."""
+        if self._endpoint_url:
+            return self._endpoint_url
+        raise Unsupported(
+            "rollout-bus has no HTTP endpoint (it serves over ZeroMQ at "
+            f"{self.client.address}): call chat_completion/completion on this engine, or pass "
+            "endpoint_url= (an OpenAI-compatible server you run in front of the cluster)",
+            field="endpoint_url",
+        )
 
     def _topology(self) -> list[dict[str, Any]]:
         if not self._engines:
@@ -194,8 +254,21 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         sp = sampling_params if sampling_params is not None else self.default_sampling_params
         return translate(sp, prefix="sampling_params.")
 
-    def _lora(self, model: str | None) -> str | None:
-        return model if model and model != self.model_name else None
+    async def _lora(self, model: str | None) -> str | None:
+        """SkyRL passes its policy's name as `model` on every call: that is the
+        base model, whatever its spelling (a hub id, a local path). Only the
+        name of a LoRA adapter loaded on the cluster routes to that adapter;
+        an unknown name is looked up once (the engines may have loaded it
+        since `connect`) and then remembered as the base model."""
+        if not model or model == self.model_name or model in self._base_names:
+            return None
+        if model in self._loaded_loras():
+            return model
+        await self.refresh()
+        if model in self._loaded_loras():
+            return model
+        self._base_names.add(model)
+        return None
 
     async def _one(self, ids: list[int], tr: Translated, session_id: Hashable | None, lora: str | None) -> Any:
         return await self.client.generate(
@@ -213,6 +286,8 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         if input_batch.get("mm_features"):
             raise Unsupported("multi-modal inputs are not served by rollout-bus", field="mm_features")
         tr = self._translate(input_batch.get("sampling_params"))
+        if input_batch.get("cache_salt") is not None:  # SkyRL: a top-level field; vLLM's prefix-cache salt
+            tr.params = msgspec.structs.replace(tr.params, cache_salt=str(input_batch["cache_salt"]))
         text = await self._tok()
         if prompts is not None:
             ids = [text.chat(p) for p in prompts]
@@ -220,8 +295,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         sessions = input_batch.get("session_ids") or [None] * len(ids)
         if len(sessions) != len(ids):
             raise BadRequest(f"{len(sessions)} session_ids for {len(ids)} prompts", field="session_ids")
-        lora = self._lora(model)
-        # cache_salt only scopes vLLM's prefix-cache sharing; outputs do not depend on it.
+        lora = await self._lora(model)
         results = await asyncio.gather(*(self._one(list(p), tr, s, lora) for p, s in zip(ids, sessions, strict=True)))
         samples = [s for r in results for s in r.samples]  # prompt-major, like vLLM's n
         return self._output(samples, text, tr)
@@ -230,11 +304,8 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
     def _output(samples: Sequence[Any], text: Text, tr: Translated) -> dict[str, Any]:
         logprobs = logprobs_wanted(tr.params.logprobs)
         return {
-            # A stop-string request's text comes from the engine, cut as vLLM cuts it.
-            "responses": [
-                s.text if s.text is not None else text.decode(s.token_ids, skip_special_tokens=tr.skip_special_tokens)
-                for s in samples
-            ],
+            # Decoded from the returned ids (cut at a stop string as asked): text.output_text.
+            "responses": [RolloutBusEngine._text_of(s, text, tr) for s in samples],
             "response_ids": [list(s.token_ids) for s in samples],
             "stop_reasons": [s.finish_reason for s in samples],
             "response_logprobs": [list(s.logprobs or []) for s in samples] if logprobs else None,
@@ -243,11 +314,33 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
             "rollout_expert_indices": None,
         }
 
+    @staticmethod
+    def _text_of(s: Any, text: Text, tr: Translated) -> str:
+        return output_text(
+            text,
+            s.token_ids,
+            skip_special_tokens=tr.skip_special_tokens,
+            stop_str=s.stop_str,
+            include_stop_str_in_output=tr.params.include_stop_str_in_output,
+        )
+
     async def sample(
-        self, prompt_token_ids: Sequence[int], num_samples: int, sampling_params: Mapping[str, Any] | None
+        self,
+        prompt_token_ids: Sequence[int] | Mapping[str, Any],
+        num_samples: int | None = None,
+        sampling_params: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Tinker semantics: `num_samples` samples of one prompt (one request,
-        one engine), stop reasons "stop" or "length" only."""
+        one engine), stop reasons "stop" or "length" only. Two forms:
+        SkyRL 0.3.0's `sample({"json": body})` (its RemoteInferenceClient's:
+        body = {model, prompt: {chunks: [...]}, num_samples, sampling_params
+        (Tinker's), session_id, include_prompt_logprobs, topk_prompt_logprobs})
+        returns its SampleResponse dict; the project's own
+        `sample(ids, num_samples, vllm_style_params)` returns generate's dict."""
+        if isinstance(prompt_token_ids, Mapping):
+            return await self._sample_tinker(prompt_token_ids)
+        if num_samples is None:
+            raise BadRequest("num_samples is required with prompt token ids", field="num_samples")
         sp = dict(sampling_params if sampling_params is not None else self.default_sampling_params)
         if sp.pop("n", num_samples) != num_samples:
             raise BadRequest("sampling_params.n disagrees with num_samples", field="sampling_params.n")
@@ -259,6 +352,50 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
             if s.finish_reason not in ("stop", "length"):
                 raise ProtocolError(f"sample {s.index} ended with {s.finish_reason!r}", request_id=res.request_id)
         return self._output(res.samples, await self._tok(), tr)
+
+    async def _sample_tinker(self, request_payload: Mapping[str, Any]) -> dict[str, Any]:
+        session_id, body = self._body(request_payload)
+        prompt = body.get("prompt") or {}
+        ids: list[int] = []
+        for i, c in enumerate(prompt.get("chunks") or []):
+            kind = c.get("type", "encoded_text")
+            if kind != "encoded_text":
+                raise Unsupported(f"{kind} chunks (multi-modal) are not served", field=f"prompt.chunks[{i}].type")
+            ids.extend(int(t) for t in c.get("tokens") or ())
+        if not ids:
+            raise BadRequest("the prompt has no tokens (prompt.chunks[].tokens)", field="prompt")
+        tp = dict(body.get("sampling_params") or {})
+        unknown = set(tp) - set(TINKER_PARAMS)
+        if unknown:
+            raise BadRequest(f"unknown Tinker sampling parameter {sorted(unknown)[0]!r}", field="sampling_params")
+        sp = {TINKER_PARAMS[k]: v for k, v in tp.items() if v is not None}
+        topk = int(body.get("topk_prompt_logprobs") or 0)
+        with_prompt = bool(body.get("include_prompt_logprobs", body.get("prompt_logprobs", False)))
+        if with_prompt:
+            sp["prompt_logprobs"] = topk
+        sp["logprobs"] = 0  # Tinker: every sequence has its tokens' logprobs
+        tr = translate(sp, prefix="sampling_params.")
+        tr.num_samples = int(body.get("num_samples", 1))
+        if tr.num_samples < 1:
+            raise BadRequest(f"num_samples must be >= 1, got {tr.num_samples}", field="num_samples")
+        res = await self._one(ids, tr, session_id, await self._lora(body.get("model")))
+        first = res.samples[0] if res.samples else None
+        plp = first.prompt_logprobs if (with_prompt and first is not None) else None
+        top = None
+        if with_prompt and topk > 0 and first is not None and first.prompt_top_ids is not None:
+            top = [
+                None if i == 0 else sorted(zip(tid, tlp, strict=True), key=lambda x: -x[1])[:topk]
+                for i, (tid, tlp) in enumerate(zip(first.prompt_top_ids, first.prompt_top_logprobs or [], strict=False))
+            ]
+        return {
+            "type": "sample",
+            "sequences": [
+                {"tokens": list(s.token_ids), "logprobs": list(s.logprobs or []), "stop_reason": s.finish_reason}
+                for s in res.samples
+            ],
+            "prompt_logprobs": plp,
+            "topk_prompt_logprobs": top,
+        }
 
     # ------------------------------------------------------------ OpenAI-shaped, over the bus
 
@@ -277,9 +414,27 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         elif body.get("echo"):
             raise Unsupported("echo needs prompt logprobs (issue 10, server-side)", field="echo")
         sp.pop("echo", None)
-        if sp.get("max_tokens") is None:
-            raise BadRequest("max_tokens (or max_completion_tokens) is required", field="max_tokens")
         return translate(sp)
+
+    async def _default_max_tokens(
+        self, tr: Translated, prompt_len: int, body: Mapping[str, Any], field: str
+    ) -> Translated:
+        """No max_tokens / max_completion_tokens: vLLM's server generates up to
+        the context limit, max_model_len - prompt length; so does this (the
+        engines report max_model_len when they register)."""
+        if body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None:
+            return tr
+        limits = [int(e.get("max_model_len") or 0) for e in self._engines or await self.refresh()]
+        limit = min((x for x in limits if x > 0), default=0)
+        if limit <= 0:
+            raise BadRequest(
+                "max_tokens is required: the engines did not report max_model_len",
+                field="max_tokens",
+            )
+        if prompt_len >= limit:
+            raise BadRequest(f"prompt ({prompt_len}) fills max_model_len={limit}", field=field)
+        tr.params = msgspec.structs.replace(tr.params, max_tokens=limit - prompt_len)
+        return tr
 
     @staticmethod
     def _body(request_payload: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
@@ -297,12 +452,11 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
             add_generation_prompt=body.get("add_generation_prompt", True),
             **(body.get("chat_template_kwargs") or {}),
         )
-        res = await self._one(ids, tr, session_id, self._lora(body.get("model")))
+        tr = await self._default_max_tokens(tr, len(ids), body, "messages")
+        res = await self._one(ids, tr, session_id, await self._lora(body.get("model")))
         choices = []
         for s in res.samples:
-            content = (
-                s.text if s.text is not None else text.decode(s.token_ids, skip_special_tokens=tr.skip_special_tokens)
-            )
+            content = self._text_of(s, text, tr)
             lp = None
             if logprobs_wanted(tr.params.logprobs):
 
@@ -333,7 +487,8 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         prompt: Any = body.get("prompt")
         batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
         prompts = [text.prompt_ids(p) for p in (prompt if batch else [prompt])]
-        lora = self._lora(body.get("model"))
+        tr = await self._default_max_tokens(tr, max(len(p) for p in prompts), body, "prompt")
+        lora = await self._lora(body.get("model"))
         results = await asyncio.gather(*(self._one(p, tr, session_id, lora) for p in prompts))
         choices: list[dict[str, Any]] = []
         for r in results:
@@ -349,7 +504,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
                     }
                 choices.append({
                     "index": len(choices),
-                    "text": s.text if s.text is not None else text.decode(s.token_ids, skip_special_tokens=tr.skip_special_tokens),
+                    "text": self._text_of(s, text, tr),
                     "finish_reason": s.finish_reason, "logprobs": lp, "token_ids": list(s.token_ids),
                 })  # fmt: skip
         return self._openai_reply("text_completion", body, results[0], [t for p in prompts for t in p], choices)
@@ -418,7 +573,9 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
 
     resume = resume_generation
 
-    async def sleep(self, level: int = 1, tags: list[str] | None = None, **_: Any) -> dict[str, Any]:
+    async def sleep(self, level: int = 2, tags: list[str] | None = None, **_: Any) -> dict[str, Any]:
+        """Level 2 by default, as SkyRL's client (its colocated loop re-syncs
+        the weights before `wake_up(tags=["kv_cache"])`); level 1 keeps them."""
         if tags:
             raise Unsupported("sleep by tags: rollout-bus sleeps whole engines (wake_up takes tags)", field="tags")
         return await self.client.sleep(level)
@@ -430,16 +587,30 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         return await self.client.reset_prefix_cache()
 
     async def init_weight_update_communicator(self, init_info: Any) -> dict[str, Any]:
-        """Pick the transport from SkyRL's init info (NCCL broadcast → "nccl",
-        CUDA IPC → "cuda_ipc", anything else → "zmq"). NCCL: the group is set
-        up here, with every healthy engine (gpu_transports.warm_up_nccl), so the
-        first update does not pay for it; the other transports need no set-up."""
-        self._transport = getattr(init_info, "transport", None) or TRANSPORT_OF_INIT_INFO.get(
-            type(init_info).__name__, "zmq"
-        )
+        """Pick the transport from SkyRL's init info (CUDA IPC → "cuda_ipc",
+        rollout-bus's own strategy's info → its transport, anything else →
+        "zmq"). NCCL: the group is set up here, with every healthy engine
+        (gpu_transports.warm_up_nccl), so the first update does not pay for it;
+        the other transports need no set-up. A GPU transport on a machine
+        without CUDA, and SkyRL's own broadcast strategy (its trainer joins
+        vLLM's NCCL weight-transfer group, which rollout-bus engines do not
+        join), are refused with an Unsupported naming weight_sync_backend."""
+        kind = type(init_info).__name__
+        transport = getattr(init_info, "transport", None) or TRANSPORT_OF_INIT_INFO.get(kind, "zmq")
         if isinstance(init_info, Mapping):
-            self._transport = init_info.get("transport", self._transport)
+            transport = init_info.get("transport", transport)
             self._transport_options = dict(init_info.get("options", {}))
+        if transport in ("nccl", "cuda_ipc") and not _has_cuda():
+            raise Unsupported(_NO_CUDA.format(info=kind), field="weight_sync_backend")
+        if kind == "BroadcastInitInfo":
+            raise Unsupported(
+                "SkyRL's broadcast strategy (weight_sync_backend='nccl' without placement.colocate_all) has its "
+                "trainer join vLLM's own NCCL weight-transfer group, which rollout-bus engines do not join: set "
+                "placement.colocate_all=true (SkyRL's CUDA IPC strategy, served) or use rollout-bus's nccl "
+                "transport (trainer_bridge.skyrl_weights.get_transfer_strategy_cls in place of SkyRL's)",
+                field="weight_sync_backend",
+            )
+        self._transport = transport
         out: dict[str, Any] = {"transport": self._transport}
         if self._transport == "nccl":
             # The NCCL group is set up now, not inside the first update (an empty
@@ -455,13 +626,103 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         `{name: tensor}` mapping or `(name, tensor)` pairs (→ `update_weights`
         over the chosen transport, all engines, all-or-nothing)."""
         if getattr(request, "lora_path", ""):
-            return await self.client.load_lora(getattr(request, "lora_name", "") or "default", path=request.lora_path)
+            out = await self.client.load_lora(getattr(request, "lora_name", "") or "default", path=request.lora_path)
+            await self.refresh()  # its name routes to it from now on (_lora)
+            return out
         named = _named_tensors(request)
+        return await self.client.update_weights(named, transport=self._transport, **self._transport_options)
+
+    # ------------------------------------------------------------ SkyRL's chunked update
+    #
+    # SkyRL 0.3.0's own senders (CudaIpcWeightTransferSender; the broadcast
+    # one is refused at init) call, on rank 0: start_weight_update, then one
+    # update_weights_ipc per chunk (a packed buffer shared by IPC handle, freed
+    # when the call returns), then finish_weight_update. The chunks are copied
+    # here and pushed at finish as ONE all-or-nothing update (every engine,
+    # version + 1) over the transport init_weight_update_communicator chose:
+    # rank 0 holds one copy of the weights meanwhile (on the chunks' device).
+
+    async def start_weight_update(self, is_checkpoint_format: bool = True) -> dict[str, Any]:
+        if self._update is not None:
+            raise BadRequest("a weight update is already open: finish_weight_update first", field="weight_update")
+        self._update = {"is_checkpoint_format": is_checkpoint_format}
+        self._update_named = []
+        return {"transport": self._transport}
+
+    def _open_update(self, call: str) -> None:
+        if self._update is None:
+            raise BadRequest(f"{call} outside a weight update: call start_weight_update first", field="weight_update")
+
+    async def update_weights_ipc(self, update_info: Mapping[str, Any]) -> dict[str, Any]:
+        """One chunk: `ipc_handles_pickled` (base64 of a pickled {GPU uuid:
+        (rebuild_fn, args)} for ONE packed buffer) + names / dtype_names /
+        shapes / sizes (elements per tensor), as SkyRL's CUDA IPC sender sends.
+        The handle for this process's GPU is rebuilt (its own tensor when
+        rank 0 made it); CPU tensors' handles (torch's reduce_tensor) work too."""
+        self._open_update("update_weights_ipc")
+        import base64
+        import pickle
+
+        try:
+            handles = pickle.loads(base64.b64decode(update_info["ipc_handles_pickled"]))
+            names, shapes, sizes = list(update_info["names"]), list(update_info["shapes"]), list(update_info["sizes"])
+        except KeyError as e:
+            raise BadRequest(f"update_info lacks {e.args[0]!r}", field=f"update_info.{e.args[0]}") from None
+        if not (len(names) == len(shapes) == len(sizes)) or not handles:
+            raise BadRequest("names, shapes and sizes differ in length (or no handle)", field="update_info")
+        fn, args = handles.get(_gpu_uuid(), next(iter(handles.values())))
+        packed = fn(*args)
+        off = 0
+        for name, shape, size in zip(names, shapes, sizes, strict=True):
+            # A copy: the sender frees the packed buffer when this call returns.
+            self._update_named.append((name, packed[off : off + size].view(*shape).clone()))
+            off += size
+        return {"received": len(names)}
+
+    async def update_weights_nccl(self, update_info: Mapping[str, Any]) -> dict[str, Any]:
+        """SkyRL's broadcast sender's receive call: refused at
+        init_weight_update_communicator already (see there); here for the
+        interface, with the same error."""
+        raise Unsupported(
+            "SkyRL's NCCL broadcast is not received by rollout-bus engines (see init_weight_update_communicator)",
+            field="weight_sync_backend",
+        )
+
+    async def finish_weight_update(self) -> dict[str, Any]:
+        """Push every chunk received since start_weight_update: one update."""
+        self._open_update("finish_weight_update")
+        named, self._update_named, self._update = self._update_named, [], None
+        if not named:
+            return {"updated": 0}
         return await self.client.update_weights(named, transport=self._transport, **self._transport_options)
 
     async def teardown(self) -> None:
         if self._owns_client:
             await self.client.close()
+
+    async def aclose(self) -> None:
+        """SkyRL's Tinker path closes its client after each batch: the
+        connection of an owned client closes (the next call opens a new one);
+        a client that was handed in stays open (its owner closes it)."""
+        await self.teardown()
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+def _gpu_uuid() -> str:
+    """This process's GPU's uuid as SkyRL keys IPC handles ("" without CUDA)."""
+    if not _has_cuda():
+        return ""
+    import torch
+
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
 
 
 def _options(c: AsyncClient) -> dict[str, Any]:

@@ -1,8 +1,11 @@
 """SkyRL's weight-sync strategy on rollout-bus transports.
 
 SkyRL's policy workers send weights through a `WeightTransferStrategy` chosen
-by `skyrl.backends.skyrl_train.weight_sync.get_transfer_strategy_cls`; its own
-strategies drive vLLM's HTTP weight-transfer endpoints. This one hands the
+by `skyrl.backends.skyrl_train.weight_sync.get_transfer_strategy_cls`. Its CUDA
+IPC strategy (colocated, weight_sync_backend="nccl") works with
+`RolloutBusEngine` as it is (start_weight_update / update_weights_ipc /
+finish_weight_update); its broadcast strategy joins vLLM's own NCCL group and
+SkyRL 0.3.0 has none for a machine without CUDA: for those, this one hands the
 chunks to `RolloutBusEngine.update_named_weights` instead (one all-or-nothing
 update, version + 1 on every engine), over the transport SkyRL's config
 implies: colocated + nccl → `cuda_ipc`, nccl → `nccl`, anything else → `zmq`.

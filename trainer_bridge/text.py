@@ -114,12 +114,43 @@ def to_ids(text: Text, prompt: Any) -> Any:
     return text.prompt_ids(prompt)
 
 
-def attach_text(results: Any, text: Text, *, skip_special_tokens: bool = True) -> Any:
-    """Fill `text` on every sample of a GenerationResult or a list of them."""
+def output_text(
+    text: Text,
+    token_ids: Sequence[int],
+    *,
+    skip_special_tokens: bool = True,
+    stop_str: str | None = None,
+    include_stop_str_in_output: bool = False,
+) -> str:
+    """A sample's text, always derived from its own token ids:
+    `decode(token_ids, skip_special_tokens=...)`, and when the sample ended on
+    a stop string, cut at it (after it with include_stop_str_in_output, before
+    it without), as vLLM cuts its text. So the text is a prefix of the decoded
+    ids (equal to them when no stop string ended the sample), never the
+    engine's incremental text, which can differ by a leading space (the first
+    output token decoded after the prompt; issue 23). The first occurrence is
+    the match: the engine stopped at the first token that completed it."""
+    out = text.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    if stop_str:
+        i = out.find(stop_str)
+        if i >= 0:
+            out = out[: i + (len(stop_str) if include_stop_str_in_output else 0)]
+    return out
+
+
+def attach_text(
+    results: Any, text: Text, *, skip_special_tokens: bool = True, include_stop_str_in_output: bool = False
+) -> Any:
+    """Fill `text` on every sample of a GenerationResult or a list of them (see output_text)."""
     for r in results if isinstance(results, list) else [results]:
         for s in r.samples:
-            if s.text is None:  # the engine's text (a stop-string request) wins: it is vLLM's exact cut
-                s.text = text.decode(s.token_ids, skip_special_tokens=skip_special_tokens)
+            s.text = output_text(
+                text,
+                s.token_ids,
+                skip_special_tokens=skip_special_tokens,
+                stop_str=s.stop_str,
+                include_stop_str_in_output=include_stop_str_in_output,
+            )
     return results
 
 

@@ -50,7 +50,7 @@ from engine_node.backend import BackendError, BackendInfo, BackendOp, BackendTim
 from engine_node.backends import vllm_weights as W
 from engine_node.backends.vllm_engine_core import CoreLink, _settle, load_vllm_api
 from engine_node.backends.vllm_lora import LoraTable, write_peft
-from engine_node.backends.vllm_requests import OutputBuffer, build_request, sampling_params
+from engine_node.backends.vllm_requests import OutputBuffer, build_request, prefix_salt, sampling_params
 from engine_node.child_watch import export_node_pid
 
 log = structlog.get_logger("rollout_bus.vllm_backend")
@@ -305,7 +305,7 @@ class VllmBackend:
         lr = self._lora_request(seq.lora)
         self._n += 1
         rid = f"{seq.seq_id}#{self._n}"
-        salt = f"w{self._weights_epoch}" if self._weights_epoch else None
+        salt = prefix_salt(self._weights_epoch, seq.params.cache_salt)
         req = build_request(self._api, rid, seq, sp, lr, salt)
         if self.resume_ramp_tokens > 0 and not self._rid_of and self._ramp_state is None:
             self._ramp_state = "collect"  # the engine was empty: a burst may follow; step() picks

@@ -70,6 +70,15 @@ def sampling_params(
     return sp
 
 
+def prefix_salt(weights_epoch: int, cache_salt: str | None) -> str | None:
+    """vLLM's cache_salt for a request: the backend's weight-version salt
+    (weights changed: no block computed on older weights may be reused) and
+    the caller's own salt (SamplingParams.cache_salt), both or either; None
+    when neither is set (vLLM's unsalted hashes)."""
+    parts = [f"w{weights_epoch}" if weights_epoch else "", f"u{cache_salt}" if cache_salt else ""]
+    return "|".join(p for p in parts if p) or None
+
+
 def build_request(
     api: Any, request_id: str, seq: SeqRequest, params: Any, lora_request: Any, cache_salt: str | None = None
 ) -> Any:

@@ -454,6 +454,7 @@ def test_request_building(be):
     time.sleep(0.02)
     req = FAKE.requests["a#1"][0]
     assert req.request_id == "a#1" and req.prompt_token_ids == [10, 11, 12] and req.lora_request is None
+    assert req.cache_salt is None  # no weights change yet, no caller salt: vLLM's unsalted hashes
     assert req.sampling_params.max_tokens == 5 and req.sampling_params.temperature == 0.0
     be.abort(["a"])
 
@@ -587,6 +588,9 @@ def test_zmq_weights_staged_once_in_shm_and_cleaned(be):
     assert r["prefix_cache_salt"] == "w1"
     be.add(SeqRequest("after-update", [1, 2, 3], SamplingParams(), 2))
     assert FAKE.salts[-1] == "w1", FAKE.salts
+    # issue 23: the caller's cache_salt (SkyRL's per-trajectory salt) joins the weight-version salt
+    be.add(SeqRequest("salted", [1, 2, 3], SamplingParams(cache_salt="traj-7"), 2))
+    assert FAKE.salts[-1] == "w1|utraj-7", FAKE.salts
     assert FAKE.worker.shm_seen == [path] and not os.path.exists(path), "shm file removed after commit"
 
 

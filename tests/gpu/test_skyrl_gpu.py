@@ -1,0 +1,141 @@
+"""SkyRL 0.3.0 on a GPU (issue 23): its own `SkyRLGymGenerator` against a
+rollout-bus cluster with the vLLM backend, and its own CUDA IPC weight-sync
+strategy (`get_transfer_strategy_cls("nccl", colocate_all=True)` →
+`CudaIpcWeightTransferSender.send_chunks`), unmodified, through
+`trainer_bridge.skyrl.RolloutBusEngine`: the colocated order sleep →
+wake_up(["weights"]) → sync → wake_up(["kv_cache"]), then the served weights
+checked against transformers.
+
+Written, not yet run on the device machine (GPU-untested). Wheels it needs
+there besides the vLLM bundle (no network on that machine; carry them in
+.device/whl, see run_on_device.sh): skyrl-0.3.0 and skyrl_gym-0.4.0 (`pip
+download --no-deps`), omegaconf 2.4.0, loguru 0.7.3 and pandas (their
+imports), antlr4-python3-runtime if omegaconf asks for it. Python 3.12 there
+(skyrl 0.3.0's pydantic models need it). SkyRL's sender needs
+torch.distributed: one gloo rank here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+try:
+    import skyrl_gym
+    from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_sampling_params_for_backend
+    from skyrl.backends.skyrl_train.weight_sync import WeightChunk, get_transfer_strategy_cls
+    from skyrl.train.config import GeneratorConfig, InferenceEngineConfig, SamplingParams, SkyRLGymConfig
+    from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
+    from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+except Exception as e:
+    pytest.skip(f"skyrl / skyrl_gym not importable ({type(e).__name__}: {e})", allow_module_level=True)
+
+from tests.gpu.common import ENGINE_OPTS, HF_GAP_TOL, PROMPTS, hf_check, record_timing
+from tests.test_skyrl_adapter import CHAT_TEMPLATE
+from trainer_bridge import AsyncClient
+from trainer_bridge.skyrl import RolloutBusEngine
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+TURNS = 3
+
+
+class TurnsEnv(BaseTextEnv):
+    def __init__(self, env_config=None, extras=None):
+        super().__init__()
+        self.max_turns = TURNS
+
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        self.turns += 1
+        done = self.turns >= TURNS
+        obs = [] if done else [{"role": "user", "content": "one two three"}]
+        return BaseTextEnvStepOutput(observations=obs, reward=float(done), done=done, metadata={})
+
+
+skyrl_gym.register(id="rollout_bus_gpu_turns", entry_point=TurnsEnv)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs):
+    from tests.cluster import Cluster
+
+    c = Cluster(1, backend="vllm", model=model_dirs["A"], backend_options=dict(ENGINE_OPTS))
+    try:
+        c.wait_ready(1, timeout_s=240)
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def rank0():
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_skyrl_generator_then_its_cuda_ipc_strategy_colocated(cluster, model_dirs, rank0):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dirs["A"])
+    tok.chat_template = CHAT_TEMPLATE
+    cfg = GeneratorConfig(
+        sampling_params=SamplingParams(max_generate_length=16, temperature=1.0, logprobs=1),
+        max_turns=TURNS,
+        max_input_length=1024,
+        use_conversation_multi_turn=True,
+        batched=False,
+    )
+    ie = InferenceEngineConfig(model_dtype="bfloat16", weight_sync_backend="nccl")
+    strategy = get_transfer_strategy_cls(ie.weight_sync_backend, colocate_all=True)
+    mB = AutoModelForCausalLM.from_pretrained(model_dirs["B"], dtype=torch.bfloat16).cuda()
+    named = [(n, p.detach()) for n, p in mB.named_parameters()]
+    chunks = [
+        WeightChunk(
+            names=[n for n, _ in part],
+            dtypes=[str(t.dtype) for _, t in part],
+            shapes=[list(t.shape) for _, t in part],
+            tensors=[t for _, t in part],
+        )
+        for part in (named[: len(named) // 2], named[len(named) // 2 :])
+    ]
+
+    async def scenario():
+        client = AsyncClient(cluster.frontend, timeout_s=120, control_timeout_s=120)
+        engine = await RolloutBusEngine.connect(client, num_engines=1, tokenizer=tok)
+        gen = SkyRLGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), engine, tok)
+        batch = {
+            "prompts": [[{"role": "user", "content": f"hello {i}"}] for i in range(8)],
+            "env_classes": ["rollout_bus_gpu_turns"] * 8,
+            "env_extras": [{} for _ in range(8)],
+            "sampling_params": get_sampling_params_for_backend("vllm", cfg.sampling_params),
+        }
+        out = await gen.generate(batch, disable_tqdm=True)
+        v0 = (await client.health())["weight_version"]
+        info = strategy.create_init_info(ie)
+        await engine.init_weight_update_communicator(info)  # CudaIpcInitInfo → rollout-bus's cuda_ipc
+        sender = strategy.create_sender(info, engine)
+        await engine.sleep()  # SkyRL's colocated loop (level 2)
+        await engine.wake_up(tags=["weights"])
+        await sender.send_chunks(chunks)  # SkyRL's sender, unmodified
+        await engine.wake_up(tags=["kv_cache"])
+        v1 = (await client.health())["weight_version"]
+        greedy = await client.generate(PROMPTS, {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True})
+        await client.close()
+        return out, v0, v1, [r.samples[0].token_ids for r in greedy]
+
+    out, v0, v1, toks = asyncio.run(asyncio.wait_for(scenario(), 480))
+    assert len(out["response_ids"]) == 8
+    for ids, mask in zip(out["response_ids"], out["loss_masks"], strict=True):
+        assert len(ids) == len(mask) and 0 in mask
+    assert v1 == v0 + 1
+    gap, agree = hf_check(model_dirs["B"], toks)
+    record_timing("skyrl_cuda_ipc_vs_hf_B", max_logprob_gap=round(gap, 4), argmax_agreement=round(agree, 3))
+    assert gap < HF_GAP_TOL and agree > 0.9
