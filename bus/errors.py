@@ -20,6 +20,7 @@ class ErrorCode(str, enum.Enum):
     UNSUPPORTED = "unsupported"  # the backend or transport cannot do this op
     BACKEND_TIMEOUT = "backend_timeout"  # a backend op passed its deadline; the message names the knob
     BACKEND_REFUSED = "backend_refused"  # the backend refused the op or its input: `field` names it
+    HEAD_UNAVAILABLE = "head_unavailable"  # the client lost (or never reached) the head: the message names its address
 
 
 class RolloutBusError(Exception):
@@ -90,6 +91,20 @@ class AuthRefused(ProtocolError):
     picks the key (`client_key`)."""
 
 
+class HeadUnavailable(RolloutBusError):
+    """The client could not reach the head, or lost it: nothing came from the
+    head at `address` for `head_timeout_s` (dead, frozen, restarting), or it was
+    not reached within `connect_timeout_s`. Raised locally by the client, for
+    every request open at that moment; `field` names the knob. The client
+    reconnects on its own: a later request works once the head is back."""
+
+    code = ErrorCode.HEAD_UNAVAILABLE
+
+    def __init__(self, message: str, *, address: str = "", request_id: str | None = None, field: str | None = None):
+        super().__init__(message, request_id=request_id, field=field)
+        self.address = address
+
+
 class ClosedByUs(RolloutBusError):
     """The client (or node) was closed locally while the call was waiting."""
 
@@ -123,6 +138,7 @@ EXCEPTION_OF: dict[str, type[RolloutBusError]] = {
     ErrorCode.INTERNAL.value: InternalError,
     ErrorCode.BACKEND_TIMEOUT.value: BackendTimeout,
     ErrorCode.BACKEND_REFUSED.value: BackendRefused,
+    ErrorCode.HEAD_UNAVAILABLE.value: HeadUnavailable,
 }
 
 

@@ -28,6 +28,10 @@ class RouterConfig:
     # deadline of one corrective op (pause/resume/sleep/wake_up) sent to an
     # engine that missed a control op; it is re-checked and retried after it
     converge_timeout_s: float = 30.0
+    # A client not heard from (pings, every ~0.5 s from trainer_bridge) for this
+    # long loses what it holds: its pauses are resumed, its sleep woken, its
+    # weight update aborted (router_node/leases.py).
+    lease_s: float = 10.0
     seed: int = 0
     curve_dir: str | None = None
     metrics_port: int = -1  # Prometheus /metrics: -1 off, 0 any free port
