@@ -185,9 +185,11 @@ class LoopClock:
     """The head's own loop lag. A head that was itself stopped (SIGSTOP, a
     swapped-out or starved process) reads every peer's heartbeats late; blaming
     the peers would declare live engines dead on waking and lose their streams.
-    `observe(now)` at fixed points of the loop returns how long the loop was
-    away when that exceeds `threshold_s` (0.0 otherwise): that time is credited
-    to every peer (`credit_stall`) before anything is judged."""
+    `observe(now)` at fixed points of the loop returns by how much the time
+    since the previous point exceeds `threshold_s` (0.0 when it does not): that
+    time is credited to every peer (`credit_stall`) before anything is judged.
+    Only the excess: a head that is merely slow (every turn a little over the
+    threshold) still finds a dead engine, a little later."""
 
     def __init__(self, threshold_s: float) -> None:
         self.threshold_s = threshold_s
@@ -199,9 +201,10 @@ class LoopClock:
         last, self.last = self.last, now
         if last is None or now - last <= self.threshold_s:
             return 0.0
+        away = now - last - self.threshold_s
         self.stalls += 1
-        self.stalled_s += now - last
-        return now - last
+        self.stalled_s += away
+        return away
 
 
 def credit_stall(entries: Iterable[EngineEntry], seconds: float) -> None:
