@@ -10,8 +10,10 @@
 Backend: `auto` picks vLLM when it is installed and a GPU is visible, else the
 torch backend on a tiny random-weight model built into a cache dir (no hub).
 
-The launcher supervises its children with psutil: a crashed engine is
-restarted (bounded by --max-restarts), a dead head stops everything, and
+The launcher supervises its children with psutil: a crashed engine or head
+is restarted (bounded by --max-restarts each; the head on the same ports, so
+live engines re-register with it and clients reconnect on their own), a head
+past its restarts stops everything, and
 Ctrl-C / SIGTERM sends SIGTERM to the whole tree, waits --grace-s, then
 SIGKILLs what is left. Children also die with the launcher (PDEATHSIG), so
 no process outlives it.
@@ -80,22 +82,28 @@ class Supervisor:
         return child
 
     def check(self) -> None:
-        """Restart crashed engines (bounded); a dead head is fatal."""
+        """Restart crashed children (bounded, --max-restarts each). The head
+        restarts with the same argv, so on the same ports: live engines see
+        its Rejoin and register again within a second or two (their weight
+        versions with them), clients reconnect by themselves. A head past its
+        restarts is fatal."""
         for c in self.children.values():
             rc = c.proc.poll() if c.proc else None
             if rc is None or self.state is State.STOPPING:
                 continue
-            if c.name == "head":
-                log.error("head_died", rc=rc)
-                self.exit_code = 1
-                self.state = State.STOPPING
-                return
             if c.restarts >= self.max_restarts:
+                if c.name == "head":
+                    log.error("head_died", rc=rc, restarts=c.restarts, max_restarts=self.max_restarts)
+                    self.exit_code = 1
+                    self.state = State.STOPPING
+                    return
                 log.error("engine_gave_up", engine=c.name, rc=rc, max_restarts=self.max_restarts)
                 c.proc = None
                 continue
             c.restarts += 1
-            log.warning("engine_restart", engine=c.name, rc=rc, restart=c.restarts)
+            log.warning(
+                "head_restart" if c.name == "head" else "engine_restart", child=c.name, rc=rc, restart=c.restarts
+            )
             c.start()
 
     def alive(self) -> list[psutil.Process]:

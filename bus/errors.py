@@ -24,6 +24,7 @@ class ErrorCode(str, enum.Enum):
     STALE_UPDATE = "stale_update"  # an op names a weight update that is not the current one
     LIMIT_EXCEEDED = "limit_exceeded"  # a per-client cap was hit: `field` names its knob
     UNAUTHORIZED = "unauthorized"  # no (or a wrong) join token, or a CURVE key taken off the allow-list
+    HEAD_UNAVAILABLE = "head_unavailable"  # the client lost (or never reached) the head: the message names its address
 
 
 class RolloutBusError(Exception):
@@ -147,6 +148,20 @@ class Unauthorized(RolloutBusError):
     code = ErrorCode.UNAUTHORIZED
 
 
+class HeadUnavailable(RolloutBusError):
+    """The client could not reach the head, or lost it: nothing came from the
+    head at `address` for `head_timeout_s` (dead, frozen, restarting), or it was
+    not reached within `connect_timeout_s`. Raised locally by the client, for
+    every request open at that moment; `field` names the knob. The client
+    reconnects on its own: a later request works once the head is back."""
+
+    code = ErrorCode.HEAD_UNAVAILABLE
+
+    def __init__(self, message: str, *, address: str = "", request_id: str | None = None, field: str | None = None):
+        super().__init__(message, request_id=request_id, field=field)
+        self.address = address
+
+
 class ClosedByUs(RolloutBusError):
     """The client (or node) was closed locally while the call was waiting."""
 
@@ -184,6 +199,7 @@ EXCEPTION_OF: dict[str, type[RolloutBusError]] = {
     ErrorCode.STALE_UPDATE.value: StaleUpdate,
     ErrorCode.LIMIT_EXCEEDED.value: LimitExceeded,
     ErrorCode.UNAUTHORIZED.value: Unauthorized,
+    ErrorCode.HEAD_UNAVAILABLE.value: HeadUnavailable,
 }
 
 

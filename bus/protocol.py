@@ -576,6 +576,20 @@ class QueryReply(_Msg, tag="query_reply"):
     body: dict[str, Any] = {}
 
 
+class ClientPing(_Msg, tag="client_ping"):
+    """Client → head heartbeat, every ~0.5 s while connected (idle too): renews
+    the client's lease (the pauses, sleep and weight update it holds,
+    router_node/leases.py) and asks for a `HeadPong`, so a client sees a dead or
+    frozen head within its `head_timeout_s`."""
+
+
+class HeadPong(_Msg, tag="head_pong"):
+    """Head → client: the answer to a `ClientPing`. `lease_s`: how long the
+    head keeps this client's holdings without hearing from it."""
+
+    lease_s: float = 0.0
+
+
 class EndSession(_Msg, tag="end_session"):
     request_id: Id
     session_id: Id
@@ -622,6 +636,18 @@ class RegisterReply(_Msg, tag="register_reply"):
     retry: bool = False
     code: Short | None = None  # bus.errors.ErrorCode of a refusal
     field: Short | None = None  # the Register field (or option) it was refused for
+    # -- appended (issue 22): the identity of the head's DEALER on the engine's
+    # data socket. The engine sends its acks THERE (after the chunks it produced
+    # before them), so a pause's ack can never overtake those chunks; "" (an
+    # older head): acks go over the events socket.
+    data_peer: Short = ""
+
+
+class Rejoin(_Msg, tag="rejoin"):
+    """Head → engine (events socket): a heartbeat came from an engine this head
+    does not know (the head restarted): register again, now."""
+
+    reason: Short = ""
 
 
 class Heartbeat(_Msg, tag="heartbeat"):
@@ -707,6 +733,9 @@ KIND_OF: dict[type, bytes] = {
     WeightBucket: b"W",
     WeightBucketAck: b"w",
     WeightSenderEnd: b"N",
+    ClientPing: b"P",
+    HeadPong: b"p",
+    Rejoin: b"J",
 }
 TYPE_OF: dict[bytes, type] = {v: k for k, v in KIND_OF.items()}
 assert len(TYPE_OF) == len(KIND_OF), "duplicate kind byte"

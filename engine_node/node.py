@@ -157,6 +157,9 @@ class EngineNode:
 
         self._registered = False
         self._refused: str | None = None  # the last retryable refusal (id held by a live engine)
+        # The head's identity on our data socket (RegisterReply.data_peer): acks
+        # go there, behind every chunk produced before them (b"": events socket).
+        self._head_peer = b""
         handlers: dict[type, Callable[[Any, int], Any]] = {
             P.Ping: self._op_ping,
             P.Pause: self.core.pause,
@@ -179,7 +182,7 @@ class EngineNode:
         self.control = ControlRunner(
             self.engine_id,
             handlers,
-            lambda ack: self.events.send_multipart(self.codec.encode(ack)),
+            self._send_ack,
             on_busy_change=self._refresh_heartbeat,
             before_complete=lambda: self.core.set_time(time.monotonic(), time.time()),
             log=self.log,
@@ -192,7 +195,11 @@ class EngineNode:
         self.data_ep = Endpoint(
             self.data,
             self.codec,
-            {P.Generate: self._keyed(self._on_generate), P.Cancel: self._keyed(self._on_cancel)},
+            {
+                P.Generate: self._keyed(self._on_generate),
+                P.Cancel: self._keyed(self._on_cancel),
+                P.ClientPing: self._on_client_ping,
+            },
             name="data",
             routed=True,
             before_error=self._flush,
@@ -216,7 +223,7 @@ class EngineNode:
         self.events_ep = Endpoint(
             self.events,
             self.codec,
-            {P.RegisterReply: self._on_register_reply},
+            {P.RegisterReply: self._on_register_reply, P.Rejoin: self._on_rejoin},
             name="events",
             routed=False,
             error_reply=None,
@@ -492,6 +499,39 @@ class EngineNode:
         if not self._registered:
             self.log.info("engine_registered")
         self._registered = True
+        self._head_peer = msg.data_peer.encode()
+
+    def _on_rejoin(self, _peer: bytes, msg: P.Rejoin, _b: list[Any]) -> None:
+        """The head does not know us (it restarted on the same addresses):
+        register again at once, with our weight version and LoRAs (heartbeats
+        carry paused / sleeping / running). Requests the old head forwarded
+        end when their chunks find its data connection gone (core.peer_gone)."""
+        if not self._registered and now_s() - self._register_sent_at < 0.5:
+            return  # a Register is on its way already
+        self.log.warning("engine_rejoining", reason=msg.reason[:200])
+        self._registered = False
+        self._refused = None
+        self._head_peer = b""
+        self._send_register()
+        self._register_sent_at = now_s()
+        self._register_deadline = self._register_sent_at + self.cfg.register_timeout_s
+
+    def _send_ack(self, ack: P.Ack) -> None:
+        """Acks go to the head over the data connection when it told us its
+        identity there: the chunks produced before the ack are sent first, on
+        the same connection, so the head relays them before it can act on the
+        ack (a pause's reply never overtakes them). Else: the events socket."""
+        peer = self._head_peer
+        if peer:
+            for p, m, bufs in self.core.take_sends():
+                self._send_data(p, m, bufs)
+            if self.data_ep.send(peer, ack):
+                return
+        self.events.send_multipart(self.codec.encode(ack))
+
+    def _on_client_ping(self, peer: bytes, _msg: P.ClientPing, _b: list[Any]) -> None:
+        # A client connected straight to this engine pings it as it would a head.
+        self.data_ep.send(peer, P.HeadPong())
 
     def _make_heartbeat(self) -> P.Heartbeat:
         try:
@@ -654,6 +694,10 @@ class EngineNode:
             heartbeat={f: getattr(hb, f) for f in hb.__struct_fields__},
             detail={**self.backend.stats(), "loop": dict(self.loop_stats)},
         )
+
+
+def now_s() -> float:
+    return time.monotonic()
 
 
 SEEDED_BACKENDS = ("torch", "vllm")  # backends whose `seed` option run_engine_node derives

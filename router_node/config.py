@@ -56,6 +56,10 @@ class RouterConfig:
     # One weight update at a time: one open (begun, no commit / abort) longer
     # than this is aborted so the next trainer can update (leases end it sooner)
     weight_txn_timeout_s: float = 300.0
+    # A client not heard from (pings, every ~0.5 s from trainer_bridge) for this
+    # long loses what it holds: its pauses are resumed, its sleep woken, its
+    # weight update aborted (router_node/leases.py).
+    lease_s: float = 10.0
     seed: int = 0
     curve_dir: str | None = None
     metrics_port: int = -1  # Prometheus /metrics: -1 off, 0 any free port

@@ -129,6 +129,26 @@ class ClusterControl:
         pc = self.bus.publish(op, [e.engine_id], timeout_s, done)
         self.intended.issued(op, [e.engine_id], pc.seq, _waiting(pc), corrective=True)
 
+    def release(self, op: Any) -> None:
+        """A vanished client's hold ends (router_node/leases.py): `op` (Resume,
+        WakeUp) goes cluster-wide as if a client had sent it, with no reply."""
+        targets = [eid for eid, e in self.engines.items() if e.state is not EngineState.JOINING]
+        silent = [t for t in targets if self.engines[t].state is EngineState.SILENT]
+
+        def done(pc: PendingCommand) -> None:
+            self.intended.expired(pc.seq, pc.missing, time.monotonic())
+
+        pc = self.bus.publish(op, targets, self.cfg.converge_timeout_s, done, gone=silent)
+        self.intended.issued(op, None, pc.seq, _waiting(pc))
+
+    def abort_update(self, update_id: str, reason: str) -> bool:
+        """Abort an undecided weight update (its holder's lease expired)."""
+        txn = self.cluster.txns.get(update_id)
+        if txn is None or txn.decision is not None:
+            return False
+        self._abort(txn, reason)
+        return True
+
     # ------------------------------------------------------------ weight commits
 
     def _gone(self, targets: list[str]) -> list[str]:

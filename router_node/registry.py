@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import zmq
@@ -204,6 +205,44 @@ def admit_register(old: EngineEntry | None, reg: P.Register, now: float, *, dead
         f"heartbeats ({deadline_s:.1f}s = missed_heartbeats x heartbeat_interval_s); pick another --engine-id "
         "for a second engine",
     )
+
+
+class LoopClock:
+    """The head's own loop lag. A head that was itself stopped (SIGSTOP, a
+    swapped-out or starved process) reads every peer's heartbeats late; blaming
+    the peers would declare live engines dead on waking and lose their streams.
+    `observe(now)` at fixed points of the loop returns by how much the time
+    since the previous point exceeds `threshold_s` (0.0 when it does not): that
+    time is credited to every peer (`credit_stall`) before anything is judged.
+    Only the excess: a head that is merely slow (every turn a little over the
+    threshold) still finds a dead engine, a little later."""
+
+    def __init__(self, threshold_s: float) -> None:
+        self.threshold_s = threshold_s
+        self.last: float | None = None
+        self.stalls = 0
+        self.stalled_s = 0.0
+
+    def observe(self, now: float) -> float:
+        last, self.last = self.last, now
+        if last is None or now - last <= self.threshold_s:
+            return 0.0
+        away = now - last - self.threshold_s
+        self.stalls += 1
+        self.stalled_s += away
+        return away
+
+
+def credit_stall(entries: Iterable[EngineEntry], seconds: float) -> None:
+    """The head was away `seconds`: no engine's heartbeat or stall clock ran
+    meanwhile (a fresh grace period of what they had left)."""
+    for e in entries:
+        if e.last_seen:
+            e.last_seen += seconds
+        if e.steps_changed_at:
+            e.steps_changed_at += seconds
+        if e.silent_since is not None:
+            e.silent_since += seconds
 
 
 def now() -> float:

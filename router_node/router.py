@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import time
+import uuid
 from typing import Any
 
 import structlog
@@ -29,12 +30,14 @@ from bus.control_bus import ControlBus
 from bus.endpoint import Endpoint, open_socket
 from bus.errors import BadRequest, ErrorCode, Unauthorized, truncate
 from bus.sockets import CONTROL_HWM, bound_address, check_endpoint
+from router_node import leases as L
 from router_node.config import RouterConfig
 from router_node.control import ClusterControl
 from router_node.forwarding import Forwarder
+from router_node.leases import Leases
 from router_node.policies import POLICIES, SESSION_PLACEMENTS, Sessions, pick_least_loaded_exact
 from router_node.prefix import PrefixPlacement
-from router_node.registry import Admission, EngineEntry, EngineState, admit_register
+from router_node.registry import Admission, EngineEntry, EngineState, LoopClock, admit_register, credit_stall
 
 log = structlog.get_logger("router_node")
 
@@ -106,7 +109,19 @@ class Router:
             "register_refused": 0,  # Registers refused for another reason (vocab_size, identity, fields)
             "unauthorized": 0,  # client control ops without the token, frames of a revoked CURVE key
             "clients_revoked": 0,  # frontend peers cut because their CURVE key left the allow-list
+            "leases_expired": 0,  # pauses / sleeps / updates released because their client vanished
+            "head_stalls": 0,  # the head's own loop was away longer than a heartbeat interval
         }
+        # This head's identity on every engine's data socket (RegisterReply.data_peer):
+        # engines send their acks there, behind the chunks they produced first.
+        self.incarnation = uuid.uuid4().hex[:12]
+        self._data_identity = f"head/{self.incarnation}".encode()
+        self.leases = Leases(cfg.lease_s)
+        # A head that was itself stopped must not blame its peers for its own
+        # stall: time away from the loop longer than one heartbeat interval is
+        # credited to every engine and lease (registry.LoopClock).
+        self.clock = LoopClock(threshold_s=max(cfg.heartbeat_interval_s, 0.25))
+        self._rejoin_asked: dict[bytes, float] = {}
         self.forwarding = Forwarder(
             cfg,
             self.codec,
@@ -139,6 +154,7 @@ class Router:
                     P.Control: self._changes(self._on_control),
                     P.Query: self._on_query,
                     P.EndSession: self._changes(self._on_end_session),
+                    P.ClientPing: self._on_client_ping,
                 }.items()
             },
             name="frontend",
@@ -221,6 +237,7 @@ class Router:
                 events = self.poller.poll(0)
             if not events:
                 events = self.poller.poll(50)
+        self._own_lag(time.monotonic())  # before any heartbeat is read or judged
         for sock, _ in events:
             ep = self._endpoints.get(sock)
             if ep is not None:
@@ -228,9 +245,18 @@ class Router:
                     self._gen += 1
                 ep.drain()
         now = time.monotonic()
+        self._own_lag(now)
         if now - self._last_tick >= 0.05:
             self._last_tick = now
             self._tick(now)
+
+    def _own_lag(self, now: float) -> None:
+        away = self.clock.observe(now)
+        if away:
+            self.counters["head_stalls"] += 1
+            credit_stall(self.engines.values(), away)
+            self.leases.credit(away)
+            log.warning("head_stalled", seconds=round(away, 3), note="credited to every engine and lease")
 
     def _shutdown(self) -> None:
         # Every accepted request gets its one error: nobody waits on a dead head.
@@ -251,6 +277,8 @@ class Router:
         self._gen += 1
         self.bus.tick(now)  # expiries first: health below already knows about them
         self.control.tick(now)  # a weight update open past weight_txn_timeout_s ends
+        for expired in self.leases.tick(now):
+            self._lease_expired(expired)
         self._evaluate_engines(now)
         self.sessions.expire(now)
         if self.gate is not None and self.gate.refresh(now):  # a key added or removed: re-read the allow-lists
@@ -389,7 +417,10 @@ class Router:
             self.events.send(ident, reply)
             return
         now = time.monotonic()
-        accepted = P.RegisterReply(ok=True, heartbeat_interval_s=self.cfg.heartbeat_interval_s)
+        accepted = P.RegisterReply(
+            ok=True, heartbeat_interval_s=self.cfg.heartbeat_interval_s, data_peer=self._data_identity.decode()
+        )
+        old = self.engines.get(reg.engine_id)
         deadline = self.cfg.missed_heartbeats * self.cfg.heartbeat_interval_s
         admission, why = admit_register(old, reg, now, deadline_s=deadline)
         if admission is Admission.REPEAT:
@@ -406,17 +437,22 @@ class Router:
             self.forwarding.evacuate(old, f"engine {reg.engine_id} restarted")
             self.bus.engine_gone(reg.engine_id)
             self._forget(old)
-        sock = open_socket(self.ctx, zmq.DEALER, connect=reg.data_address, curve=data_curve)
+        sock = open_socket(
+            self.ctx, zmq.DEALER, connect=reg.data_address, curve=data_curve, identity=self._data_identity
+        )
         e = EngineEntry(reg=reg, sock=sock, registered_at=now, last_seen=now, steps_changed_at=now, ident=ident)
         if not self._vocab and reg.vocab_size > 0:
             self._vocab = reg.vocab_size  # the cluster's vocabulary from now on
         e.loras = set(reg.loras)
         e.weight_version = reg.weight_version
         self.engines[reg.engine_id] = e
+        handlers = self.forwarding.engine_handlers(e, lambda: ep)
+        # Acks come over the data connection too (behind the chunks produced before them).
+        handlers[P.Ack] = lambda _peer, ack, buffers: self._on_data_ack(e, ack, buffers)
         ep = Endpoint(
             sock,
             self.codec,
-            self.forwarding.engine_handlers(e, lambda: ep),
+            handlers,
             name=f"engine {reg.engine_id}",
             routed=False,
             error_reply=None,
@@ -461,11 +497,37 @@ class Router:
         return e
 
     def _on_heartbeat(self, ident: bytes, hb: P.Heartbeat, _b: list[Any]) -> None:
+        if hb.engine_id not in self.engines:
+            self._ask_rejoin(ident, hb.engine_id)
+            return
         e = self._engine_of(ident, hb.engine_id, "heartbeat")
         if e is not None and e.reg.incarnation == hb.incarnation:
             e.on_heartbeat(hb, time.monotonic())
             self.control.intended.heartbeat(hb.engine_id, hb)
             self._recheck(hb.engine_id)
+
+    def _ask_rejoin(self, ident: bytes, engine_id: str) -> None:
+        """A heartbeat from an engine this head does not know: this head was
+        restarted (or forgot it). Ask it to register again, at most once a
+        second per connection; it re-registers with its weight version, LoRAs
+        and (heartbeats) paused / sleeping state, and joins like a new engine."""
+        now = time.monotonic()
+        if now - self._rejoin_asked.get(ident, -1e9) < 1.0:
+            return
+        if len(self._rejoin_asked) > 4096:
+            self._rejoin_asked.clear()
+        self._rejoin_asked[ident] = now
+        loop_ident = ident[: -len(b"/hb")] if ident.endswith(b"/hb") else ident
+        log.info("engine_asked_to_rejoin", engine_id=engine_id[:128])
+        self.events.send(loop_ident, P.Rejoin(reason="the head does not know this engine (it restarted)"))
+
+    def _on_data_ack(self, e: EngineEntry, ack: P.Ack, buffers: list[Any]) -> None:
+        """An ack over the engine's data connection (the head's own, so it is
+        the engine's): every chunk it produced before the ack is relayed first."""
+        if ack.engine_id != e.engine_id or self.engines.get(e.engine_id) is not e:
+            return
+        self.control.on_ack(b"", ack, buffers)
+        self._recheck(ack.engine_id)
 
     def _on_ack(self, peer: bytes, ack: P.Ack, buffers: list[Any]) -> None:
         if self._engine_of(peer, ack.engine_id, "ack") is None:
@@ -502,7 +564,12 @@ class Router:
                 log.warning("control_refused_token", op=P.OP_NAMES[type(msg.op)], request_id=msg.request_id[:128])
                 e.request_id = msg.request_id
                 raise
-        self.control.on_control(client, msg, buffers)
+        self.control.on_control(client, msg, buffers)  # raises on a refused op: nothing held
+        now = time.monotonic()
+        self.leases.seen(client, now)
+        hook = _LEASE_HOOKS.get(type(msg.op))
+        if hook is not None:
+            hook(self, client, msg, now)
 
     def _keyed(self, handler: Any) -> Any:
         """A frontend handler that first checks the peer's CURVE key is still
@@ -593,7 +660,31 @@ class Router:
         self.forwarding.client_gone(client)
 
     def _reply(self, client: bytes, msg: Any) -> None:
+        # Chunks relayed before this reply leave first (a pause's reply never
+        # overtakes the chunks produced before the pause).
+        self.forwarding.flush()
         self.front.send(client, msg)
+
+    # ------------------------------------------------------------ leases
+
+    def _on_client_ping(self, client: bytes, _msg: P.ClientPing, _b: list[Any]) -> None:
+        self.leases.seen(client, time.monotonic())
+        self.front.send(client, P.HeadPong(lease_s=self.cfg.lease_s))
+
+    def _lease_expired(self, x: L.Expired) -> None:
+        kind, name = x.resource
+        self.counters["leases_expired"] += 1
+        log.warning(
+            "lease_expired", client=x.client.hex(), resource=kind, name=name, silent_s=round(x.silent_s, 2),
+            lease_s=self.cfg.lease_s,
+        )  # fmt: skip
+        if kind == "pause":
+            self.control.release(P.Resume(lora=None if name == "*" else name))
+        elif kind == "sleep":
+            self.control.release(P.WakeUp())
+        elif kind == "txn":
+            # the one-update-at-a-time holder (router_node/control.py) ends with it
+            self.control.abort_held_by(x.client, f"its client vanished (no ping for lease_s={self.cfg.lease_s})")
 
     def _before_error(self) -> None:
         self.forwarding.flush()  # chunks already produced go out before the error
@@ -638,3 +729,51 @@ def _ident_ok(ident: bytes, engine_id: str, incarnation: str) -> bool:
     prefix = f"{engine_id}/{incarnation}/".encode()
     nonce = ident[len(prefix) :]
     return ident.startswith(prefix) and len(nonce) >= 32 and all(c in b"0123456789abcdef" for c in nonce)
+
+
+def _hold_pause(router: Router, client: bytes, msg: P.Control, now: float) -> None:
+    if msg.targets is None:  # a cluster-wide pause (the intended state's) is held
+        assert isinstance(msg.op, P.Pause)
+        router.leases.acquired(client, L.pause(msg.op.lora), now)
+
+
+def _drop_pause(router: Router, client: bytes, msg: P.Control, now: float) -> None:
+    assert isinstance(msg.op, P.Resume)
+    if msg.op.lora is None:
+        router.leases.released_kind("pause")  # a resume of every scope, by anyone
+    else:
+        router.leases.released(L.pause(msg.op.lora))
+
+
+def _hold_sleep(router: Router, client: bytes, msg: P.Control, now: float) -> None:
+    if msg.targets is None:
+        router.leases.acquired(client, L.SLEEP, now)
+
+
+def _drop_sleep(router: Router, client: bytes, msg: P.Control, now: float) -> None:
+    # Tags wake one by one (SkyRL: weights, then kv_cache): the sleep is let go
+    # of once the cluster intends nothing asleep, whatever the split.
+    if not router.control.intended.cluster.asleep:
+        router.leases.released(L.SLEEP)
+
+
+def _hold_txn(router: Router, client: bytes, msg: P.Control, now: float) -> None:
+    assert isinstance(msg.op, P.BeginWeightUpdate)
+    router.leases.acquired(client, L.txn(msg.op.update_id), now)
+
+
+def _drop_txn(router: Router, client: bytes, msg: P.Control, now: float) -> None:
+    assert isinstance(msg.op, (P.FinishWeightUpdate, P.AbortWeightUpdate))
+    router.leases.released(L.txn(msg.op.update_id))
+
+
+# What a client's control op takes or lets go of (router_node/leases.py).
+_LEASE_HOOKS: dict[type, Any] = {
+    P.Pause: _hold_pause,
+    P.Resume: _drop_pause,
+    P.Sleep: _hold_sleep,
+    P.WakeUp: _drop_sleep,
+    P.BeginWeightUpdate: _hold_txn,
+    P.FinishWeightUpdate: _drop_txn,
+    P.AbortWeightUpdate: _drop_txn,
+}

@@ -71,14 +71,12 @@ class Cluster:
         token_path = token_path_for(self.frontend)
         assert token_path is not None
         self.token_file = write_token(token_path, new_token())
-        self.head = self._spawn(
-            "head",
-            [
-                "-m", "router_node", "--frontend", self.frontend, "--events", self.events,
-                "--control", self.control, "--heartbeat-interval-s", str(self.hb),
-                "--token-file", self.token_file, *(router_args or []),
-            ],
-        )  # fmt: skip
+        self.head_args = [
+            "-m", "router_node", "--frontend", self.frontend, "--events", self.events,
+            "--control", self.control, "--heartbeat-interval-s", str(self.hb),
+            "--token-file", self.token_file, *(router_args or []),
+        ]  # fmt: skip
+        self.head = self._spawn("head", self.head_args)
         for i in range(n_engines):
             self.start_engine(f"e{i}")
 
@@ -128,6 +126,11 @@ class Cluster:
         p.send_signal(sig)
         if sig in (signal.SIGKILL, signal.SIGTERM):
             p.wait(timeout=30)
+
+    def restart_head(self) -> subprocess.Popen:
+        """A new head process on the same addresses (kill the old one first)."""
+        self.head = self._spawn("head", self.head_args)
+        return self.head
 
     def log(self, name: str) -> str:
         with open(os.path.join(self.dir, f"{name}.log"), errors="replace") as f:

@@ -99,6 +99,38 @@ def test_crashed_engine_is_restarted():
         psutil.wait_procs(tree, timeout=10)
 
 
+def test_crashed_head_is_restarted_and_the_engines_rejoin_it():
+    """Issue 22: a dead head used to stop everything; now the supervisor
+    restarts it on the same ports, the live engines re-register (Rejoin) and
+    the trainer's client reconnects by itself."""
+    p = _launch("--engines", "1", "--max-restarts", "2")
+    try:
+        addr = _read_address(p)
+        with Client(addr, timeout_s=30) as c:
+            c.wait_ready(1, timeout_s=60)
+            inc = c.engines()[0]["incarnation"]
+            heads = [x for x in _tree(p) if "router_node" in " ".join(x.cmdline())]
+            assert len(heads) == 1
+            heads[0].kill()
+
+            def served() -> bool:
+                try:
+                    h = c.wait_ready(1, timeout_s=2)
+                except Exception:  # the head is restarting: HeadUnavailable / RequestTimeout
+                    return False
+                return [e["incarnation"] for e in h["engines"].values()] == [inc]  # the same engine, re-registered
+
+            wait_until(served, 60, "the restarted head to serve the live engine", interval=0.2)
+            assert c.generate([4, 5, 6], {"max_tokens": 2}).samples[0].token_ids
+            new = [x for x in _tree(p) if "router_node" in " ".join(x.cmdline())]
+            assert [x.pid for x in new] != [heads[0].pid]
+    finally:
+        tree = _tree(p)
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+        psutil.wait_procs(tree, timeout=10)
+
+
 def _read_address(p: subprocess.Popen, timeout_s: float = 120) -> str:
     deadline = time.monotonic() + timeout_s
     seen = []

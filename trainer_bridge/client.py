@@ -9,6 +9,14 @@ on a private loop thread, so it is safe to call from any thread.
 
 Every wait has a deadline; a timeout names the knob (`timeout_s`,
 `control_timeout_s`). Errors are typed and carry the request id.
+
+Head liveness: while its socket is open the client pings the head every
+`ping_interval_s` (idle too; the pings also renew its lease on the pauses,
+sleep and weight update it holds, router_node/leases.py). Nothing from the head
+for `head_timeout_s`, or no head reached within `connect_timeout_s` of a
+request, ends every open request with `HeadUnavailable` naming the address;
+the socket is then replaced (so no queued request reaches a later head) and
+the client keeps pinging: once the head is back, new requests work.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from bus.errors import (
     BadRequest,
     ClosedByUs,
     ControlError,
+    HeadUnavailable,
     ProtocolError,
     RequestTimeout,
     RolloutBusError,
@@ -81,8 +90,15 @@ class AsyncClient:
         client_key: str | None = None,
         tokenizer: Any = None,
         token_file: str | None = None,
+        head_timeout_s: float = 2.0,
+        connect_timeout_s: float = 3.0,
+        ping_interval_s: float = 0.5,
     ) -> None:
-        """`curve_dir`: the cluster's key folder (security on: its head.key is
+        """`head_timeout_s`: nothing heard from a connected head for this long
+        ends every open request with HeadUnavailable; `connect_timeout_s`: a
+        request that reached no head within this long does too;
+        `ping_interval_s`: how often the client pings the head (its lease).
+        `curve_dir`: the cluster's key folder (security on: its head.key is
         the server key); `client_key`: this client's key, a name in
         curve_dir/clients/ (default "default") or the path of a .key_secret
         file - its public key must be on the head's allow-list (README,
@@ -116,6 +132,17 @@ class AsyncClient:
         self._ids = itertools.count(1)
         self._prefix = os.urandom(4).hex()
         self._closed = False
+        # Head liveness (the loop's own state, see the module doc): when a frame
+        # last came from the head, whether it answered since the socket opened,
+        # and since when each open request waits (connect_timeout_s).
+        self.head_timeout_s = head_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.ping_interval_s = ping_interval_s
+        self._last_rx = 0.0
+        self._head_up = False
+        self._since: dict[str, float] = {}
+        self._watch: asyncio.TimerHandle | None = None
+        self._watch_at = 0.0
 
     # ------------------------------------------------------------ plumbing
 
@@ -128,22 +155,91 @@ class AsyncClient:
         if self._sock is None:
             self._loop = asyncio.get_running_loop()
             self._ctx = zmq.Context()
-            self._sock = open_socket(self._ctx, zmq.DEALER, connect=self.address, curve=self._curve)
-            self._loop.add_reader(self._sock.fileno(), self._drain)
-            # Handshake refusals fail every wait at once, naming the fix, instead
-            # of a timeout much later: a key the head does not allow (AUTH), or
-            # a security mismatch (PROTOCOL: no keys against a CURVE head, or
-            # keys against a plain one).
-            self._monitor = self._sock.get_monitor_socket(
-                zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            )
-            self._loop.add_reader(self._monitor.fileno(), self._on_monitor)
-            # zmq's FD only signals once its mailbox was drained: drain now
-            # so the refusal's event makes it readable.
-            self._loop.call_soon(self._on_monitor)
+            self._open()
+            # The first ping goes one interval later: the first frame the head
+            # sees is the caller's (a scripted peer may read exactly one).
+            self._watch_at = time.monotonic()
+            self._watch = self._loop.call_later(self.ping_interval_s, self._watchdog)
         if self._refused is not None:
             raise self._refused
+        assert self._sock is not None
         return self._sock
+
+    def _open(self) -> None:
+        assert self._loop is not None and self._ctx is not None
+        self._sock = open_socket(self._ctx, zmq.DEALER, connect=self.address, curve=self._curve)
+        self._head_up = False
+        self._loop.add_reader(self._sock.fileno(), self._drain)
+        # Handshake refusals fail every wait at once, naming the fix, instead
+        # of a timeout much later: a key the head does not allow (AUTH), or
+        # a security mismatch (PROTOCOL: no keys against a CURVE head, or
+        # keys against a plain one).
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        )
+        self._loop.add_reader(self._monitor.fileno(), self._on_monitor)
+        # zmq's FD only signals once its mailbox was drained: drain now
+        # so the refusal's event makes it readable.
+        self._loop.call_soon(self._on_monitor)
+
+    def _close_socket(self) -> None:
+        loop = self._loop
+        if self._sock is not None and loop is not None and not loop.is_closed():
+            with contextlib.suppress(Exception):
+                loop.remove_reader(self._sock.fileno())
+        if self._monitor is not None and loop is not None and not loop.is_closed():
+            with contextlib.suppress(Exception):
+                loop.remove_reader(self._monitor.fileno())
+        if self._sock is not None:
+            if self._monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.disable_monitor()
+                self._monitor.close(linger=0)
+                self._monitor = None
+            self._sock.close(linger=0)
+            self._sock = None
+
+    # ------------------------------------------------------------ head liveness
+
+    def _watchdog(self) -> None:
+        """Every ping_interval_s on the loop: judge the head, then ping it."""
+        if self._closed or self._sock is None or self._loop is None:
+            return
+        now = time.monotonic()
+        lag = now - self._watch_at - self.ping_interval_s
+        self._watch_at = now
+        self._drain()  # what arrived is heard before the head is judged
+        if lag > self.head_timeout_s / 2:
+            # Our own loop was stalled (a stopped process, a blocked loop): the
+            # head's silence is ours; it gets a fresh head_timeout_s.
+            self._last_rx = max(self._last_rx, now)
+        if self._head_up and now - self._last_rx > self.head_timeout_s:
+            self._head_lost(
+                f"nothing came from the head at {self.address} for {now - self._last_rx:.1f}s "
+                f"(head_timeout_s={self.head_timeout_s}): it died, froze or is restarting",
+                "head_timeout_s",
+            )
+        elif not self._head_up and any(now - t > self.connect_timeout_s for t in self._since.values()):
+            self._head_lost(
+                f"no head answered at {self.address} within connect_timeout_s={self.connect_timeout_s}",
+                "connect_timeout_s",
+            )
+        if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.send_multipart(self._codec.encode(P.ClientPing()), zmq.NOBLOCK)
+        self._watch = self._loop.call_later(self.ping_interval_s, self._watchdog)
+
+    def _head_lost(self, message: str, knob: str) -> None:
+        """End every open request with HeadUnavailable and replace the socket:
+        what it still queues must not reach a head that comes back later."""
+        for rid, q in self._streams.items():
+            q.put_nowait((HeadUnavailable(message, address=self.address, request_id=rid, field=knob), None, None))
+        for rid, f in self._replies.items():
+            if not f.done():
+                f.set_exception(HeadUnavailable(message, address=self.address, request_id=rid, field=knob))
+        self._since.clear()
+        self._close_socket()
+        self._open()
 
     def _on_monitor(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -191,6 +287,8 @@ class AsyncClient:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            self._last_rx = time.monotonic()  # any frame: the head is alive
+            self._head_up = True
             try:
                 msg, buffers = self._codec.decode(frames)
                 if isinstance(msg, (P.Chunk, P.ChunkBatch)):
@@ -206,6 +304,8 @@ class AsyncClient:
                     q = streams.get(item[0].request_id)
                     if q is not None:
                         q.put_nowait(item)
+                continue
+            if isinstance(msg, P.HeadPong):
                 continue
             rid = msg.request_id
             q = self._streams.get(rid)
@@ -228,6 +328,7 @@ class AsyncClient:
     async def _request(self, msg: Any, timeout_s: float, knob: str) -> Any:
         fut = asyncio.get_running_loop().create_future()
         self._replies[msg.request_id] = fut
+        self._since[msg.request_id] = time.monotonic()
         self._send(msg)
         try:
             reply = await asyncio.wait_for(fut, timeout_s)
@@ -239,30 +340,21 @@ class AsyncClient:
             ) from None
         finally:
             self._replies.pop(msg.request_id, None)
+            self._since.pop(msg.request_id, None)
         if isinstance(reply, P.Error):
             raise exception_from_wire(reply.code, reply.message, reply.request_id, reply.field)
         return reply
 
     async def close(self) -> None:
         self._closed = True
-        if self._sock is not None and self._loop is not None and not self._loop.is_closed():
-            with contextlib.suppress(Exception):
-                self._loop.remove_reader(self._sock.fileno())
+        if self._watch is not None:
+            self._watch.cancel()
         for q in self._streams.values():
             q.put_nowait((_END, None, None))
         for f in self._replies.values():
             if not f.done():
                 f.set_exception(ClosedByUs("the client was closed while waiting"))
-        if self._monitor is not None and self._loop is not None and not self._loop.is_closed():
-            with contextlib.suppress(Exception):
-                self._loop.remove_reader(self._monitor.fileno())
-        if self._sock is not None:
-            if self._monitor is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._sock.disable_monitor()
-                self._monitor.close(linger=0)
-                self._monitor = None
-            self._sock.close(linger=0)
+        self._close_socket()
         if self._ctx is not None:
             self._ctx.term()
 
@@ -329,6 +421,7 @@ class AsyncClient:
         )
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
+        self._since[rid] = time.monotonic()
         timer = asyncio.get_running_loop().call_later(timeout + _GRACE_S, q.put_nowait, (_TIMED_OUT, None, None))
         open_samples = num_samples
         sent = False
@@ -387,6 +480,7 @@ class AsyncClient:
             if sent and open_samples and not self._closed:
                 with contextlib.suppress(Exception):
                     self._send(P.Cancel(request_id=rid))
+            self._since.pop(rid, None)
 
     @staticmethod
     def _rich_chunk(rid: str, item: P.Chunk, toks: list[int], rest: list[Any]) -> StreamChunk:
@@ -579,17 +673,26 @@ class AsyncClient:
         return await self._query("stats")
 
     async def wait_ready(self, num_engines: int = 1, timeout_s: float = 120.0) -> dict[str, Any]:
-        """Wait until `num_engines` engines are healthy (deadline: timeout_s)."""
+        """Wait until `num_engines` engines are healthy (deadline: timeout_s,
+        which bounds every query inside it too; a head that is down or
+        restarting is asked again until then)."""
         deadline = time.monotonic() + timeout_s
+        last: Any = None
         while True:
-            h = await self.health()
-            if sum(1 for e in h["engines"].values() if e["healthy"]) >= num_engines:
-                return h
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            try:
+                h = await self.health(timeout_s=max(0.05, left))
+            except (HeadUnavailable, RequestTimeout) as e:
+                h, last = None, e
+            if h is not None:
+                last = h
+                if sum(1 for e in h["engines"].values() if e["healthy"]) >= num_engines:
+                    return h
+            if time.monotonic() >= deadline:
                 raise RequestTimeout(
-                    f"fewer than {num_engines} healthy engine(s) after timeout_s={timeout_s}: {h}", field="timeout_s"
+                    f"fewer than {num_engines} healthy engine(s) after timeout_s={timeout_s}: {last}", field="timeout_s"
                 )
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     # ------------------------------------------------------------ control plane
 
@@ -831,8 +934,12 @@ class Client:
         client_key: str | None = None,
         tokenizer: Any = None,
         token_file: str | None = None,
+        head_timeout_s: float = 2.0,
+        connect_timeout_s: float = 3.0,
+        ping_interval_s: float = 0.5,
     ) -> None:
-        """`timeout_s`: a request's deadline; `control_timeout_s`: a control
+        """`head_timeout_s`, `connect_timeout_s`, `ping_interval_s`: head
+        liveness (AsyncClient). `timeout_s`: a request's deadline; `control_timeout_s`: a control
         op's; `curve_dir`: the cluster's key folder (launch.py --curve) and
         `client_key`: this client's key in it, a name or a .key_secret path
         (AsyncClient); `tokenizer`: a Hugging Face tokenizer or a local model
@@ -849,6 +956,9 @@ class Client:
             client_key=client_key,
             tokenizer=tokenizer,
             token_file=token_file,
+            head_timeout_s=head_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            ping_interval_s=ping_interval_s,
         )
         self._finalizer = weakref.finalize(self, _close_loop, self._loop, self._thread, self._aclient)
 

@@ -1,0 +1,108 @@
+"""Issue 22, every client wait honours its own deadline: with no head running,
+`wait_ready(timeout_s=5)` returns within about 5 s (it took 35 s: each health
+query waited control_timeout_s) and a request fails within connect_timeout_s
+with HeadUnavailable naming the head's address (it took timeout_s + 30). A
+head that answers and then goes silent (frozen, not closed) is detected within
+head_timeout_s."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import zmq
+
+from bus import protocol as P
+from bus.codec import Codec
+from bus.errors import HeadUnavailable, RequestTimeout
+from tests.cluster import free_port
+from trainer_bridge import AsyncClient, Client
+
+# Generous bounds (shared 2-core CI): each is far below the old behaviour.
+SLACK_S = 6.0
+
+
+@pytest.mark.timeout(60)
+def test_wait_ready_without_a_head_returns_within_its_timeout():
+    addr = f"tcp://127.0.0.1:{free_port()}"  # nobody listens
+    with Client(addr) as c:
+        t0 = time.monotonic()
+        with pytest.raises(RequestTimeout) as e:
+            c.wait_ready(1, timeout_s=5)
+        took = time.monotonic() - t0
+    assert e.value.field == "timeout_s" and "timeout_s=5" in str(e.value)
+    assert took < 5 + SLACK_S, took  # was 35 s (timeout_s + 30)
+
+
+@pytest.mark.timeout(60)
+def test_a_request_to_an_absent_head_fails_within_connect_timeout_s():
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    with Client(addr, connect_timeout_s=2.0) as c:
+        for call in (
+            lambda: c.generate([1, 2, 3], {"max_tokens": 2}),  # was timeout_s + 30 = 630 s
+            lambda: list(c.stream([1, 2, 3], {"max_tokens": 2})),
+            lambda: c.pause(),  # control_timeout_s (120 s) before
+            lambda: c.health(),
+        ):
+            t0 = time.monotonic()
+            with pytest.raises(HeadUnavailable) as e:
+                call()
+            took = time.monotonic() - t0
+            assert e.value.address == addr and addr in str(e.value)
+            assert e.value.field == "connect_timeout_s"
+            assert took < 2.0 + SLACK_S, took
+
+
+@pytest.mark.timeout(60)
+def test_a_head_that_answers_then_goes_silent_is_detected_within_head_timeout_s():
+    """A scripted head (a raw ROUTER) answers the first pings, then freezes."""
+    ctx = zmq.Context()
+    head = ctx.socket(zmq.ROUTER)
+    port = head.bind_to_random_port("tcp://127.0.0.1")
+    addr = f"tcp://127.0.0.1:{port}"
+    codec = Codec()
+
+    async def main() -> tuple[BaseException | None, float, int]:
+        client = AsyncClient(addr, timeout_s=300, head_timeout_s=1.5, ping_interval_s=0.2)
+        loop = asyncio.get_running_loop()
+        got: dict = {}
+
+        async def consume() -> None:
+            try:
+                async for _ in client.stream([1, 2, 3], {"max_tokens": 5}):
+                    pass
+            except BaseException as e:  # handed to the test
+                got["error"] = e
+
+        task = asyncio.ensure_future(consume())
+        pongs = 0
+
+        def answer_pings(n: int) -> int:
+            done = 0
+            deadline = time.monotonic() + 10
+            while done < n and time.monotonic() < deadline:
+                if not head.poll(200):
+                    continue
+                peer, *frames = head.recv_multipart()
+                msg, _ = codec.decode(frames)
+                if isinstance(msg, P.ClientPing):
+                    head.send_multipart([peer, *codec.encode(P.HeadPong())])
+                    done += 1
+            return done
+
+        pongs = await loop.run_in_executor(None, answer_pings, 3)
+        t_silent = time.monotonic()  # from here on the head reads nothing, answers nothing
+        await asyncio.wait_for(task, 20)
+        took = time.monotonic() - t_silent
+        await client.close()
+        return got.get("error"), took, pongs
+
+    try:
+        err, took, pongs = asyncio.run(main())
+    finally:
+        head.close(linger=0)
+        ctx.term()
+    assert pongs == 3
+    assert isinstance(err, HeadUnavailable) and err.field == "head_timeout_s" and err.address == addr, err
+    assert took < 1.5 + SLACK_S, took  # was timeout_s (300 s)
