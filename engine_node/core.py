@@ -669,16 +669,20 @@ class RequestCore:
 
         def then(res: dict[str, Any]) -> P.WakeUpResult:
             reloaded = False
-            if self._weights_discarded and "weights" in wanted:
-                # Level 2 dropped the weights; the checkpoint came back. That is a
-                # different weight state from any pushed version: tokens from now
-                # on carry a new version, never the old one.
+            self.asleep -= wanted
+            if self._weights_discarded and not self.asleep:
+                # Level 2 dropped the weights and no update wrote them before the
+                # engine serves again: the checkpoint's are back, a weight state
+                # different from any pushed version, so tokens from now on carry
+                # a new version. Not at wake_up(['weights']) itself: SkyRL's
+                # order pushes the new weights before waking the KV cache, and
+                # that update's version is the one to serve (a bump here would
+                # put the engine above a trainer that numbers its versions).
                 self._weights_discarded = False
                 self.weight_version += 1
                 self.config_epoch += 1
                 reloaded = True
                 res = {**res, "restarted": self._enforce_staleness()}
-            self.asleep -= wanted
             resumed = 0
             if not self.asleep:
                 # Also after a failed sleep (gate closed, nothing asleep): any
@@ -716,6 +720,7 @@ class RequestCore:
         the staleness bound restarted."""
         self.weight_version = self.weight_version + 1 if version is None else int(version)
         self.config_epoch += 1
+        self._weights_discarded = False  # what a level-2 sleep dropped is written now
         return self._enforce_staleness()
 
     def _enforce_staleness(self) -> int:
