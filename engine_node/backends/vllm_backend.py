@@ -897,6 +897,12 @@ class VllmBackend:
             "keep_maps": bool(up.args.get("keep_maps")),
         }
         calls = []
+        if self._weights_stale and not (self._ckpt_shapes and set(self._ckpt_shapes) <= {m[0] for m in up.metas}):
+            # After a level-2 sleep, an update of SOME tensors: the rest must be
+            # the checkpoint's before it is written (a reload after it, at the
+            # wake that ends sleep, would overwrite what it wrote).
+            calls.append(self._rpc("rollout_bus_reload_checkpoint", timeout=self.weight_timeout_s))
+            self._weights_stale = False
         if up.transport == "zmq":
             calls.append(self._rpc("rollout_bus_begin", up.uid, up.metas, up.sizes, timeout=self.weight_timeout_s))
             calls.append(self._rpc("rollout_bus_commit", up.uid, shm, timeout=self.weight_timeout_s))
