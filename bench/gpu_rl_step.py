@@ -28,6 +28,8 @@ Targets (7B-class on an H200): e2e <= 2x the flat copy; wake weights + KV
 <= 1 s and not slower than vLLM's; WHERE=trainer within 20 % of WHERE=other;
 keep: all_streams <= 2 decode steps; abort: all_streams <= 200 ms.
 
+COPY: packed | zero_copy | zero_copy_unchecked (check_finite=False: no NaN/inf pass).
+
     python -m bench.gpu_rl_step --model /tmp/q7b --out-dir $OUT
     python -m bench.gpu_rl_step --cpu          # dry run: torch backend, zmq transport
 """
@@ -295,7 +297,10 @@ def phase_rb(spec: dict[str, Any]) -> dict[str, Any]:
         try:
             for cfg in spec["configs"]:
                 mode, copy, where = cfg.split(":")
-                opts = {} if cpu else {"device": "cuda:0", "zero_copy": copy == "zero_copy"}
+                # zero_copy_unchecked: the same without the trainer's NaN/inf pass (check_finite=False)
+                opts = {} if cpu else {"device": "cuda:0", "zero_copy": copy.startswith("zero_copy")}
+                if copy.endswith("_unchecked"):
+                    opts["check_finite"] = False
                 load: Any = (
                     RemoteStreamLoad(cl.address, spec["streams"], spec)
                     if where == "other"
