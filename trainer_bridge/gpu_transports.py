@@ -344,18 +344,35 @@ def _plan_zero_copy(named: list[tuple[str, Any]]) -> tuple[list[Any], list[int],
     return (metas, sizes, tensors) if tensors else None
 
 
-def share_in_place(tensors: list[Any]) -> list[bytes]:
+def record_written(named: list[tuple[str, Any]]) -> Any:
+    """A CUDA event after everything queued so far on the current stream of
+    the tensors' GPU (None: no GPU tensor): what share_in_place waits for."""
+    import torch
+
+    dev = next((t.device for _, t in named if getattr(t, "is_cuda", False)), None)
+    if dev is None:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(dev))
+    return ev
+
+
+def share_in_place(tensors: list[Any], written: Any = None) -> list[bytes]:
     """One IPC handle per tensor, naming its own memory (a flat uint8 view),
     cached while the tensor stays where it is (same storage address, offset,
-    size and dtype). Synchronizes the tensors' device first: the engines read
-    them from other processes, after this returns."""
+    size and dtype). Waits first for the trainer's writes (`written`, an event
+    of record_written; None: the whole device): the engines read the tensors
+    from other processes, after this returns."""
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
     if not tensors:
         return []
     dev = tensors[0].device
-    torch.cuda.synchronize(dev)
+    if written is not None:
+        written.synchronize()
+    else:
+        torch.cuda.synchronize(dev)
     uid = str(torch.cuda.get_device_properties(dev).uuid)
     out: list[bytes] = []
     seen: dict[tuple[Any, ...], bytes] = {}
@@ -401,6 +418,7 @@ class _IpcBridgeSender:
         # zero-copy: _push_gpu planned one tensor per bucket (plan_zero_copy)
         self.zero_copy = bool(options.get("zero_copy")) and len(sizes) == len(tensors)
         self.last_share_seconds = 0.0
+        self.written: Any = None  # record_written's event (set by _push_gpu)
 
     def transport_args(self) -> dict[str, Any]:
         a = {"bucket_sizes": [int(x) for x in self.sizes], **_check_arg(self.options)}
@@ -415,7 +433,7 @@ class _IpcBridgeSender:
         t0 = time.perf_counter()
         try:
             if self.zero_copy:
-                return share_in_place(self.tensors)
+                return share_in_place(self.tensors, self.written)
             return self.sender.share(self.metas, self.sizes, self.tensors)
         finally:
             self.last_share_seconds = time.perf_counter() - t0

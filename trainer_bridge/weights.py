@@ -49,7 +49,7 @@ from bus import protocol as P
 from bus.codec import Codec
 from bus.endpoint import open_socket
 from bus.errors import BadRequest, ControlError, ErrorCode, UpdateInProgress
-from bus.tensors import DEFAULT_BUCKET_BYTES, BucketPacker, first_nonfinite, plan_buckets
+from bus.tensors import DEFAULT_BUCKET_BYTES, BucketPacker, plan_buckets, start_nonfinite_check
 
 if TYPE_CHECKING:
     from trainer_bridge.client import AsyncClient
@@ -490,13 +490,17 @@ async def _push_gpu(
     await upd._pick_engines()
     cast = _caster(upd.engines, upd.target)
     cast_named = [(n, cast(t.detach())) for n, t in named]
-    if upd.check_finite:
-        bad = first_nonfinite(cast_named)
-        if bad is not None:
-            raise BadRequest(
-                f"tensor {bad!r} has NaN or inf values: not sent (update_weights(check_finite=False) skips this check)",
-                field="tensors",
-            )
+    # The trainer's writes so far, as an event: the zero-copy share waits for
+    # them, not for the NaN/inf check queued behind them, which runs on the
+    # GPU while the begin makes its round trip and is waited for before the
+    # commit (nothing is written on the engines before it).
+    written = gpu_transports.record_written(cast_named)
+    check = start_nonfinite_check(cast_named) if upd.check_finite else None
+    if check is not None and transport != "cuda_ipc":
+        # nccl: the broadcast queues behind the check on the same stream
+        # anyway; refuse before a group is even made
+        _refuse_nonfinite(check())
+        check = None
     planned = None
     if transport == "cuda_ipc" and options.get("zero_copy"):
         # In place only when nothing was cast (a cast tensor is a temporary:
@@ -509,6 +513,7 @@ async def _push_gpu(
             options = {**options, "zero_copy": False}
     metas, sizes, tensors = planned or plan_buckets(cast_named, upd.bucket_bytes)
     sender = gpu_transports.make_sender(transport, metas, sizes, tensors, upd.engines, options)
+    sender.written = written
     args = {**upd.extra_args, **sender.transport_args()}
     # Both transports: begin + receive + prepare in one op, then the commit.
     # cuda_ipc: the handles travel with the begin; nccl: the engines wait for
@@ -527,6 +532,10 @@ async def _push_gpu(
                 raise
         else:
             await upd.open(begin=begin)
+        bad = check() if check is not None else None
+        if bad is not None:
+            await upd.abort()
+            _refuse_nonfinite(bad)
         return await upd.commit()
     finally:
         # cuda_ipc: the engines load straight from views of our buckets at the
@@ -537,6 +546,14 @@ async def _push_gpu(
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _refuse_nonfinite(bad: str | None) -> None:
+    if bad is not None:
+        raise BadRequest(
+            f"tensor {bad!r} has NaN or inf values: not sent (update_weights(check_finite=False) skips this check)",
+            field="tensors",
+        )
 
 
 def _updatable(e: dict[str, Any]) -> bool:

@@ -265,14 +265,27 @@ def test_e2e_zero_copy_updates_keep_maps_across_steps_and_sleep(e2e, model_dirs,
     torch.cuda.empty_cache()
 
 
-def test_e2e_bad_update_keeps_weights(e2e, llm_reference):
+def test_e2e_bad_update_keeps_weights(e2e, model_dirs, llm_reference):
     import torch
+    from transformers import AutoModelForCausalLM
 
-    from bus.errors import ControlError
+    from bus.errors import BadRequest, ControlError
 
     v = e2e.generate(PROMPTS[0], dict(GREEDY)).samples[0].token_versions[0]
     with pytest.raises(ControlError, match="nope"):
         e2e.update_weights([("model.nope.weight", torch.zeros(4, device="cuda"))], transport="cuda_ipc")
+    # A NaN, zero-copy and packed: the trainer's check (overlapped with the
+    # begin) refuses before the commit, naming the tensor.
+    mB = AutoModelForCausalLM.from_pretrained(model_dirs["B"], dtype=torch.bfloat16).cuda()
+    named = list(mB.named_parameters())
+    with torch.no_grad():
+        named[3][1].view(-1)[5] = float("nan")
+    for zero_copy in (True, False):
+        with pytest.raises(BadRequest, match=f"tensor {named[3][0]!r} has NaN or inf values"):
+            e2e.update_weights(named, transport="cuda_ipc", zero_copy=zero_copy)
+    named.clear()
+    del mB
+    torch.cuda.empty_cache()
     toks, out = _greedy_tokens(e2e)
     assert toks == llm_reference and out[0].samples[0].token_versions[0] == v
 
