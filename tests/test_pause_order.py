@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from bus import protocol as P
+from bus.auth import read_token
 from bus.codec import Codec
 from bus.frames import pack_tokens
 
@@ -36,6 +37,7 @@ def test_no_chunk_arrives_after_the_pause_reply(cluster_factory):
     cl = cluster_factory(2)
     cl.wait_ready(2)
     codec = Codec()
+    token = read_token(cl.token_file)  # pause/resume change the cluster: they need the join token
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -54,7 +56,7 @@ def test_no_chunk_arrives_after_the_pause_reply(cluster_factory):
             while seen < STREAMS and time.monotonic() < deadline:
                 msg = _recv(sock, codec, 1.0)
                 seen += isinstance(msg, (P.Chunk, P.ChunkBatch))
-            sock.send_multipart(codec.encode(P.Control(f"pause-{rnd}", P.Pause(mode=mode), timeout_s=30)))
+            sock.send_multipart(codec.encode(P.Control(f"pause-{rnd}", P.Pause(mode=mode), timeout_s=30, token=token)))
             finals = 0
             while True:
                 msg = _recv(sock, codec, 30)
@@ -68,7 +70,7 @@ def test_no_chunk_arrives_after_the_pause_reply(cluster_factory):
                 msg = _recv(sock, codec, left)
                 if isinstance(msg, (P.Chunk, P.ChunkBatch)):
                     late.append((rnd, mode))
-            sock.send_multipart(codec.encode(P.Control(f"resume-{rnd}", P.Resume(), timeout_s=30)))
+            sock.send_multipart(codec.encode(P.Control(f"resume-{rnd}", P.Resume(), timeout_s=30, token=token)))
             resumed = False
             deadline = time.monotonic() + 60
             while (not resumed or finals < STREAMS) and time.monotonic() < deadline:
