@@ -476,7 +476,9 @@ def plot(doc: dict[str, Any], png: Path) -> None:
 
     plt = _plt()
     s = doc["summary"]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    ncol = 2 if s["colocated"] else 1
+    fig, axes = plt.subplots(1, ncol, figsize=(6.5 * ncol, 4.5), squeeze=False)
+    axes = axes[0]
     cfgs = list(s["inflight"])
     ax = axes[0]
     for j, k in enumerate(("e2e_ms", "first_token_ms", "all_streams_ms")):
@@ -488,6 +490,11 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     ax.set_yscale("log")
     ax.set_title("in-flight update")
     ax.legend(fontsize=7)
+    if not s["colocated"]:
+        fig.suptitle(f"{NAME}: {Path(str(doc['config'].get('model'))).name}")
+        fig.tight_layout()
+        fig.savefig(png, dpi=110)
+        return
     ax = axes[1]
     keys = ("sleep_ms", "wake_weights_ms", "update_ms", "wake_kv_ms", "wake_ms")
     paths = list(s["colocated"])

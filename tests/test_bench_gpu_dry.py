@@ -180,3 +180,24 @@ def test_gpu_prefix_placement_dry_run(tmp_path):
         assert rep["prefix_cache_hit_rate"] is None and 0 < rep["ideal_cache_hit_rate"] <= 1
     assert table["prefix"]["split_prompts"] == 0
     assert doc["policies"]["prefix"]["head_stats"]["placed"] >= 12
+
+
+def test_gpu_rl_step_dry_run(tmp_path):
+    """bench/gpu_rl_step.py on CPU: an in-flight update block (streams in a
+    process of their own) and SkyRL's colocated order with the split wake."""
+    doc = _run(
+        "bench.gpu_rl_step",
+        str(tmp_path),
+        *("--configs", "keep:packed:other", "--streams", "2", "--steps", "1", "--gap-s", "0.1"),
+        *("--stream-max-tokens", "48", "--gen-prompts", "2", "--gen-tokens", "4", "--request-timeout-s", "60"),
+    )
+    rb = doc["rb"]
+    assert rb["ok"], rb.get("error")
+    blk = rb["inflight"]["keep:packed:other"]
+    assert "error" not in blk and blk["summary"]["errors"] == 0, blk
+    assert blk["summary"]["all_streams_ms"] is not None  # every stream went on past the update
+    steps = rb["colocated"]
+    assert len(steps) == 2 and not any("error" in s for s in steps), steps
+    assert all(s["gen_tokens"] == 8 for s in steps)
+    assert "--cpu" in doc["vllm"]["skipped"]
+    assert doc["summary"]["colocated"]["rb"]["wake_kv_ms"] is not None
