@@ -37,7 +37,7 @@ import structlog
 from bus import protocol as P
 from bus.control_bus import ControlBus, PendingCommand
 from bus.endpoint import error_message
-from bus.errors import BadRequest, ErrorCode, StaleUpdate
+from bus.errors import BadRequest, ErrorCode, StaleUpdate, truncate
 from bus.validate import check_control_timeout
 from router_node.cluster_state import ClusterWeights, WeightTxn
 from router_node.config import RouterConfig
@@ -49,7 +49,11 @@ log = structlog.get_logger("router_node")
 
 
 def failure_of(ack: P.Ack) -> P.EngineFailure:
-    return P.EngineFailure(code=ack.code or ErrorCode.INTERNAL.value, message=ack.error or "failed", field=ack.field)
+    # An engine's error text can echo what it was sent (a tensor name, a
+    # path): the reply to the client carries at most bus.errors.MAX_ECHO of it.
+    return P.EngineFailure(
+        code=ack.code or ErrorCode.INTERNAL.value, message=truncate(ack.error or "failed"), field=ack.field
+    )
 
 
 class ClusterControl:

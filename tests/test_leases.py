@@ -147,3 +147,58 @@ def test_a_resume_by_another_client_still_resumes(cluster_factory):
     a.close()  # a leaves (no more pings); b holds nothing now
     wait_until(lambda: not b.is_paused(), 20, "a's pause to be released")
     assert b.generate([1, 2], {"max_tokens": 2}).samples[0].token_ids
+
+
+_SLEEPER = textwrap.dedent(
+    """
+    import sys, time
+    from trainer_bridge import Client
+    c = Client(sys.argv[1], control_timeout_s=30)
+    c.sleep(1)
+    c.wake_up(["weights"])  # SkyRL's half-wake: the KV cache still sleeps
+    upd = c.weight_update(timeout_s=30)
+    upd.__enter__()  # begun on every engine, never committed
+    print("HELD", upd.update_id, flush=True)
+    time.sleep(600)  # killed -9 here
+    """
+)
+
+
+@pytest.mark.timeout(180)
+def test_trainer_killed_holding_a_sleep_and_an_update_releases_both(cluster_factory, tiny_model):
+    """A colocated trainer dies between wake_up(['weights']) and its weight
+    sync: its lease wakes the rest (the cluster serves again) and aborts its
+    open update (another trainer's update lands instead of UpdateInProgress)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lease_s = 2.0
+    cl = cluster_factory(2, router_args=["--lease-s", str(lease_s)])
+    cl.wait_ready(2)
+    other = cl.client(timeout_s=60, control_timeout_s=30)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _SLEEPER, cl.frontend], env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert trainer.stdout is not None
+        line = trainer.stdout.readline().split()
+        assert line[:1] == ["HELD"], line
+        assert other.health()["intended"]["asleep"] == ["kv_cache"]
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(10)
+        wait_until(
+            lambda: other.health()["intended"]["asleep"] == [], lease_s + 15, "the vanished trainer's sleep to be woken"
+        )
+        assert other.generate([1, 2, 3], {"max_tokens": 3}).samples[0].token_ids
+        v0 = other.health()["weight_version"]
+        named = list(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).named_parameters())
+        r = other.update_weights(named)  # the dead trainer's update no longer holds the cluster
+        assert {x["weight_version"] for x in r.values()} == {v0 + 1}
+        assert other.stats()["counters"]["leases_expired"] >= 2  # its sleep and its update
+        assert "lease_expired" in cl.log("head")
+    finally:
+        if trainer.poll() is None:
+            os.kill(trainer.pid, signal.SIGKILL)
+            trainer.wait(10)
+        if trainer.stdout is not None:
+            trainer.stdout.close()
