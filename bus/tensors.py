@@ -216,13 +216,3 @@ def _first_nonfinite_exact(named: list[tuple[str, Any]]) -> str | None:
         if not ok:
             return str(name)
     return None
-    for name, t in named:
-        if not t.is_floating_point():
-            continue
-        try:
-            ok = bool(torch.isfinite(t).all())
-        except (RuntimeError, TypeError):  # dtypes without isfinite on this device (fp8)
-            ok = bool(torch.isfinite(t.float()).all())
-        if not ok:
-            return str(name)
-    return None
