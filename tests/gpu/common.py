@@ -153,3 +153,18 @@ def match_frac(a, b) -> float:
     tot = sum(len(x) for x in a)
     eq = sum(sum(1 for u, v in zip(x, y, strict=False) if u == v) for x, y in zip(a, b, strict=True))
     return eq / max(1, tot)
+
+
+def vllm_cluster(model: str, timeout_s: float = 300.0, **backend_options):
+    """One vllm engine node behind a head (tests.cluster.Cluster), ready; on a
+    failed start the engine's log tail is printed and every process ended."""
+    from tests.cluster import Cluster
+
+    c = Cluster(1, backend="vllm", model=model, backend_options={**ENGINE_OPTS, **backend_options})
+    try:
+        c.wait_ready(1, timeout_s=timeout_s)
+    except BaseException:
+        print(c.log("e0")[-5000:])
+        c.close()
+        raise
+    return c

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from tests.cluster import wait_until
-from tests.gpu.common import ENGINE_OPTS, HF_GAP_TOL, N_NEW, PROMPTS, hf_check, record_timing
+from tests.gpu.common import HF_GAP_TOL, N_NEW, PROMPTS, hf_check, record_timing, vllm_cluster
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -31,15 +31,7 @@ GREEDY = {"max_tokens": N_NEW, "temperature": 0.0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def colo(model_dirs):
     """One vllm engine node behind a head, model A (0.3 of the GPU)."""
-    from tests.cluster import Cluster
-
-    c = Cluster(1, backend="vllm", model=model_dirs["A"], backend_options=dict(ENGINE_OPTS))
-    try:
-        c.wait_ready(1, timeout_s=300)
-    except BaseException:
-        print(c.log("e0")[-5000:])
-        c.close()
-        raise
+    c = vllm_cluster(model_dirs["A"])
     yield c
     c.close()
 

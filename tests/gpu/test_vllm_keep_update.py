@@ -18,7 +18,7 @@ import time
 import pytest
 
 from bus import protocol as P
-from tests.gpu.common import ENGINE_OPTS, prompts, record_timing
+from tests.gpu.common import prompts, record_timing, vllm_cluster
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -27,15 +27,7 @@ N_STREAMS, MAX_TOKENS = 32, 400
 
 @pytest.fixture(scope="module")
 def engine(model_dirs):
-    from tests.cluster import Cluster
-
-    c = Cluster(1, backend="vllm", model=model_dirs["A"], backend_options=dict(ENGINE_OPTS))
-    try:
-        c.wait_ready(1, timeout_s=300)
-    except BaseException:
-        print(c.log("e0")[-5000:])
-        c.close()
-        raise
+    c = vllm_cluster(model_dirs["A"])
     yield c
     c.close()
 
