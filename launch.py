@@ -229,6 +229,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "engine id and the engine's incarnation, so no two engines (nor two lives of one) draw the same samples; "
         "seeded requests (params seed) are the same on every engine",
     )
+    ap.add_argument(
+        "--lease-s",
+        type=float,
+        default=None,
+        help="the head's --lease-s: a client silent this long loses its pause, sleep and weight update (default 10)",
+    )
     ap.add_argument("--max-restarts", type=int, default=3)
     ap.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM → SIGKILL grace on shutdown")
     ap.add_argument("--ready-timeout-s", type=float, default=300.0)
@@ -532,6 +538,8 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
         ]  # fmt: skip
         if curve_dir:
             head_argv += ["--curve-dir", curve_dir]
+        if a.lease_s is not None:
+            head_argv += ["--lease-s", str(a.lease_s)]
         head_argv += token.argv()
         sup.add(Child("head", head_argv, env))
         deadline = time.monotonic() + 30

@@ -585,9 +585,13 @@ class ClientPing(_Msg, tag="client_ping"):
 
 class HeadPong(_Msg, tag="head_pong"):
     """Head → client: the answer to a `ClientPing`. `lease_s`: how long the
-    head keeps this client's holdings without hearing from it."""
+    head keeps this client's holdings without hearing from it. `incarnation`:
+    the head process's id; a new one means the head restarted (faster than
+    the client's `head_timeout_s`), so what was open on the old head is lost
+    ("": a head that does not say)."""
 
     lease_s: float = 0.0
+    incarnation: Id = ""
 
 
 class EndSession(_Msg, tag="end_session"):

@@ -140,6 +140,7 @@ class AsyncClient:
         self.ping_interval_s = ping_interval_s
         self._last_rx = 0.0
         self._head_up = False
+        self._head_incarnation = ""  # the HeadPong's; a change: the head restarted
         self._since: dict[str, float] = {}
         self._watch: asyncio.TimerHandle | None = None
         self._watch_at = 0.0
@@ -306,6 +307,16 @@ class AsyncClient:
                         q.put_nowait(item)
                 continue
             if isinstance(msg, P.HeadPong):
+                old, self._head_incarnation = self._head_incarnation, msg.incarnation or self._head_incarnation
+                if old and msg.incarnation and msg.incarnation != old:
+                    # A head restarted within head_timeout_s (the supervisor is
+                    # quick): the requests open on the old one will never end.
+                    self._head_lost(
+                        f"the head at {self.address} restarted (incarnation {old} -> {msg.incarnation}): "
+                        "requests open on the old head are lost",
+                        "incarnation",
+                    )
+                    return  # _head_lost replaced the socket this loop reads
                 continue
             rid = msg.request_id
             q = self._streams.get(rid)

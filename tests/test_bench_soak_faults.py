@@ -1,0 +1,37 @@
+"""The fault soak's CPU dry run (bench/soak_faults.py, issue 22 "Tests"): a real
+launch.py cluster (torch backend, tiny model), one head kill -9 (restarted by
+the launcher) and one trainer kill -9 inside paused() in a minute; the JSON's
+criteria must all pass (no hang, only head-death errors within 2 s, the
+restarted head serves, the lease releases the pause)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import ROOT, child_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_soak_faults_dry_run(tmp_path):
+    out = tmp_path / "soak_faults.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "bench.soak_faults", "--minutes", "1", "--fault-every-s", "20", "--concurrency", "4",
+         "--out", str(out)],
+        cwd=ROOT,
+        env=child_env(ROLLOUT_BUS_LOG_LEVEL="WARNING"),
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads(Path(out).read_text())
+    assert doc["passed"] and all(doc["criteria"].values()), doc["criteria"]
+    assert doc["head_kills"] >= 1 and doc["trainer_kills"] >= 1
+    assert doc["outcomes"].get("finished", 0) > 0
+    assert doc["pause_released_max_s"] <= doc["lease_s"] + 3.0
