@@ -100,6 +100,13 @@ class EngineNode:
             curve = self._curve = keys.engine()
             self.gate = Gatekeeper(self.ctx, keys, (auth.PEERS,)).start()
         self.data = open_socket(self.ctx, zmq.ROUTER, bind=cfg.data_address, curve=curve, zap_domain=auth.PEERS)
+        # The head connects here with a fixed identity (RegisterReply.data_peer:
+        # acks follow the chunks on this connection). When the head replaces its
+        # connection (this engine re-registered, or the head restarted) the old
+        # one may still be open on our side: without handover the new one, with
+        # the same identity, is refused and every send to the head queues on a
+        # dead pipe (a generate after an engine restart hung, test_auth).
+        self.data.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.weights = open_socket(self.ctx, zmq.ROUTER, bind=cfg.weight_address, curve=curve, zap_domain=auth.PEERS)
         self.sub = open_socket(
             self.ctx,
