@@ -194,7 +194,7 @@ async def push_old(client: Any, named: list[tuple[str, Any]], bucket_bytes: int,
         ctx = zmq.asyncio.Context()
         codec = Codec()
         # Plain TCP on loopback (the bench's cluster is not secured).
-        socks = {e["engine_id"]: open_socket(ctx, zmq.DEALER, connect=e["weight_address"]) for e in upd.engines}
+        socks = {e.engine_id: open_socket(ctx, zmq.DEALER, connect=e.weight_address) for e in upd.engines}
         try:
             for b in range(len(sizes)):
                 buf = pack_bucket(b, metas, sizes, tensors)

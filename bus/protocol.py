@@ -24,6 +24,17 @@ from several sender ranks, each closing its part with `WeightSenderEnd`.
 Version 4: a `ChunkBatch` may be packed (`ntoks` set): the token ids of all
 its chunks travel in ONE frame, so a batch of k chunks is 3 frames, not k + 2
 (see ChunkBatch).
+
+Version 7: one error shape (`Ack.failure` is an `EngineFailure`, as in
+`ControlReply.errors`; `Ack.ok` is `failure is None`); query answers are typed
+(`QueryReply.body` is a tagged union of bus/views.py's bodies: `HealthView`,
+`EnginesView` of `EngineView`s, ...); `StatsResult.heartbeat` is a `Heartbeat`.
+
+Where things live (all re-exported here, so `from bus import protocol as P`
+names every wire type): bus/wire.py (field bounds, Struct bases),
+bus/results.py (control results, `EngineFailure`), bus/views.py (query
+answers), bus/events.py (Register, Heartbeat, ...); this file: the data
+plane, the control ops and messages, the weight socket and the kind table.
 """
 
 from __future__ import annotations
@@ -33,6 +44,73 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from bus.events import Heartbeat as Heartbeat
+from bus.events import Register as Register
+from bus.events import RegisterReply as RegisterReply
+from bus.events import Rejoin as Rejoin
+from bus.results import BeginWeightsResult as BeginWeightsResult
+from bus.results import ConfigResult as ConfigResult
+from bus.results import Detail as Detail
+from bus.results import Done as Done
+from bus.results import EngineFailure as EngineFailure
+from bus.results import IsPausedResult as IsPausedResult
+from bus.results import LoraResult as LoraResult
+from bus.results import PauseResult as PauseResult
+from bus.results import PingResult as PingResult
+from bus.results import ReceiveWeightsResult as ReceiveWeightsResult
+from bus.results import ResetPrefixCacheResult as ResetPrefixCacheResult
+from bus.results import Result as Result
+from bus.results import ResultBase as ResultBase
+from bus.results import ResumeResult as ResumeResult
+from bus.results import SleepResult as SleepResult
+from bus.results import StatsResult as StatsResult
+from bus.results import WakeUpResult as WakeUpResult
+from bus.results import WeightsAborted as WeightsAborted
+from bus.results import WeightsCommitted as WeightsCommitted
+from bus.results import WeightsPrepared as WeightsPrepared
+from bus.results import expect as expect
+from bus.views import QUERY_BODIES as QUERY_BODIES
+from bus.views import Body as Body
+from bus.views import DecisionsView as DecisionsView
+from bus.views import EnginesView as EnginesView
+from bus.views import EngineView as EngineView
+from bus.views import HealthView as HealthView
+from bus.views import IntentView as IntentView
+from bus.views import PrefixView as PrefixView
+from bus.views import QueryBody as QueryBody
+from bus.views import SessionEnded as SessionEnded
+from bus.views import StatsView as StatsView
+from bus.views import WeightTxnView as WeightTxnView
+from bus.views import WeightUpdatesView as WeightUpdatesView
+from bus.views import as_dict as as_dict
+from bus.views import to_dict as to_dict
+from bus.wire import I32 as I32
+from bus.wire import I64 as I64
+from bus.wire import MAX_COMMIT_VERSION as MAX_COMMIT_VERSION
+from bus.wire import MAX_ID_CHARS as MAX_ID_CHARS
+from bus.wire import MAX_LIST as MAX_LIST
+from bus.wire import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
+from bus.wire import MAX_NAME_CHARS as MAX_NAME_CHARS
+from bus.wire import MAX_SAMPLE_INDEX as MAX_SAMPLE_INDEX
+from bus.wire import MAX_SENDERS as MAX_SENDERS
+from bus.wire import MAX_SHORT_CHARS as MAX_SHORT_CHARS
+from bus.wire import MAX_TEXT_CHARS as MAX_TEXT_CHARS
+from bus.wire import MAX_VERSION as MAX_VERSION
+from bus.wire import U32 as U32
+from bus.wire import U63 as U63
+from bus.wire import Id as Id
+from bus.wire import Ids as Ids
+from bus.wire import Message as Message
+from bus.wire import Msg as _Msg
+from bus.wire import Name as Name
+from bus.wire import Part as _Part
+from bus.wire import SampleIndex as SampleIndex
+from bus.wire import Sender as Sender
+from bus.wire import Short as Short
+from bus.wire import StopStr as StopStr
+from bus.wire import Text as Text
+from bus.wire import Version as Version
+
 # 5: the head believes an engine's heartbeats / acks only from its own events
 # connections (identity "engine_id/incarnation", heartbeats ".../hb"); GPU
 # weight parts of several senders (ReceiveWeights.sender/tensors/...).
@@ -40,53 +118,9 @@ from msgspec import Meta
 # RegisterReply.code/field); an engine's events identity carries a secret
 # per-process nonce ("engine_id/incarnation/NONCE"), so a stranger cannot
 # reconnect under a dead engine's identity and speak for it.
-PROTOCOL_VERSION = 6
-
-# ------------------------------------------------------------- field bounds
-# Issue 22, "no poison pill": every integer and string field has a range or a
-# maximum length, checked by the DECODER (msgspec.Meta), so a value that the
-# decoder accepted can always be encoded again (msgpack ints stop at 64 bits)
-# and every value derived from it stays inside the bounds of the next hop
-# (sample_offset + num_samples fits Chunk.sample_index; a version bumped by a
-# commit stays below MAX_VERSION). A refused field is a BadRequest naming it
-# (bus/codec.py). Constraints do not change the wire shape: no version bump.
-# Hazard: a bound on a message a PEER of ours produces must hold for everything
-# that peer can legitimately send, or its message is dropped at decode (an
-# engine's Error dropped = a request that never ends); keep those generous.
-MAX_ID_CHARS = 256  # request / session / engine / update ids, LoRA names
-MAX_NAME_CHARS = 4096  # addresses, paths, model and tensor names
-MAX_SHORT_CHARS = 256  # codes, modes, dtypes, field names, query names
-MAX_MESSAGE_CHARS = 64 * 1024  # error texts (ours are cut to bus.errors.MAX_ECHO first)
-MAX_TEXT_CHARS = 1 << 24  # Chunk.text (a whole output, detokenized)
-MAX_SENDERS = 1024  # sender ranks of one weight update
-MAX_SAMPLE_INDEX = (1 << 31) - 1  # sample_offset + num_samples - 1 stays below this
-MAX_VERSION = (1 << 53) - 1  # weight versions: exact in a float64 too (JSON, metrics)
-MAX_COMMIT_VERSION = 1 << 52  # a trainer's version: leaves room for +1 commits below MAX_VERSION
-MAX_LIST = 1 << 20  # list fields of control messages (tensors, buckets, targets)
-
-Id = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
-Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
-Short = Annotated[str, Meta(max_length=MAX_SHORT_CHARS)]
-Message = Annotated[str, Meta(max_length=MAX_MESSAGE_CHARS)]
-I32 = Annotated[int, Meta(ge=-(1 << 31), le=(1 << 31) - 1)]
-U32 = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
-I64 = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
-U63 = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]  # counts, sizes, seqs, epochs: non-negative int64
-Version = Annotated[int, Meta(ge=0, le=MAX_VERSION)]
-SampleIndex = Annotated[int, Meta(ge=0, le=MAX_SAMPLE_INDEX)]
-Sender = Annotated[int, Meta(ge=0, lt=MAX_SENDERS)]
-Ids = Annotated[list[Id], Meta(max_length=MAX_LIST)]
-StopStr = Annotated[str, Meta(max_length=1024)]  # bus.validate.MAX_STOP_STRING_CHARS
-Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
-
-
-class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
-    """Base of every wire message."""
-
-
-class _Part(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Base of nested (non-message) parts."""
-
+# 7: Ack.failure (an EngineFailure) instead of flat error/code/field; typed
+# QueryReply.body (bus/views.py); StatsResult.heartbeat is a Heartbeat.
+PROTOCOL_VERSION = 7
 
 # ---------------------------------------------------------------- data plane
 
@@ -357,176 +391,6 @@ Op = (
 )
 
 
-# --------------------------------------------------------- control results
-
-
-class _Result(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
-    """Base of the typed result of one control op on one engine.
-
-    Read access by key (`r["parked"]`, `dict(r)`) is kept for callers written
-    against the dict results of protocol version 1: a key is a field, else a
-    key of `detail` (what the backend reported beyond the typed fields)."""
-
-    def __getitem__(self, key: str) -> Any:
-        if key in self.__struct_fields__:
-            return getattr(self, key)
-        detail = getattr(self, "detail", None)
-        if detail is not None and key in detail:
-            return detail[key]
-        raise KeyError(key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        try:
-            return self[key]
-        except KeyError:
-            return default
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.keys()
-
-    def keys(self) -> list[str]:
-        detail = getattr(self, "detail", None) or {}
-        return [f for f in self.__struct_fields__ if f != "detail"] + [
-            k for k in detail if k not in self.__struct_fields__
-        ]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: self[k] for k in self.keys()}
-
-
-class Done(_Result, tag="done"):
-    """An op that finished with nothing to report."""
-
-
-class ConfigResult(_Result, tag="config"):
-    """The engine's weight/LoRA configuration after an op that may change it.
-    The head applies it to its registry unless a newer `epoch` is known."""
-
-    weight_version: Version = 0
-    loras: Ids = []
-    epoch: U63 = 0
-
-
-class PingResult(_Result, tag="ping"):
-    weight_version: Version = 0
-    incarnation: Id = ""
-
-
-class PauseResult(_Result, tag="pause"):
-    mode: Short = ""
-    scope: Short = ""
-    held: U63 = 0  # new requests behind the gate
-    parked: U63 = 0  # aborted, tokens kept, re-submitted on resume
-    frozen: U63 = 0  # keep mode: frozen with their KV
-    draining: U63 = 0  # wait mode: running when the pause began
-    resumed_before_drained: bool = False
-
-
-class ResumeResult(_Result, tag="resume"):
-    resumed: U63 = 0
-    scopes: Ids = []
-    still_paused: Ids = []
-
-
-class IsPausedResult(_Result, tag="is_paused"):
-    paused: bool = False
-    scopes: Ids = []
-
-
-class SleepResult(_Result, tag="sleep"):
-    level: I32 = 0
-    parked: U63 = 0
-    seconds: float = 0.0
-    detail: dict[str, Any] = {}  # the backend's own report (e.g. weights kept/discarded)
-
-
-class WakeUpResult(ConfigResult, tag="wake_up"):
-    resumed: U63 = 0
-    seconds: float = 0.0
-    weights_reloaded_from_checkpoint: bool = False
-    detail: dict[str, Any] = {}
-
-
-class ResetPrefixCacheResult(_Result, tag="reset_prefix_cache"):
-    detail: dict[str, Any] = {}
-
-
-class BeginWeightsResult(_Result, tag="begin_weights"):
-    buckets: U63 = 0
-    weight_address: Name = ""
-    detail: dict[str, Any] = {}
-
-
-class ReceiveWeightsResult(_Result, tag="receive_weights"):
-    seconds: float = 0.0
-    detail: dict[str, Any] = {}
-
-
-class WeightsPrepared(_Result, tag="prepare_weights"):
-    """An engine's yes vote: every declared bucket is in and validated."""
-
-    buckets: U63 = 0
-    tensors: U63 = 0
-    bytes: U63 = 0
-    seconds: float = 0.0
-    detail: dict[str, Any] = {}
-
-
-class WeightsCommitted(ConfigResult, tag="finish_weights"):
-    bytes: U63 = 0
-    seconds: float = 0.0
-    restarted: U63 = 0  # samples the staleness bound (Generate.max_staleness) restarted
-
-
-class WeightsAborted(_Result, tag="abort_weights"):
-    weight_version: Version = 0
-
-
-class LoraResult(ConfigResult, tag="lora"):
-    """load_lora / unload_lora: the adapter set after the op."""
-
-
-class StatsResult(_Result, tag="stats"):
-    heartbeat: dict[str, Any] = {}  # the engine's Heartbeat fields now
-    detail: dict[str, Any] = {}  # the backend's stats
-
-    def __getitem__(self, key: str) -> Any:
-        if key in self.heartbeat:
-            return self.heartbeat[key]
-        return super().__getitem__(key)
-
-    def keys(self) -> list[str]:
-        return [*self.heartbeat, *(k for k in self.detail if k not in self.heartbeat)]
-
-
-Result = (
-    Done
-    | ConfigResult
-    | PingResult
-    | PauseResult
-    | ResumeResult
-    | IsPausedResult
-    | SleepResult
-    | WakeUpResult
-    | ResetPrefixCacheResult
-    | BeginWeightsResult
-    | ReceiveWeightsResult
-    | WeightsPrepared
-    | WeightsCommitted
-    | WeightsAborted
-    | LoraResult
-    | StatsResult
-)
-
-
-class EngineFailure(_Part):
-    """Why a control op failed on one engine (`code`: bus.errors.ErrorCode)."""
-
-    code: Short
-    message: Message
-    field: Short | None = None
-
-
 class Command(_Msg, tag="cmd"):
     """Head → engines over the control PUB. Idempotent by seq: a republished
     command is acked again from the engine's ack cache, never re-run."""
@@ -537,13 +401,17 @@ class Command(_Msg, tag="cmd"):
 
 
 class Ack(_Msg, tag="ack"):
+    """One engine's answer to a Command: its typed result, or why it failed
+    (the same `EngineFailure` the head forwards in ControlReply.errors)."""
+
     seq: U63
     engine_id: Id
-    ok: bool = True
     result: Result | None = None
-    error: Message | None = None
-    code: Short | None = None  # bus.errors.ErrorCode of a failure
-    field: Short | None = None  # the offending field of a refused op, when known
+    failure: EngineFailure | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
 
 
 # --------------------------------------------------- client ↔ head control
@@ -572,8 +440,10 @@ class Query(_Msg, tag="query"):
 
 
 class QueryReply(_Msg, tag="query_reply"):
+    """The answer to a Query (the body named by `QUERY_BODIES[what]`) or an EndSession."""
+
     request_id: Id
-    body: dict[str, Any] = {}
+    body: QueryBody
 
 
 class ClientPing(_Msg, tag="client_ping"):
@@ -597,92 +467,6 @@ class HeadPong(_Msg, tag="head_pong"):
 class EndSession(_Msg, tag="end_session"):
     request_id: Id
     session_id: Id
-
-
-# ------------------------------------------------------------------ events
-
-
-class Register(_Msg, tag="register"):
-    engine_id: Id
-    data_address: Name
-    weight_address: Name
-    backend: Name
-    model: Name
-    protocol_version: I32
-    incarnation: Id  # changes when the process restarts
-    tp: I32 = 1
-    pp: I32 = 1
-    dp: I32 = 1
-    capacity: I32 = 64  # sequences it batches at once
-    vocab_size: I32 = 0
-    pid: I64 = 0
-    weight_version: Version = 0
-    loras: Ids = []
-    host: Name = ""
-    dtype: Short = ""  # weight dtype the engine expects in updates
-    # z85 CURVE public key of its data/weight sockets ("" when not secured):
-    # the head and trainers connect with it as the server key.
-    curve_key: Short = ""
-    # The cluster's join token ("" without one; a CURVE-authenticated
-    # connection needs none).
-    token: Short = ""
-    # -- issue 23 (appended): prompt + output token limit (0: not reported).
-    # OpenAI-shaped clients default max_tokens to it minus the prompt, as vLLM's server does.
-    max_model_len: U32 = 0
-
-
-class RegisterReply(_Msg, tag="register_reply"):
-    ok: bool
-    error: Message | None = None
-    heartbeat_interval_s: float = 0.5
-    # A refusal that may pass (the id is held by a live engine that may be
-    # dying): the engine keeps re-registering until register_timeout_s.
-    retry: bool = False
-    code: Short | None = None  # bus.errors.ErrorCode of a refusal
-    field: Short | None = None  # the Register field (or option) it was refused for
-    # -- appended (issue 22): the identity of the head's DEALER on the engine's
-    # data socket. The engine sends its acks THERE (after the chunks it produced
-    # before them), so a pause's ack can never overtake those chunks; "" (an
-    # older head): acks go over the events socket.
-    data_peer: Short = ""
-
-
-class Rejoin(_Msg, tag="rejoin"):
-    """Head → engine (events socket): a heartbeat came from an engine this head
-    does not know (the head restarted): register again, now."""
-
-    reason: Short = ""
-
-
-class Heartbeat(_Msg, tag="heartbeat"):
-    engine_id: Id
-    incarnation: Id
-    running: U63 = 0
-    waiting: U63 = 0
-    held: U63 = 0  # behind the submission gate
-    parked: U63 = 0  # aborted by a pause, re-submitted on resume
-    kv_usage: float = 0.0
-    weight_version: Version = 0
-    paused: Ids = []  # "*" for all, else LoRA names
-    steps: U63 = 0
-    loras: Ids = []
-    sleeping: I32 = 0  # sleep level, 0 awake
-    tokens_out: U63 = 0
-    # Bumped by every weight/LoRA change. Acks carry it too, so the head never
-    # lets an older heartbeat overwrite what a newer ack told it.
-    config_epoch: U63 = 0
-    # The control op in progress ("" when none): a busy engine is not stalled.
-    busy: Short = ""
-    # The highest Command seq the engine had acked when this snapshot was taken.
-    # Heartbeats travel on another socket than acks: the head trusts `paused` /
-    # `sleeping` only from a heartbeat at least as new as the last ack it got
-    # (router_node/intended_state.py), so an old snapshot cannot undo an ack.
-    acked_seq: U63 = 0
-    # The sleep tags ("weights", "kv_cache") asleep: sleep() puts both to sleep,
-    # wake_up(tags) wakes them one by one; `sleeping` stays the level until none
-    # is asleep. A peer from before tags leaves it empty: the head then reads
-    # `sleeping` > 0 as every tag asleep.
-    asleep: Ids = []
 
 
 # ------------------------------------------------------ weight socket (zmq)

@@ -134,7 +134,12 @@ class ControlRunner:
     ) -> None:
         if ok and result is None:
             result = P.Done()
-        ack = P.Ack(seq=seq, engine_id=self.engine_id, ok=ok, result=result, error=error, code=code, field=field)
+        failure = (
+            None
+            if ok
+            else P.EngineFailure(code=code or ErrorCode.INTERNAL.value, message=error or "failed", field=field)
+        )
+        ack = P.Ack(seq=seq, engine_id=self.engine_id, result=result if ok else None, failure=failure)
         if seq in self.acks:
             self.acks[seq] = ack
         self.acked_seq = max(self.acked_seq, seq)

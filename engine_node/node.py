@@ -696,9 +696,8 @@ class EngineNode:
             )
 
     def _op_stats(self, op: P.Stats, seq: int) -> P.StatsResult:
-        hb = self._make_heartbeat()
         return P.StatsResult(
-            heartbeat={f: getattr(hb, f) for f in hb.__struct_fields__},
+            heartbeat=self._make_heartbeat(),
             detail={**self.backend.stats(), "loop": dict(self.loop_stats)},
         )
 

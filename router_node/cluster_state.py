@@ -81,20 +81,20 @@ class WeightTxn:
     def holder_name(self) -> str:
         return client_name(self.holder)
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "update_id": self.update_id,
-            "target": self.target,
-            "targets": list(self.targets),
-            "transport": self.transport,
-            "senders": self.senders,
-            "prepared": sorted(self.prepared),
-            "decision": self.decision,
-            "version": self.version,
-            "check_finite": self.check_finite,
-            "holder": self.holder_name,
-            "began_wall": self.began_wall,
-        }
+    def view(self) -> P.WeightTxnView:
+        return P.WeightTxnView(
+            update_id=self.update_id,
+            target=self.target,
+            targets=list(self.targets),
+            transport=self.transport,
+            senders=self.senders,
+            prepared=sorted(self.prepared),
+            decision=self.decision,
+            version=self.version,
+            check_finite=self.check_finite,
+            holder=self.holder_name,
+            began_wall=self.began_wall,
+        )
 
 
 def client_name(ident: bytes) -> str:
@@ -330,23 +330,18 @@ class ClusterWeights:
     def is_stale(self, weight_version: int) -> bool:
         return weight_version < self.version
 
-    def decisions(self) -> dict[str, Any]:
+    def decisions(self) -> P.DecisionsView:
         """Every tracked update's decision (None: open; "commit": its commit round
         is still running; "abort"). A committed update leaves the table when its
         commit round is over: cuda_ipc senders free their buckets then."""
-        return {"decisions": {uid: t.decision for uid, t in self.txns.items()}}
+        return P.DecisionsView(decisions={uid: t.decision for uid, t in self.txns.items()})
 
-    def open_updates(self) -> dict[str, Any]:
-        return {"updates": {uid: t.describe() for uid, t in self.txns.items() if t.decision is None}}
+    def open_updates(self) -> P.WeightUpdatesView:
+        return P.WeightUpdatesView(updates={uid: t.view() for uid, t in self.txns.items() if t.decision is None})
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "weight_version": self.version,
-            "source": self.source,
-            "updates_committed": self.updates_committed,
-            # the update holding the cluster (one at a time), or None
-            "weight_update": self.current.describe() if self.current is not None else None,
-        }
+    def current_view(self) -> P.WeightTxnView | None:
+        """The update holding the cluster (one at a time), or None."""
+        return self.current.view() if self.current is not None else None
 
 
 def _when(wall: float) -> str:

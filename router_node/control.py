@@ -51,9 +51,10 @@ log = structlog.get_logger("router_node")
 def failure_of(ack: P.Ack) -> P.EngineFailure:
     # An engine's error text can echo what it was sent (a tensor name, a
     # path): the reply to the client carries at most bus.errors.MAX_ECHO of it.
-    return P.EngineFailure(
-        code=ack.code or ErrorCode.INTERNAL.value, message=truncate(ack.error or "failed"), field=ack.field
-    )
+    f = ack.failure
+    if f is None:
+        return P.EngineFailure(code=ErrorCode.INTERNAL.value, message="failed")
+    return P.EngineFailure(code=f.code, message=truncate(f.message), field=f.field)
 
 
 class ClusterControl:
@@ -105,7 +106,7 @@ class ClusterControl:
 
         def done(pc: PendingCommand) -> None:
             self.intended.expired(pc.seq, pc.missing, time.monotonic())
-            refused = [a for a in pc.acks.values() if not a.ok and a.code in REFUSED]
+            refused = [a for a in pc.acks.values() if a.failure is not None and a.failure.code in REFUSED]
             if msg.targets is None and refused and len(refused) == len(pc.acks):
                 self.intended.cluster_refused(msg.op, before)  # nobody took it: not the intent
             results = {eid: a.result or P.Done() for eid, a in pc.acks.items() if a.ok}
@@ -285,8 +286,8 @@ class ClusterControl:
                 ack.seq,
                 ok=ack.ok,
                 result=ack.result,
-                code=ack.code,
-                error=ack.error or "",
+                code=ack.failure.code if ack.failure is not None else None,
+                error=ack.failure.message if ack.failure is not None else "",
                 now=time.monotonic(),
             )
         self.bus.on_ack(ack)

@@ -32,6 +32,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from bus import protocol as P
 from bus.frames import TOKEN_BYTES
 from router_node.registry import EngineEntry
 
@@ -145,8 +146,8 @@ class PrefixPlacement:
     def size(self) -> int:
         return sum(len(t) for t in self.tables.values())
 
-    def describe(self) -> dict[str, Any]:
-        return {**self.stats, "blocks": {eid: len(t) for eid, t in self.tables.items()}}
+    def view(self) -> P.PrefixView:
+        return P.PrefixView(**self.stats, blocks={eid: len(t) for eid, t in self.tables.items()})
 
     def _unindex(self, h: int, engine_id: str) -> None:
         owners = self.index.get(h)

@@ -15,7 +15,6 @@ import dataclasses
 import enum
 import time
 from collections.abc import Iterable
-from typing import Any
 
 import zmq
 
@@ -136,46 +135,48 @@ class EngineEntry:
             )
         return EngineState.HEALTHY, "ok"
 
-    def describe(self, now: float) -> dict[str, Any]:
+    def view(self, now: float) -> P.EngineView:
+        """What the head reports about this engine (its intent and sessions are
+        added by router_node/views.py)."""
         hb = self.hb
         r = self.reg
-        return {
-            "engine_id": r.engine_id,
-            "healthy": self.healthy,
-            "stale": self.state is EngineState.STALE,
-            "state": self.state.value,
-            "reason": self.reason,
-            "data_address": r.data_address,
-            "weight_address": r.weight_address,
-            "backend": r.backend,
-            "model": r.model,
-            "dtype": r.dtype,
-            "host": r.host,
-            "pid": r.pid,
-            "tp": r.tp,
-            "pp": r.pp,
-            "dp": r.dp,
-            "capacity": r.capacity,
-            "vocab_size": r.vocab_size,
-            "max_model_len": r.max_model_len,
-            "incarnation": r.incarnation,
-            "curve_key": r.curve_key,  # server key of its data/weight sockets when secured
-            "outstanding": self.outstanding,
-            "heartbeat_age_s": round(now - self.last_seen, 3) if self.last_seen else None,
-            "running": hb.running if hb else 0,
-            "waiting": hb.waiting if hb else 0,
-            "held": hb.held if hb else 0,
-            "parked": hb.parked if hb else 0,
-            "kv_usage": hb.kv_usage if hb else 0.0,
-            "weight_version": self.weight_version,
-            "paused": list(hb.paused) if hb else [],
-            "sleeping": hb.sleeping if hb else 0,
-            "asleep": list(hb.asleep) if hb else [],  # sleep tags asleep ("weights", "kv_cache")
-            "steps": hb.steps if hb else 0,
-            "tokens_out": hb.tokens_out if hb else 0,
-            "busy": hb.busy if hb else "",
-            "loras": sorted(self.loras),
-        }
+        return P.EngineView(
+            engine_id=r.engine_id,
+            healthy=self.healthy,
+            stale=self.state is EngineState.STALE,
+            state=self.state.value,
+            reason=self.reason,
+            data_address=r.data_address,
+            weight_address=r.weight_address,
+            backend=r.backend,
+            model=r.model,
+            dtype=r.dtype,
+            host=r.host,
+            pid=r.pid,
+            tp=r.tp,
+            pp=r.pp,
+            dp=r.dp,
+            capacity=r.capacity,
+            vocab_size=r.vocab_size,
+            max_model_len=r.max_model_len,
+            incarnation=r.incarnation,
+            curve_key=r.curve_key,
+            outstanding=self.outstanding,
+            heartbeat_age_s=round(now - self.last_seen, 3) if self.last_seen else None,
+            running=hb.running if hb else 0,
+            waiting=hb.waiting if hb else 0,
+            held=hb.held if hb else 0,
+            parked=hb.parked if hb else 0,
+            kv_usage=hb.kv_usage if hb else 0.0,
+            weight_version=self.weight_version,
+            paused=list(hb.paused) if hb else [],
+            sleeping=hb.sleeping if hb else 0,
+            asleep=list(hb.asleep) if hb else [],
+            steps=hb.steps if hb else 0,
+            tokens_out=hb.tokens_out if hb else 0,
+            busy=hb.busy if hb else "",
+            loras=sorted(self.loras),
+        )
 
 
 class Admission(enum.Enum):

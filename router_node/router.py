@@ -17,6 +17,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -31,6 +32,7 @@ from bus.endpoint import Endpoint, open_socket
 from bus.errors import BadRequest, ErrorCode, Unauthorized, truncate
 from bus.sockets import CONTROL_HWM, bound_address, check_endpoint
 from router_node import leases as L
+from router_node import views
 from router_node.config import RouterConfig
 from router_node.control import ClusterControl
 from router_node.forwarding import Forwarder
@@ -184,19 +186,13 @@ class Router:
         self._endpoints: dict[zmq.Socket, Endpoint] = {self.front.sock: self.front, self.events.sock: self.events}
         for sock in self._endpoints:
             self.poller.register(sock, zmq.POLLIN)
-        self._queries: dict[str, Any] = {
+        # Query.what -> its answer (bus/views.py: P.QUERY_BODIES names the body of each)
+        self._queries: dict[str, Callable[[], P.QueryBody]] = {
             "health": self.health,
-            # weight updates begun and not decided yet (a sender rank joins one by id)
-            "weight_updates": lambda: self.control.cluster.open_updates(),
-            # every tracked update's decision (a cuda_ipc sender waits for its commit round)
-            "weight_update_decisions": lambda: self.control.cluster.decisions(),
-            "engines": lambda: {"engines": [e.describe(time.monotonic()) for e in self.engines.values()]},
-            "stats": lambda: {
-                "counters": dict(self.counters),
-                "in_flight": len(self.forwarding.flights),
-                "sessions": self.sessions.count(),
-                **({"prefix": self.prefix.describe()} if self.prefix is not None else {}),
-            },
+            "weight_updates": self.control.cluster.open_updates,
+            "weight_update_decisions": self.control.cluster.decisions,
+            "engines": lambda: views.engines_view(self.engines, self.control.intended, self.sessions),
+            "stats": lambda: views.stats_view(self.counters, len(self.forwarding.flights), self.sessions, self.prefix),
         }
         self._last_tick = 0.0
         # Cached query answers (issue 22): a flood of health queries is served
@@ -204,7 +200,7 @@ class Router:
         # anything else happened since (`_gen`: bumped by every tick, engine
         # event and non-query client message), so an answer is never older
         # than what the caller already saw change.
-        self._query_cache: dict[str, tuple[float, int, dict[str, Any]]] = {}
+        self._query_cache: dict[str, tuple[float, int, P.QueryBody]] = {}
         self._gen = 0
         self._spin_s = max(0, cfg.busy_poll_us) / 1e6  # --busy-poll-us
 
@@ -349,22 +345,8 @@ class Router:
             ep.close()
         log.info("engine_forgotten", engine_id=e.engine_id)
 
-    def health(self) -> dict[str, Any]:
-        now = time.monotonic()
-        intended = self.control.intended
-        engines = {
-            eid: {**e.describe(now), **intended.describe(eid), "sessions": self.sessions.count(eid)}
-            for eid, e in self.engines.items()
-        }
-        return {
-            "healthy": any(e.healthy for e in self.engines.values()),
-            "engines": engines,
-            **self.control.cluster.describe(),
-            "stale": sorted(eid for eid, e in self.engines.items() if e.state is EngineState.STALE),
-            "intended": intended.cluster.describe(),
-            "converging": sorted(eid for eid, e in self.engines.items() if e.state is EngineState.CONVERGING),
-            "vocab_size": self._vocab,
-        }
+    def health(self) -> P.HealthView:
+        return views.health_view(self.engines, self.control.intended, self.sessions, self.control.cluster, self._vocab)
 
     # ------------------------------------------------------------ events
 
@@ -626,7 +608,7 @@ class Router:
 
     def _on_end_session(self, client: bytes, msg: P.EndSession, _: list[Any]) -> None:
         ended = self.sessions.end(msg.session_id)
-        self._reply(client, P.QueryReply(request_id=msg.request_id, body={"ended": ended}))
+        self._reply(client, P.QueryReply(request_id=msg.request_id, body=P.SessionEnded(ended=ended)))
 
     def _on_query(self, client: bytes, msg: P.Query, _: list[Any]) -> None:
         fn = self._queries.get(msg.what)

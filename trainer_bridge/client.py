@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -632,7 +632,7 @@ class AsyncClient:
 
             spec = self._tokenizer_spec
             if spec is None:
-                models = [e["model"] for e in await self.engines() if os.path.isdir(e["model"])]
+                models = [e.model for e in await self.engine_views() if os.path.isdir(e.model)]
                 if not models:
                     raise BadRequest("no tokenizer given and no engine serves a local model folder", field="tokenizer")
                 spec = models[0]
@@ -661,44 +661,54 @@ class AsyncClient:
         self._send(P.Cancel(request_id=request_id))
 
     async def end_session(self, session_id: str) -> bool:
-        rep = await self._request(
+        rep: P.QueryReply = await self._request(
             P.EndSession(request_id=self._new_id(), session_id=session_id), self.control_timeout_s, "control_timeout_s"
         )
-        return bool(rep.body.get("ended"))
+        return _body(rep, P.SessionEnded).ended
 
     # ------------------------------------------------------------ queries
 
-    async def _query(self, what: str, timeout_s: float | None = None) -> dict[str, Any]:
+    async def _query(self, what: str, cls: type[_B], timeout_s: float | None = None) -> _B:
+        """The head's typed answer to `what` (bus/views.py: P.QUERY_BODIES)."""
         t = timeout_s or self.control_timeout_s
-        rep = await self._request(P.Query(request_id=self._new_id(), what=what), t, "control_timeout_s")
-        return dict(rep.body)
+        rep: P.QueryReply = await self._request(P.Query(request_id=self._new_id(), what=what), t, "control_timeout_s")
+        return _body(rep, cls)
+
+    async def health_view(self, timeout_s: float | None = None) -> P.HealthView:
+        """The cluster's health, typed (`health()` is the same as plain dicts)."""
+        return await self._query("health", P.HealthView, timeout_s)
+
+    async def engine_views(self) -> list[P.EngineView]:
+        """Every registered engine, typed (`engines()` is the same as plain dicts)."""
+        return (await self._query("engines", P.EnginesView)).engines
 
     async def health(self, timeout_s: float | None = None) -> dict[str, Any]:
-        """{"healthy": bool, "engines": {engine_id: detail}}."""
-        return await self._query("health", timeout_s)
+        """{"healthy": bool, "engines": {engine_id: detail}} (P.HealthView as dicts)."""
+        return P.as_dict(await self.health_view(timeout_s))
 
     async def engines(self) -> list[dict[str, Any]]:
-        return list((await self._query("engines"))["engines"])
+        return [P.as_dict(e) for e in await self.engine_views()]
 
     async def stats(self) -> dict[str, Any]:
-        return await self._query("stats")
+        return P.as_dict(await self._query("stats", P.StatsView))
 
     async def wait_ready(self, num_engines: int = 1, timeout_s: float = 120.0) -> dict[str, Any]:
         """Wait until `num_engines` engines are healthy (deadline: timeout_s,
         which bounds every query inside it too; a head that is down or
         restarting is asked again until then)."""
         deadline = time.monotonic() + timeout_s
-        last: Any = None
+        last: object = None
         while True:
             left = deadline - time.monotonic()
+            h: P.HealthView | None
             try:
-                h = await self.health(timeout_s=max(0.05, left))
+                h = await self.health_view(timeout_s=max(0.05, left))
             except (HeadUnavailable, RequestTimeout) as e:
                 h, last = None, e
             if h is not None:
-                last = h
-                if sum(1 for e in h["engines"].values() if e["healthy"]) >= num_engines:
-                    return h
+                last = P.as_dict(h)
+                if sum(1 for e in h.engines.values() if e.healthy) >= num_engines:
+                    return P.as_dict(h)
             if time.monotonic() >= deadline:
                 raise RequestTimeout(
                     f"fewer than {num_engines} healthy engine(s) after timeout_s={timeout_s}: {last}", field="timeout_s"
@@ -708,10 +718,10 @@ class AsyncClient:
     # ------------------------------------------------------------ control plane
 
     async def control(
-        self, op: Any, *, targets: list[str] | None = None, timeout_s: float | None = None, strict: bool = True
-    ) -> dict[str, Any]:
+        self, op: P.Op, *, targets: list[str] | None = None, timeout_s: float | None = None, strict: bool = True
+    ) -> dict[str, P.Result]:
         """Fan `op` out to the engines; returns {engine_id: the op's typed
-        result} (a `P.*Result`, readable by key as well: `r["parked"]`). With
+        result} (a `P.*Result`: `r.parked`; by key as well: `r["parked"]`). With
         strict, any engine error or missing ack raises ControlError (which
         carries results, errors {engine_id: EngineFailure(code, message, field)}
         and missing)."""
@@ -736,18 +746,18 @@ class AsyncClient:
 
     async def pause(
         self, mode: str = "abort", *, lora: str | None = None, timeout_s: float | None = None
-    ) -> dict[str, Any]:
-        """Returns once every engine is quiescent for the scope; per engine:
-        parked / frozen / held counts."""
+    ) -> dict[str, P.PauseResult]:
+        """Returns once every engine is quiescent for the scope; per engine a
+        PauseResult (parked / frozen / held counts)."""
         t = timeout_s or self.control_timeout_s
-        return await self.control(P.Pause(mode=mode, lora=lora, timeout_s=t), timeout_s=t)
+        return _expect(await self.control(P.Pause(mode=mode, lora=lora, timeout_s=t), timeout_s=t), P.PauseResult)
 
-    async def resume(self, *, lora: str | None = None) -> dict[str, Any]:
-        return await self.control(P.Resume(lora=lora))
+    async def resume(self, *, lora: str | None = None) -> dict[str, P.ResumeResult]:
+        return _expect(await self.control(P.Resume(lora=lora)), P.ResumeResult)
 
     async def is_paused(self, *, lora: str | None = None) -> bool:
-        res = await self.control(P.IsPaused(lora=lora))
-        return bool(res) and all(r["paused"] for r in res.values())
+        res = _expect(await self.control(P.IsPaused(lora=lora)), P.IsPausedResult)
+        return bool(res) and all(r.paused for r in res.values())
 
     @contextlib.asynccontextmanager
     async def paused(self, mode: str = "abort", *, lora: str | None = None):
@@ -759,19 +769,19 @@ class AsyncClient:
         finally:
             await self.resume(lora=lora)
 
-    async def sleep(self, level: int = 1) -> dict[str, Any]:
+    async def sleep(self, level: int = 1) -> dict[str, P.SleepResult]:
         """Put both tags ("weights", "kv_cache") to sleep on every engine (1:
         offload the weights, 2: discard them); {engine_id: SleepResult}."""
-        return await self.control(P.Sleep(level=level))
+        return _expect(await self.control(P.Sleep(level=level)), P.SleepResult)
 
-    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+    async def wake_up(self, tags: list[str] | None = None) -> dict[str, P.WakeUpResult]:
         """Wake `tags` (None: both) in any order and split, e.g. ["weights"],
         a weight update, then ["kv_cache"]; requests run once no tag sleeps.
         {engine_id: WakeUpResult} (`detail["asleep"]`: the tags still asleep)."""
-        return await self.control(P.WakeUp(tags=tags))
+        return _expect(await self.control(P.WakeUp(tags=tags)), P.WakeUpResult)
 
-    async def reset_prefix_cache(self) -> dict[str, Any]:
-        return await self.control(P.ResetPrefixCache())
+    async def reset_prefix_cache(self) -> dict[str, P.ResetPrefixCacheResult]:
+        return _expect(await self.control(P.ResetPrefixCache()), P.ResetPrefixCacheResult)
 
     async def update_weights(
         self,
@@ -783,7 +793,7 @@ class AsyncClient:
         timeout_s: float | None = None,
         check_finite: bool = True,
         **transport_options: Any,
-    ) -> dict[str, Any]:
+    ) -> dict[str, P.WeightsCommitted]:
         """Push new weights into every engine: begin → buckets → commit (the
         head's two-phase commit). One update at a time: while another client's
         update holds the cluster this raises UpdateInProgress naming it.
@@ -873,14 +883,14 @@ class AsyncClient:
         bucket_bytes: int | None = None,
         timeout_s: float | None = None,
         **transport_options: Any,
-    ) -> dict[str, dict[str, Any]]:
+    ) -> dict[str, P.WeightsCommitted]:
         """Bring every STALE engine (below the cluster weight version: restarted
         from its checkpoint, joined late) up to date from the trainer's current
         tensors — the ones the cluster serves. Only the stale engines receive
         them; each ends at the cluster version (set, not incremented) and serves
         again. {} when none is stale. No pause needed: stale engines serve nothing."""
-        h = await self.health()
-        stale = list(h.get("stale") or [eid for eid, e in h["engines"].items() if e.get("state") == "stale"])
+        h = await self.health_view()
+        stale = list(h.stale or [eid for eid, e in h.engines.items() if e.stale])
         if not stale:
             return {}
         from trainer_bridge.weights import push_weights
@@ -893,7 +903,7 @@ class AsyncClient:
             targets=stale,
             timeout_s=timeout_s or self.control_timeout_s,
             options=transport_options,
-            version=int(h.get("weight_version", 0)),
+            version=h.weight_version,
         )
 
     async def load_lora(
@@ -904,29 +914,52 @@ class AsyncClient:
         tensors: Iterable[tuple[str, Any]] | None = None,
         config: dict[str, Any] | None = None,
         targets: list[str] | None = None,
-    ) -> dict[str, Any]:
+    ) -> dict[str, P.ConfigResult]:
         """Load (or replace in place) adapter `name` from a PEFT folder `path`
-        or from `tensors` (PEFT names) + `config` (r, lora_alpha, target_modules)."""
+        or from `tensors` (PEFT names) + `config` (r, lora_alpha, target_modules).
+        Per engine its adapter set after the op (a LoraResult; a WeightsCommitted
+        when the tensors were staged)."""
         if (path is None) == (tensors is None):
             raise ValueError("load_lora takes exactly one of path= or tensors=")
         if path is not None:
-            return await self.control(P.LoadLora(name=name, path=path, config=config or {}), targets=targets)
+            op = P.LoadLora(name=name, path=path, config=config or {})
+            return dict(_expect(await self.control(op, targets=targets), P.LoraResult))
         from trainer_bridge.weights import push_weights
 
-        return await push_weights(
-            self,
-            list(tensors or ()),
-            transport="zmq",
-            bucket_bytes=None,
-            targets=targets,
-            timeout_s=self.control_timeout_s,
-            options={},
-            target=f"lora:{name}",
-            extra_args={"lora_config": dict(config or {})},
+        return dict(
+            await push_weights(
+                self,
+                list(tensors or ()),
+                transport="zmq",
+                bucket_bytes=None,
+                targets=targets,
+                timeout_s=self.control_timeout_s,
+                options={},
+                target=f"lora:{name}",
+                extra_args={"lora_config": dict(config or {})},
+            )
         )
 
-    async def unload_lora(self, name: str) -> dict[str, Any]:
-        return await self.control(P.UnloadLora(name=name))
+    async def unload_lora(self, name: str) -> dict[str, P.LoraResult]:
+        return _expect(await self.control(P.UnloadLora(name=name)), P.LoraResult)
+
+
+_B = TypeVar("_B", bound=P.Body)
+_R = TypeVar("_R", bound=P.ResultBase)
+
+
+def _body(rep: P.QueryReply, cls: type[_B]) -> _B:
+    """The reply's body as the type its question is answered with; another
+    body is a protocol error (a head of another version)."""
+    if not isinstance(rep.body, cls):
+        raise ProtocolError(
+            f"the head answered {type(rep.body).__name__}, expected {cls.__name__}", request_id=rep.request_id
+        )
+    return rep.body
+
+
+def _expect(results: dict[str, P.Result], cls: type[_R]) -> dict[str, _R]:
+    return P.expect(results, cls, str(cls.__struct_config__.tag or cls.__name__))
 
 
 # ---------------------------------------------------------------- sync face
@@ -1107,6 +1140,14 @@ class Client:
         """{"healthy": bool, "engines": {engine_id: detail}}."""
         return self._call(self._aclient.health(timeout_s), timeout_s)
 
+    def health_view(self, timeout_s: float | None = None) -> P.HealthView:
+        """The cluster's health, typed (`health()` is the same as plain dicts)."""
+        return self._call(self._aclient.health_view(timeout_s), timeout_s)
+
+    def engine_views(self) -> list[P.EngineView]:
+        """Every registered engine, typed (`engines()` is the same as plain dicts)."""
+        return self._call(self._aclient.engine_views())
+
     def engines(self) -> list[dict[str, Any]]:
         """Every registered engine's detail (state, address, backend, load…)."""
         return self._call(self._aclient.engines())
@@ -1120,19 +1161,21 @@ class Client:
         return self._call(self._aclient.wait_ready(num_engines, timeout_s), timeout_s)
 
     def control(
-        self, op: Any, *, targets: list[str] | None = None, timeout_s: float | None = None, strict: bool = True
-    ) -> dict[str, Any]:
+        self, op: P.Op, *, targets: list[str] | None = None, timeout_s: float | None = None, strict: bool = True
+    ) -> dict[str, P.Result]:
         """Fan `op` out to the engines; returns {engine_id: the op's typed
         result}. With strict, any engine error or missing ack raises
         ControlError (results, errors {engine_id: EngineFailure}, missing)."""
         return self._call(self._aclient.control(op, targets=targets, timeout_s=timeout_s, strict=strict), timeout_s)
 
-    def pause(self, mode: str = "abort", *, lora: str | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+    def pause(
+        self, mode: str = "abort", *, lora: str | None = None, timeout_s: float | None = None
+    ) -> dict[str, P.PauseResult]:
         """Returns once every engine is quiescent for the scope; per engine a
         PauseResult (parked / frozen / held counts)."""
         return self._call(self._aclient.pause(mode, lora=lora, timeout_s=timeout_s), timeout_s)
 
-    def resume(self, *, lora: str | None = None) -> dict[str, Any]:
+    def resume(self, *, lora: str | None = None) -> dict[str, P.ResumeResult]:
         """Open the gate (all scopes, or adapter `lora`); per engine a ResumeResult."""
         return self._call(self._aclient.resume(lora=lora))
 
@@ -1150,16 +1193,16 @@ class Client:
         finally:
             self.resume(lora=lora)
 
-    def sleep(self, level: int = 1) -> dict[str, Any]:
+    def sleep(self, level: int = 1) -> dict[str, P.SleepResult]:
         """Release GPU memory (1: offload weights, 2: discard them); requests wait."""
         return self._call(self._aclient.sleep(level))
 
-    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, P.WakeUpResult]:
         """Restore memory by tag ("weights", "kv_cache"; None: both), in any order
         and split; requests run again once no tag is asleep. Per engine results."""
         return self._call(self._aclient.wake_up(tags))
 
-    def reset_prefix_cache(self) -> dict[str, Any]:
+    def reset_prefix_cache(self) -> dict[str, P.ResetPrefixCacheResult]:
         return self._call(self._aclient.reset_prefix_cache())
 
     def update_weights(
@@ -1172,7 +1215,7 @@ class Client:
         timeout_s: float | None = None,
         check_finite: bool = True,
         **transport_options: Any,
-    ) -> dict[str, Any]:
+    ) -> dict[str, P.WeightsCommitted]:
         """Push new weights into every engine: begin → buckets → finish.
         All-or-nothing per engine: on any failure every engine keeps its old
         weights and version, and the error names the engine and tensor.
@@ -1205,7 +1248,7 @@ class Client:
         bucket_bytes: int | None = None,
         timeout_s: float | None = None,
         **transport_options: Any,
-    ) -> dict[str, Any]:
+    ) -> dict[str, P.WeightsCommitted]:
         """Bring every STALE engine up to date from the trainer's current tensors
         (only those engines; they take the cluster version). {} when none is stale."""
         return self._call(
@@ -1223,12 +1266,12 @@ class Client:
         tensors: Iterable[tuple[str, Any]] | None = None,
         config: dict[str, Any] | None = None,
         targets: list[str] | None = None,
-    ) -> dict[str, Any]:
+    ) -> dict[str, P.ConfigResult]:
         """Load (or replace in place) adapter `name` from a PEFT folder `path`
         or from `tensors` (PEFT names) + `config` (r, lora_alpha, target_modules)."""
         return self._call(self._aclient.load_lora(name, path=path, tensors=tensors, config=config, targets=targets))
 
-    def unload_lora(self, name: str) -> dict[str, Any]:
+    def unload_lora(self, name: str) -> dict[str, P.LoraResult]:
         return self._call(self._aclient.unload_lora(name))
 
     def close(self) -> None:
@@ -1274,16 +1317,16 @@ class SyncWeightUpdate:
         return self._upd.update_id
 
     @property
-    def results(self) -> dict[str, Any]:
+    def results(self) -> dict[str, P.WeightsCommitted]:
         return self._upd.results
 
     def sender(self, rank: int = 0) -> SyncWeightSender:
         return SyncWeightSender(self._client, self._upd.sender(rank))
 
-    def prepare(self) -> dict[str, Any]:
+    def prepare(self) -> dict[str, P.WeightsPrepared]:
         return self._client._call(self._upd.prepare())
 
-    def commit(self) -> dict[str, Any]:
+    def commit(self) -> dict[str, P.WeightsCommitted]:
         return self._client._call(self._upd.commit())
 
     def abort(self) -> None:

@@ -67,6 +67,7 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
+from bus import protocol as P
 from bus.errors import BadRequest
 from bus.tensors import DEFAULT_BUCKET_BYTES, first_nonfinite, plan_buckets
 
@@ -398,7 +399,7 @@ def make_sender(
     metas: list[Any],
     sizes: list[int],
     tensors: list[Any],
-    engines: list[dict[str, Any]],
+    engines: list[P.EngineView],
     options: dict[str, Any],
 ) -> Any:
     """options (update_weights(**transport_options)): device, nccl_host, nccl_port, nccl_timeout_s,
@@ -449,18 +450,18 @@ def _check_arg(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _nccl_sender(
-    engines: list[dict[str, Any]], options: dict[str, Any], tensors: list[Any]
+    engines: list[P.EngineView], options: dict[str, Any], tensors: list[Any]
 ) -> tuple[tuple[Any, ...], NcclSender]:
     """The trainer's one NcclSender for this engine set (made on first use, kept
     for later updates; another engine set closes the old group)."""
     import torch
 
-    world = 1 + sum(int(e.get("tp", 1) or 1) * int(e.get("pp", 1) or 1) for e in engines)
+    world = 1 + sum((e.tp or 1) * (e.pp or 1) for e in engines)
     dev = options.get("device")
     dev = str(torch.device(dev) if dev is not None else _device_of(tensors, None))
     host = options.get("nccl_host", "127.0.0.1")
     rank = options.get("sender_rank")  # several senders: each rank owns a group
-    key = (world, dev, host, tuple(sorted(e["engine_id"] for e in engines)), rank)
+    key = (world, dev, host, tuple(sorted(e.engine_id for e in engines)), rank)
     s = _NCCL_SENDERS.get(key)
     if s is None:
         for k in [k for k in _NCCL_SENDERS if k[-1] == rank]:  # another engine set: that group is done
@@ -485,20 +486,15 @@ async def warm_up_nccl(
     calls with the same options and engines use."""
     import asyncio
 
-    from bus import protocol as P
     from bus.errors import ControlError
 
     options = dict(options or {})
     t0 = time.perf_counter()
-    h = await client.health()
-    engines = [
-        e
-        for e in h["engines"].values()
-        if (e.get("healthy") or e.get("state") == "stale") and (targets is None or e["engine_id"] in targets)
-    ]
+    h = await client.health_view()
+    engines = [e for e in h.engines.values() if (e.healthy or e.stale) and (targets is None or e.engine_id in targets)]
     if not engines:
         raise ControlError("warm_up_nccl: no healthy engine to set the NCCL group up with", missing=list(targets or []))
-    eids = [e["engine_id"] for e in engines]
+    eids = [e.engine_id for e in engines]
     key, s = _nccl_sender(engines, options, [])
     if s.comm is not None:
         return {"seconds": round(time.perf_counter() - t0, 4), "reused": True}
@@ -545,7 +541,7 @@ class _NcclBridgeSender:
         metas: list[Any],
         sizes: list[int],
         tensors: list[Any],
-        engines: list[dict[str, Any]],
+        engines: list[P.EngineView],
         options: dict[str, Any],
     ) -> None:
         self.metas, self.sizes, self.tensors = metas, sizes, tensors
@@ -603,7 +599,7 @@ class GpuPartSender:
         client: Any,
         update_id: str,
         rank: int,
-        engines: list[dict[str, Any]],
+        engines: list[P.EngineView],
         transport: str,
         *,
         bucket_bytes: int,
@@ -630,8 +626,6 @@ class GpuPartSender:
     async def send(self, named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
         import asyncio
 
-        from bus import protocol as P
-
         t0 = time.perf_counter()
         named = [(n, self.cast(t.detach())) for n, t in named]
         if self.check_finite:
@@ -643,7 +637,7 @@ class GpuPartSender:
                     field="tensors",
                 )
         metas, sizes, tensors = plan_buckets(named, self.bucket_bytes)
-        eids = [e["engine_id"] for e in self.engines]
+        eids = [e.engine_id for e in self.engines]
         if self.transport == "cuda_ipc":
             self._ipc = CudaIpcSender(self.bucket_bytes, device=self.options.get("device"))
             handles = self._ipc.share(metas, sizes, tensors)
@@ -695,7 +689,7 @@ class GpuPartSender:
         limit = self.timeout_s if timeout_s is None else float(timeout_s)
         end = time.monotonic() + limit
         while True:
-            decided = (await self.client._query("weight_update_decisions"))["decisions"]
+            decided = (await self.client._query("weight_update_decisions", P.DecisionsView)).decisions
             if self.update_id not in decided or decided[self.update_id] == "abort":
                 break  # the commit round is over (the head dropped it), or aborted
             if time.monotonic() > end:

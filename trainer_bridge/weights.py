@@ -72,7 +72,7 @@ async def push_weights(
     extra_args: dict[str, Any] | None = None,
     version: int | None = None,
     check_finite: bool = True,
-) -> dict[str, Any]:
+) -> dict[str, P.WeightsCommitted]:
     """`version`: the weight version the engines take at commit (a model
     update). None: the head picks one above everything the cluster has served
     (its cluster version and every engine's), so versions never repeat or go
@@ -134,22 +134,20 @@ class WeightUpdate:
         self.extra_args = dict(extra_args or {})
         self.bucket_bytes = int(bucket_bytes or DEFAULT_BUCKET_BYTES)
         self.update_id = uuid.uuid4().hex[:16]
-        self.engines: list[dict[str, Any]] = []
+        self.engines: list[P.EngineView] = []
         self.planned = False
-        self.results: dict[str, Any] = {}
+        self.results: dict[str, P.WeightsCommitted] = {}
         self.state = "new"  # new | open | committed | aborted
 
     @property
     def engine_ids(self) -> list[str]:
-        return [e["engine_id"] for e in self.engines]
+        return [e.engine_id for e in self.engines]
 
     async def _pick_engines(self) -> None:
-        h = await self.client.health()
+        h = await self.client.health_view()
         # Stale engines take part: an update is what brings them up to date.
         self.engines = [
-            e
-            for e in h["engines"].values()
-            if _updatable(e) and (self.targets is None or e["engine_id"] in self.targets)
+            e for e in h.engines.values() if _updatable(e) and (self.targets is None or e.engine_id in self.targets)
         ]
         if not self.engines:
             raise ControlError("no healthy engine to update", missing=list(self.targets or []))
@@ -243,17 +241,18 @@ class WeightUpdate:
             with_metas=not self.planned,
         )
 
-    async def prepare(self) -> dict[str, Any]:
+    async def prepare(self) -> dict[str, P.WeightsPrepared]:
         """Phase one on its own (optional: commit() prepares what has not
         voted). Returns {engine_id: WeightsPrepared}; raises ControlError."""
         op = P.PrepareWeights(self.update_id, wait_s=self.timeout_s * 0.75)
         try:
-            return await self.client.control(op, targets=self.engine_ids, timeout_s=self.timeout_s)
+            res = await self.client.control(op, targets=self.engine_ids, timeout_s=self.timeout_s)
+            return P.expect(res, P.WeightsPrepared, "prepare_weights")
         except BaseException:
             await self.abort()
             raise
 
-    async def commit(self) -> dict[str, Any]:
+    async def commit(self) -> dict[str, P.WeightsCommitted]:
         """The head prepares engines that have not voted and commits only if
         all voted yes. Returns {engine_id: WeightsCommitted} of the engines
         that committed (one that missed the commit is stale: see health())."""
@@ -268,21 +267,22 @@ class WeightUpdate:
             g.release()
         self._gpu_senders = []
 
-    async def _commit(self, commit: P.FinishWeightUpdate) -> dict[str, Any]:
+    async def _commit(self, commit: P.FinishWeightUpdate) -> dict[str, P.WeightsCommitted]:
         try:
             # targets=None: the head commits on the update's own targets.
-            self.results = await self.client.control(commit, timeout_s=self.timeout_s)
+            res = await self.client.control(commit, timeout_s=self.timeout_s)
         except ControlError as e:
             if not e.results:  # nothing committed: the head aborted it (or never decided)
                 await self.abort()
                 raise
             # Decided and committed; these engines missed it and are stale now.
             log.warning("weight_commit_missed", update_id=self.update_id, failed=sorted(e.errors), missing=e.missing)
-            self.results = dict(e.results)
+            res = dict(e.results)
         except BaseException:
             await self.abort()
             raise
         self.state = "committed"
+        self.results = P.expect(res, P.WeightsCommitted, "finish_weights")
         return self.results
 
     async def abort(self) -> None:
@@ -336,15 +336,15 @@ async def join_update(
 ) -> Any:
     """A sender handle for an update opened elsewhere (another process's
     coordinator): the head says its targets and senders."""
-    ups = (await client._query("weight_updates"))["updates"]
+    ups = (await client._query("weight_updates", P.WeightUpdatesView)).updates
     txn = ups.get(update_id)
     if txn is None:
         raise ControlError(f"no open weight update {update_id!r} at the head (open: {sorted(ups)})")
-    if not 0 <= rank < int(txn["senders"]):
-        raise ValueError(f"rank {rank} is not one of the {txn['senders']} sender(s) of update {update_id}")
-    h = await client.health()
-    engines = [h["engines"][eid] for eid in txn["targets"] if eid in h["engines"]]
-    if txn.get("transport") in GPU_TRANSPORTS:
+    if not 0 <= rank < txn.senders:
+        raise ValueError(f"rank {rank} is not one of the {txn.senders} sender(s) of update {update_id}")
+    h = await client.health_view()
+    engines = [h.engines[eid] for eid in txn.targets if eid in h.engines]
+    if txn.transport in GPU_TRANSPORTS:
         from trainer_bridge.gpu_transports import GpuPartSender
 
         return GpuPartSender(
@@ -352,12 +352,12 @@ async def join_update(
             update_id,
             rank,
             engines,
-            txn["transport"],
+            txn.transport,
             bucket_bytes=int(bucket_bytes or DEFAULT_BUCKET_BYTES),
             timeout_s=timeout_s,
-            cast=_caster(engines, txn["target"]),
+            cast=_caster(engines, txn.target),
             options=dict(options or {}),
-            check_finite=bool(txn.get("check_finite", True)),
+            check_finite=txn.check_finite,
         )
     return WeightSender(
         client,
@@ -366,7 +366,7 @@ async def join_update(
         engines,
         bucket_bytes=int(bucket_bytes or DEFAULT_BUCKET_BYTES),
         timeout_s=timeout_s,
-        cast=_caster(engines, txn["target"]),
+        cast=_caster(engines, txn.target),
         with_metas=True,
     )
 
@@ -381,7 +381,7 @@ class WeightSender:
         client: AsyncClient,
         update_id: str,
         rank: int,
-        engines: list[dict[str, Any]],
+        engines: list[P.EngineView],
         *,
         bucket_bytes: int,
         timeout_s: float,
@@ -410,11 +410,11 @@ class WeightSender:
         socks = {
             # The engine's own key (from its Register) is the server key; the
             # engine checks ours against its "peers" allow-list.
-            e["engine_id"]: open_socket(
+            e.engine_id: open_socket(
                 ctx,
                 zmq.DEALER,
-                connect=e["weight_address"],
-                curve=curve.connecting_to(e["curve_key"].encode()) if curve and e.get("curve_key") else curve,
+                connect=e.weight_address,
+                curve=curve.connecting_to(e.curve_key.encode()) if curve and e.curve_key else curve,
             )
             for e in self.engines
         }
@@ -484,7 +484,7 @@ class WeightSender:
 
 async def _push_gpu(
     upd: WeightUpdate, named: list[tuple[str, Any]], transport: str, options: dict[str, Any]
-) -> dict[str, Any]:
+) -> dict[str, P.WeightsCommitted]:
     from trainer_bridge import gpu_transports
 
     await upd._pick_engines()
@@ -556,17 +556,17 @@ def _refuse_nonfinite(bad: str | None) -> None:
         )
 
 
-def _updatable(e: dict[str, Any]) -> bool:
-    return bool(e.get("healthy")) or e.get("state") == "stale"
+def _updatable(e: P.EngineView) -> bool:
+    return e.healthy or e.stale
 
 
-def _caster(engines: list[dict[str, Any]], target: str) -> Any:
+def _caster(engines: list[P.EngineView], target: str) -> Any:
     """A bf16 engine fed by an fp32 trainer (or the reverse): floating tensors
     are cast, one at a time as they are packed, to the dtype the engines
     registered, when they agree on one."""
     import torch
 
-    dtypes = {e.get("dtype", "") for e in engines}
+    dtypes = {e.dtype for e in engines}
     dt = getattr(torch, dtypes.pop(), None) if len(dtypes) == 1 and "" not in dtypes else None
     if target != "model" or not isinstance(dt, torch.dtype):
         return lambda t: t
