@@ -19,7 +19,8 @@ from bus import protocol as P
 from bus.errors import BadRequest, EncodeFailed, ProtocolError, truncate
 from bus.frames import TOKEN_BYTES, token_bytes, token_count, unpack_tokens
 
-_PATH_INDEX = re.compile(r"\[(\d+)\]")
+# msgspec's error path: `[N]` a list / array-like index, `[...]` a dict's value.
+_PATH_INDEX = re.compile(r"\[(\d+|\.\.\.)\]")
 
 
 def _struct_of(ann: Any, raw: Any) -> Any:
@@ -32,6 +33,8 @@ def _struct_of(ann: Any, raw: Any) -> Any:
         return ann
     if typing.get_origin(ann) in (typing.Union, types.UnionType):
         structs = [a for a in typing.get_args(ann) if isinstance(a, type) and issubclass(a, msgspec.Struct)]
+        if len(structs) == 1:  # an optional Struct (Ack.failure)
+            return structs[0]
         tag = raw[0] if isinstance(raw, list) and raw else None
         for t in structs:
             if t.__struct_config__.tag is not None and t.__struct_config__.tag == tag:
@@ -45,6 +48,20 @@ def _item_of(ann: Any) -> Any:
         ann = typing.get_args(ann)[0]
     if typing.get_origin(ann) is list:
         return typing.get_args(ann)[0]
+    if typing.get_origin(ann) is dict:
+        return typing.get_args(ann)[1]
+    return None
+
+
+def _value_of(item: Any, raw: Any) -> Any:
+    """The raw dict value a `[...]` path step goes through. msgspec does not
+    say which key: the first value whose tag names a member of `item` (or the
+    only one) - the field named is right whenever the dict's values share a type."""
+    if not isinstance(raw, dict):
+        return None
+    for v in raw.values():
+        if _struct_of(item, v) is not None:
+            return v
     return None
 
 
@@ -57,6 +74,13 @@ def _field_path(cls: type, path: str, raw: Any = None) -> str | None:
     cur: Any = cls
     item: Any = None  # the element annotation while the path is inside a list
     for m in _PATH_INDEX.finditer(path):
+        if m.group(1) == "...":
+            if cur is not None or item is None:
+                return ".".join(names) if names else None
+            names[-1] += "[...]"
+            raw = _value_of(item, raw)
+            cur, item = _struct_of(item, raw), None
+            continue
         idx = int(m.group(1))
         raw_next = raw[idx] if isinstance(raw, list) and idx < len(raw) else None
         if cur is None:
@@ -124,8 +148,12 @@ class Codec:
             msg = dec.decode(frames[1])
         except msgspec.ValidationError as e:
             text = str(e)
-            at = text.rsplit(" - at `$", 1)
+            # "... - at `$[2][0]`", or for a dict key "... - at `key` in `$[2][1]`"
+            key = " - at `key` in `$" in text
+            at = text.rsplit(" - at `key` in `$" if key else " - at `$", 1)
             field = _field_path(cls, at[1], _raw(frames[1])) if len(at) == 2 else None
+            if key and field is not None:
+                field += "[<key>]"
             raise BadRequest(
                 f"invalid {cls.__name__}: {truncate(at[0])}", field=field, request_id=request_id_of(frames)
             ) from None
@@ -258,6 +286,8 @@ def request_id_of(frames: Sequence[Any]) -> str:
         raw = msgspec.msgpack.decode(frames[1])
         if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], str) and len(raw[1]) <= P.MAX_ID_CHARS:
             return raw[1]
-    except Exception:
+    # Hostile bodies: msgspec's decode errors, a missing frame, a frame that is
+    # not bytes, nesting too deep; the caller's error reply goes out without an id.
+    except (msgspec.DecodeError, IndexError, TypeError, ValueError, RecursionError, MemoryError):
         pass
     return ""

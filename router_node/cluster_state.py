@@ -134,7 +134,7 @@ class ClusterWeights:
     # ------------------------------------------------------------ fan-out hooks
 
     def on_control(
-        self, op: Any, targets: list[str] | None = None, *, client: bytes = b"", now: float = 0.0, wall: float = 0.0
+        self, op: P.Op, targets: list[str] | None = None, *, client: bytes = b"", now: float = 0.0, wall: float = 0.0
     ) -> None:
         """A control op the head fans out (before publishing it). Raises
         UpdateInProgress (a begin while another update holds the cluster) or
@@ -207,7 +207,7 @@ class ClusterWeights:
             )
         return None
 
-    def on_control_done(self, op: Any, results: Mapping[str, Any]) -> bool:
+    def on_control_done(self, op: P.Op, results: Mapping[str, P.ResultBase]) -> bool:
         """Acks of a fanned-out op are in. True when the cluster version moved."""
         if isinstance(op, (P.BeginWeightUpdate, P.ReceiveWeights, P.PrepareWeights)):
             self.on_votes(op.update_id, results)
@@ -223,7 +223,7 @@ class ClusterWeights:
             return False
         return self._moved_to(max(versions))
 
-    def on_votes(self, update_id: str, results: Mapping[str, Any]) -> None:
+    def on_votes(self, update_id: str, results: Mapping[str, P.ResultBase]) -> None:
         txn = self.txns.get(update_id)
         if txn is None:
             return

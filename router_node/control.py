@@ -196,7 +196,7 @@ class ClusterControl:
             prep = P.PrepareWeights(txn.update_id, wait_s=max(0.1, 0.75 * msg.timeout_s))
 
             def prepared(pc: PendingCommand) -> None:
-                self.cluster.on_votes(txn.update_id, {eid: a.result for eid, a in pc.acks.items() if a.ok})
+                self.cluster.on_votes(txn.update_id, {eid: a.result or P.Done() for eid, a in pc.acks.items() if a.ok})
                 errors = {eid: failure_of(a) for eid, a in pc.acks.items() if not a.ok}
                 if errors or pc.missing:
                     self._abort(txn, f"prepare failed on {sorted(errors)}, no vote from {pc.missing}")

@@ -38,7 +38,7 @@ def _minimal(t: mi.Type) -> Any:
         return ""
     if isinstance(t, mi.BoolType):
         return False
-    if isinstance(t, (mi.NoneType, mi.AnyType)):
+    if isinstance(t, (mi.NoneType, mi.AnyType, mi.CustomType)):
         return None
     if isinstance(t, mi.ListType):
         return []
@@ -87,11 +87,26 @@ def _edges(t: mi.Type, path: str) -> Iterator[tuple[str, Any, Any]]:
                 yield path, [v] * m.max_length, [v] * (m.max_length + 1)
             for sub, ok, bad in _edges(item, f"{path}[0]"):
                 yield sub, [ok], [bad]
-        elif isinstance(m, mi.StructType) and m.cls.__struct_config__.tag is None:
+        elif isinstance(m, mi.DictType):
+            # Keys of the free-form dicts (Detail, transport_args) are not bounded:
+            # only a bounded key type is checked at its bound.
+            key, value = m.key_type, m.value_type
+            v = _minimal(value)
+            if isinstance(key, mi.StrType) and key.max_length is not None:
+                yield f"{path}[<key>]", {"x" * key.max_length: v}, {"x" * (key.max_length + 1): v}
+            if m.max_length is not None and m.max_length <= _BIG_LIST:
+                yield path, {str(i): v for i in range(m.max_length)}, {str(i): v for i in range(m.max_length + 1)}
+            for sub, ok, bad in _edges(value, f"{path}[...]"):
+                yield sub, {"k": ok}, {"k": bad}
+        elif isinstance(m, mi.StructType):
+            # A nested part, or a member of a tagged union (Control.op,
+            # Ack.result, QueryReply.body): the path names the member's field.
             base = _raw(m.cls)
-            for i, f in enumerate(mi.type_info(m.cls).fields):  # type: ignore[attr-defined]
+            off = 1 if m.tag is not None else 0
+            for i, f in enumerate(m.fields):
+                j = i + off
                 for sub, ok, bad in _edges(f.type, f"{path}.{f.name}"):
-                    yield sub, base[:i] + [ok] + base[i + 1 :], base[:i] + [bad] + base[i + 1 :]
+                    yield sub, base[:j] + [ok] + base[j + 1 :], base[:j] + [bad] + base[j + 1 :]
 
 
 def _cases() -> Iterator[tuple[type, str, list[Any], list[Any]]]:
@@ -100,20 +115,19 @@ def _cases() -> Iterator[tuple[type, str, list[Any], list[Any]]]:
         base = _raw(cls)
         off = 1 if info.tag is not None else 0
         for i, f in enumerate(info.fields):
-            if f.name in ("op", "result", "results"):  # tagged unions: _UNION_CASES below
-                continue
             for path, ok, bad in _edges(f.type, f.name):
                 j = i + off
                 yield cls, path, base[:j] + [ok] + base[j + 1 :], base[:j] + [bad] + base[j + 1 :]
 
 
 CASES = list(_cases())
-# Through a tagged union (Control.op, Ack.result): the path names the member's field.
+# Through a tagged union (Control.op, Ack.result), written out (the table above derives them too).
 _UNION_CASES = [
     (P.Control, "op.version", ["ctl", "r", ["finish_weights", "u", P.MAX_COMMIT_VERSION]], ["ctl", "r", ["finish_weights", "u", P.MAX_COMMIT_VERSION + 1]]),
     (P.Control, "op.senders", ["ctl", "r", ["begin_weights", "u", "zmq", [], [], "model", {}, 1024]], ["ctl", "r", ["begin_weights", "u", "zmq", [], [], "model", {}, 1025]]),
     (P.Command, "op.lora", ["cmd", 1, ["pause", "abort", "l" * 256]], ["cmd", 1, ["pause", "abort", "l" * 257]]),
-    (P.Ack, "result.weight_version", ["ack", 1, "e0", True, ["config", P.MAX_VERSION]], ["ack", 1, "e0", True, ["config", P.MAX_VERSION + 1]]),
+    (P.Ack, "result.weight_version", ["ack", 1, "e0", ["config", P.MAX_VERSION]], ["ack", 1, "e0", ["config", P.MAX_VERSION + 1]]),
+    (P.Ack, "failure.code", ["ack", 1, "e0", None, ["x" * 256, "m"]], ["ack", 1, "e0", None, ["x" * 257, "m"]]),
 ]  # fmt: skip
 
 
@@ -126,6 +140,19 @@ def test_every_int_and_str_field_is_bounded():
     # ClientPing carries nothing: no bound to test
     assert {c for c, *_ in CASES} == set(P.KIND_OF) - {P.ClientPing}
     assert len(CASES) > 150, len(CASES)
+    paths = {(c, p) for c, p, *_ in CASES}
+    # every member of the tagged unions is walked: each query body, each result, the failure
+    for body in P.QueryBody.__args__:
+        for f in mi.type_info(body).fields:  # type: ignore[attr-defined]
+            if not isinstance(f.type, (mi.BoolType, mi.FloatType)):
+                assert any(p.startswith(f"body.{f.name}") for c, p in paths if c is P.QueryReply), (body, f.name)
+    for res in P.Result.__args__:
+        for f in mi.type_info(res).fields:  # type: ignore[attr-defined]
+            if not isinstance(f.type, (mi.BoolType, mi.FloatType, mi.DictType)) and f.name != "heartbeat":
+                assert (P.Ack, f"result.{f.name}") in paths, (res, f.name)
+    assert (P.Ack, "result.heartbeat.running") in paths
+    assert (P.QueryReply, "body.engines[...].curve_key") in paths
+    assert (P.ControlReply, "errors[...].field") in paths
 
 
 @pytest.mark.parametrize(
@@ -162,7 +189,7 @@ def _bounded(t: mi.Type) -> st.SearchStrategy[Any]:
         return st.text(max_size=min(t.max_length or 8, 8))
     if isinstance(t, mi.BoolType):
         return st.booleans()
-    if isinstance(t, (mi.NoneType, mi.AnyType)):
+    if isinstance(t, (mi.NoneType, mi.AnyType, mi.CustomType)):
         return st.none()
     if isinstance(t, mi.ListType):
         return st.lists(_bounded(t.item_type), max_size=3)

@@ -49,7 +49,7 @@ class SimEngine:
         self.acked_seq = max(self.acked_seq, seq)
         if isinstance(op, P.Pause):
             if op.mode not in ("abort", "keep", "wait"):
-                return P.Ack(seq=seq, engine_id="e", ok=False, code="bad_request", error="mode", field="mode")
+                return P.Ack(seq=seq, engine_id="e", failure=P.EngineFailure("bad_request", "mode", "mode"))
             self.gate.add(op.lora or ALL)
             return P.Ack(seq=seq, engine_id="e", result=P.PauseResult(mode=op.mode, scope=op.lora or ALL))
         if isinstance(op, P.Resume):
@@ -66,7 +66,7 @@ class SimEngine:
         assert isinstance(op, P.WakeUp)
         tags = set(SLEEP_TAGS) if op.tags is None else set(op.tags)
         if tags - SLEEP_TAGS:
-            return P.Ack(seq=seq, engine_id="e", ok=False, code="bad_request", error="tags", field="tags")
+            return P.Ack(seq=seq, engine_id="e", failure=P.EngineFailure("bad_request", "tags", "tags"))
         self.asleep -= tags
         if not self.asleep:
             self.gate.discard(SLEEP_SCOPE)
@@ -117,7 +117,10 @@ class Harness:
         if self.acks:
             a = self.acks.pop(0)
             self.open.discard(a.seq)
-            self.st.acked("e", a.seq, ok=a.ok, result=a.result, code=a.code, error=a.error or "")
+            f = a.failure
+            self.st.acked(
+                "e", a.seq, ok=a.ok, result=a.result, code=f and f.code, error=f.message if f is not None else ""
+            )
             self.tick()  # the router re-checks an engine on each ack / heartbeat / expiry
 
     def expire(self) -> None:

@@ -243,7 +243,7 @@ def test_heartbeats_and_acks_for_an_engine_count_only_from_its_own_connection(cl
     before = c.stats()["counters"]["spoofed_events"]
     codec = Codec()
     hb = codec.encode(P.Heartbeat(engine_id="e0", incarnation=e0["incarnation"], weight_version=999))
-    ack = codec.encode(P.Ack(seq=1, engine_id="e0", ok=False, error="forged"))
+    ack = codec.encode(P.Ack(seq=1, engine_id="e0", failure=P.EngineFailure("internal", "forged")))
     ctx = zmq.Context.instance()
     socks = []
     try:

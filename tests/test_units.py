@@ -28,14 +28,19 @@ def test_every_message_round_trips():
         P.ChunkBatch([P.Chunk("a"), P.Chunk("b", finish_reason="length")], [1, 2]),
         P.Error("r", "bad_request", "m", "f"),
         P.Command(1, P.Pause(mode="keep", lora="x"), ["e0"]),
-        P.Ack(1, "e0", True, P.WeightsCommitted(weight_version=2, loras=["x"], epoch=3, bytes=8)),
-        P.Ack(2, "e0", False, None, "took too long", "backend_timeout", "op_timeout_s"),
+        P.Ack(1, "e0", P.WeightsCommitted(weight_version=2, loras=["x"], epoch=3, bytes=8)),
+        P.Ack(2, "e0", None, P.EngineFailure("backend_timeout", "took too long", "op_timeout_s")),
         P.Control("r", P.BeginWeightUpdate("u", "zmq", [P.TensorMeta("w", "float32", [2], 0, 0, 8)], [256])),
         P.ControlReply(
             "r", {"e0": P.PauseResult(mode="abort", parked=2)}, {"e1": P.EngineFailure("timeout", "x")}, ["e2"]
         ),
         P.Query("r", "health"),
-        P.QueryReply("r", {"k": [1]}),
+        P.QueryReply("r", P.SessionEnded(ended=True)),
+        P.QueryReply("r", P.HealthView(True, {"e0": P.EngineView("e0", True, intended=P.IntentView(["*"]))})),
+        P.QueryReply("r", P.EnginesView([P.EngineView("e0", curve_key="k", heartbeat_age_s=0.5)])),
+        P.QueryReply("r", P.StatsView({"errors": 1}, 2, 3, P.PrefixView(placed=1, blocks={"e0": 4}))),
+        P.QueryReply("r", P.WeightUpdatesView({"u": P.WeightTxnView("u", targets=["e0"], decision=None)})),
+        P.QueryReply("r", P.DecisionsView({"u": None, "v": "commit"})),
         P.EndSession("r", "s"),
         P.Register("e0", "ipc://d", "ipc://w", "torch", "m", 1, "inc"),
         P.RegisterReply(True),
@@ -49,7 +54,8 @@ def test_every_message_round_trips():
         P.WeightBucket("u", 1, sender=2, metas=[P.TensorMeta("w", "float32", [2], 1, 0, 8)]),
         P.WeightSenderEnd("u", 2, 3),
         P.Command(3, P.PrepareWeights("u", wait_s=2.0)),
-        P.Ack(3, "e0", True, P.WeightsPrepared(buckets=2, tensors=3, bytes=16)),
+        P.Ack(3, "e0", P.WeightsPrepared(buckets=2, tensors=3, bytes=16)),
+        P.Ack(4, "e0", P.StatsResult(P.Heartbeat("e0", "inc", running=1), {"loop": {"turns": 3}})),
         P.Control(
             "r", P.BeginWeightUpdate("u", "cuda_ipc", [], [], senders=2, streamed=True, prepare=True, handles=[b"h"])
         ),
@@ -254,5 +260,5 @@ def test_an_engine_error_text_reaches_the_client_cut_to_1kb():
     from bus.errors import MAX_ECHO
     from router_node.control import failure_of
 
-    f = failure_of(P.Ack(seq=1, engine_id="e0", ok=False, error="x" * 50_000, code="backend_refused", field="w"))
+    f = failure_of(P.Ack(seq=1, engine_id="e0", failure=P.EngineFailure("backend_refused", "x" * 50_000, "w")))
     assert len(f.message) <= MAX_ECHO and f.message.endswith("more chars]") and f.field == "w"

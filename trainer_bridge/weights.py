@@ -294,8 +294,8 @@ class WeightUpdate:
             await self.client.control(
                 P.AbortWeightUpdate(self.update_id), timeout_s=min(self.timeout_s, 10.0), strict=False
             )
-        except Exception:
-            pass
+        except Exception as e:  # best effort: an engine that kept it drops it at its prepare_ttl_s
+            log.warning("weight_abort_failed", update_id=self.update_id, error=str(e))
         finally:
             self._release_gpu()
 
