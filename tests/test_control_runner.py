@@ -90,7 +90,8 @@ def test_deadline_backstop_acks_a_timeout_naming_the_knob_and_moves_on() -> None
         assert rig.acks == []
         rig.r.check_deadline(time.monotonic() + 1.0)
         assert [a.seq for a in rig.acks] == [1, 2]
-        assert not rig.acks[0].ok and rig.acks[0].code == "backend_timeout" and "sleep_timeout_s" in rig.acks[0].error
+        f = rig.acks[0].failure
+        assert f is not None and f.code == "backend_timeout" and "sleep_timeout_s" in f.message
         rig.ops["sleep"].future.set_result({})  # too late: dropped
         rig.r.on_wake()
         assert len(rig.acks) == 2
@@ -102,7 +103,8 @@ def test_failures_are_typed_and_deferred_ops_are_not_acked_here() -> None:
     rig = Rig()
     try:
         rig.cmd(1, P.ResetPrefixCache())
-        assert rig.acks[-1].code == "internal" and "bug" in rig.acks[-1].error
+        f = rig.acks[-1].failure
+        assert f is not None and f.code == "internal" and "bug" in f.message
         rig.cmd(2, P.Pause(mode="wait"))
         assert len(rig.acks) == 1  # the core acks a wait-mode pause itself
         rig.cmd(3, P.Sleep(level=1))
@@ -110,6 +112,7 @@ def test_failures_are_typed_and_deferred_ops_are_not_acked_here() -> None:
         assert rig.woke()
         rig.r.on_wake()
         a = rig.acks[-1]
-        assert (a.seq, a.ok, a.code, a.field) == (3, False, "backend_refused", "level")
+        assert not a.ok and a.failure is not None
+        assert (a.seq, a.failure.code, a.failure.field) == (3, "backend_refused", "level")
     finally:
         rig.r.close()

@@ -169,7 +169,7 @@ def value_of(t: mi.Type, field: str = "") -> st.SearchStrategy[Any]:
         if structs and field == "op":
             return st.one_of(*[struct_value(c) for c in SAFE_OPS])
         return st.one_of(*[value_of(x, field) for x in t.types])
-    if isinstance(t, mi.AnyType):
+    if isinstance(t, (mi.AnyType, mi.CustomType)):  # CustomType: `object` (P.Detail's free-form values)
         return ANY
     raise NotImplementedError(t)
 

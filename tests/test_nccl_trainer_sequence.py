@@ -53,8 +53,8 @@ class ScriptedHead:
         self.group = group
         self.ops: list[Any] = []
 
-    async def health(self) -> dict[str, Any]:
-        return {"engines": {"e0": {"engine_id": "e0", "healthy": True, "dtype": "float32", "tp": 1}}}
+    async def health_view(self) -> P.HealthView:
+        return P.HealthView(True, {"e0": P.EngineView("e0", healthy=True, dtype="float32", tp=1)})
 
     async def control(self, op: Any, targets: Any = None, timeout_s: float = 10.0, strict: bool = True) -> Any:
         self.ops.append(op)
