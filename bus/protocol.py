@@ -436,7 +436,7 @@ class ControlReply(_Msg, tag="ctl_reply"):
 
 class Query(_Msg, tag="query"):
     request_id: Id
-    what: Short  # "health" | "engines"
+    what: Short  # a key of QUERY_BODIES (bus/views.py): "health", "engines", "stats", ...
 
 
 class QueryReply(_Msg, tag="query_reply"):

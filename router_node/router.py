@@ -194,6 +194,7 @@ class Router:
             "engines": lambda: views.engines_view(self.engines, self.control.intended, self.sessions),
             "stats": lambda: views.stats_view(self.counters, len(self.forwarding.flights), self.sessions, self.prefix),
         }
+        assert set(self._queries) == set(P.QUERY_BODIES), "every query has its typed body (bus/views.py)"
         self._last_tick = 0.0
         # Cached query answers (issue 22): a flood of health queries is served
         # from one snapshot, rebuilt when it is cfg.query_cache_s old or when

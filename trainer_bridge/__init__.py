@@ -19,7 +19,22 @@ from bus.protocol import SamplingParams
 from trainer_bridge.client import AsyncClient, Client
 from trainer_bridge.sampling import UnsupportedParameter
 from trainer_bridge.session import AsyncSession, Session
-from trainer_bridge.types import GenerationResult, SampledSequence, SampleOutput, SampleResponse, StreamChunk
+from trainer_bridge.types import (
+    EngineFailure,
+    EngineView,
+    GenerationResult,
+    HealthView,
+    LoraResult,
+    PauseResult,
+    ResumeResult,
+    SampledSequence,
+    SampleOutput,
+    SampleResponse,
+    SleepResult,
+    StreamChunk,
+    WakeUpResult,
+    WeightsCommitted,
+)
 
 __all__ = [
     "AsyncClient",
@@ -32,6 +47,15 @@ __all__ = [
     "StreamChunk",
     "SampleResponse",
     "SampledSequence",
+    "PauseResult",
+    "ResumeResult",
+    "SleepResult",
+    "WakeUpResult",
+    "WeightsCommitted",
+    "LoraResult",
+    "EngineFailure",
+    "HealthView",
+    "EngineView",
     "RolloutBusError",
     "AuthRefused",
     "BadRequest",

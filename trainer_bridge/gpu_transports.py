@@ -324,7 +324,6 @@ def plan_zero_copy(named: list[tuple[str, Any]]) -> tuple[list[Any], list[int], 
 
 
 def _plan_zero_copy(named: list[tuple[str, Any]]) -> tuple[list[Any], list[int], list[Any]] | None:
-    from bus.protocol import TensorMeta
     from bus.tensors import dtype_name
 
     metas: list[Any] = []
@@ -339,7 +338,7 @@ def _plan_zero_copy(named: list[tuple[str, Any]]) -> tuple[list[Any], list[int],
         elif t.device != dev:
             return None
         nbytes = t.numel() * t.element_size()
-        metas.append(TensorMeta(name, dtype_name(t), list(t.shape), i, 0, nbytes))
+        metas.append(P.TensorMeta(name, dtype_name(t), list(t.shape), i, 0, nbytes))
         sizes.append(nbytes)
         tensors.append(t)
     return (metas, sizes, tensors) if tensors else None

@@ -7,6 +7,24 @@ from typing import Any
 
 import msgspec
 
+# The typed control results and query answers the client API returns
+# (bus/results.py, bus/views.py), importable from here for annotations.
+from bus.results import ConfigResult as ConfigResult
+from bus.results import EngineFailure as EngineFailure
+from bus.results import IsPausedResult as IsPausedResult
+from bus.results import LoraResult as LoraResult
+from bus.results import PauseResult as PauseResult
+from bus.results import ResetPrefixCacheResult as ResetPrefixCacheResult
+from bus.results import Result as Result
+from bus.results import ResumeResult as ResumeResult
+from bus.results import SleepResult as SleepResult
+from bus.results import StatsResult as StatsResult
+from bus.results import WakeUpResult as WakeUpResult
+from bus.results import WeightsCommitted as WeightsCommitted
+from bus.results import WeightsPrepared as WeightsPrepared
+from bus.views import EngineView as EngineView
+from bus.views import HealthView as HealthView
+
 
 @dataclasses.dataclass
 class SampleOutput:
