@@ -81,6 +81,7 @@ import torch
 
 from bus.frames import logprobs_wanted, top_k_of
 from bus.tensors import unpack_bucket
+from bus.transport import Transport
 from engine_node import sampling_features as SF
 from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput
 from engine_node.lora_local import LoraHooks, build_adapter, read_peft_folder
@@ -91,6 +92,8 @@ log = structlog.get_logger(__name__)
 _GREEDY_EPS = 1e-5  # vLLM's threshold: temperature below it means greedy
 _SEED_MASK = (1 << 63) - 1
 _TAGS = ("weights", "kv_cache")
+# The bytes of a zmq update pass the node (stage_bucket); the GPU transports need vLLM's workers.
+TRANSPORTS = frozenset({Transport.ZMQ})
 _OPTIONS = ("device", "dtype", "capacity", "max_model_len", "seed", "threads", "op_timeout_s", "fault_op_delay_s")
 # How long step() waits for the model while a control op holds it: short, so
 # the node's loop keeps reading its sockets.
@@ -604,8 +607,8 @@ class TorchBackend:
 
     def _begin(self, transport: str, tensors: list[Any]) -> None:
         self._check_open()
-        if transport != "zmq":
-            raise BackendError(f"transport {transport!r} not supported by torch backend (zmq only)")
+        if transport not in TRANSPORTS:
+            raise BackendError(f"transport {transport!r} not supported by torch backend (zmq only)", field="transport")
         if self._weights_where == "discarded":
             raise BackendError("weights were discarded by sleep(2); wake_up(['weights']) before a weight update")
         announced: dict[str, tuple[str, tuple[int, ...]]] = {}

@@ -25,8 +25,9 @@ import uuid
 from typing import Any
 
 from bus.tensors import unpack_bucket
+from bus.transport import Transport
 
-TRANSPORTS = ("zmq", "cuda_ipc", "nccl")
+TRANSPORTS = tuple(t.value for t in Transport)
 
 
 def meta_list(t: Any) -> list[Any]:

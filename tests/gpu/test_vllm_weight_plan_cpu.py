@@ -372,7 +372,7 @@ def test_drop_maps_forgets_kept_maps(vbe):
 
 
 def test_plan_zero_copy_refuses_what_cannot_be_shared_in_place():
-    from trainer_bridge.gpu_transports import plan_zero_copy
+    from trainer_bridge.transports.cuda_ipc import plan_zero_copy
 
     assert plan_zero_copy([("w", torch.zeros(4))]) is None  # not on a GPU: packed buckets instead
     assert plan_zero_copy([]) is None
