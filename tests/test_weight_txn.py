@@ -276,7 +276,9 @@ def _group(sender: int) -> NcclArgs:
 def _part(up: WeightUpdates, uid: str, sender: int, names: tuple[str, ...]) -> object:
     metas = [P.TensorMeta(n, "float32", [2], 0, 8 * i, 8) for i, n in enumerate(names)]
     return up.receive(
-        P.ReceiveWeights(uid, sender=sender, tensors=metas, bucket_sizes=[8 * len(names)], transport_args=_group(sender))
+        P.ReceiveWeights(
+            uid, sender=sender, tensors=metas, bucket_sizes=[8 * len(names)], transport_args=_group(sender)
+        )
     )
 
 

@@ -5,7 +5,7 @@ Where the bytes go, per transport (the workers' side is vllm_worker_ext):
 - cuda_ipc: nowhere here. The receive only keeps the handles; the commit is ONE
   worker call that maps the trainer's buckets, validates them, writes the
   parameters from those views and drops the maps; the trainer keeps its buckets
-  alive until the commit's ack (trainer_bridge.gpu_transports documents that).
+  alive until the commit's ack (trainer_bridge.transports.cuda_ipc documents that).
 - nccl: workers receive into their own staging buffers at receive (the begin's
   metas travel with that call), write the parameters at commit.
 - zmq: `stage_bucket` copies each bucket's raw bytes, once, into one shared

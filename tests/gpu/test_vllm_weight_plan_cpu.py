@@ -293,7 +293,7 @@ def test_plan_through_lora_wrappers(vbe):
 
 
 def _zero_copy_update(be, named, tag, handle_of):
-    """One tensor per bucket (trainer_bridge.gpu_transports.plan_zero_copy's
+    """One tensor per bucket (trainer_bridge.transports.cuda_ipc.plan_zero_copy's
     layout), handles that repeat for a tensor that did not move."""
     from bus.protocol import TensorMeta
     from bus.tensors import dtype_name
