@@ -24,7 +24,7 @@ import tempfile
 import uuid
 from typing import Any
 
-from bus.tensors import unpack_bucket
+from bus.tensors import _ALIGN, unpack_bucket
 from bus.transport import Transport
 
 TRANSPORTS = tuple(t.value for t in Transport)
@@ -81,8 +81,6 @@ def validate(
 def derive_sizes(metas: list[list[Any]]) -> list[int]:
     """Bucket sizes as bus.tensors.plan_buckets makes them (end of the last
     tensor, 256-aligned), for a begin that did not carry bucket_sizes."""
-    from bus.tensors import _ALIGN
-
     n = 1 + max((m[3] for m in metas), default=-1)
     sizes = [0] * n
     for m in metas:
