@@ -167,6 +167,19 @@ class ShmStage:
             pass
 
 
+@dataclasses.dataclass
+class Part:
+    """One sender's part of a multi-sender GPU update, validated and appended
+    to the update (its bucket numbers shifted past the parts before it)."""
+
+    what: str  # the op's name in errors: "receive_part(sender N)"
+    metas: list[list[Any]]
+    sizes: list[int]
+    first: int  # the update's bucket index of the part's bucket 0
+    handles: list[Any]
+    args: dict[str, Any]
+
+
 @dataclasses.dataclass(eq=False)
 class WeightUpdate:
     """The one record of an update in the backend (keyed by the trainer's id)."""
