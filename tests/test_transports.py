@@ -12,14 +12,15 @@ from bus import protocol as P
 from bus.codec import Codec
 from bus.errors import BadRequest
 from bus.transport import ARGS_OF, CudaIpcArgs, NcclArgs, Transport, ZmqArgs, backend_args, check_args
+from engine_node.backends.vllm_transports import VLLM_RECEIVERS
 from engine_node.transports.registry import RECEIVERS, receiver_for
 from trainer_bridge.transports.registry import SENDERS, sender_kind
 
 
 def test_every_transport_has_args_a_sender_and_a_receiver() -> None:
     for t in Transport:
-        assert t in ARGS_OF and t in SENDERS and t in RECEIVERS, t
-        assert RECEIVERS[t].transport is t
+        assert t in ARGS_OF and t in SENDERS and t in RECEIVERS and t in VLLM_RECEIVERS, t
+        assert RECEIVERS[t].transport is t and VLLM_RECEIVERS[t.value].transport is t
         assert ARGS_OF[t].__struct_config__.tag == t.value
     assert [t.value for t in Transport] == ["zmq", "cuda_ipc", "nccl"], "the wire strings stay the same"
 
