@@ -161,7 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--engines", type=int, default=None, help="engine nodes on this machine (default: 2, or GPUs // tp with vLLM)"
     )
-    ap.add_argument("--backend", default="auto", help="auto | torch | vllm | module:factory of an out-of-tree backend")
+    ap.add_argument("--backend", default="auto", help="auto | torch | vllm | null | module:factory of an out-of-tree backend")
     ap.add_argument("--model", default=None, help="model folder (default: a tiny random model built into the cache)")
     ap.add_argument(
         "--host", default="127.0.0.1", help="address this node binds (0.0.0.0 for multi-node: loopback only by default)"
@@ -513,8 +513,8 @@ def _run(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
         from engine_node.tiny_model import ensure_tiny_model
 
         model = ensure_tiny_model()
-    elif ":" in backend:
-        model = model or ""
+    elif ":" in backend or backend == "null":  # out-of-tree, or no model at all
+        model = model or ("null" if backend == "null" else "")
     elif not model:
         raise SystemExit(f"--model is required with the {backend} backend")
 

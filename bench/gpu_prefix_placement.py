@@ -26,7 +26,7 @@ GPU and the vllm-router wheel, which the device image does not carry
 
     python -m bench.gpu_prefix_placement --model /tmp/q05 --out-dir $OUT   # GPU
     python -m bench.gpu_prefix_placement --cpu --out-dir /tmp/pp           # dry run (torch backend, tiny model)
-    python -m bench.gpu_prefix_placement --cpu --cpu-backend bench.null_backend:make_backend  # placement only (CI)
+    python -m bench.gpu_prefix_placement --cpu --cpu-backend null  # placement only (CI)
 
 Writes gpu_prefix_placement.{json,txt,png} in --out-dir.
 """
@@ -291,7 +291,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--cpu-backend",
         default="torch",
-        help="--cpu: torch (tiny model) or bench.null_backend:make_backend (no model: placement only, fast)",
+        help="--cpu: torch (tiny model) or null (no model: placement only, fast)",
     )
     ap.add_argument("--policies", default="least_loaded,prefix")
     ap.add_argument("--reps", type=int, default=2)

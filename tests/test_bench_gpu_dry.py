@@ -168,7 +168,7 @@ def test_gpu_prefix_placement_dry_run(tmp_path):
     request answered, and prefix placement keeps each prompt's samples on one
     engine (the vLLM hit rate is n/a without vLLM; the ideal-cache estimate is not)."""
     doc = _run(
-        "bench.gpu_prefix_placement", str(tmp_path), "--cpu-backend", "bench.null_backend:make_backend",
+        "bench.gpu_prefix_placement", str(tmp_path), "--cpu-backend", "null",
         "--prompts", "4", "--samples", "3",
     )  # fmt: skip
     table = doc["summary"]
