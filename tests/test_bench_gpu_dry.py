@@ -153,9 +153,9 @@ def test_gpu_plan_copy_dry_run(tmp_path):
 
 def test_gpu_first_step_plots_a_recorded_run(tmp_path):
     """bench/gpu_first_step.py needs vLLM's engine core (GPU only); its PNG is
-    rebuilt here from the recorded H200 run, so the script stays importable and
-    its report code runs in CI."""
-    src = Path(ROOT) / "bench" / "results" / "gpu_first_step.json"
+    rebuilt here from the recorded H200 run (tests/data/gpu_first_step.json), so
+    the script stays importable and its report code runs in CI."""
+    src = Path(ROOT) / "tests" / "data" / "gpu_first_step.json"
     doc = json.loads(src.read_text())
     assert doc["info"]["cudagraph_capture_sizes_max"] == 512 and doc["resume"] and doc["cold"]
     (tmp_path / "run.json").write_text(src.read_text())
