@@ -787,8 +787,8 @@ class VllmBackend:
             }
             if up.transport == "nccl":
                 w = rs[0][0]
+                # the node keeps it as a ReceiveTiming (engine_node/timings.py, read through Stats)
                 r["nccl"] = {k: w.get(k) for k in ("reused", "setup_seconds", "alloc_s", "broadcast_s")}
-                log.info("weight_receive_timing", transport="nccl", seconds=round(dt, 4), **r["nccl"])
             return r
 
         if up.transport == "cuda_ipc":
@@ -922,8 +922,7 @@ class VllmBackend:
         def result(rs: list[Any]) -> dict[str, Any]:
             dt = time.perf_counter() - t0
             w = rs[-1][0] if rs[-1] else {}
-            timing = {k: w[k] for k in _WORKER_TIMING if k in w}
-            log.info("weight_commit_timing", transport=up.transport, backend_s=round(dt, 4), **timing)
+            timing = {k: w[k] for k in _WORKER_TIMING if k in w}  # the node's CommitTiming.worker
             return {
                 "backend_seconds": round(dt, 4),
                 "bytes": int(sum(up.sizes)),
@@ -1025,7 +1024,7 @@ class VllmBackend:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-# What the worker's commit reports about where its time went (logged, returned).
+# What the worker's commit reports about where its time went (returned; engine_node/timings.py).
 _WORKER_TIMING = (
     "path",
     "maps_kept",
