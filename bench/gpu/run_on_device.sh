@@ -1,21 +1,22 @@
 #!/bin/bash
-# The GPU benchmarks of issue 8 on the device machine: bench/gpu/throughput.py (§5)
-# and bench/gpu/weight_update.py (§4), on the qwen05 preset (494M params, bf16).
-# Sent with carry=[".device/vllm-bundle", ".device/bench-whl"] (NOT ".device": its
-# vllm-bundle.stage folder is far over the 64 MiB limit):
+# The GPU benchmarks (bench/gpu/) on the device machine, on the qwen05 preset (494M params, bf16).
+# Sent with carry=[".device/vllm-bundle", ".device/bench-whl", ".device/make_tiny_model.py"] (NOT
+# ".device": its vllm-bundle.stage folder is far over the 64 MiB limit):
 #   .device/vllm-bundle/vllm-0.24.0-sm90-py312.tar.xz  (python3 ../shared/tools/vllm_bundle.py .device/vllm-bundle)
 #   .device/bench-whl/*.whl  what the OpenAI api_server and launch.py import that the image and the
 #                            bundle lack: uvicorn, watchfiles, model-hosting-container-standards,
 #                            jmespath, prometheus-fastapi-instrumentator, structlog (bench/README.md)
+#   .device/make_tiny_model.py  cp ../shared/tools/make_tiny_model.py .device/ (the presets' builder;
+#                            only when MODEL is not built yet; TINY_MODEL_SCRIPT: another path)
 # Env: WHAT=throughput (default) | weights | all | interleaved (IL_ARGS: its extra flags) | first_step (FS_ARGS) | prefix (PP_ARGS); MODEL (default /tmp/q05, built unless there);  NCCL=1: weights also on 2 GPUs (trainer 0, engine 1);
 #      DEADLINE (s, default 540: everything ends by then); TP_ARGS / WU_ARGS: extra flags;
 #      CHECK=0: weights without --check (on by default: the fast write path == load_weights, bit for bit).
 # The weights run prints, per update, a TIMING line (control round trips, trainer pack/send, the engine's
-# commit: path load_weights+record|plan, copy/fallback/sync) and the medians; NCCL sets its group up at
+# commit from its Stats timings: path load_weights+record|plan, copy/fallback/sync) and the medians; NCCL sets its group up at
 # init first (warm_up_nccl) and reports that apart.
 # Back in $OUT (8 files at most): run.log, setup.log, gpu_throughput.{json,png},
 # gpu_weight_update.{json,png}, phase_logs.txt (tails of every phase / server log).
-cd "$(dirname "$0")/../.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1   # the repository root
 T0=$(date +%s)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 DEADLINE=${DEADLINE:-540}
@@ -31,7 +32,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODEL=${MODEL:-/tmp/q05}   # kept when already built (a warm machine keeps /tmp)
 # the model builds on the GPU (torch + transformers of the image: not /tmp/site, half unpacked meanwhile)
-[ -f $MODEL/config.json ] || (PYTHONPATH=$PWD python3 bench/make_tiny_model.py $MODEL --preset qwen05 --device cuda > $LOGS/q05.log 2>&1 && echo "built qwen05 after $(( $(date +%s) - T0 ))s" || echo "qwen05 build FAILED") &
+[ -f $MODEL/config.json ] || (python3 ${TINY_MODEL_SCRIPT:-.device/make_tiny_model.py} $MODEL --preset qwen05 --device cuda > $LOGS/q05.log 2>&1 && echo "built qwen05 after $(( $(date +%s) - T0 ))s" || echo "qwen05 build FAILED") &
 BUILD=$!   # waited for by pid: a bare `wait` would also wait for the tee above, forever
 if [ ! -f /tmp/site/.bench-unpacked ]; then
   mkdir -p /tmp/site
