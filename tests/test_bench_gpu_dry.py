@@ -201,3 +201,20 @@ def test_gpu_rl_step_dry_run(tmp_path):
     assert all(s["gen_tokens"] == 8 for s in steps)
     assert "--cpu" in doc["vllm"]["skipped"]
     assert doc["summary"]["colocated"]["rb"]["wake_kv_ms"] is not None
+
+
+def test_the_shared_parser_takes_cpu_defaults_and_given_flags_win():
+    from bench.gpu import common as G
+
+    def parse(argv):  # a fresh parser per run, as each bench's parse() builds one
+        ap = G.bench_parser("A bench.\n\nMore.", cpu_help="dry run", budget_s=500.0, seed=0)
+        ap.add_argument("--prompts", type=int, default=512)
+        return G.parse_args(ap, argv, {"prompts": 16, "budget_s": 240.0})
+
+    a = parse(["--cpu", "--prompts", "3"])
+    assert (a.cpu, a.prompts, a.budget_s, a.seed, a.model, a.plot_from) == (True, 3, 240.0, 0, None, None)
+    b = parse(["--budget-s", "9"])  # no --cpu: the bench's own defaults
+    assert (b.cpu, b.prompts, b.budget_s) == (False, 512, 9.0)
+    assert parse(["--dry-run"]).prompts == 16
+    with pytest.raises(SystemExit, match="--model is required"):
+        G.model_of(b)
