@@ -109,5 +109,11 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS_DIR / f"{name}.json"
     doc = {"benchmark": name, "machine": machine_info(), **payload}
     path.write_text(json.dumps(jsonable(doc), indent=2, sort_keys=False) + "\n")
-    print(f"wrote {path.relative_to(REPO_ROOT)}", flush=True)
+    print(f"wrote {shown(path)}", flush=True)
     return path
+
+
+def shown(path: Path) -> str:
+    """`path` relative to the repository when inside it (bench/results/...), else
+    as it is (bench.all writes under the temp dir by default)."""
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
