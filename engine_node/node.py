@@ -144,9 +144,7 @@ class EngineNode:
         if curve is not None and cfg.head_events.startswith("tcp://"):
             self._events_monitor = self.events.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             self.poller.register(self._events_monitor, zmq.POLLIN)
-        # Typed records of slow moments (weight receive/commit, resume -> first
-        # output), read through Stats (engine_node/timings.py).
-        self.timings = TimingLog()
+        self.timings = TimingLog()  # weight receive/commit, resume -> first output (Stats)
         # Where the loop thread's time goes (cumulative seconds; Stats detail "loop").
         self.loop_stats: dict[str, float] = {"turns": 0, "poll_s": 0.0, "read_s": 0.0, "step_s": 0.0, "flush_s": 0.0}
         self._backend_fd = backend.wake_fd()
@@ -161,13 +159,9 @@ class EngineNode:
         self.core = RequestCore(backend, self.info, self.engine_id, self.sample_seed)
         self.core.work_appeared = self._work_appeared
         self.updates = WeightUpdates(
-            backend,
-            self.core,
-            self.engine_id,
-            self.weight_address,
-            prepare_ttl_s=cfg.prepare_ttl_s,
-            timings=self.timings,
+            backend, self.core, self.engine_id, self.weight_address, prepare_ttl_s=cfg.prepare_ttl_s
         )
+        self.updates.timings = self.timings
         self.updates.log_aborted = lambda uid, why: self.log.info("weight_update_aborted", update_id=uid, reason=why)
 
         self._registered = False
