@@ -41,7 +41,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
@@ -50,9 +50,7 @@ from bus.codec import Codec
 from bus.endpoint import open_socket
 from bus.errors import BadRequest, ControlError, ErrorCode, UpdateInProgress
 from bus.tensors import DEFAULT_BUCKET_BYTES, BucketPacker, plan_buckets, start_nonfinite_check
-
-if TYPE_CHECKING:
-    from trainer_bridge.client import AsyncClient
+from trainer_bridge.control_port import ControlPort
 
 log = structlog.get_logger("trainer_bridge.weights")
 
@@ -60,7 +58,7 @@ GPU_TRANSPORTS = ("cuda_ipc", "nccl")
 
 
 async def push_weights(
-    client: AsyncClient,
+    client: ControlPort,
     named: Iterable[tuple[str, Any]],
     *,
     transport: str,
@@ -102,7 +100,7 @@ class WeightUpdate:
 
     def __init__(
         self,
-        client: AsyncClient,
+        client: ControlPort,
         *,
         senders: int = 1,
         targets: list[str] | None = None,
@@ -326,7 +324,7 @@ class _Opened:
 
 
 async def join_update(
-    client: AsyncClient,
+    client: ControlPort,
     update_id: str,
     rank: int,
     *,
@@ -378,7 +376,7 @@ class WeightSender:
 
     def __init__(
         self,
-        client: AsyncClient,
+        client: ControlPort,
         update_id: str,
         rank: int,
         engines: list[dict[str, Any]],
