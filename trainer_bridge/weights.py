@@ -50,7 +50,9 @@ from bus.codec import Codec
 from bus.endpoint import open_socket
 from bus.errors import BadRequest, ControlError, ErrorCode, UpdateInProgress
 from bus.tensors import DEFAULT_BUCKET_BYTES, BucketPacker, plan_buckets, start_nonfinite_check
+from trainer_bridge import gpu_transports
 from trainer_bridge.control_port import ControlPort
+from trainer_bridge.gpu_transports import GpuPartSender
 
 log = structlog.get_logger("trainer_bridge.weights")
 
@@ -214,8 +216,6 @@ class WeightUpdate:
         if not 0 <= rank < self.senders:
             raise ValueError(f"rank {rank} is not one of the {self.senders} sender(s)")
         if self.transport in GPU_TRANSPORTS:
-            from trainer_bridge.gpu_transports import GpuPartSender
-
             g = GpuPartSender(
                 self.client,
                 self.update_id,
@@ -343,8 +343,6 @@ async def join_update(
     h = await client.health()
     engines = [h["engines"][eid] for eid in txn["targets"] if eid in h["engines"]]
     if txn.get("transport") in GPU_TRANSPORTS:
-        from trainer_bridge.gpu_transports import GpuPartSender
-
         return GpuPartSender(
             client,
             update_id,
@@ -483,8 +481,6 @@ class WeightSender:
 async def _push_gpu(
     upd: WeightUpdate, named: list[tuple[str, Any]], transport: str, options: dict[str, Any]
 ) -> dict[str, Any]:
-    from trainer_bridge import gpu_transports
-
     await upd._pick_engines()
     cast = _caster(upd.engines, upd.target)
     cast_named = [(n, cast(t.detach())) for n, t in named]
