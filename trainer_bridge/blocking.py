@@ -137,6 +137,7 @@ def _mark(call: Callable[..., Any], fn: Callable[..., Any], returns: str | None 
     call.__blocking__ = True  # type: ignore[attr-defined]
     if returns is not None:  # what the sync face returns, for help() and inspect
         call.__signature__ = inspect.signature(fn).replace(return_annotation=returns)  # type: ignore[attr-defined]
+        call.__doc__ = f"{fn.__doc__ or ''}\n\nSync face: returns {returns} (`with`, `for`, no `await`)."
 
 
 def blocking(fn: Callable[Concatenate[Any, P], Coroutine[Any, Any, R]]) -> Callable[Concatenate[Any, P], R]:
