@@ -2,8 +2,8 @@
 ops fanned out to every engine (pause/resume, sleep/wake, prefix cache,
 LoRA unload), each a request/reply to the head over the `HeadLink`.
 
-This is also what the weight senders (`trainer_bridge/weights.py`,
-`trainer_bridge/gpu_transports.py`) need from a client: they take a
+This is also what the weight paths (`trainer_bridge/weights.py`, the senders
+in `trainer_bridge/transports/`) need from a client: they take a
 `ControlPort`, so they do not import the `AsyncClient` that imports them.
 
 Every wait has a deadline; a timeout names the knob (`control_timeout_s`,
