@@ -297,7 +297,8 @@ class ForwardingCore:
         out: list[Action] = []
         e = self.engines.get(engine_id)
         for part in [p for p in self.parts.values() if p.engine_id == engine_id]:
-            self.ledger.pop_part(part.rid)
+            if self.ledger.pop_part(part.rid) is None:
+                continue  # its flight ended with an earlier leg (its cancel is sent)
             self.ledger.retire(part)  # a hung engine may wake up and answer it
             if e is not None:
                 e.outstanding -= part.open
@@ -305,8 +306,6 @@ class ForwardingCore:
             fl = part.flight
             if fl.key in self.flights:
                 self._fail_over(fl, part, engine_id, reason, now, out)
-        if e is not None:
-            e.outstanding = max(0, e.outstanding)
         return out
 
     def _fail_over(self, fl: Flight, part: Part, engine_id: str, reason: str, now: float, out: list[Action]) -> None:
@@ -369,7 +368,9 @@ class ForwardingCore:
             e.outstanding -= part.open
             self.ledger.retire(part)  # a silent engine may come back and finish it
             if silent_too or e.state is not EngineState.SILENT:
-                out.append(SendToEngine(part.engine_id, P.Cancel(request_id=rid)))
+                # Never block the loop on a hung engine's full queue.
+                hung = e.state is not EngineState.HEALTHY
+                out.append(SendToEngine(part.engine_id, P.Cancel(request_id=rid), nonblock=hung))
         fl.parts.clear()
 
     def fail_client(self, client: bytes, code: ErrorCode, message: str, field: str | None) -> list[Action]:
