@@ -80,6 +80,7 @@ class Request:
     stream: bool
     log: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
     gone: bool = False
+    cancelled: bool = False  # the client cancelled it (only then may a sample end "cancelled")
 
 
 class Sim:
@@ -163,6 +164,7 @@ class Sim:
         live = [r for r in self.requests if self.live(r)]
         if live:
             r = live[i % len(live)]
+            r.cancelled = True
             self.execute(self.core.cancel(r.client, r.rid))
 
     def client_gone(self, client: bytes) -> None:
@@ -345,6 +347,7 @@ def check_request(r: Request) -> None:
         assert got[i] == want, f"request {r.req} sample {i}: tokens {got[i]} != {want}"
         if ch.finish_reason is not None:
             finals[i] = ch
+            assert ch.finish_reason != "cancelled" or r.cancelled, f"request {r.req}: cancelled by nobody"
             assert ch.num_prompt_tokens == len(r.base), "num_prompt_tokens"
             if ch.finish_reason == "length":
                 assert r.resume + len(got[i]) == r.max_tokens
