@@ -1,11 +1,13 @@
 """The head process: the thin shell around the registry, forwarding
-(router_node/forwarding.py) and cluster control (router_node/control.py).
+(router_node/forwarding.py over router_node/forwarding_core.py), cluster
+control (router_node/control.py) and registration (router_node/registration.py,
+checks in router_node/trust.py). The entry point is router_node/main.py.
 
 One thread owns every socket: the frontend ROUTER (clients), the events
 ROUTER (engines' register/heartbeat/ack), the control PUB, and one DEALER per
 engine data socket — each served by a bus.endpoint.Endpoint (decode → handler
-table → typed Error reply). This module keeps the loop, registration, health
-ticks and queries.
+table → typed Error reply). This module keeps the loop, the sockets' handler
+tables, health ticks, leases and queries.
 """
 
 from __future__ import annotations
