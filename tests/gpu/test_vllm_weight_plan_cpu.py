@@ -132,7 +132,7 @@ def vbe(tmp_path, monkeypatch):
         pytest.skip("real vLLM installed: GPU tests cover it")
     from safetensors.torch import save_file
 
-    from engine_node.backends import vllm_worker_ext as X
+    from engine_node.backends import vllm_worker_ipc as X  # open_ipc_handle lives there
     from engine_node.backends.vllm_backend import make_backend
     from tests.gpu import test_vllm_backend_cpu as T
 
@@ -284,7 +284,7 @@ def test_plan_through_lora_wrappers(vbe):
         attn.qkv_proj = wrapper.base_layer  # compare with the reference's names
         assert same_bits(snapshot(ref), snapshot(worker.model)) == [], f"update {k}"
         attn.qkv_proj = wrapper
-    from engine_node.backends.vllm_worker_ext import _LORA_SWAPS
+    from engine_node.backends.vllm_worker_apply import _LORA_SWAPS
 
     assert [m for _, _, m in _LORA_SWAPS[worker.model]] == [wrapper], "nested unwraps must not forget the wrappers"
 
@@ -293,7 +293,7 @@ def test_plan_through_lora_wrappers(vbe):
 
 
 def _zero_copy_update(be, named, tag, handle_of):
-    """One tensor per bucket (trainer_bridge.gpu_transports.plan_zero_copy's
+    """One tensor per bucket (trainer_bridge.transports.cuda_ipc.plan_zero_copy's
     layout), handles that repeat for a tensor that did not move."""
     from bus.protocol import TensorMeta
     from bus.tensors import dtype_name
@@ -311,7 +311,7 @@ def _zero_copy_update(be, named, tag, handle_of):
 
 
 def test_zero_copy_keeps_maps_and_views_across_updates(vbe, monkeypatch):
-    from engine_node.backends import vllm_worker_ext as X
+    from engine_node.backends import vllm_worker_ipc as X  # open_ipc_handle lives there
 
     ref, worker = vbe.test_ref, vbe.test_fake.worker
     opened: list[bytes] = []
@@ -372,7 +372,7 @@ def test_drop_maps_forgets_kept_maps(vbe):
 
 
 def test_plan_zero_copy_refuses_what_cannot_be_shared_in_place():
-    from trainer_bridge.gpu_transports import plan_zero_copy
+    from trainer_bridge.transports.cuda_ipc import plan_zero_copy
 
     assert plan_zero_copy([("w", torch.zeros(4))]) is None  # not on a GPU: packed buckets instead
     assert plan_zero_copy([]) is None
