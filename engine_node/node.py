@@ -52,6 +52,7 @@ from engine_node.config import EngineNodeConfig
 from engine_node.control import ControlRunner, ack_error_of
 from engine_node.core import Pending, RequestCore
 from engine_node.seeding import backend_seed, derive_seed
+from engine_node.timings import TimingLog
 from engine_node.weight_update import WeightUpdates
 
 log = structlog.get_logger("engine_node")
@@ -143,7 +144,7 @@ class EngineNode:
         if curve is not None and cfg.head_events.startswith("tcp://"):
             self._events_monitor = self.events.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             self.poller.register(self._events_monitor, zmq.POLLIN)
-        self._resume_trace: dict[str, float] | None = None
+        self.timings = TimingLog()  # weight receive/commit, resume -> first output (Stats)
         # Where the loop thread's time goes (cumulative seconds; Stats detail "loop").
         self.loop_stats: dict[str, float] = {"turns": 0, "poll_s": 0.0, "read_s": 0.0, "step_s": 0.0, "flush_s": 0.0}
         self._backend_fd = backend.wake_fd()
@@ -160,6 +161,7 @@ class EngineNode:
         self.updates = WeightUpdates(
             backend, self.core, self.engine_id, self.weight_address, prepare_ttl_s=cfg.prepare_ttl_s
         )
+        self.updates.timings = self.timings
         self.updates.log_aborted = lambda uid, why: self.log.info("weight_update_aborted", update_id=uid, reason=why)
 
         self._registered = False
@@ -334,8 +336,8 @@ class EngineNode:
             core.accepting = False
         if core.admit_dirty:
             core.admit()
-            if self._resume_trace is not None:
-                self._trace_resume("admitted")
+            if self.timings.resume.armed:
+                self.timings.resume.admitted(time.perf_counter())
         t2 = time.perf_counter()
         ls["read_s"] += t2 - t1
         if self.backend.has_work():
@@ -349,8 +351,8 @@ class EngineNode:
                 # backend, i.e. after the step, not when this turn began.
                 core.set_time(time.monotonic(), time.time())
                 core.on_step(outs)
-                if outs and self._resume_trace is not None:
-                    self._trace_resume("first_output")
+                if outs and self.timings.resume.armed:
+                    self._resume_first_output()
         t3 = time.perf_counter()
         ls["step_s"] += t3 - t2
         # The clock is read again AFTER the step: with `now` from before it, a
@@ -662,44 +664,29 @@ class EngineNode:
         return self.core.config_result()
 
     def _op_resume(self, op: P.Resume, seq: int) -> Any:
-        # Trace of where a resume's first token comes from (one INFO line per
-        # resume, "resume_timing"; the weight benchmark reads it). Only when
-        # requests were parked or held by the pause: after an idle resume the
-        # "first output" is a later request's, and its delay (seconds of
-        # nobody asking) read like a stall (issue 23).
+        # Where a resume's first output comes from (a ResumeTiming in Stats).
+        # Only when requests were parked or held by the pause: after an idle
+        # resume the "first output" is a later request's, and its delay
+        # (seconds of nobody asking) read like a stall (issue 23).
         c = self.core.counters()
         if not (c.get("parked", 0) or c.get("held", 0) or c.get("running", 0)):
-            self._resume_trace = None
+            self.timings.resume.disarm()
             return self.core.resume(op, seq)
-        self._resume_trace = {"t0": time.perf_counter()}
+        self.timings.resume.arm(time.perf_counter())
         arm = getattr(self.backend, "trace_outputs", None)  # optional: the vllm backend's core-side trace
         if arm is not None:
             arm()
         return self.core.resume(op, seq)
 
-    def _trace_resume(self, mark: str) -> None:
-        tr = self._resume_trace
-        if tr is None or mark in tr:
-            return
-        tr[mark] = time.perf_counter()
-        if mark == "first_output":
-            t0 = tr.pop("t0")
-            self._resume_trace = None
-            take = getattr(self.backend, "take_output_trace", None)
-            core = take() if take is not None else None
-            self.log.info(
-                "resume_timing",
-                measures="resume op -> first output of a request the pause held or parked",
-                **{f"{k}_ms": round((v - t0) * 1e3, 2) for k, v in tr.items()},
-                running=self.backend.num_running(),
-                **{f"core_{k}": v for k, v in (core or {}).items()},
-            )
+    def _resume_first_output(self) -> None:
+        take = getattr(self.backend, "take_output_trace", None)
+        self.timings.resumed(time.perf_counter(), self.backend.num_running(), take() if take is not None else None)
 
     def _op_stats(self, op: P.Stats, seq: int) -> P.StatsResult:
         hb = self._make_heartbeat()
         return P.StatsResult(
             heartbeat={f: getattr(hb, f) for f in hb.__struct_fields__},
-            detail={**self.backend.stats(), "loop": dict(self.loop_stats)},
+            detail={**self.backend.stats(), "loop": dict(self.loop_stats), "timings": self.timings.to_builtins()},
         )
 
 
