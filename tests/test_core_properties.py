@@ -49,8 +49,9 @@ from hypothesis import strategies as st
 
 from bus import protocol as P
 from bus.codec import split_chunks
-from engine_node.actions import SendAck, SendChunks, SendError
-from engine_node.core import ALL, DEFERRED, SLEEP_SCOPE, Pending, RequestCore
+from engine_node.actions import DEFERRED, Pending, SendAck, SendChunks, SendError
+from engine_node.core import RequestCore
+from engine_node.gates import ALL, SLEEP_SCOPE
 from engine_node.weight_update import WeightUpdates
 from tests.scripted_backend import EOS, ScriptedBackend, expected_token
 
