@@ -330,9 +330,8 @@ class EngineNode:
 
     def _flush(self) -> None:
         """Execute what the cores asked for, in order (actions.py)."""
-        core = self.core
-        if core.actions or core.outbox.by_peer:
-            self._run_actions(core.take_actions())
+        if self.core.has_actions():
+            self._run_actions(self.core.take_actions())
         if self.updates.actions:  # prepares that waited for their senders
             self._run_actions(self.updates.take_actions())
 
