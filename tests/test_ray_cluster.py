@@ -29,7 +29,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from bus.errors import BadRequest, EngineDead
 from bus.proctree import descendants
 from tests.cluster import ROOT, Streams, child_env, live_children, wait_until
-from trainer_bridge.ray_cluster import CLUSTER_ENV, RayCluster, _process_hooks, _restore_hooks, plan_engines
+from trainer_bridge.ray_actors import CLUSTER_ENV
+from trainer_bridge.ray_cluster import RayCluster, _process_hooks, _restore_hooks
+from trainer_bridge.ray_placement import plan_engines
 
 pytestmark = pytest.mark.slow
 

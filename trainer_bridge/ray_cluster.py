@@ -50,14 +50,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
-import queue
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -69,303 +65,10 @@ import structlog
 
 from bus.errors import BadRequest, EngineDead, RequestTimeout
 from trainer_bridge.client import Client
+from trainer_bridge.ray_actors import CLUSTER_ENV, EngineActor, HeadActor, run_dir
+from trainer_bridge.ray_placement import EnginePlacement, Plan, plan_engines, probe_gpus
 
 log = structlog.get_logger("ray_cluster")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLUSTER_ENV = "ROLLOUT_BUS_RAY_CLUSTER"  # marks every child process of one RayCluster
-COLOCATED_GPU_SHARE = 0.2  # SkyRL's fraction for an engine sharing a trainer's GPU bundle
-
-
-# ---------------------------------------------------------------- planning (no I/O)
-
-
-@dataclasses.dataclass(frozen=True)
-class EnginePlacement:
-    """Where one engine actor goes and what it asks Ray for."""
-
-    engine_id: str
-    bundles: tuple[int, ...]  # bundle indices; the actor sits on bundles[0]
-    num_cpus: float
-    num_gpus: float  # on bundles[0]
-    probe_gpus: bool  # tp over several per-GPU bundles: look their GPU ids up first
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    own_bundles: list[dict[str, float]] | None  # the placement group to create; None: the caller's
-    engines: list[EnginePlacement]
-
-
-def plan_engines(
-    num_engines: int,
-    *,
-    tp: int = 1,
-    use_gpu: bool = False,
-    prefix: str = "e",
-    given_bundle_count: int | None = None,
-    bundle_indices: Sequence[Sequence[int] | int] | None = None,
-    gpu_share: float | None = None,
-    cpus_per_engine: float | None = None,
-) -> Plan:
-    """Bundles and resources for `num_engines` engines of `tp` GPUs each.
-
-    Own placement group (`given_bundle_count` None): one bundle per engine holding
-    its `tp` GPUs (`use_gpu`) and `cpus_per_engine` CPUs (default 1); the actor takes
-    the whole bundle. A given placement group (the trainer's, colocated): engine i
-    shares bundles `bundle_indices[i]` (default: i*tp … i*tp+tp-1), one GPU each, of
-    which it takes `gpu_share` (default 0.2) and `cpus_per_engine` CPUs (default 0)."""
-    if num_engines < 1:
-        raise BadRequest(f"num_engines must be >= 1, got {num_engines}", field="num_engines")
-    if tp < 1:
-        raise BadRequest(f"tp must be >= 1, got {tp}", field="tp")
-    if given_bundle_count is None:
-        if bundle_indices is not None:
-            raise BadRequest("bundle_indices needs a placement_group", field="bundle_indices")
-        cpus = 1.0 if cpus_per_engine is None else float(cpus_per_engine)
-        bundle: dict[str, float] = {"CPU": cpus} if cpus > 0 else {}
-        if use_gpu:
-            bundle["GPU"] = float(tp)
-        if not bundle:
-            raise BadRequest("an engine's bundle needs a CPU or a GPU", field="cpus_per_engine")
-        engines = [
-            EnginePlacement(f"{prefix}{i}", (i,), cpus, float(tp) if use_gpu else 0.0, False)
-            for i in range(num_engines)
-        ]
-        return Plan([dict(bundle) for _ in range(num_engines)], engines)
-
-    share = COLOCATED_GPU_SHARE if gpu_share is None else float(gpu_share)
-    if use_gpu and not 0 < share <= 1:
-        raise BadRequest(f"gpu_share must be in (0, 1], got {share}", field="gpu_share")
-    cpus = 0.0 if cpus_per_engine is None else float(cpus_per_engine)
-    if bundle_indices is None:
-        groups = [tuple(range(i * tp, (i + 1) * tp)) for i in range(num_engines)]
-    else:
-        groups = [(b,) if isinstance(b, int) else tuple(b) for b in bundle_indices]
-    if len(groups) != num_engines:
-        raise BadRequest(
-            f"bundle_indices has {len(groups)} entries for {num_engines} engine(s)", field="bundle_indices"
-        )
-    seen: set[int] = set()
-    for g in groups:
-        if not g or (use_gpu and len(g) != tp):
-            raise BadRequest(
-                f"each engine needs {tp if use_gpu else 'at least 1'} bundle(s) (one GPU each), got {list(g)}",
-                field="bundle_indices",
-            )
-        bad = [b for b in g if not 0 <= b < given_bundle_count]
-        if bad:
-            raise BadRequest(
-                f"bundle index {bad[0]} is outside the placement group's {given_bundle_count} bundles",
-                field="bundle_indices",
-            )
-        if use_gpu and seen & set(g):
-            raise BadRequest(f"bundles {sorted(seen & set(g))} are given to two engines", field="bundle_indices")
-        seen |= set(g)
-    engines = [
-        EnginePlacement(f"{prefix}{i}", g, cpus, share if use_gpu else 0.0, use_gpu and len(g) > 1)
-        for i, g in enumerate(groups)
-    ]
-    return Plan(None, engines)
-
-
-# ---------------------------------------------------------------- inside the actors
-
-
-def _node_ip() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
-
-
-class _ProcessOwner:
-    """One child process owned by a Ray actor (see the module doc for why).
-
-    `pidfile` remembers the child across actor restarts: a restarted actor first
-    ends the child its previous life left behind (already signalled by
-    PDEATHSIG, maybe not yet gone)."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], pidfile: str, grace_s: float) -> None:
-        self.name = name
-        self.pidfile = pidfile
-        self.proc_env = env
-        self._stopping = threading.Event()
-        _end_previous_life(pidfile, grace_s)
-        started: queue.Queue[subprocess.Popen | BaseException] = queue.Queue()
-        # The owner thread spawns the child and lives as long as it: PDEATHSIG
-        # is tied to this thread, and a child exiting on its own ends the actor.
-        threading.Thread(target=self._own, args=(argv, env, started), name=f"own-{name}", daemon=True).start()
-        got = started.get(timeout=60)
-        if isinstance(got, BaseException):
-            raise got
-        self.proc: subprocess.Popen = got
-        p = psutil.Process(self.proc.pid)
-        os.makedirs(os.path.dirname(pidfile), exist_ok=True)
-        with open(pidfile, "w") as f:
-            json.dump({"pid": p.pid, "create_time": p.create_time()}, f)
-
-    def _own(self, argv: list[str], env: dict[str, str], started: queue.Queue) -> None:
-        # Ray's worker threads block SIGINT, and a child inherits its forking
-        # thread's signal mask: unblock everything for the fork so the node's
-        # SIGINT/SIGTERM handlers work, then restore this thread's mask.
-        mask = signal.pthread_sigmask(signal.SIG_SETMASK, set())
-        try:
-            proc = subprocess.Popen(argv, env=env, cwd=ROOT)
-        except BaseException as e:  # reported to __init__, which raises it in the actor
-            started.put(e)
-            return
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        started.put(proc)
-        rc = proc.wait()
-        if self._stopping.is_set():
-            return
-        log.error("ray_child_exited", child=self.name, rc=rc)
-        # Not ray.actor.exit_actor(): that is an intended exit, never restarted.
-        os._exit(1)
-
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def node_ip(self) -> str:
-        return _node_ip()
-
-    def placement(self) -> dict[str, Any]:
-        """Where Ray put this actor: placement group id (hex or None), assigned
-        resources (e.g. {"GPU": 0.2}) and the GPUs its node process sees
-        (None: Ray's own CUDA_VISIBLE_DEVICES for the actor, inherited)."""
-        import ray
-
-        ctx = ray.get_runtime_context()
-        pg = ctx.get_placement_group_id()
-        return {
-            "placement_group": pg,
-            "resources": ctx.get_assigned_resources(),
-            "cuda_visible_devices": self.proc_env.get("CUDA_VISIBLE_DEVICES"),
-        }
-
-    def stop(self, grace_s: float) -> list[int]:
-        """SIGTERM → grace → SIGKILL the child's tree; the pids that needed SIGKILL."""
-        from bus.proctree import terminate_tree
-
-        self._stopping.set()
-        killed = terminate_tree(self.proc, grace_s)
-        with contextlib.suppress(OSError):
-            os.remove(self.pidfile)
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(self.pidfile))  # the last one out removes the run dir
-        return killed
-
-
-def _end_previous_life(pidfile: str, grace_s: float) -> None:
-    try:
-        with open(pidfile) as f:
-            prev = json.load(f)
-        p = psutil.Process(int(prev["pid"]))
-        if abs(p.create_time() - float(prev["create_time"])) > 0.01:
-            return  # the pid was reused by someone else
-    except (OSError, ValueError, KeyError, psutil.Error):
-        return
-    from bus.proctree import terminate_tree
-
-    log.warning("ray_ending_previous_life", pidfile=pidfile, pid=p.pid)
-    terminate_tree(p, grace_s)
-
-
-def _child_env(cluster_id: str, extra: dict[str, str]) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env[CLUSTER_ENV] = cluster_id
-    env["ROLLOUT_BUS_PDEATHSIG"] = "SIGKILL"  # the actor died: the node dies as if crashed
-    env.update(extra)
-    return env
-
-
-def _run_dir(cluster_id: str) -> str:
-    return os.path.join(tempfile.gettempdir(), f"rbus-ray-{cluster_id}")
-
-
-class HeadActor(_ProcessOwner):
-    """`python -m router_node` bound on this node (any free ports unless `port`)."""
-
-    def __init__(self, cluster_id: str, host: str | None, port: int, args: list[str], env: dict[str, str]) -> None:
-        self.host = host or _node_ip()
-        bind = self.host
-        self.advertise = _node_ip() if bind in ("0.0.0.0", "*") else bind
-        run = _run_dir(cluster_id)
-        os.makedirs(run, exist_ok=True)
-        self.ready_file = os.path.join(run, "head.json")
-        with contextlib.suppress(OSError):
-            os.remove(self.ready_file)  # a restarted head must not read its last life's file
-        argv = [
-            sys.executable, "-m", "router_node",
-            "--frontend", f"tcp://{bind}:{port or '*'}", "--events", f"tcp://{bind}:*", "--control", f"tcp://{bind}:*",
-            "--ready-file", self.ready_file, *args,
-        ]  # fmt: skip
-        super().__init__("head", argv, _child_env(cluster_id, env), os.path.join(run, "head.pid"), 10.0)
-
-    def stop(self, grace_s: float) -> list[int]:
-        with contextlib.suppress(OSError):
-            os.remove(self.ready_file)
-        return super().stop(grace_s)
-
-    def addresses(self, timeout_s: float) -> dict[str, str]:
-        """The head's bound addresses, as other nodes reach them (deadline: timeout_s)."""
-        deadline = time.monotonic() + timeout_s
-        while not os.path.exists(self.ready_file):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the head exited with {self.proc.returncode} before it was ready")
-            if time.monotonic() > deadline:
-                raise RequestTimeout(
-                    f"the head was not ready after ready_timeout_s={timeout_s}", field="ready_timeout_s"
-                )
-            time.sleep(0.05)
-        with open(self.ready_file) as f:
-            addrs = json.load(f)
-        return {k: v.replace("0.0.0.0", self.advertise) for k, v in addrs.items() if isinstance(v, str)}
-
-
-class EngineActor(_ProcessOwner):
-    """`python -m engine_node` for one engine id, on TCP so any node reaches it."""
-
-    def __init__(
-        self,
-        cluster_id: str,
-        engine_id: str,
-        head: dict[str, str],
-        host: str | None,
-        backend: str,
-        model: str | None,
-        options: dict[str, Any],
-        args: list[str],
-        env: dict[str, str],
-        cuda_visible_devices: str | None,
-    ) -> None:
-        bind = host or _node_ip()
-        advertise = _node_ip() if bind in ("0.0.0.0", "*") else bind
-        if model is None:  # the tiny model, built on this node (not the driver's path)
-            from engine_node.tiny_model import ensure_tiny_model
-
-            model = ensure_tiny_model()
-        argv = [
-            sys.executable, "-m", "engine_node", "--engine-id", engine_id,
-            "--head-events", head["events"], "--head-control", head["control"],
-            "--data-address", f"tcp://{bind}:*", "--weight-address", f"tcp://{bind}:*",
-            "--advertise-host", advertise, "--backend", backend, "--model", model,
-            "--backend-options", json.dumps(options), *args,
-        ]  # fmt: skip
-        extra = dict(env)
-        if cuda_visible_devices is not None:  # tp over per-GPU bundles: the ids they hold, in order
-            extra["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
-        pidfile = os.path.join(_run_dir(cluster_id), f"{engine_id}.pid")
-        super().__init__(engine_id, argv, _child_env(cluster_id, extra), pidfile, 15.0)
-
-
-def _gpu_ids() -> tuple[str, list[str]]:
-    """(node id, GPU ids) of the bundle this task was placed on."""
-    import ray
-
-    return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
 
 
 # ---------------------------------------------------------------- the driver side
@@ -443,9 +146,7 @@ class RayCluster:
         (torch backend). `host`: the address the head and engines bind and advertise
         (default: each node's IP). `max_restarts`: Ray restarts of each engine actor.
         Ray is initialised (`address`) when it is not yet; then `shutdown` ends it."""
-        import ray
-        from ray.util.placement_group import placement_group as make_pg
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+        import ray  # the optional ray extra: imported where it is used
 
         use_gpu = backend == "vllm" if use_gpu is None else use_gpu
         if model is None and backend != "torch" and ":" not in backend:
@@ -469,15 +170,43 @@ class RayCluster:
         common = ["--heartbeat-interval-s", str(heartbeat_interval_s)]
         if curve_dir:
             common += ["--curve-dir", curve_dir]
-        opts = dict(backend_options or {})
-        if backend == "vllm":
-            opts.setdefault("tp", tp)
-        if backend == "torch":  # OpenMP spin-waits: an engine uses the CPUs it was given
-            opts.setdefault("threads", max(1, int(plan.engines[0].num_cpus or 1)))
+        nodes = _NodeArgs(
+            env=extra_env,
+            head=["--policy", policy, "--seed", str(seed), *common, *router_args],
+            engine=[*common, "--seed", str(seed), *engine_args],
+            options=_engine_options(backend, backend_options, tp, plan),
+            backend=backend,
+            model=model,
+            host=host,
+        )
+        return cls._place(
+            plan, nodes, cluster_id, placement_group, strategy, port, max_restarts, ready_timeout_s, own_ray, saved,
+            curve_dir,
+        )  # fmt: skip
+
+    @classmethod
+    def _place(
+        cls,
+        plan: Plan,
+        nodes: _NodeArgs,
+        cluster_id: str,
+        placement_group: Any,
+        strategy: str,
+        port: int,
+        max_restarts: int,
+        ready_timeout_s: float,
+        own_ray: bool,
+        saved: tuple[Any, ...],
+        curve_dir: str | None,
+    ) -> RayCluster:
+        """`start`'s second half: the placement group, the head, the engines, readiness.
+        A failure ends whatever was started here (and Ray, if `start` initialised it)."""
+        import ray  # the optional ray extra
+        from ray.util.placement_group import placement_group as make_pg
+
         pg = placement_group
         rc: RayCluster | None = None
-        head: Any = None
-        engines: list[Any] = []
+        actors = _Started()
         try:
             if plan.own_bundles is not None:
                 pg = make_pg(plan.own_bundles, strategy=strategy, name=f"rollout-bus-{cluster_id}")
@@ -486,47 +215,16 @@ class RayCluster:
                     f"placement group {pg.bundle_specs} not placed after ready_timeout_s={ready_timeout_s}",
                     field="ready_timeout_s",
                 )
-            # The head goes next to the driver (the trainer), off any bundle.
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-            head = (
-                ray.remote(HeadActor)
-                .options(num_cpus=0, max_restarts=0, scheduling_strategy=here, name=f"rollout-bus-head-{cluster_id}")
-                .remote(
-                    cluster_id, host, port, ["--policy", policy, "--seed", str(seed), *common, *router_args], extra_env
-                )
-            )
-            addrs: dict[str, str] = ray.get(head.addresses.remote(ready_timeout_s), timeout=ready_timeout_s + 30)
-            cvd = _probe_gpus(plan, pg, ready_timeout_s)
+            actors.head = _start_head_actor(cluster_id, nodes.host, port, nodes.head, nodes.env)
+            addrs: dict[str, str] = ray.get(actors.head.addresses.remote(ready_timeout_s), timeout=ready_timeout_s + 30)
+            cvd = probe_gpus(plan, pg, ready_timeout_s)
             for i, ep in enumerate(plan.engines):
-                engines.append(
-                    ray.remote(EngineActor)
-                    .options(
-                        num_cpus=ep.num_cpus,
-                        num_gpus=ep.num_gpus,
-                        max_restarts=max_restarts,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            pg, placement_group_bundle_index=ep.bundles[0]
-                        ),
-                        name=f"rollout-bus-{ep.engine_id}-{cluster_id}",
-                    )
-                    .remote(
-                        cluster_id,
-                        ep.engine_id,
-                        addrs,
-                        host,
-                        backend,
-                        model,
-                        opts,
-                        [*common, "--seed", str(seed), *engine_args],
-                        extra_env,
-                        cvd[i],
-                    )  # fmt: skip
-                )
-            ray.get([e.pid.remote() for e in engines], timeout=ready_timeout_s)
+                actors.engines.append(_start_engine_actor(pg, ep, max_restarts, cluster_id, addrs, nodes, cvd[i]))
+            ray.get([e.pid.remote() for e in actors.engines], timeout=ready_timeout_s)
             rc = cls(
                 cluster_id=cluster_id,
-                head=head,
-                engines=engines,
+                head=actors.head,
+                engines=actors.engines,
                 plan=plan,
                 addresses=addrs,
                 pg=pg,
@@ -535,20 +233,14 @@ class RayCluster:
                 curve_dir=curve_dir,
             )
             rc._saved_hooks = saved
-            rc.wait_ready(num_engines, ready_timeout_s)
+            rc.wait_ready(len(plan.engines), ready_timeout_s)
             log.info("ray_cluster_ready", cluster_id=cluster_id, frontend=rc.frontend, engines=rc.engine_ids)
             return rc
         except BaseException:
             if rc is not None:
                 rc.shutdown()
             else:  # nothing to hand back: end what was started here
-                _kill_all([*engines, *([head] if head is not None else [])], 10.0)
-                if plan.own_bundles is not None and pg is not None:
-                    with contextlib.suppress(Exception):
-                        ray.util.remove_placement_group(pg)
-                if own_ray:
-                    ray.shutdown()
-                    _restore_hooks(saved)
+                actors.abandon(pg if plan.own_bundles is not None else None, own_ray, saved)
             raise
 
     # ---- use
@@ -645,7 +337,7 @@ class RayCluster:
         if self._own_pg:
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(self.placement_group)
-        shutil.rmtree(_run_dir(self.cluster_id), ignore_errors=True)  # single-node leftovers only
+        shutil.rmtree(run_dir(self.cluster_id), ignore_errors=True)  # single-node leftovers only
         if self._own_ray:
             ray.shutdown()
             _restore_hooks(self._saved_hooks)
@@ -690,32 +382,94 @@ def _kill_all(actors: list[Any], grace_s: float) -> None:
             ray.kill(a, no_restart=True)
 
 
-def _probe_gpus(plan: Plan, pg: Any, timeout_s: float) -> list[str | None]:
-    """CUDA_VISIBLE_DEVICES per engine: the GPU ids of its bundles, for engines
-    spread over several per-GPU bundles; None (Ray's own setting) otherwise."""
-    import ray
+@dataclasses.dataclass(frozen=True)
+class _NodeArgs:
+    """What `start` hands every node process: env, argv tails, the engines' backend."""
+
+    env: dict[str, str]
+    head: list[str]  # the head's argv after its addresses
+    engine: list[str]  # each engine's argv after its backend options
+    options: dict[str, Any]  # --backend-options
+    backend: str
+    model: str | None
+    host: str | None
+
+
+@dataclasses.dataclass
+class _Started:
+    """The actors `RayCluster.start` made so far: what a failed start ends."""
+
+    head: Any = None
+    engines: list[Any] = dataclasses.field(default_factory=list)
+
+    def abandon(self, own_pg: Any, own_ray: bool, saved_hooks: tuple[Any, ...]) -> None:
+        """Kill the actors, remove the placement group `start` made (own_pg) and
+        end Ray if `start` initialised it."""
+        import ray  # the optional ray extra
+
+        _kill_all([*self.engines, *([self.head] if self.head is not None else [])], 10.0)
+        if own_pg is not None:
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(own_pg)
+        if own_ray:
+            ray.shutdown()
+            _restore_hooks(saved_hooks)
+
+
+def _engine_options(backend: str, backend_options: dict[str, Any] | None, tp: int, plan: Plan) -> dict[str, Any]:
+    opts = dict(backend_options or {})
+    if backend == "vllm":
+        opts.setdefault("tp", tp)
+    if backend == "torch":  # OpenMP spin-waits: an engine uses the CPUs it was given
+        opts.setdefault("threads", max(1, int(plan.engines[0].num_cpus or 1)))
+    return opts
+
+
+def _start_head_actor(cluster_id: str, host: str | None, port: int, args: list[str], env: dict[str, str]) -> Any:
+    """The head goes next to the driver (the trainer), off any bundle."""
+    import ray  # the optional ray extra
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    return (
+        ray.remote(HeadActor)
+        .options(num_cpus=0, max_restarts=0, scheduling_strategy=here, name=f"rollout-bus-head-{cluster_id}")
+        .remote(cluster_id, host, port, args, env)
+    )
+
+
+def _start_engine_actor(
+    pg: Any,
+    ep: EnginePlacement,
+    max_restarts: int,
+    cluster_id: str,
+    addrs: dict[str, str],
+    nodes: _NodeArgs,
+    cuda_visible_devices: str | None,
+) -> Any:
+    """Engine `ep` on its first bundle; Ray restarts it up to `max_restarts` times."""
+    import ray  # the optional ray extra
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    out: list[str | None] = []
-    probe = ray.remote(_gpu_ids)
-    for ep in plan.engines:
-        if not ep.probe_gpus:
-            out.append(None)
-            continue
-        refs = [
-            probe.options(
-                num_cpus=0,
-                num_gpus=ep.num_gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
-            ).remote()
-            for b in ep.bundles
-        ]
-        found = ray.get(refs, timeout=timeout_s)
-        nodes = {n for n, _ in found}
-        if len(nodes) != 1:
-            raise BadRequest(
-                f"engine {ep.engine_id}'s bundles {list(ep.bundles)} are on {len(nodes)} nodes; tp runs on one",
-                field="bundle_indices",
-            )
-        out.append(",".join(g for _, ids in found for g in ids[:1]))
-    return out
+    return (
+        ray.remote(EngineActor)
+        .options(
+            num_cpus=ep.num_cpus,
+            num_gpus=ep.num_gpus,
+            max_restarts=max_restarts,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=ep.bundles[0]),
+            name=f"rollout-bus-{ep.engine_id}-{cluster_id}",
+        )
+        .remote(
+            cluster_id,
+            ep.engine_id,
+            addrs,
+            nodes.host,
+            nodes.backend,
+            nodes.model,
+            nodes.options,
+            nodes.engine,
+            nodes.env,
+            cuda_visible_devices,
+        )  # fmt: skip
+    )

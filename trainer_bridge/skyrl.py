@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -42,8 +41,19 @@ import msgspec
 from bus.errors import BadRequest, ProtocolError, Unsupported
 from bus.frames import logprobs_wanted
 from trainer_bridge.client import AsyncClient
+from trainer_bridge.gpu_transports import warm_up_nccl
 from trainer_bridge.sampling import Translated, translate
-from trainer_bridge.text import Text, load_text, output_text
+from trainer_bridge.skyrl_chunks import has_cuda, named_tensors, unpack_ipc_chunk
+from trainer_bridge.skyrl_openai import (
+    chat_choices,
+    completion_choices,
+    openai_params,
+    openai_reply,
+    request_body,
+    text_of,
+)
+from trainer_bridge.skyrl_tinker import tinker_reply, tinker_request
+from trainer_bridge.text import Text, load_text
 
 
 def _skyrl_base() -> type:
@@ -61,17 +71,6 @@ InferenceEngineBase = _skyrl_base()
 # SkyRL's init-info classes → rollout-bus transports (by class name: no skyrl import needed).
 TRANSPORT_OF_INIT_INFO = {"BroadcastInitInfo": "nccl", "CudaIpcInitInfo": "cuda_ipc"}
 
-# Tinker SamplingParams keys → vLLM-style keys (SkyRL's _TINKER_SAMPLE_TO_VLLM_PARAM_MAP).
-TINKER_PARAMS = {
-    "temperature": "temperature",
-    "max_tokens": "max_tokens",
-    "seed": "seed",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "stop_strings": "stop",
-    "stop_tokens": "stop_token_ids",
-}
-
 # What each SkyRL weight_sync_backend needs; the error for a machine without it.
 _NO_CUDA = (
     "SkyRL's weight_sync_backend='nccl' ({info}) moves CUDA tensors and this machine has no CUDA device: "
@@ -79,19 +78,6 @@ _NO_CUDA = (
     "with rollout-bus's zmq transport (trainer_bridge.skyrl_weights.get_transfer_strategy_cls in place of "
     "SkyRL's, or engine.update_named_weights(tensors))"
 )
-
-# OpenAI request keys → vLLM-style sampling keys (None: not a sampling key).
-OPENAI_KEYS: dict[str, str | None] = {
-    "model": None,
-    "messages": None,
-    "prompt": None,
-    "stream": None,
-    "user": None,
-    "max_completion_tokens": "max_tokens",
-    "top_logprobs": None,  # folded into logprobs below
-    "chat_template_kwargs": None,  # used by the chat template
-    "add_generation_prompt": None,
-}
 
 
 class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
@@ -305,7 +291,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         logprobs = logprobs_wanted(tr.params.logprobs)
         return {
             # Decoded from the returned ids (cut at a stop string as asked): text.output_text.
-            "responses": [RolloutBusEngine._text_of(s, text, tr) for s in samples],
+            "responses": [text_of(s, text, tr) for s in samples],
             "response_ids": [list(s.token_ids) for s in samples],
             "stop_reasons": [s.finish_reason for s in samples],
             "response_logprobs": [list(s.logprobs or []) for s in samples] if logprobs else None,
@@ -313,16 +299,6 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
             "prompt_logprobs": [s.prompt_logprobs for s in samples] if tr.params.prompt_logprobs is not None else None,
             "rollout_expert_indices": None,
         }
-
-    @staticmethod
-    def _text_of(s: Any, text: Text, tr: Translated) -> str:
-        return output_text(
-            text,
-            s.token_ids,
-            skip_special_tokens=tr.skip_special_tokens,
-            stop_str=s.stop_str,
-            include_stop_str_in_output=tr.params.include_stop_str_in_output,
-        )
 
     async def sample(
         self,
@@ -354,67 +330,12 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         return self._output(res.samples, await self._tok(), tr)
 
     async def _sample_tinker(self, request_payload: Mapping[str, Any]) -> dict[str, Any]:
-        session_id, body = self._body(request_payload)
-        prompt = body.get("prompt") or {}
-        ids: list[int] = []
-        for i, c in enumerate(prompt.get("chunks") or []):
-            kind = c.get("type", "encoded_text")
-            if kind != "encoded_text":
-                raise Unsupported(f"{kind} chunks (multi-modal) are not served", field=f"prompt.chunks[{i}].type")
-            ids.extend(int(t) for t in c.get("tokens") or ())
-        if not ids:
-            raise BadRequest("the prompt has no tokens (prompt.chunks[].tokens)", field="prompt")
-        tp = dict(body.get("sampling_params") or {})
-        unknown = set(tp) - set(TINKER_PARAMS)
-        if unknown:
-            raise BadRequest(f"unknown Tinker sampling parameter {sorted(unknown)[0]!r}", field="sampling_params")
-        sp = {TINKER_PARAMS[k]: v for k, v in tp.items() if v is not None}
-        topk = int(body.get("topk_prompt_logprobs") or 0)
-        with_prompt = bool(body.get("include_prompt_logprobs", body.get("prompt_logprobs", False)))
-        if with_prompt:
-            sp["prompt_logprobs"] = topk
-        sp["logprobs"] = 0  # Tinker: every sequence has its tokens' logprobs
-        tr = translate(sp, prefix="sampling_params.")
-        tr.num_samples = int(body.get("num_samples", 1))
-        if tr.num_samples < 1:
-            raise BadRequest(f"num_samples must be >= 1, got {tr.num_samples}", field="num_samples")
-        res = await self._one(ids, tr, session_id, await self._lora(body.get("model")))
-        first = res.samples[0] if res.samples else None
-        plp = first.prompt_logprobs if (with_prompt and first is not None) else None
-        top = None
-        if with_prompt and topk > 0 and first is not None and first.prompt_top_ids is not None:
-            top = [
-                None if i == 0 else sorted(zip(tid, tlp, strict=True), key=lambda x: -x[1])[:topk]
-                for i, (tid, tlp) in enumerate(zip(first.prompt_top_ids, first.prompt_top_logprobs or [], strict=False))
-            ]
-        return {
-            "type": "sample",
-            "sequences": [
-                {"tokens": list(s.token_ids), "logprobs": list(s.logprobs or []), "stop_reason": s.finish_reason}
-                for s in res.samples
-            ],
-            "prompt_logprobs": plp,
-            "topk_prompt_logprobs": top,
-        }
+        session_id, body = request_body(request_payload)
+        req = tinker_request(body)
+        res = await self._one(req.ids, req.tr, session_id, await self._lora(body.get("model")))
+        return tinker_reply(req, res)
 
     # ------------------------------------------------------------ OpenAI-shaped, over the bus
-
-    def _openai_params(self, body: Mapping[str, Any], chat: bool) -> Translated:
-        sp: dict[str, Any] = {}
-        for k, v in body.items():
-            if k in OPENAI_KEYS:
-                if name := OPENAI_KEYS[k]:
-                    sp[name] = v
-            else:
-                sp[k] = v
-        if body.get("stream"):
-            raise Unsupported("stream=true: use AsyncClient.stream for streaming", field="stream")
-        if chat:  # chat: logprobs is a bool, top_logprobs the k
-            sp["logprobs"] = (body.get("top_logprobs") or 0) if body.get("logprobs") else None
-        elif body.get("echo"):
-            raise Unsupported("echo needs prompt logprobs (issue 10, server-side)", field="echo")
-        sp.pop("echo", None)
-        return translate(sp)
 
     async def _default_max_tokens(
         self, tr: Translated, prompt_len: int, body: Mapping[str, Any], field: str
@@ -436,16 +357,11 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         tr.params = msgspec.structs.replace(tr.params, max_tokens=limit - prompt_len)
         return tr
 
-    @staticmethod
-    def _body(request_payload: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
-        body = dict(request_payload.get("json", request_payload))
-        return body.pop("session_id", None), body
-
     async def chat_completion(self, request_payload: Mapping[str, Any]) -> dict[str, Any]:
         """`{"json": <OpenAI chat request>}` → an OpenAI chat.completion dict
         (plus `token_ids` / `prompt_token_ids`, as vLLM's `return_token_ids`)."""
-        session_id, body = self._body(request_payload)
-        tr = self._openai_params(body, chat=True)
+        session_id, body = request_body(request_payload)
+        tr = openai_params(body, chat=True)
         text = await self._tok()
         ids = text.chat(
             body.get("messages") or [],
@@ -454,35 +370,13 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         )
         tr = await self._default_max_tokens(tr, len(ids), body, "messages")
         res = await self._one(ids, tr, session_id, await self._lora(body.get("model")))
-        choices = []
-        for s in res.samples:
-            content = self._text_of(s, text, tr)
-            lp = None
-            if logprobs_wanted(tr.params.logprobs):
-
-                def tops(i: int, s: Any = s) -> list[dict[str, Any]]:
-                    if s.top_ids is None or s.top_logprobs is None:
-                        return []
-                    return [
-                        {"token": text.decode([t], skip_special_tokens=False), "logprob": x, "bytes": None}
-                        for t, x in zip(s.top_ids[i], s.top_logprobs[i], strict=True)
-                    ]
-
-                lp = {"content": [
-                    {"token": text.decode([t], skip_special_tokens=False), "logprob": x, "bytes": None, "top_logprobs": tops(i)}
-                    for i, (t, x) in enumerate(zip(s.token_ids, s.logprobs or [], strict=False))
-                ]}  # fmt: skip
-            choices.append({
-                "index": s.index, "message": {"role": "assistant", "content": content}, "finish_reason": s.finish_reason,
-                "logprobs": lp, "token_ids": list(s.token_ids),
-            })  # fmt: skip
-        return self._openai_reply("chat.completion", body, res, ids, choices)
+        return openai_reply("chat.completion", body, res, ids, chat_choices(res.samples, text, tr), self.model_name)
 
     async def completion(self, request_payload: Mapping[str, Any]) -> dict[str, Any]:
         """`{"json": <OpenAI completion request>}` → a text_completion dict;
         `prompt` may be text, token ids, or a list of either."""
-        session_id, body = self._body(request_payload)
-        tr = self._openai_params(body, chat=False)
+        session_id, body = request_body(request_payload)
+        tr = openai_params(body, chat=False)
         text = await self._tok()
         prompt: Any = body.get("prompt")
         batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
@@ -490,28 +384,14 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         tr = await self._default_max_tokens(tr, max(len(p) for p in prompts), body, "prompt")
         lora = await self._lora(body.get("model"))
         results = await asyncio.gather(*(self._one(p, tr, session_id, lora) for p in prompts))
-        choices: list[dict[str, Any]] = []
-        for r in results:
-            for s in r.samples:
-                lp = None
-                if logprobs_wanted(tr.params.logprobs):
-                    toks = [text.decode([t], skip_special_tokens=False) for t in s.token_ids]
-                    lp = {
-                        "tokens": toks,
-                        "token_logprobs": list(s.logprobs or []),
-                        "top_logprobs": None,
-                        "text_offset": None,
-                    }
-                choices.append({
-                    "index": len(choices),
-                    "text": self._text_of(s, text, tr),
-                    "finish_reason": s.finish_reason, "logprobs": lp, "token_ids": list(s.token_ids),
-                })  # fmt: skip
-        return self._openai_reply("text_completion", body, results[0], [t for p in prompts for t in p], choices)
+        choices = completion_choices(results, text, tr)
+        return openai_reply(
+            "text_completion", body, results[0], [t for p in prompts for t in p], choices, self.model_name
+        )
 
     async def render_chat_completion(self, request_payload: Mapping[str, Any]) -> dict[str, Any]:
         """Apply the chat template and tokenize, without generating."""
-        _, body = self._body(request_payload)
+        _, body = request_body(request_payload)
         text = await self._tok()
         ids = text.chat(
             body.get("messages") or [],
@@ -519,24 +399,6 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
             **(body.get("chat_template_kwargs") or {}),
         )
         return {"token_ids": ids, "prompt": text.decode(ids, skip_special_tokens=False), "features": None}
-
-    def _openai_reply(
-        self, kind: str, body: Mapping[str, Any], res: Any, prompt_ids: list[int], choices: list[dict]
-    ) -> dict[str, Any]:
-        n_out = sum(len(c["token_ids"]) for c in choices)
-        return {
-            "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{res.request_id}",
-            "object": kind,
-            "created": int(time.time()),
-            "model": body.get("model") or self.model_name,
-            "choices": choices,
-            "prompt_token_ids": prompt_ids,
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": n_out,
-                "total_tokens": len(prompt_ids) + n_out,
-            },
-        }
 
     # ------------------------------------------------------------ sessions
 
@@ -600,7 +462,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         if isinstance(init_info, Mapping):
             transport = init_info.get("transport", transport)
             self._transport_options = dict(init_info.get("options", {}))
-        if transport in ("nccl", "cuda_ipc") and not _has_cuda():
+        if transport in ("nccl", "cuda_ipc") and not has_cuda():
             raise Unsupported(_NO_CUDA.format(info=kind), field="weight_sync_backend")
         if kind == "BroadcastInitInfo":
             raise Unsupported(
@@ -615,8 +477,6 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         if self._transport == "nccl":
             # The NCCL group is set up now, not inside the first update (an empty
             # transaction the engines join the group in; gpu_transports.warm_up_nccl).
-            from trainer_bridge.gpu_transports import warm_up_nccl
-
             out["warm_up"] = await warm_up_nccl(self.client, self._transport_options)
         return out
 
@@ -629,7 +489,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
             out = await self.client.load_lora(getattr(request, "lora_name", "") or "default", path=request.lora_path)
             await self.refresh()  # its name routes to it from now on (_lora)
             return out
-        named = _named_tensors(request)
+        named = named_tensors(request)
         return await self.client.update_weights(named, transport=self._transport, **self._transport_options)
 
     # ------------------------------------------------------------ SkyRL's chunked update
@@ -654,30 +514,9 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
             raise BadRequest(f"{call} outside a weight update: call start_weight_update first", field="weight_update")
 
     async def update_weights_ipc(self, update_info: Mapping[str, Any]) -> dict[str, Any]:
-        """One chunk: `ipc_handles_pickled` (base64 of a pickled {GPU uuid:
-        (rebuild_fn, args)} for ONE packed buffer) + names / dtype_names /
-        shapes / sizes (elements per tensor), as SkyRL's CUDA IPC sender sends.
-        The handle for this process's GPU is rebuilt (its own tensor when
-        rank 0 made it); CPU tensors' handles (torch's reduce_tensor) work too."""
+        """One chunk of SkyRL's CUDA IPC sender (skyrl_chunks.unpack_ipc_chunk)."""
         self._open_update("update_weights_ipc")
-        import base64
-        import pickle
-
-        try:
-            handles = pickle.loads(base64.b64decode(update_info["ipc_handles_pickled"]))
-            names, shapes, sizes = list(update_info["names"]), list(update_info["shapes"]), list(update_info["sizes"])
-        except KeyError as e:
-            raise BadRequest(f"update_info lacks {e.args[0]!r}", field=f"update_info.{e.args[0]}") from None
-        if not (len(names) == len(shapes) == len(sizes)) or not handles:
-            raise BadRequest("names, shapes and sizes differ in length (or no handle)", field="update_info")
-        fn, args = handles.get(_gpu_uuid(), next(iter(handles.values())))
-        packed = fn(*args)
-        off = 0
-        for name, shape, size in zip(names, shapes, sizes, strict=True):
-            # A copy: the sender frees the packed buffer when this call returns.
-            self._update_named.append((name, packed[off : off + size].view(*shape).clone()))
-            off += size
-        return {"received": len(names)}
+        return {"received": unpack_ipc_chunk(update_info, self._update_named)}
 
     async def update_weights_nccl(self, update_info: Mapping[str, Any]) -> dict[str, Any]:
         """SkyRL's broadcast sender's receive call: refused at
@@ -707,24 +546,6 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         await self.teardown()
 
 
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except ImportError:
-        return False
-
-
-def _gpu_uuid() -> str:
-    """This process's GPU's uuid as SkyRL keys IPC handles ("" without CUDA)."""
-    if not _has_cuda():
-        return ""
-    import torch
-
-    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-
-
 def _options(c: AsyncClient) -> dict[str, Any]:
     """What it takes to open the same connection again (CURVE keys included)."""
     return {"address": c.address, "timeout_s": c.timeout_s, "control_timeout_s": c.control_timeout_s, "curve": c._curve}
@@ -736,17 +557,3 @@ def _fresh(options: dict[str, Any]) -> AsyncClient:
     c = AsyncClient(o.pop("address"), **o)
     c._curve = curve
     return c
-
-
-def _named_tensors(request: Any) -> list[tuple[str, Any]]:
-    if hasattr(request, "tensors") and hasattr(request, "names"):
-        return list(zip(request.names, request.tensors, strict=True))
-    if isinstance(request, Mapping):
-        return list(request.items())
-    if isinstance(request, Iterable) and not isinstance(request, (str, bytes)):
-        return list(request)
-    raise Unsupported(
-        f"{type(request).__name__} carries no tensors: SkyRL's NCCL/IPC requests move bytes through SkyRL's own "
-        "sender; rollout-bus moves them itself: pass the tensors (a WeightChunk, a dict or (name, tensor) pairs)",
-        field="request",
-    )

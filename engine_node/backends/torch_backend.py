@@ -70,27 +70,26 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import gc
 import inspect
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import structlog
 import torch
 
 from bus.frames import logprobs_wanted, top_k_of
-from bus.tensors import unpack_bucket
 from engine_node import sampling_features as SF
 from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput
-from engine_node.lora_local import LoraHooks, build_adapter, read_peft_folder
+from engine_node.backends.torch_sleep import TorchSleepAndLora
+from engine_node.backends.torch_weights import TorchWeightUpdates, _dtype_name
+from engine_node.lora_local import LoraHooks
 from engine_node.tiny_model import hf_quiet
 
 log = structlog.get_logger(__name__)
 
 _GREEDY_EPS = 1e-5  # vLLM's threshold: temperature below it means greedy
 _SEED_MASK = (1 << 63) - 1
-_TAGS = ("weights", "kv_cache")
 _OPTIONS = ("device", "dtype", "capacity", "max_model_len", "seed", "threads", "op_timeout_s", "fault_op_delay_s")
 # How long step() waits for the model while a control op holds it: short, so
 # the node's loop keeps reading its sockets.
@@ -99,11 +98,6 @@ _STEP_LOCK_WAIT_S = 0.005
 # threads only add synchronisation (measured on the 64-hidden tiny model, 2
 # busy cores: 8 ms per forward with 2 threads, 1.3 ms with 1).
 _SMALL_MODEL_PARAMS = 20_000_000
-
-
-class WeightUpdateError(BackendError, ValueError):
-    """A weight transaction was refused (bad name / dtype / shape, missing
-    tensor). Also a ValueError, as backend.begin_weight_update documents."""
 
 
 # ------------------------------------------------------------------ sampling
@@ -148,34 +142,6 @@ class _Seq:
     output: list[int] = dataclasses.field(default_factory=list)  # sampled this submission
 
 
-def _cache_bytes(cache: Any) -> int:
-    """Bytes held by a DynamicCache's key/value tensors (0 if unknown)."""
-    total = 0
-    for layer in getattr(cache, "layers", ()) or ():
-        for attr in ("keys", "values"):
-            t = getattr(layer, attr, None)
-            if isinstance(t, torch.Tensor):
-                total += t.nbytes
-    return total
-
-
-def _as_tensor(value: Any) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value
-    return torch.as_tensor(value)
-
-
-def _meta(m: Any) -> tuple[str, str, tuple[int, ...]]:
-    """(name, dtype, shape) of a TensorMeta (msgspec Struct or plain dict)."""
-    get: Callable[[str], Any] = m.get if isinstance(m, dict) else (lambda k: getattr(m, k))
-    dtype = str(get("dtype")).removeprefix("torch.")
-    return str(get("name")), dtype, tuple(int(x) for x in get("shape"))
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _parse_dtype(name: str) -> torch.dtype:
     dt = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dt, torch.dtype):
@@ -198,7 +164,7 @@ def _eos_ids(model: Any) -> list[int]:
 # ------------------------------------------------------------------ backend
 
 
-class TorchBackend:
+class TorchBackend(TorchSleepAndLora, TorchWeightUpdates):
     freeze_granularity = "seq"
 
     def __init__(
@@ -278,8 +244,6 @@ class TorchBackend:
                 raise BackendError(f"threads must be >= 1, got {threads}")
             torch.set_num_threads(threads)
 
-    # ------------------------------------------------------------ info
-
     def info(self) -> BackendInfo:
         return BackendInfo(
             backend="torch",
@@ -291,8 +255,6 @@ class TorchBackend:
             tp=1,
             dtype=_dtype_name(self.dtype),
         )
-
-    # ------------------------------------------------------------ requests
 
     def add(self, seq: SeqRequest) -> None:
         self._check_open()
@@ -457,298 +419,6 @@ class TorchBackend:
                 self._seqs[sid].frozen = False
         return BackendOp.done("thaw")
 
-    # ------------------------------------------------------------ long ops
-
-    def _long_op(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> BackendOp:
-        """Run fn on the worker thread, holding the model; the op resolves to
-        fn's result (a dict) or its exception."""
-        try:
-            self._check_open()
-        except BackendError as e:
-            return BackendOp.failed(what, e)
-        op = BackendOp.pending(what, self._op_timeout_s, "op_timeout_s")
-        delay = self._fault_delay.get(what, 0.0)
-
-        def run() -> None:
-            if not op.future.set_running_or_notify_cancel():
-                return
-            try:
-                with self._model_lock:
-                    if delay:  # test-only fault injection (fault_op_delay_s); close() cuts it short
-                        self._closing.wait(delay)
-                    if self._closed:
-                        raise BackendError(f"torch backend closed before {what} ran")
-                    res = fn(*args, **kwargs)
-            except BaseException as e:
-                op.future.set_exception(e)
-            else:
-                op.future.set_result(dict(res or {}))
-
-        try:
-            self._ops.submit(run)
-        except RuntimeError as e:  # executor shut down
-            return BackendOp.failed(what, BackendError(f"torch backend: {e}"))
-        return op
-
-    # ------------------------------------------------------------ memory
-
-    def _weight_bytes(self) -> int:
-        return sum(p.nbytes for p in self.model.parameters())
-
-    def _kv_bytes(self) -> int:
-        return sum(_cache_bytes(s.cache) for s in self._seqs.values() if s.cache is not None)
-
-    def _release_device_memory(self) -> None:
-        # On CPU refcounting already freed what we dropped; a full gc.collect()
-        # costs ~0.4 s with transformers loaded, so only pay it where it returns
-        # memory to the device (cycles holding CUDA tensors, then the caching
-        # allocator's free blocks).
-        if self.device.type == "cuda":
-            gc.collect()
-            torch.cuda.empty_cache()
-
-    def sleep(self, level: int) -> BackendOp:
-        if level not in (1, 2):
-            return BackendOp.failed("sleep", BackendError(f"sleep level must be 1 or 2, got {level}", field="level"))
-        return self._long_op("sleep", self._sleep, level)
-
-    def _sleep(self, level: int) -> dict[str, Any]:
-        """Release memory. The node parks every sequence first; sleeping with
-        sequences held is refused rather than silently dropping them."""
-        if self._seqs:
-            raise BackendError(f"cannot sleep with {len(self._seqs)} sequences held; abort them first")
-        kv = self._kv_bytes()  # 0 here: no sequences, so no caches
-        freed, weights = kv, "kept"
-        if level == 2 and self._weights_where != "discarded":
-            freed += self._weight_bytes()
-            self._discard_weights()
-            weights = "discarded"
-        elif level == 1 and self.device.type != "cpu" and self._weights_where == "device":
-            freed += self._weight_bytes()
-            self.model.to("cpu")
-            self._weights_where, weights = "host", "offloaded"
-        elif self._weights_where != "device":
-            weights = self._weights_where
-        self._sleeping.update(_TAGS)
-        self._release_device_memory()
-        return {"level": level, "freed_bytes": freed, "kv_bytes": kv, "weights": weights, "device": str(self.device)}
-
-    def _discard_weights(self) -> None:
-        # Replace each Parameter's storage, keeping the Parameter objects: tied
-        # aliases, LoRA hooks and self._targets keep pointing at them.
-        with torch.no_grad():
-            for p in self.model.parameters():
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self._weights_where = "discarded"
-
-    def wake_up(self, tags: list[str] | None) -> BackendOp:
-        wanted = set(_TAGS if tags is None else tags)
-        unknown = wanted - set(_TAGS)
-        if unknown:
-            return BackendOp.failed(
-                "wake_up",
-                BackendError(f"unknown wake_up tags {sorted(unknown)}; choose from {list(_TAGS)}", field="tags"),
-            )
-        return self._long_op("wake_up", self._wake_up, wanted)
-
-    def _wake_up(self, wanted: set[str]) -> dict[str, Any]:
-        restored = 0
-        if "weights" in wanted and self._weights_where != "device":
-            restored += self._restore_weights()
-        # KV caches are allocated per sequence on demand: nothing to restore.
-        self._sleeping -= wanted
-        return {"restored_bytes": restored, "woken": sorted(wanted), "sleeping": sorted(self._sleeping)}
-
-    def _restore_weights(self) -> int:
-        if self._weights_where == "host":
-            self.model.to(self.device)
-        else:
-            self._reload_checkpoint()
-        self._weights_where = "device"
-        return self._weight_bytes()
-
-    def _reload_checkpoint(self) -> None:
-        """Refill the discarded Parameters from the checkpoint on disk. Loading
-        through from_pretrained (not raw safetensors) keeps transformers' own
-        key conversions and tied-weight handling."""
-        from transformers import AutoModelForCausalLM
-
-        with hf_quiet():
-            fresh = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype)
-        src = dict(fresh.named_parameters())
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                p.data = src[name].data.to(self.device)
-        del fresh, src
-        self._release_device_memory()
-
-    def reset_prefix_cache(self) -> BackendOp:
-        """No prefix cache: every sequence has its own KV cache."""
-        return BackendOp.done("reset_prefix_cache")
-
-    # ------------------------------------------------------------ weights
-
-    def begin_weight_update(
-        self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]
-    ) -> BackendOp:
-        """Open a transaction for `tensors` (TensorMeta). A begin while another
-        is open replaces it: a trainer that died mid-transfer must not block
-        the next update. Validation is cheap: the op is done at once."""
-        try:
-            self._begin(transport, tensors)
-        except BackendError as e:
-            return BackendOp.failed("begin_weight_update", e)
-        self._announced_metas = list(tensors)
-        self._update_id = update_id
-        return BackendOp.done("begin_weight_update", {"tensors": len(self._announced or ())})
-
-    def _begin(self, transport: str, tensors: list[Any]) -> None:
-        self._check_open()
-        if transport != "zmq":
-            raise BackendError(f"transport {transport!r} not supported by torch backend (zmq only)")
-        if self._weights_where == "discarded":
-            raise BackendError("weights were discarded by sleep(2); wake_up(['weights']) before a weight update")
-        announced: dict[str, tuple[str, tuple[int, ...]]] = {}
-        for m in tensors:
-            name, dtype, shape = _meta(m)
-            self._check_spec(name, dtype, shape)
-            if name in announced:
-                raise WeightUpdateError(f"tensor {name!r} announced twice")
-            announced[name] = (dtype, shape)
-        if not announced:
-            raise WeightUpdateError("weight update announces no tensors")
-        self._announced, self._staged = announced, {}
-
-    def _check_spec(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
-        spec = self._specs.get(name)
-        if spec is None:
-            raise WeightUpdateError(f"tensor {name!r}: no such parameter in the model", field="tensors")
-        if dtype != spec[0]:
-            raise WeightUpdateError(
-                f"tensor {name!r}: dtype {dtype} does not match the model's {spec[0]}", field="tensors"
-            )
-        if shape != spec[1]:
-            raise WeightUpdateError(
-                f"tensor {name!r}: shape {list(shape)} does not match the model's {list(spec[1])}", field="tensors"
-            )
-
-    def stage_bucket(self, bucket: int, data: memoryview) -> None:
-        """zmq: one bucket's raw bytes (valid during the call): sliced by the
-        shared unpacker, each tensor cloned once."""
-        if self._announced is None:
-            raise BackendError("stage_bucket without begin_weight_update")
-        try:
-            named = unpack_bucket(bucket, self._announced_metas, data)
-        except ValueError as e:
-            raise WeightUpdateError(str(e), field="bucket") from None
-        self._stage_named(named)
-
-    def _stage_named(self, named: list[tuple[str, Any]]) -> None:
-        if self._announced is None:
-            raise BackendError("stage_bucket without begin_weight_update")
-        for name, value in named:
-            if name not in self._announced:
-                raise WeightUpdateError(f"tensor {name!r} was not announced by begin_weight_update")
-            t = _as_tensor(value)
-            dtype, shape = self._announced[name]
-            if _dtype_name(t.dtype) != dtype or tuple(t.shape) != shape:
-                raise WeightUpdateError(
-                    f"tensor {name!r}: got {_dtype_name(t.dtype)}{list(t.shape)}, announced {dtype}{list(shape)}"
-                )
-            # Clone: `value` may view a receive buffer the node reuses after we return.
-            self._staged[name] = t.detach().to("cpu", copy=True)
-
-    def receive_weights(self, handles: list[Any]) -> BackendOp:
-        return BackendOp.failed(
-            "receive_weights",
-            BackendError(
-                "receive_weights (cuda_ipc / nccl) not supported by torch backend (zmq only)", field="transport"
-            ),
-        )
-
-    def commit_weight_update(self) -> BackendOp:
-        # The transaction is taken NOW, on the caller's thread: the worker runs
-        # later, and a begin of the next update (synchronous, on the loop
-        # thread) may have replaced `_announced` by then.
-        announced, staged, uid = self._announced, self._staged, self._update_id
-        return self._long_op("commit_weight_update", self._commit, announced, staged, uid)
-
-    def _commit(self, announced: Any, staged: dict[str, Any], uid: str | None) -> dict[str, Any]:
-        """All or nothing: every check happens before the first copy."""
-        if announced is None:
-            raise BackendError("commit_weight_update without begin_weight_update")
-        missing = sorted(set(announced) - set(staged))
-        if missing:
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise WeightUpdateError(f"weight update incomplete: missing tensors {missing[:5]}{more}")
-        if self._weights_where == "discarded":
-            raise BackendError("weights were discarded by sleep(2) during the update; wake_up first")
-        with torch.no_grad():
-            for name, t in staged.items():
-                self._targets[name].copy_(t)
-        n = len(staged)
-        self._close_update(uid)
-        self.reset_prefix_cache()
-        # Running sequences keep KV computed by the old weights (like vLLM's
-        # keep-mode pause); the node parks them when it wants fresh KV.
-        log.debug("weights updated", tensors=n)
-        return {"tensors": n}
-
-    def abort_weight_update(self) -> BackendOp:
-        # On the worker: it must not clear what a running commit is copying.
-        # Keyed by the update open NOW: a stale abort that runs after the next
-        # update began (the node aborts the old one, then begins the new one
-        # at once) must not wipe the new one's staging.
-        return self._long_op("abort_weight_update", self._close_update, self._update_id)
-
-    def _close_update(self, uid: str | None) -> dict[str, Any]:
-        if self._update_id == uid:
-            self._announced, self._staged, self._update_id = None, {}, None
-            return {"had_update": uid is not None}
-        return {"had_update": False}
-
-    # ------------------------------------------------------------ LoRA
-
-    def load_lora(
-        self,
-        name: str,
-        *,
-        path: str | None = None,
-        tensors: list[tuple[str, Any]] | None = None,
-        config: dict[str, Any] | None = None,
-    ) -> BackendOp:
-        """Load or replace adapter `name`. A replacement is built and checked
-        completely before it swaps in; running sequences of `name` use it from
-        their next step (their KV so far stays)."""
-        if (path is None) == (tensors is None):
-            return BackendOp.failed(
-                "load_lora", BackendError(f"load_lora {name!r}: give exactly one of path or tensors", field="path")
-            )
-        return self._long_op("load_lora", self._load_lora, name, path, tensors, config)
-
-    def _load_lora(self, name: str, path: str | None, tensors: Any, config: dict[str, Any] | None) -> dict[str, Any]:
-        if path is not None:
-            tensors, file_config = read_peft_folder(path)
-            config = {**file_config, **(config or {})}
-        assert tensors is not None
-        self._lora.put(build_adapter(name, tensors, config, self.model))
-        return {}
-
-    def unload_lora(self, name: str) -> BackendOp:
-        return self._long_op("unload_lora", self._unload_lora, name)
-
-    def _unload_lora(self, name: str) -> dict[str, Any]:
-        if name not in self._lora.adapters:
-            raise BackendError(f"lora {name!r} is not loaded", field="name")
-        users = sum(1 for s in list(self._seqs.values()) if s.req.lora == name)
-        if users:
-            raise BackendError(f"lora {name!r} is used by {users} running sequences; abort or finish them first")
-        self._lora.remove(name)
-        return {}
-
-    def loras(self) -> list[str]:
-        return sorted(self._lora.adapters)
-
     # ------------------------------------------------------------ misc
 
     def stats(self) -> dict[str, Any]:
@@ -791,10 +461,6 @@ class TorchBackend:
         self._targets.clear()
         del self.model
         self._release_device_memory()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendError("torch backend is closed")
 
 
 def make_backend(model: str, **options: Any) -> TorchBackend:

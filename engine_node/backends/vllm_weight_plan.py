@@ -193,43 +193,11 @@ class WeightPlan:
         rec = _Recorder(params)
         # Source attribution by address: which incoming tensor does a view live in.
         spans = sorted(((*_extent(t), n, t) for n, t in named if t.numel() > 0), key=lambda s: s[0])
-        starts = [s[0] for s in spans]
         written_by: dict[str, set[str]] = {}  # param -> names
         names_done: set[str] = set()
         with rec:
             load(iter(named))
-        for kind, param, dst, obj in rec.raw:
-            if kind == "fill":
-                plan.fills.append(_Fill("", param, dst, obj))  # attributed below
-                plan.order.append(plan.fills[-1])
-                continue
-            src = obj
-            if not isinstance(src, torch.Tensor) or src.device != dst.device:
-                plan._taint(param, "copied from a tensor on another device")
-                continue
-            lo, hi = _extent(src)
-            i = bisect.bisect_right(starts, lo) - 1
-            if i < 0 or not (spans[i][0] <= lo and hi <= spans[i][1]):
-                plan._taint(param, "copied from a tensor derived from the input")
-                continue
-            name, base = spans[i][2], spans[i][3]
-            if (lo - base.data_ptr()) % src.element_size() or src.dtype != base.dtype:
-                plan._taint(param, "copied from a reinterpreted view of the input")
-                continue
-            plan.copies.append(
-                _Copy(
-                    name,
-                    param,
-                    dst,
-                    (lo - base.data_ptr()) // src.element_size(),
-                    tuple(src.shape),
-                    tuple(src.stride()),
-                    src.dtype,
-                )
-            )
-            plan.order.append(plan.copies[-1])
-            written_by.setdefault(param, set()).add(name)
-            names_done.add(name)
+        plan._plan_writes(rec.raw, spans, written_by, names_done)
         for param, why in rec.tainted.items():
             plan._taint(param, why)
         # A fill is attributed to the names that copied into the same parameter.
@@ -242,9 +210,65 @@ class WeightPlan:
         for param in list(plan._tainted):
             for n in written_by.get(param, ()):
                 plan._fall(n, f"writes {param}, which {plan._tainted[param]}")
+        plan._ask_about_unplanned(load, named, params, names_done)
+        plan._finish()
+        plan._owners = _owners(model, {op.param for op in plan.order})
+        plan.record_seconds = time.perf_counter() - t0
+        return plan
+
+    def _plan_writes(
+        self,
+        raw: list[tuple[str, str, torch.Tensor, Any]],
+        spans: list[tuple[int, int, str, torch.Tensor]],
+        written_by: dict[str, set[str]],
+        names_done: set[str],
+    ) -> None:
+        """The recorded writes as planned copies and fills, attributed by
+        address to the incoming tensor they read; anything else taints its parameter."""
+        starts = [s[0] for s in spans]
+        for kind, param, dst, obj in raw:
+            if kind == "fill":
+                self.fills.append(_Fill("", param, dst, obj))  # attributed below
+                self.order.append(self.fills[-1])
+                continue
+            src = obj
+            if not isinstance(src, torch.Tensor) or src.device != dst.device:
+                self._taint(param, "copied from a tensor on another device")
+                continue
+            lo, hi = _extent(src)
+            i = bisect.bisect_right(starts, lo) - 1
+            if i < 0 or not (spans[i][0] <= lo and hi <= spans[i][1]):
+                self._taint(param, "copied from a tensor derived from the input")
+                continue
+            name, base = spans[i][2], spans[i][3]
+            if (lo - base.data_ptr()) % src.element_size() or src.dtype != base.dtype:
+                self._taint(param, "copied from a reinterpreted view of the input")
+                continue
+            self.copies.append(
+                _Copy(
+                    name,
+                    param,
+                    dst,
+                    (lo - base.data_ptr()) // src.element_size(),
+                    tuple(src.shape),
+                    tuple(src.stride()),
+                    src.dtype,
+                )
+            )
+            self.order.append(self.copies[-1])
+            written_by.setdefault(param, set()).add(name)
+            names_done.add(name)
+
+    def _ask_about_unplanned(
+        self,
+        load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
+        named: list[tuple[str, torch.Tensor]],
+        params: dict[tuple[str, int], str],
+        names_done: set[str],
+    ) -> None:
         by_name = dict(named)
         for n, _ in named:
-            if n in names_done or n in plan.fallback:
+            if n in names_done or n in self.fallback:
                 continue
             # No planned write: a name load_weights skips (the tied lm_head.weight of
             # Qwen2) or one it handles out of our sight. Ask load_weights about it
@@ -254,13 +278,9 @@ class WeightPlan:
             with one:
                 loaded = load(iter([(n, by_name[n])]))
             if not one.raw and not one.tainted and loaded is not None and len(loaded) == 0:
-                plan.skipped.add(n)
+                self.skipped.add(n)
             else:
-                plan._fall(n, "no planned write (left to load_weights)")
-        plan._finish()
-        plan._owners = _owners(model, {op.param for op in plan.order})
-        plan.record_seconds = time.perf_counter() - t0
-        return plan
+                self._fall(n, "no planned write (left to load_weights)")
 
     def _taint(self, param: str, why: str) -> None:
         self._tainted.setdefault(param, why)

@@ -132,7 +132,7 @@ def vbe(tmp_path, monkeypatch):
         pytest.skip("real vLLM installed: GPU tests cover it")
     from safetensors.torch import save_file
 
-    from engine_node.backends import vllm_worker_ext as X
+    from engine_node.backends import vllm_worker_ipc as X  # open_ipc_handle lives there
     from engine_node.backends.vllm_backend import make_backend
     from tests.gpu import test_vllm_backend_cpu as T
 
@@ -284,7 +284,7 @@ def test_plan_through_lora_wrappers(vbe):
         attn.qkv_proj = wrapper.base_layer  # compare with the reference's names
         assert same_bits(snapshot(ref), snapshot(worker.model)) == [], f"update {k}"
         attn.qkv_proj = wrapper
-    from engine_node.backends.vllm_worker_ext import _LORA_SWAPS
+    from engine_node.backends.vllm_worker_apply import _LORA_SWAPS
 
     assert [m for _, _, m in _LORA_SWAPS[worker.model]] == [wrapper], "nested unwraps must not forget the wrappers"
 
@@ -311,7 +311,7 @@ def _zero_copy_update(be, named, tag, handle_of):
 
 
 def test_zero_copy_keeps_maps_and_views_across_updates(vbe, monkeypatch):
-    from engine_node.backends import vllm_worker_ext as X
+    from engine_node.backends import vllm_worker_ipc as X  # open_ipc_handle lives there
 
     ref, worker = vbe.test_ref, vbe.test_fake.worker
     opened: list[bytes] = []

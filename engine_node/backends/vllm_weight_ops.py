@@ -1,0 +1,273 @@
+"""Weight updates of the `vllm` backend: begin (validate, stage), receive
+(GPU transports), commit (one worker round trip per transport) and abort.
+The record, validation and staging live in vllm_weights; what runs in the
+workers in vllm_worker_ext."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+
+from engine_node.backend import BackendError, BackendOp
+from engine_node.backends import vllm_weights as W
+from engine_node.backends.vllm_ops import VllmOps
+
+log = structlog.get_logger("rollout_bus.vllm_backend")
+
+# What the worker's commit reports about where its time went (logged, returned).
+_WORKER_TIMING = (
+    "path",
+    "maps_kept",
+    "seconds",
+    "open_s",
+    "apply_s",
+    "copy_s",
+    "fallback",
+    "fallback_s",
+    "record_s",
+    "load_s",
+    "verify_s",
+    "verify_mismatch",
+    "post_sync_s",
+    "copied",
+    "plan",
+    "why",
+    "check_params",
+    "check_mismatch",
+    "check_s",
+)
+
+
+class VllmWeightOps(VllmOps):
+    def begin_weight_update(
+        self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]
+    ) -> BackendOp:
+        if transport not in W.TRANSPORTS:
+            return BackendOp.failed(
+                "begin_weight_update",
+                BackendError(
+                    f"vllm backend: unknown transport {transport!r} ({', '.join(W.TRANSPORTS)})", field="transport"
+                ),
+            )
+        if self._update is not None:  # a new begin replaces an unfinished update
+            self.abort_weight_update()
+        metas = [W.meta_list(t) for t in tensors]
+        sizes = [int(s) for s in (args.get("bucket_sizes") or W.derive_sizes(metas))]
+        if self._ckpt_shapes is None:
+            self._ckpt_shapes = W.checkpoint_shapes(self.model)
+        tied = bool(getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False))
+        bad = W.validate(metas, sizes, self._ckpt_shapes, tied, self.model)
+        if bad is not None:
+            return BackendOp.failed("begin_weight_update", BackendError(bad[1], field=bad[0]))
+        up = W.WeightUpdate(update_id, transport, metas, sizes, dict(args))
+        if transport == "zmq":
+            try:
+                up.stage = W.ShmStage(sizes, up.uid)
+            except OSError as e:
+                return BackendOp.failed("begin_weight_update", BackendError(f"zmq staging: shared memory: {e}"))
+            self._update = up
+            return BackendOp.done("begin_weight_update", {"bytes": sum(sizes), "staging": up.stage.path})
+        self._update = up
+        # cuda_ipc / nccl: nothing to tell the workers yet. The metas travel with
+        # the call that needs them (nccl: the receive; cuda_ipc: the commit), so
+        # an update costs one worker round trip (cuda_ipc) or two (nccl).
+        return BackendOp.done("begin_weight_update", {"tensors": len(metas), "bytes": sum(sizes)})
+
+    def _require(self, transport: str | None = None) -> W.WeightUpdate:
+        up = self._update
+        if up is None:
+            raise BackendError("no weight update in progress (begin_weight_update first)")
+        if transport is not None and up.transport != transport:
+            raise BackendError(f"weight update uses transport {up.transport!r}, not {transport!r}", field="transport")
+        return up
+
+    def stage_bucket(self, bucket: int, data: memoryview) -> None:
+        up = self._require(transport="zmq")
+        assert up.stage is not None
+        try:
+            up.stage.write(int(bucket), data, up.metas)
+        except ValueError as e:
+            raise BackendError(f"weight bucket {bucket}: {e}") from None
+
+    def receive_weights(self, handles: list[Any]) -> BackendOp:
+        try:
+            up = self._require()
+        except BackendError as e:
+            return BackendOp.failed("receive_weights", e)
+        t0 = time.perf_counter()
+        nbytes = int(sum(up.sizes))
+
+        def result(rs: list[Any]) -> dict[str, Any]:
+            dt = time.perf_counter() - t0
+            up.received = True
+            r: dict[str, Any] = {
+                "bytes": nbytes,
+                "backend_seconds": round(dt, 4),
+                "GBps": round(nbytes / dt / 1e9, 3) if dt > 0 else None,
+                "worker_seconds": [round(x["seconds"], 4) for x in rs[0]],
+            }
+            if up.transport == "nccl":
+                w = rs[0][0]
+                r["nccl"] = {k: w.get(k) for k in ("reused", "setup_seconds", "alloc_s", "broadcast_s")}
+                log.info("weight_receive_timing", transport="nccl", seconds=round(dt, 4), **r["nccl"])
+            return r
+
+        if up.transport == "cuda_ipc":
+            if len(handles) != len(up.sizes):
+                return BackendOp.failed(
+                    "receive_weights",
+                    BackendError(f"cuda_ipc: {len(handles)} handle(s) for {len(up.sizes)} bucket(s)", field="handles"),
+                )
+            # Kept, not opened: the commit maps, validates and writes in one worker
+            # call (a bad handle fails the commit before any parameter is written).
+            # The trainer keeps its buckets until the commit (or abort) is acked.
+            up.handles = list(handles)
+            up.received = True
+            return BackendOp.done("receive_weights", {"bytes": nbytes, "deferred": True})
+        if up.transport == "nccl":
+            a = {**up.args, "timeout_s": float(up.args.get("timeout_s", self.weight_timeout_s))}
+            call = self._rpc("rollout_bus_recv_nccl", up.uid, a, up.metas, up.sizes, timeout=self.weight_timeout_s)
+            up.workers_know = True
+        else:
+            return BackendOp.failed(
+                "receive_weights",
+                BackendError(
+                    "receive_weights is for the GPU transports (cuda_ipc, nccl); zmq stages buckets", field="transport"
+                ),
+            )
+        return self._op("receive_weights", "weight_timeout_s", [call], result)
+
+    def receive_part(
+        self, sender: int, tensors: list[Any], sizes: list[int], handles: list[Any], transport_args: dict[str, Any]
+    ) -> BackendOp:
+        """One sender's part of a multi-sender GPU update (engine_node/weight_update.py
+        `_receive_part`): its metas are validated and appended to the update
+        (bucket numbers shifted past the parts before it). cuda_ipc: its handles
+        are kept for the commit's one worker call, so the sender keeps its
+        buckets until the commit (or abort) is acked. nccl: the workers receive
+        the part now over the SENDER's own group (one communicator per sender
+        rank, kept for later updates)."""
+        what = f"receive_part(sender {sender})"
+        try:
+            up = self._require()
+        except BackendError as e:
+            return BackendOp.failed(what, e)
+        metas = [W.meta_list(t) for t in tensors]
+        sizes = [int(x) for x in sizes]
+        if self._ckpt_shapes is None:
+            self._ckpt_shapes = W.checkpoint_shapes(self.model)
+        tied = bool(getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False))
+        bad = W.validate(metas, sizes, self._ckpt_shapes, tied, self.model)
+        if bad is not None:
+            return BackendOp.failed(what, BackendError(f"sender {sender}: {bad[1]}", field=bad[0]))
+        seen = {m[0] for m in up.metas}
+        dup = next((m[0] for m in metas if m[0] in seen), None)
+        if dup is not None:
+            return BackendOp.failed(what, BackendError(f"sender {sender}: {dup} was sent by another sender", field=dup))
+        first = len(up.sizes)
+        for m in metas:
+            m[3] = int(m[3]) + first
+        up.metas += metas
+        up.sizes += sizes
+        if up.transport == "cuda_ipc":
+            if len(handles) != len(sizes):
+                return BackendOp.failed(
+                    what,
+                    BackendError(f"cuda_ipc: {len(handles)} handle(s) for {len(sizes)} bucket(s)", field="handles"),
+                )
+            up.handles += list(handles)
+            up.received = True
+            return BackendOp.done(what, {"bytes": sum(sizes), "deferred": True})
+        a = {**transport_args, "timeout_s": float(transport_args.get("timeout_s", self.weight_timeout_s))}
+        call = self._rpc("rollout_bus_recv_nccl_part", up.uid, a, metas, sizes, first, timeout=self.weight_timeout_s)
+        up.workers_know = True
+        t0 = time.perf_counter()
+
+        def result(rs: list[Any]) -> dict[str, Any]:
+            up.received = True
+            w = rs[0][0]
+            return {"bytes": sum(sizes), "backend_seconds": round(time.perf_counter() - t0, 4), **w}
+
+        return self._op(what, "weight_timeout_s", [call], result)
+
+    def commit_weight_update(self) -> BackendOp:
+        try:
+            up = self._require()
+        except BackendError as e:
+            return BackendOp.failed("commit_weight_update", e)
+        shm = None
+        if up.transport == "zmq":
+            assert up.stage is not None
+            missing = up.stage.missing()
+            if missing:
+                return BackendOp.failed(
+                    "commit_weight_update", BackendError(f"zmq: bucket(s) {missing[:8]} never staged")
+                )
+            # The workers never saw a begin for zmq: begin + commit go together.
+            shm = up.stage.spec()
+        elif not up.received:
+            return BackendOp.failed("commit_weight_update", BackendError("commit before receive_weights"))
+        self._update = None
+        t0 = time.perf_counter()
+        # transport_args["weight_check"] (the trainer's update_weights(weight_check=True)):
+        # the workers also run load_weights and compare every parameter with the plan's.
+        opts = {
+            "plan": self.weight_plan,
+            "check": bool(up.args.get("weight_check")),
+            # the trainer's zero-copy cuda_ipc: its handles repeat, keep the maps
+            "keep_maps": bool(up.args.get("keep_maps")),
+        }
+        calls = []
+        if self._weights_stale and not (self._ckpt_shapes and set(self._ckpt_shapes) <= {m[0] for m in up.metas}):
+            # After a level-2 sleep, an update of SOME tensors: the rest must be
+            # the checkpoint's before it is written (a reload after it, at the
+            # wake that ends sleep, would overwrite what it wrote).
+            calls.append(self._rpc("rollout_bus_reload_checkpoint", timeout=self.weight_timeout_s))
+            self._weights_stale = False
+        if up.transport == "zmq":
+            calls.append(self._rpc("rollout_bus_begin", up.uid, up.metas, up.sizes, timeout=self.weight_timeout_s))
+            calls.append(self._rpc("rollout_bus_commit", up.uid, shm, timeout=self.weight_timeout_s))
+        elif up.transport == "cuda_ipc":  # the whole update in one worker call
+            calls.append(
+                self._rpc(
+                    "rollout_bus_apply_ipc", up.uid, up.metas, up.sizes, up.handles, opts, timeout=self.weight_timeout_s
+                )
+            )
+        else:
+            calls.append(self._rpc("rollout_bus_commit", up.uid, None, opts, timeout=self.weight_timeout_s))
+        # The prefix cache is invalidated by a new salt, not a reset (see VllmBackend._init_loop_state).
+        self._weights_epoch += 1
+        if self._weights_stale and self._ckpt_shapes and set(self._ckpt_shapes) <= {m[0] for m in up.metas}:
+            self._weights_stale = False  # every checkpoint tensor written: no reload needed
+
+        def result(rs: list[Any]) -> dict[str, Any]:
+            dt = time.perf_counter() - t0
+            w = rs[-1][0] if rs[-1] else {}
+            timing = {k: w[k] for k in _WORKER_TIMING if k in w}
+            log.info("weight_commit_timing", transport=up.transport, backend_s=round(dt, 4), **timing)
+            return {
+                "backend_seconds": round(dt, 4),
+                "bytes": int(sum(up.sizes)),
+                "worker_seconds": [round(x["seconds"], 4) for x in rs[-1]],
+                "worker": timing,
+                "prefix_cache_reset": True,
+                "prefix_cache_salt": f"w{self._weights_epoch}",
+            }
+
+        return self._op("commit_weight_update", "weight_timeout_s", calls, result, lambda ok: up.close())
+
+    def abort_weight_update(self) -> BackendOp:
+        up, self._update = self._update, None
+        if up is None:
+            return BackendOp.done("abort_weight_update", {"had_update": False})
+        if not up.workers_know:  # zmq / cuda_ipc before the commit: the workers never saw it
+            up.close()
+            return BackendOp.done("abort_weight_update", {"had_update": True})
+        return self._op(
+            "abort_weight_update",
+            "rpc_timeout_s",
+            [self._rpc("rollout_bus_abort", up.uid)],
+            lambda rs: {"had_update": True},
+        )

@@ -1,0 +1,132 @@
+"""cuda_ipc inside every vLLM worker: map the trainer's buckets by CUDA IPC
+handle (validated before anything is written), write, drop the maps; the
+trainer's zero-copy mode keeps its maps across updates (keep_maps)."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from typing import Any
+
+import torch
+
+from engine_node.backends.vllm_worker_apply import WorkerApply, _fresh_state, _on, _sync
+
+
+def local_device_for_uuid(uuid: str | None, default: int) -> int:
+    if not uuid:
+        return default
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+            return i
+    raise RuntimeError(f"the CUDA IPC handle's GPU {uuid} is not visible to this worker")
+
+
+def open_ipc_handle(handle: bytes, default_device: int) -> torch.Tensor:
+    """Rebuild a tensor from a pickled (rebuild_fn, args, uuid) of
+    torch.multiprocessing.reductions.reduce_tensor (see trainer_bridge.gpu_transports)."""
+    fn, args, uuid = pickle.loads(handle)
+    args = list(args)
+    # args[6] is the storage's device index in the sender's numbering: map the
+    # physical GPU (uuid) to this process's numbering.
+    args[6] = local_device_for_uuid(uuid, default_device)
+    return fn(*args)
+
+
+class IpcReceive(WorkerApply):
+    def _rb_open_ipc(self, st: dict[str, Any], handles: list[Any], keep_maps: bool = False) -> int:
+        """Map every bucket of the trainer (validated: a lie fails naming the
+        tensor). Same GPU: views of the trainer's buffers, alive until the
+        commit's ack. Returns how many buckets had to be copied (another GPU).
+
+        keep_maps (the trainer's zero-copy mode, trainer_bridge.gpu_transports):
+        the handles name the trainer's own parameters, which stay where they are
+        from one update to the next, so the same handle bytes come again. Maps
+        are kept across updates in st["maps"] (handle bytes -> flat uint8 view)
+        and opening them — cudaIpcOpenMemHandle, ~0.1 ms each, hundreds at 7B —
+        is paid once. Hazard: a kept map pins the trainer's memory (torch's IPC
+        ref counter keeps a freed block in limbo), so only this update's maps
+        survive it, and sleep drops them all (rollout_bus_drop_maps)."""
+        dev = self._rb_device()
+        if len(handles) != len(st["sizes"]):
+            raise ValueError(f"cuda_ipc: {len(handles)} handle(s) for {len(st['sizes'])} bucket(s)")
+        my_uuid = str(torch.cuda.get_device_properties(dev).uuid) if dev.type == "cuda" else ""
+        copied = 0
+        old_maps: dict[bytes, torch.Tensor] = st.get("maps") or {}
+        maps: dict[bytes, torch.Tensor] = {}
+        for i, h in enumerate(handles):
+            if isinstance(h, dict):  # one handle per GPU (uuid -> bytes): take ours, else any
+                h = h.get(my_uuid) or next(iter(h.values()))
+            key = bytes(h)
+            if keep_maps:
+                src = old_maps.get(key)
+                if src is None:
+                    src = open_ipc_handle(key, dev.index if dev.index is not None else 0).view(torch.uint8).reshape(-1)
+                maps[key] = src
+                if src.device == dev:
+                    st["buckets"][i] = src
+                    continue
+            else:
+                src = open_ipc_handle(key, dev.index if dev.index is not None else 0).view(torch.uint8).reshape(-1)
+            if src.device != dev:
+                # The trainer's buffer lives on another GPU (a TP>1 engine fed from
+                # one trainer GPU). load_weights would copy strided shards straight
+                # out of peer IPC memory, which CUDA refuses (invalid argument)
+                # without peer access: one contiguous copy into our GPU first.
+                local = torch.empty(src.numel(), dtype=torch.uint8, device=dev)
+                local.copy_(src)
+                _sync(dev)
+                src = local
+                copied += 1
+            st["buckets"][i] = src
+        # Only this update's maps survive it (a handle that did not come again
+        # may name memory the trainer has freed); without keep_maps none do.
+        st["maps"] = maps
+        if not keep_maps:
+            st["srcs"] = None  # cached views would pin the old maps
+        self._rb_validate(st)  # now: a lie fails the update before anything is written
+        return copied
+
+    def rollout_bus_recv_ipc(self, uid: str, handles: list[Any]) -> dict[str, Any]:
+        st = self._rb_check(uid)
+        t0 = time.perf_counter()
+        copied = self._rb_open_ipc(st, handles)
+        return {"bytes": int(sum(st["sizes"])), "seconds": time.perf_counter() - t0, "copied": copied}
+
+    def rollout_bus_apply_ipc(
+        self, uid: str, metas: list[Any], sizes: list[int], handles: list[Any], opts: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """cuda_ipc in one call: begin + map + validate + write + unmap."""
+        t0 = time.perf_counter()
+        self.rollout_bus_begin(uid, metas, sizes)
+        st = self._rb()
+        dev = self._rb_device()
+        keep = bool((opts or {}).get("keep_maps"))
+        try:
+            with _on(dev):
+                copied = self._rb_open_ipc(st, handles, keep_maps=keep)
+                t1 = time.perf_counter()
+                r = self._rb_apply(st, opts)
+        except BaseException:
+            st["maps"] = {}  # a failed update keeps nothing of the trainer's
+            raise
+        finally:
+            # drop the views: the trainer may free its buffers after the ack
+            # (kept maps stay in st["maps"]; _fresh_state does not name them)
+            st.update(_fresh_state())
+        return {
+            **r,
+            "open_s": round(t1 - t0, 4),
+            "copied": copied,
+            "maps_kept": len(st.get("maps") or {}),
+            "seconds": time.perf_counter() - t0,
+        }
+
+    def rollout_bus_drop_maps(self) -> int:
+        """Forget every kept IPC map (keep_maps): before a sleep, so that the
+        trainer's freed memory is really free for it while the engine sleeps."""
+        st = self._rb()
+        n = len(st.get("maps") or {})
+        st["maps"] = {}
+        st["srcs"] = None
+        return n

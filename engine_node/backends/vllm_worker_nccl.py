@@ -1,0 +1,146 @@
+"""nccl inside every vLLM worker: join the trainer's group once per group id
+(kept for later updates), receive every bucket by broadcast into staging kept
+while the layout is the same; multi-sender updates arrive one part per
+sender's group."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+import torch
+
+from bus.tensors import unpack_bucket
+from engine_node.backends.vllm_worker_apply import WorkerApply, _on, _sync
+
+log = structlog.get_logger("rollout_bus.vllm_worker")
+
+
+class NcclReceive(WorkerApply):
+    def rollout_bus_recv_nccl(
+        self, uid: str, args: dict[str, Any], metas: list[Any] | None = None, sizes: list[int] | None = None
+    ) -> dict[str, Any]:
+        if metas is not None:  # begin folded into the receive (one call instead of two)
+            self.rollout_bus_begin(uid, metas, list(sizes or []))
+        st = self._rb_check(uid)
+        dev = self._rb_device()
+        t0 = time.perf_counter()
+        setup = self._rb_nccl(args)
+        t1 = time.perf_counter()
+        comm = st["nccl"]
+        # Staging kept across updates while the layout is the same: no allocation
+        # on the steady path. Hazard: its memory stays taken between updates
+        # (the bytes of one update); nccl_close drops it.
+        key = tuple(int(n) for n in st["sizes"])
+        staging = st["staging"]
+        if staging is None or staging[0] != key or any(b.device != dev for b in staging[1]):
+            staging = st["staging"] = (key, [torch.empty(n, dtype=torch.uint8, device=dev) for n in key])
+        t2 = time.perf_counter()
+        with _on(dev):
+            for i, buf in enumerate(staging[1]):
+                comm.broadcast(buf, src=0)
+                st["buckets"][i] = buf
+            _sync(dev)
+        t3 = time.perf_counter()
+        self._rb_validate(st)
+        return {
+            "bytes": int(sum(st["sizes"])),
+            "seconds": time.perf_counter() - t0,
+            "setup_seconds": round(t1 - t0, 4),
+            "alloc_s": round(t2 - t1, 4),
+            "broadcast_s": round(t3 - t2, 4),
+            **setup,
+        }
+
+    def rollout_bus_recv_nccl_part(
+        self, uid: str, args: dict[str, Any], metas: list[Any], sizes: list[int], first: int
+    ) -> dict[str, Any]:
+        """One sender's part of a multi-sender update, over that sender's own
+        group: buckets first.. (metas already numbered globally). The first
+        part of an update begins it here."""
+        st = self._rb()
+        if st["uid"] != uid:
+            self.rollout_bus_begin(uid, [], [])
+        if len(st["sizes"]) != first:
+            raise RuntimeError(f"part of update {uid} starts at bucket {first}, {len(st['sizes'])} are in")
+        st["metas"] += [list(m) for m in metas]
+        st["sizes"] += [int(x) for x in sizes]
+        dev = self._rb_device()
+        t0 = time.perf_counter()
+        setup = self._rb_nccl(args)
+        comm = st["nccl"]
+        t1 = time.perf_counter()
+        with _on(dev):
+            for j, n in enumerate(sizes):
+                buf = torch.empty(int(n), dtype=torch.uint8, device=dev)
+                comm.broadcast(buf, src=0)
+                st["buckets"][first + j] = buf
+            _sync(dev)
+        t2 = time.perf_counter()
+        for j in range(len(sizes)):  # a lie fails this part, naming the tensor
+            st["named"][first + j] = unpack_bucket(first + j, st["metas"], st["buckets"][first + j])
+        st["layout"] = None  # complete only with every part: the commit validates the whole layout
+        return {
+            "seconds": time.perf_counter() - t0,
+            "setup_seconds": round(t1 - t0, 4),
+            "broadcast_s": round(t2 - t1, 4),
+            **setup,
+        }
+
+    def rollout_bus_nccl_join(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Join the trainer's group now (ahead of the first update)."""
+        t0 = time.perf_counter()
+        r = self._rb_nccl(args)
+        return {**r, "seconds": round(time.perf_counter() - t0, 4)}
+
+    def _rb_nccl(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Join the trainer's NCCL group once per group id (trainer = rank 0,
+        hosting a TCPStore at host:port); later updates reuse it. Ranks: the
+        bridge's rank_offset + this worker's rank, else reserved from a counter
+        in the store (each worker takes one)."""
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        st = self._rb()
+        key = str(a.get("group_id") or f"{a['host']}:{a['port']}")
+        if st["nccl"] is not None and st["nccl_key"] == key:
+            return {"rank": st["nccl"].rank, "reused": True}
+        # One communicator per group id (several sender ranks each own one);
+        # a key seen before is made current again.
+        comms: dict[str, Any] = st.setdefault("comms", {})
+        if key in comms:
+            st["nccl"], st["nccl_key"] = comms[key], key
+            return {"rank": comms[key].rank, "reused": True}
+        if not a.get("sender_group"):
+            self.rollout_bus_nccl_close()  # one trainer group: a new one replaces it (the old may be broken)
+        timeout = float(a.get("timeout_s", 300.0))
+        store = TCPStore(
+            a["host"],
+            int(a["port"]),
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout),
+            use_libuv=False,
+        )
+        if a.get("rank_offset") is not None:
+            rank = int(a["rank_offset"]) + int(getattr(self, "rank", 0))
+        else:
+            rank = int(store.add(f"rollout_bus/{key}/next_rank", 1))  # 1, 2, …: the trainer is 0
+        pg = StatelessProcessGroup(rank=rank, world_size=int(a["world_size"]), store=store)
+        st["nccl"], st["nccl_key"] = PyNcclCommunicator(pg, device=self._rb_device()), key
+        comms[key] = st["nccl"]
+        return {"rank": rank, "reused": False}
+
+    def rollout_bus_nccl_close(self) -> None:
+        st = self._rb()
+        comms = st.get("comms") or {}
+        st["comms"], st["nccl"], st["nccl_key"], st["staging"] = {}, None, None, None
+        for comm in comms.values():
+            try:
+                comm.destroy()
+            except Exception as e:  # a broken group is dropped all the same
+                log.warning("nccl_destroy_failed", error=repr(e))
