@@ -20,6 +20,7 @@ never parsed from text; `actions.wire_ack` makes the wire Ack.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -63,10 +64,8 @@ class ControlRunner:
 
     def close(self) -> None:
         for fd in (self.wake_fd, self._wake_w):
-            try:
+            with contextlib.suppress(OSError):  # closed already
                 os.close(fd)
-            except OSError:
-                pass
 
     # ------------------------------------------------------------ events
 
@@ -87,11 +86,9 @@ class ControlRunner:
 
     def on_wake(self) -> None:
         """The wake pipe is readable: an op's future completed."""
-        try:
+        with contextlib.suppress(BlockingIOError, OSError):  # drained (non-blocking pipe)
             while os.read(self.wake_fd, 4096):
                 pass
-        except (BlockingIOError, OSError):
-            pass
         if self.busy is not None and self.busy[1].op.future.done():
             cmd, pending = self.busy
             self.busy = None
@@ -151,10 +148,8 @@ class ControlRunner:
 
     def _wake(self, _f: Any) -> None:
         # Any thread: only a byte into the pipe (a full pipe already wakes us).
-        try:
+        with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"!")
-        except (BlockingIOError, OSError):
-            pass
 
     def _complete(self, cmd: P.Command, pending: Pending) -> None:
         self.before_complete()

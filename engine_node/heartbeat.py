@@ -20,6 +20,7 @@ Hazards:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -119,9 +120,8 @@ class Heartbeats:
         codec = Codec()
         try:
             while not self._stop.wait(self.interval_s):
-                try:
+                # Head gone or slow (Again): a lost heartbeat is what it is.
+                with contextlib.suppress(zmq.Again):
                     sock.send_multipart(codec.encode(self.snapshot), zmq.NOBLOCK)
-                except zmq.Again:
-                    continue  # head gone or slow: a lost heartbeat is what it is
         finally:
             sock.close(linger=0)
