@@ -39,13 +39,13 @@ def sample_chunk(
     req: NodeRequest,
     s: Sample,
     finish: str | None,
-    *,
     version: int,
     wall: float,
     engine_id: str,
     eos: frozenset[int],
 ) -> tuple[P.Chunk, list[Any]]:
-    """The sample's next chunk (tokens since the last one) and its frames."""
+    """The sample's next chunk (tokens since the last one) and its frames.
+    Hot path (once per chunk): positional arguments."""
     sent = s.sent
     p = req.msg.params
     buffers = [pack_tokens(s.tokens[sent:])]

@@ -394,9 +394,7 @@ class RequestFlow:
         return natural_finish(req, s, self.eos)
 
     def _send_chunk(self, req: NodeRequest, s: Sample, finish: str | None) -> None:
-        chunk, buffers = sample_chunk(
-            req, s, finish, version=self.weight_version, wall=self.wall, engine_id=self.engine_id, eos=self.eos
-        )
+        chunk, buffers = sample_chunk(req, s, finish, self.weight_version, self.wall, self.engine_id, self.eos)
         self.outbox.add(req.client, chunk, buffers)
 
     def _finish_sample(self, req: NodeRequest, s: Sample, reason: str) -> None:
