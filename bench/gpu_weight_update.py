@@ -25,7 +25,7 @@ round trip the update made — begin / receive / finish —, the trainer's packi
 and NCCL send, the engine's commit as its log reports it: worker path
 "load_weights+record" (the first update of a layout) or "plan", copy, fallback,
 sync; resume; resume -> first token). The NCCL phase sets the group up first
-with gpu_transports.warm_up_nccl (as SkyRL's init_weight_update_communicator
+with trainer_bridge.transports.nccl.warm_up_nccl (as SkyRL's init_weight_update_communicator
 does; --no-nccl-warm-up leaves it to the first update) and reports that apart.
 --resume-ramp-tokens (default 4096; 0 = off): the vllm backend's resume ramp
 (the first step after a resume re-prefills at most that many tokens).
@@ -208,8 +208,9 @@ SENDER_LOG: list[dict[str, Any]] = []  # the trainer-side sender's timing, one p
 def instrument() -> None:
     """Time every control round trip the client makes (by op type) and the
     trainer-side senders (bench process only)."""
-    from trainer_bridge import gpu_transports as GT
     from trainer_bridge.client import AsyncClient
+    from trainer_bridge.transports.cuda_ipc import CudaIpcSender
+    from trainer_bridge.transports.nccl import NcclSender
 
     if getattr(AsyncClient.control, "_bench_timed", False):
         return
@@ -224,22 +225,22 @@ def instrument() -> None:
 
     control._bench_timed = True  # type: ignore[attr-defined]
     AsyncClient.control = control  # type: ignore[method-assign]
-    share = GT.CudaIpcSender.share
+    share = CudaIpcSender.share
 
     def timed_share(self: Any, *a: Any, **kw: Any) -> Any:
         r = share(self, *a, **kw)
         SENDER_LOG.append({"pack_s": round(self.last_pack_seconds, 4)})
         return r
 
-    GT.CudaIpcSender.share = timed_share  # type: ignore[method-assign]
-    send = GT.NcclSender.send
+    CudaIpcSender.share = timed_share  # type: ignore[method-assign]
+    send = NcclSender.send
 
     def timed_send(self: Any, *a: Any, **kw: Any) -> Any:
         r = send(self, *a, **kw)
         SENDER_LOG.append(dict(self.last_send_timing))
         return r
 
-    GT.NcclSender.send = timed_send  # type: ignore[method-assign]
+    NcclSender.send = timed_send  # type: ignore[method-assign]
 
 
 def engine_timing(log_path: Path, since: int = 0) -> tuple[list[dict[str, Any]], int]:
@@ -554,7 +555,7 @@ def _run_under_load(
             if transport == "nccl" and spec.get("nccl_warm_up", True):
                 # as SkyRL's init_weight_update_communicator does: the group is set up
                 # before the first update (reported apart from it)
-                from trainer_bridge.gpu_transports import warm_up_nccl
+                from trainer_bridge.transports.nccl import warm_up_nccl
 
                 t0 = time.perf_counter()
                 out["nccl_init"] = client._call(warm_up_nccl(client._aclient, opts), spec["control_timeout_s"])
@@ -641,7 +642,7 @@ def raw_broadcast(nbytes: int, spec: dict[str, Any], engine_like: bool = False) 
     broadcast whole and in the transport's buckets; medians of --raw-reps.
     engine_like: the receiver sees only GPU 1 (CUDA_VISIBLE_DEVICES=1), as
     launch.py's engine does, which can change the transport NCCL picks."""
-    from trainer_bridge.gpu_transports import DEFAULT_BUCKET_BYTES
+    from bus.tensors import DEFAULT_BUCKET_BYTES
 
     port = H.free_port()
     procs = []

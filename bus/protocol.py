@@ -33,6 +33,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from bus.transport import Transport, TransportArgs
+
 # 5: the head believes an engine's heartbeats / acks only from its own events
 # connections (identity "engine_id/incarnation", heartbeats ".../hb"); GPU
 # weight parts of several senders (ReceiveWeights.sender/tensors/...).
@@ -40,7 +42,10 @@ from msgspec import Meta
 # RegisterReply.code/field); an engine's events identity carries a secret
 # per-process nonce ("engine_id/incarnation/NONCE"), so a stranger cannot
 # reconnect under a dead engine's identity and speak for it.
-PROTOCOL_VERSION = 6
+# 7: weight transports are typed: `transport` is a bus.transport.Transport,
+# `transport_args` one tagged args Struct per transport (was a free dict),
+# IPC handles are bytes, and a LoRA begin carries `lora_config` in its own field.
+PROTOCOL_VERSION = 7
 
 # ------------------------------------------------------------- field bounds
 # Issue 22, "no poison pill": every integer and string field has a range or a
@@ -254,12 +259,13 @@ class TensorMeta(_Part):
 
 class BeginWeightUpdate(_Msg, tag="begin_weights"):
     update_id: Id
-    transport: Short  # "zmq" | "cuda_ipc" | "nccl"
+    transport: Transport
     tensors: Annotated[list[TensorMeta], Meta(max_length=MAX_LIST)]
     bucket_sizes: Annotated[list[U63], Meta(max_length=MAX_LIST)]  # bytes per bucket
     # "model" or "lora:NAME" (stage a LoRA adapter's tensors).
     target: Name = "model"
-    transport_args: dict[str, Any] = {}
+    # The transport's own args (its tag must be `transport`); None: its defaults.
+    transport_args: TransportArgs | None = None
     # -- protocol 3 ---------------------------------------------------------
     # Sender ranks contributing buckets (0..senders-1), each ending its part
     # with a WeightSenderEnd on every engine's weight socket.
@@ -270,11 +276,14 @@ class BeginWeightUpdate(_Msg, tag="begin_weights"):
     # GPU transports: begin + receive (these cuda_ipc handles, or the NCCL
     # broadcast) + prepare in ONE op; its ack is the engine's prepare vote.
     prepare: bool = False
-    handles: list[Any] = []
+    handles: Annotated[list[bytes], Meta(max_length=MAX_LIST)] = []
     # -- appended (issue 22) -------------------------------------------------
     # Engines refuse, at the prepare (before their vote), an update carrying a
     # NaN or inf value, naming the tensor. False: the trainer opted out.
     check_finite: bool = True
+    # -- protocol 7 ---------------------------------------------------------
+    # target "lora:NAME": r, lora_alpha, target_modules of the staged adapter.
+    lora_config: dict[str, Any] = {}
 
 
 class ReceiveWeights(_Msg, tag="receive_weights"):
@@ -288,12 +297,13 @@ class ReceiveWeights(_Msg, tag="receive_weights"):
     part, appends it to the update, and counts the sender as ended."""
 
     update_id: Id
-    handles: list[Any] = []  # cuda_ipc: one handle per bucket (per engine device)
+    # cuda_ipc: one handle per bucket (per engine device)
+    handles: Annotated[list[bytes], Meta(max_length=MAX_LIST)] = []
     # -- appended (multi-sender GPU parts) ----------------------------------
     sender: Sender = 0
     tensors: Annotated[list[TensorMeta], Meta(max_length=MAX_LIST)] = []
     bucket_sizes: Annotated[list[U63], Meta(max_length=MAX_LIST)] = []
-    transport_args: dict[str, Any] = {}
+    transport_args: TransportArgs | None = None
 
 
 class PrepareWeights(_Msg, tag="prepare_weights"):

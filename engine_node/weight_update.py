@@ -51,9 +51,11 @@ from typing import Any
 from bus import protocol as P
 from bus.errors import BackendRefused, BadRequest
 from bus.tensors import first_nonfinite, unpack_bucket
+from bus.transport import backend_args
 from engine_node.actions import DEFERRED, OpOutcome, Pending, SendAck
 from engine_node.backend import BackendError, BackendOp
 from engine_node.core import RequestCore
+from engine_node.transports.registry import receiver_for
 
 
 class Phase(enum.Enum):
@@ -110,8 +112,8 @@ class WeightUpdate:
 
     @property
     def gpu_parts(self) -> bool:
-        """Streamed over a GPU transport: each sender's ReceiveWeights is its part."""
-        return self.begin.streamed and self.begin.transport != "zmq"
+        """Streamed over an out-of-band (GPU) transport: each sender's ReceiveWeights is its part."""
+        return self.begin.streamed and receiver_for(self.begin.transport).out_of_band
 
     @property
     def missing(self) -> list[int]:
@@ -180,41 +182,34 @@ class WeightUpdates:
             self._abort("superseded by update " + op.update_id)
         if op.senders < 1:
             raise BadRequest(f"senders must be >= 1, got {op.senders}", field="senders")
+        # The transport's receiver decides how the backend's transaction opens.
+        recv = receiver_for(op.transport, op.transport_args)
         result = P.BeginWeightsResult(buckets=len(op.bucket_sizes), weight_address=self.weight_address)
         if op.target == "model":
             up = self.current = WeightUpdate(op, touched_at=self.core.now)
-            if op.streamed and op.transport != "zmq":
-                # GPU parts: every sender's ReceiveWeights carries its own metas,
-                # sizes and handles / NCCL group; the backend appends each part.
-                if getattr(self.backend, "receive_part", None) is None:
-                    self._drop(up, "GPU parts not supported")
-                    raise BadRequest(
-                        f"the {self.core.info.backend} backend takes several GPU senders' parts only over zmq",
-                        field="transport",
-                    )
-                args = {**op.transport_args, "bucket_sizes": []}
-                bop = self.backend.begin_weight_update(op.update_id, op.transport, [], args)
-                return Pending(bop, lambda _r: result, lambda e: self._drop(up, f"begin failed: {e}"))
-            if op.streamed:
-                up.backend_open = False
-                return result  # the backend begins at prepare, when every tensor is known
-            args = dict(op.transport_args)
-            args.setdefault("bucket_sizes", list(op.bucket_sizes))
-            bop = self.backend.begin_weight_update(op.update_id, op.transport, list(op.tensors), args)
-            if op.prepare and op.transport != "zmq":
-                return self._begin_receive_prepare(up, bop, list(op.handles))
-
-            def begun(res: dict[str, Any]) -> P.BeginWeightsResult:
-                result.detail = dict(res)
-                return result
-
-            return Pending(bop, begun, lambda e: self._drop(up, f"begin failed: {e}"))
+            return recv.begin_model(self, up, result)
         if not op.target.startswith("lora:"):
             raise BadRequest(f"unknown weight target {op.target!r} (model, lora:NAME)", field="target")
-        if op.transport != "zmq":
+        if not recv.takes_lora:
             raise BadRequest("LoRA tensors travel over the zmq transport", field="transport")
         self.current = WeightUpdate(op, touched_at=self.core.now)
         return result
+
+    # ------------------------------------------------------------ what receivers call
+    # (engine_node/transports/base.py Txn)
+
+    def begun(self, up: WeightUpdate, bop: BackendOp, result: P.BeginWeightsResult) -> Pending:
+        def then(res: dict[str, Any]) -> P.BeginWeightsResult:
+            result.detail = dict(res)
+            return result
+
+        return Pending(bop, then, lambda e: self._drop(up, f"begin failed: {e}"))
+
+    def drop(self, up: WeightUpdate, why: str) -> None:
+        self._drop(up, why)
+
+    def begin_receive_prepare(self, up: WeightUpdate, begin: BackendOp, handles: list[Any]) -> Pending:
+        return self._begin_receive_prepare(up, begin, handles)
 
     def _begin_receive_prepare(self, up: WeightUpdate, begin: BackendOp, handles: list[Any]) -> Pending:
         """GPU transports in one op: the receive is issued right behind the
@@ -378,9 +373,9 @@ class WeightUpdates:
         up.ended[r] = -1  # taken: a second part from r is refused while this one is in flight
         up.touched_at = self.core.now
         t0 = self.core.now
-        bop = self.backend.receive_part(
-            r, list(op.tensors), list(op.bucket_sizes), list(op.handles), dict(op.transport_args)
-        )
+        receiver_for(up.begin.transport, op.transport_args)  # a part's args are its update's transport's
+        args = backend_args(op.transport_args, list(op.bucket_sizes))
+        bop = self.backend.receive_part(r, list(op.tensors), list(op.bucket_sizes), list(op.handles), args)
 
         def then(res: dict[str, Any]) -> P.ReceiveWeightsResult:
             up.ended[r] = len(op.bucket_sizes)
@@ -414,7 +409,7 @@ class WeightUpdates:
             bop = self.backend.commit_weight_update()
         else:
             name = up.begin.target.split(":", 1)[1]
-            cfg = dict(up.begin.transport_args.get("lora_config", {}))
+            cfg = dict(up.begin.lora_config)
             bop = self.backend.load_lora(name, tensors=up.lora_tensors, config=cfg)
 
         def then(_res: dict[str, Any]) -> P.WeightsCommitted:
@@ -518,7 +513,7 @@ class WeightUpdates:
         ]
         sizes = [len(_view(up.held[key][1])) for key in order]
         if up.is_model:
-            args = {**up.begin.transport_args, "bucket_sizes": sizes}
+            args = backend_args(up.begin.transport_args, sizes)
             bop = self.backend.begin_weight_update(up.update_id, up.begin.transport, metas, args)
             if not bop.future.done():  # both backends begin zmq updates synchronously
                 raise BackendError("the backend's begin_weight_update must finish at once for streamed updates")

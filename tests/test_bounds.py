@@ -111,7 +111,7 @@ CASES = list(_cases())
 # Through a tagged union (Control.op, Ack.result): the path names the member's field.
 _UNION_CASES = [
     (P.Control, "op.version", ["ctl", "r", ["finish_weights", "u", P.MAX_COMMIT_VERSION]], ["ctl", "r", ["finish_weights", "u", P.MAX_COMMIT_VERSION + 1]]),
-    (P.Control, "op.senders", ["ctl", "r", ["begin_weights", "u", "zmq", [], [], "model", {}, 1024]], ["ctl", "r", ["begin_weights", "u", "zmq", [], [], "model", {}, 1025]]),
+    (P.Control, "op.senders", ["ctl", "r", ["begin_weights", "u", "zmq", [], [], "model", None, 1024]], ["ctl", "r", ["begin_weights", "u", "zmq", [], [], "model", None, 1025]]),
     (P.Command, "op.lora", ["cmd", 1, ["pause", "abort", "l" * 256]], ["cmd", 1, ["pause", "abort", "l" * 257]]),
     (P.Ack, "result.weight_version", ["ack", 1, "e0", True, ["config", P.MAX_VERSION]], ["ack", 1, "e0", True, ["config", P.MAX_VERSION + 1]]),
 ]  # fmt: skip
@@ -162,6 +162,10 @@ def _bounded(t: mi.Type) -> st.SearchStrategy[Any]:
         return st.text(max_size=min(t.max_length or 8, 8))
     if isinstance(t, mi.BoolType):
         return st.booleans()
+    if isinstance(t, mi.EnumType):
+        return st.sampled_from([m.value for m in t.cls])
+    if isinstance(t, mi.BytesType):
+        return st.binary(max_size=8)
     if isinstance(t, (mi.NoneType, mi.AnyType)):
         return st.none()
     if isinstance(t, mi.ListType):

@@ -1,4 +1,4 @@
-"""The trainer's NCCL update sequence (trainer_bridge.weights._push_gpu), with a
+"""The trainer's NCCL update sequence (trainer_bridge.transports.gpu.GpuSender.push), with a
 scripted head and a scripted NCCL group: two round trips, the broadcast runs
 while the engines wait inside the begin, and a broken broadcast aborts.
 
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from bus import protocol as P
-from trainer_bridge import gpu_transports
+from bus.transport import NcclArgs
+from trainer_bridge.transports import nccl
 from trainer_bridge.weights import push_weights
 
 
@@ -30,8 +31,8 @@ class ScriptedNcclGroup:
         self.begin_seen_before_send: bool | None = None
         self.head: ScriptedHead | None = None
 
-    def transport_args(self, sizes: list[int]) -> dict[str, Any]:
-        return {"host": "127.0.0.1", "port": 1, "world_size": 2, "group_id": "g", "bucket_sizes": list(sizes)}
+    def args(self, *, weight_check: bool = False, sender_group: bool = False) -> NcclArgs:
+        return NcclArgs(host="127.0.0.1", port=1, world_size=2, group_id="g", sender_group=sender_group)
 
     def send(self, metas: list[Any], sizes: list[int], tensors: list[Any]) -> dict[str, Any]:
         assert self.head is not None
@@ -80,14 +81,11 @@ def _install(monkeypatch: pytest.MonkeyPatch, group: ScriptedNcclGroup) -> Scrip
     head = ScriptedHead(group)
     group.head = head
 
-    def make_sender(transport: str, metas: Any, sizes: Any, tensors: Any, engines: Any, options: Any) -> Any:
-        s = object.__new__(gpu_transports._NcclBridgeSender)
-        s.metas, s.sizes, s.tensors, s.options = metas, sizes, tensors, options
-        s.key, s.sender = ("scripted",), group
-        gpu_transports._NCCL_SENDERS[s.key] = group  # type: ignore[assignment]
-        return s
+    def nccl_sender(engines: Any, options: Any, tensors: Any, rank: Any = None) -> Any:
+        nccl._NCCL_SENDERS[("scripted",)] = group  # type: ignore[assignment]
+        return ("scripted",), group
 
-    monkeypatch.setattr(gpu_transports, "make_sender", make_sender)
+    monkeypatch.setattr(nccl, "nccl_sender", nccl_sender)
     return head
 
 
@@ -113,4 +111,4 @@ def test_a_broken_broadcast_drops_the_group_and_aborts(monkeypatch: pytest.Monke
     with pytest.raises(RuntimeError, match="remote process exited"):
         _push(head)
     assert [type(op).__name__ for op in head.ops] == ["BeginWeightUpdate", "AbortWeightUpdate"]
-    assert group.closed and ("scripted",) not in gpu_transports._NCCL_SENDERS, "a broken group is never reused"
+    assert group.closed and ("scripted",) not in nccl._NCCL_SENDERS, "a broken group is never reused"

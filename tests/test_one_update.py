@@ -451,11 +451,11 @@ def test_nan_weights_are_refused_before_the_vote_and_the_cluster_keeps_its_weigh
 def test_a_gpu_sender_rank_refuses_nan_before_sending() -> None:
     import asyncio
 
-    from trainer_bridge.gpu_transports import GpuPartSender
+    from trainer_bridge.transports.registry import sender_kind
 
     bad = [("w.ok", torch.ones(3)), ("w.inf", torch.tensor([1.0, float("inf")]))]
     kw = dict(bucket_bytes=1 << 20, timeout_s=5.0, cast=lambda t: t, options={})
-    g = GpuPartSender(None, "u1", 1, [], "cuda_ipc", **kw)  # type: ignore[arg-type]
+    g = sender_kind("cuda_ipc").part_sender(None, "u1", 1, [], **kw)
     with pytest.raises(BadRequest, match="sender 1: tensor 'w.inf' has NaN or inf values") as e:
         asyncio.run(g.send(bad))
     assert e.value.field == "tensors"

@@ -9,6 +9,7 @@ import torch
 from bus import protocol as P
 from bus.errors import BadRequest
 from bus.tensors import BucketPacker, pack_bucket, plan_buckets, unpack_bucket
+from bus.transport import NcclArgs
 from engine_node.actions import DEFERRED, Pending, SendAck, failure_of
 from engine_node.backend import BackendError, BackendOp, BackendTimeout
 from engine_node.core import RequestCore
@@ -281,10 +282,16 @@ def _gpu_parts(up: WeightUpdates, uid: str, senders: int = 2, transport: str = "
         _finish(res)
 
 
+def _group(sender: int) -> NcclArgs:
+    return NcclArgs(host="127.0.0.1", port=1000 + sender, world_size=2, group_id=f"g{sender}", sender_group=True)
+
+
 def _part(up: WeightUpdates, uid: str, sender: int, names: tuple[str, ...]) -> object:
     metas = [P.TensorMeta(n, "float32", [2], 0, 8 * i, 8) for i, n in enumerate(names)]
     return up.receive(
-        P.ReceiveWeights(uid, sender=sender, tensors=metas, bucket_sizes=[8 * len(names)], transport_args={"g": sender})
+        P.ReceiveWeights(
+            uid, sender=sender, tensors=metas, bucket_sizes=[8 * len(names)], transport_args=_group(sender)
+        )
     )
 
 

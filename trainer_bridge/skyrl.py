@@ -41,7 +41,6 @@ import msgspec
 from bus.errors import BadRequest, ProtocolError, Unsupported
 from bus.frames import logprobs_wanted
 from trainer_bridge.client import AsyncClient
-from trainer_bridge.gpu_transports import warm_up_nccl
 from trainer_bridge.sampling import Translated, translate
 from trainer_bridge.skyrl_chunks import has_cuda, named_tensors, unpack_ipc_chunk
 from trainer_bridge.skyrl_openai import (
@@ -54,6 +53,7 @@ from trainer_bridge.skyrl_openai import (
 )
 from trainer_bridge.skyrl_tinker import tinker_reply, tinker_request
 from trainer_bridge.text import Text, load_text
+from trainer_bridge.transports.nccl import warm_up_nccl
 
 
 def _skyrl_base() -> type:
@@ -452,7 +452,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         """Pick the transport from SkyRL's init info (CUDA IPC → "cuda_ipc",
         rollout-bus's own strategy's info → its transport, anything else →
         "zmq"). NCCL: the group is set up here, with every healthy engine
-        (gpu_transports.warm_up_nccl), so the first update does not pay for it;
+        (trainer_bridge.transports.nccl.warm_up_nccl), so the first update does not pay for it;
         the other transports need no set-up. A GPU transport on a machine
         without CUDA, and SkyRL's own broadcast strategy (its trainer joins
         vLLM's NCCL weight-transfer group, which rollout-bus engines do not
@@ -476,7 +476,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         out: dict[str, Any] = {"transport": self._transport}
         if self._transport == "nccl":
             # The NCCL group is set up now, not inside the first update (an empty
-            # transaction the engines join the group in; gpu_transports.warm_up_nccl).
+            # transaction the engines join the group in; transports.nccl.warm_up_nccl).
             out["warm_up"] = await warm_up_nccl(self.client, self._transport_options)
         return out
 

@@ -24,10 +24,12 @@ metas: engines validate names/shapes before any byte moves and stage eagerly);
 any other iterable is streamed (each bucket carries its metas; engines hold
 them until the prepare).
 
-GPU transports (cuda_ipc, nccl) live in trainer_bridge.gpu_transports. Both
-take two round trips: begin + receive + prepare in one op, then the commit.
-cuda_ipc: the trainer's buckets live until the commit (or abort) is acked;
-nccl: the begin is published and the broadcast runs while the engines wait in it.
+Every transport has one sender module in trainer_bridge/transports/ (found
+through registry.SENDERS): zmq.py, and cuda_ipc.py / nccl.py on the one GPU
+send path of gpu.py (two round trips: begin + receive + prepare in one op,
+then the commit; cuda_ipc: the trainer's buckets live until the commit (or
+abort) is acked; nccl: the begin is published and the broadcast runs while
+the engines wait in it).
 
 Several senders: `client.weight_update(senders=n)` opens an update (the
 coordinator); each rank sends its part through `upd.sender(rank)` or, from its
@@ -37,8 +39,6 @@ commits (version += 1 once, prefix cache reset once), an exception aborts.
 
 from __future__ import annotations
 
-import asyncio
-import time
 import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -46,17 +46,15 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from bus import protocol as P
-from bus.codec import Codec
-from bus.endpoint import open_socket
-from bus.errors import BadRequest, ControlError, ErrorCode, UpdateInProgress
-from bus.tensors import DEFAULT_BUCKET_BYTES, BucketPacker, plan_buckets, start_nonfinite_check
+from bus.errors import ControlError, UpdateInProgress
+from bus.tensors import DEFAULT_BUCKET_BYTES, BucketPacker
+from bus.transport import Transport
+from trainer_bridge.transports.registry import sender_kind
 
 if TYPE_CHECKING:
     from trainer_bridge.client import AsyncClient
 
 log = structlog.get_logger("trainer_bridge.weights")
-
-GPU_TRANSPORTS = ("cuda_ipc", "nccl")
 
 
 async def push_weights(
@@ -77,8 +75,7 @@ async def push_weights(
     update). None: the head picks one above everything the cluster has served
     (its cluster version and every engine's), so versions never repeat or go
     back, and stale engines that take part jump to it."""
-    if transport not in ("zmq", *GPU_TRANSPORTS):
-        raise ValueError(f"unknown transport {transport!r} (zmq, cuda_ipc, nccl)")
+    kind = sender_kind(transport)
     upd = WeightUpdate(
         client,
         targets=targets,
@@ -88,13 +85,9 @@ async def push_weights(
         extra_args=extra_args,
         bucket_bytes=bucket_bytes,
         check_finite=check_finite,
+        transport=transport,
     )
-    if transport in GPU_TRANSPORTS:
-        return await _push_gpu(upd, list(named), transport, options)
-    planned = isinstance(named, (list, tuple))
-    async with upd.opened(plan=list(named) if planned else None):
-        await upd.sender(0).send(named)
-    return upd.results
+    return await kind.push(upd, named, options)
 
 
 class WeightUpdate:
@@ -117,21 +110,24 @@ class WeightUpdate:
     ) -> None:
         if senders < 1:
             raise ValueError(f"senders must be >= 1, got {senders}")
-        if transport not in ("zmq", *GPU_TRANSPORTS):
-            raise ValueError(f"unknown transport {transport!r} (zmq, cuda_ipc, nccl)")
-        self.transport = transport
+        self.kind = sender_kind(transport)
+        self.transport = Transport(transport)
         # Engines refuse NaN / inf values at the prepare (zmq); GPU transports
         # are checked here, before the begin (the bytes never pass the node).
         self.check_finite = check_finite
         self.options = dict(options or {})  # GPU senders: device, nccl_host, nccl_port, nccl_timeout_s
-        self._gpu_senders: list[Any] = []  # cuda_ipc: their buckets live until the commit / abort is acked
+        self._part_senders: list[Any] = []  # cuda_ipc: their buckets live until the commit / abort is acked
         self.client = client
         self.senders = senders
         self.targets = targets
         self.timeout_s = timeout_s
         self.version = version if target == "model" else None
         self.target = target
-        self.extra_args = dict(extra_args or {})
+        # extra_args: {"lora_config": ...} of a LoRA update (client.load_lora)
+        self.lora_config = dict(dict(extra_args or {}).pop("lora_config", None) or {})
+        unknown = sorted(set(extra_args or {}) - {"lora_config"})
+        if unknown:
+            raise ValueError(f"unknown extra_args {unknown} (lora_config)")
         self.bucket_bytes = int(bucket_bytes or DEFAULT_BUCKET_BYTES)
         self.update_id = uuid.uuid4().hex[:16]
         self.engines: list[dict[str, Any]] = []
@@ -164,42 +160,11 @@ class WeightUpdate:
         """Begin on every engine. `plan`: the tensors, known up front (one
         sender): the begin announces their metas. None: streamed (over a GPU
         transport: each sender's part brings its own metas)."""
-        transport = transport or self.transport
+        transport = Transport(transport or self.transport)
         if not self.engines:
             await self._pick_engines()
-        if begin is None and transport in GPU_TRANSPORTS:
-            if plan is not None:
-                raise ValueError("GPU senders bring their own metas: open(plan=...) is for zmq")
-            begin = P.BeginWeightUpdate(
-                self.update_id,
-                transport,
-                [],
-                [],
-                target=self.target,
-                transport_args=self.extra_args,
-                senders=self.senders,
-                streamed=True,
-                check_finite=self.check_finite,
-            )
         if begin is None:
-            metas: list[P.TensorMeta] = []
-            sizes: list[int] = []
-            if plan is not None:
-                if self.senders != 1:
-                    raise ValueError("a planned update has one sender; stream from several")
-                metas, sizes = _plan(plan, self.bucket_bytes, _caster(self.engines, self.target))
-                self.planned = True
-            begin = P.BeginWeightUpdate(
-                self.update_id,
-                transport,
-                metas,
-                sizes,
-                target=self.target,
-                transport_args=self.extra_args,
-                senders=self.senders,
-                streamed=plan is None,
-                check_finite=self.check_finite,
-            )
+            begin = self._begin(transport, plan)
         self.state = "open"
         try:
             await self.client.control(begin, targets=self.engine_ids, timeout_s=self.timeout_s)
@@ -211,37 +176,51 @@ class WeightUpdate:
             raise
         return self
 
+    def _begin(self, transport: Transport, plan: list[tuple[str, Any]] | None) -> P.BeginWeightUpdate:
+        metas: list[P.TensorMeta] = []
+        sizes: list[int] = []
+        if plan is not None:
+            if not sender_kind(transport).takes_plan:
+                raise ValueError(f"{transport.value} senders bring their own metas: open(plan=...) is for zmq")
+            if self.senders != 1:
+                raise ValueError("a planned update has one sender; stream from several")
+            metas, sizes = _plan(plan, self.bucket_bytes, self.caster())
+            self.planned = True
+        return P.BeginWeightUpdate(
+            self.update_id,
+            transport,
+            metas,
+            sizes,
+            target=self.target,
+            senders=self.senders,
+            streamed=plan is None,
+            check_finite=self.check_finite,
+            lora_config=self.lora_config,
+        )
+
+    def caster(self) -> Any:
+        """Casts each tensor to the dtype the engines registered (see _caster)."""
+        return _caster(self.engines, self.target)
+
     def sender(self, rank: int = 0) -> Any:
-        """The handle through which rank `rank` sends its tensors."""
+        """The handle through which rank `rank` sends its tensors (its
+        transport's part sender, trainer_bridge/transports/registry.py)."""
         if not 0 <= rank < self.senders:
             raise ValueError(f"rank {rank} is not one of the {self.senders} sender(s)")
-        if self.transport in GPU_TRANSPORTS:
-            from trainer_bridge.gpu_transports import GpuPartSender
-
-            g = GpuPartSender(
-                self.client,
-                self.update_id,
-                rank,
-                self.engines,
-                self.transport,
-                bucket_bytes=self.bucket_bytes,
-                timeout_s=self.timeout_s,
-                cast=_caster(self.engines, self.target),
-                options=self.options,
-                check_finite=self.check_finite,
-            )
-            self._gpu_senders.append(g)
-            return g
-        return WeightSender(
+        s = self.kind.part_sender(
             self.client,
             self.update_id,
             rank,
             self.engines,
             bucket_bytes=self.bucket_bytes,
             timeout_s=self.timeout_s,
-            cast=_caster(self.engines, self.target),
+            cast=self.caster(),
+            options=self.options,
+            check_finite=self.check_finite,
             with_metas=not self.planned,
         )
+        self._part_senders.append(s)
+        return s
 
     async def prepare(self) -> dict[str, Any]:
         """Phase one on its own (optional: commit() prepares what has not
@@ -261,12 +240,12 @@ class WeightUpdate:
         try:
             return await self._commit(commit)
         finally:
-            self._release_gpu()
+            self._release_parts()
 
-    def _release_gpu(self) -> None:
-        for g in self._gpu_senders:
+    def _release_parts(self) -> None:
+        for g in self._part_senders:
             g.release()
-        self._gpu_senders = []
+        self._part_senders = []
 
     async def _commit(self, commit: P.FinishWeightUpdate) -> dict[str, Any]:
         try:
@@ -294,10 +273,10 @@ class WeightUpdate:
             await self.client.control(
                 P.AbortWeightUpdate(self.update_id), timeout_s=min(self.timeout_s, 10.0), strict=False
             )
-        except Exception:
-            pass
+        except Exception as e:  # best effort: an engine drops an idle update after its prepare_ttl_s
+            log.warning("weight_abort_failed", update_id=self.update_id, error=repr(e))
         finally:
-            self._release_gpu()
+            self._release_parts()
 
     def opened(self, **kw: Any) -> _Opened:
         return _Opened(self, kw)
@@ -344,22 +323,7 @@ async def join_update(
         raise ValueError(f"rank {rank} is not one of the {txn['senders']} sender(s) of update {update_id}")
     h = await client.health()
     engines = [h["engines"][eid] for eid in txn["targets"] if eid in h["engines"]]
-    if txn.get("transport") in GPU_TRANSPORTS:
-        from trainer_bridge.gpu_transports import GpuPartSender
-
-        return GpuPartSender(
-            client,
-            update_id,
-            rank,
-            engines,
-            txn["transport"],
-            bucket_bytes=int(bucket_bytes or DEFAULT_BUCKET_BYTES),
-            timeout_s=timeout_s,
-            cast=_caster(engines, txn["target"]),
-            options=dict(options or {}),
-            check_finite=bool(txn.get("check_finite", True)),
-        )
-    return WeightSender(
+    return sender_kind(txn.get("transport", "zmq")).part_sender(
         client,
         update_id,
         rank,
@@ -367,193 +331,13 @@ async def join_update(
         bucket_bytes=int(bucket_bytes or DEFAULT_BUCKET_BYTES),
         timeout_s=timeout_s,
         cast=_caster(engines, txn["target"]),
+        options=dict(options or {}),
+        check_finite=bool(txn.get("check_finite", True)),
         with_metas=True,
     )
 
 
-class WeightSender:
-    """One rank's part of an update over zmq: packs buckets as tensors arrive
-    and streams them to every engine, one bucket in flight while the next is
-    packed; then declares its bucket count to every engine."""
-
-    def __init__(
-        self,
-        client: AsyncClient,
-        update_id: str,
-        rank: int,
-        engines: list[dict[str, Any]],
-        *,
-        bucket_bytes: int,
-        timeout_s: float,
-        cast: Any,
-        with_metas: bool,
-    ) -> None:
-        self.client = client
-        self.update_id = update_id
-        self.rank = rank
-        self.engines = engines
-        self.bucket_bytes = bucket_bytes
-        self.timeout_s = timeout_s
-        self.cast = cast
-        self.with_metas = with_metas
-        self.stats: dict[str, Any] = {}
-
-    async def send(self, named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
-        import zmq.asyncio
-
-        t0 = time.perf_counter()
-        ctx = zmq.asyncio.Context()
-        codec = Codec()
-        curve = self.client._curve
-        # The engines' weight sockets are CURVE servers on TCP when the cluster is
-        # secured: connect with the client's keys (open_socket decides per address).
-        socks = {
-            # The engine's own key (from its Register) is the server key; the
-            # engine checks ours against its "peers" allow-list.
-            e["engine_id"]: open_socket(
-                ctx,
-                zmq.DEALER,
-                connect=e["weight_address"],
-                curve=curve.connecting_to(e["curve_key"].encode()) if curve and e.get("curve_key") else curve,
-            )
-            for e in self.engines
-        }
-        packer = BucketPacker(self.bucket_bytes)
-        inflight: tuple[int, list[P.TensorMeta], Any] | None = None
-        n = nbytes = 0
-        try:
-            for name, t in named:
-                for b in packer.add(name, self.cast(t.detach())):
-                    await self._settle(socks, codec, inflight)
-                    inflight = self._ship(socks, codec, b)
-                    n, nbytes = n + 1, nbytes + b[2].numel()
-            for b in packer.flush():
-                await self._settle(socks, codec, inflight)
-                inflight = self._ship(socks, codec, b)
-                n, nbytes = n + 1, nbytes + b[2].numel()
-            await self._settle(socks, codec, inflight)
-            inflight = None
-            end = codec.encode(P.WeightSenderEnd(self.update_id, self.rank, n))
-            for s in socks.values():
-                s.send_multipart(end)
-            await self._acks(socks, codec, -1, [])
-        finally:
-            for s in socks.values():
-                s.close(linger=0)
-            ctx.term()
-        dt = time.perf_counter() - t0
-        self.stats = {"buckets": n, "bytes": nbytes, "seconds": round(dt, 4)}
-        return self.stats
-
-    def _ship(
-        self, socks: dict[str, Any], codec: Codec, b: tuple[int, list[P.TensorMeta], Any]
-    ) -> tuple[int, list[P.TensorMeta], Any]:
-        index, metas, buf = b
-        msg = P.WeightBucket(self.update_id, index, sender=self.rank, metas=metas if self.with_metas else [])
-        frame = memoryview(buf.numpy())  # zero-copy: `buf` lives until every engine acked it
-        for s in socks.values():
-            s.send_multipart(codec.encode(msg, [frame]), copy=False)
-        return b
-
-    async def _settle(self, socks: dict[str, Any], codec: Codec, inflight: Any) -> None:
-        if inflight is not None:
-            await self._acks(socks, codec, inflight[0], inflight[1])
-
-    async def _acks(self, socks: dict[str, Any], codec: Codec, bucket: int, metas: list[P.TensorMeta]) -> None:
-        await asyncio.gather(*(self._ack(eid, s, codec, bucket, metas) for eid, s in socks.items()))
-
-    async def _ack(self, eid: str, sock: Any, codec: Codec, bucket: int, metas: list[P.TensorMeta]) -> None:
-        what = f"the end of sender {self.rank}" if bucket < 0 else f"weight bucket {bucket} of sender {self.rank}"
-        try:
-            frames = await asyncio.wait_for(sock.recv_multipart(), self.timeout_s)
-        except asyncio.TimeoutError:
-            first = [m.name for m in metas[:1]]
-            raise ControlError(
-                f"engine {eid} did not ack {what} ({len(metas)} tensors from {first}) within timeout_s={self.timeout_s}",
-                missing=[eid],
-            ) from None
-        ack, _ = codec.decode(frames)
-        if not isinstance(ack, P.WeightBucketAck) or not ack.ok:
-            err = getattr(ack, "error", None) or f"unexpected {type(ack).__name__}"
-            failure = P.EngineFailure(code=ErrorCode.BACKEND_REFUSED.value, message=err, field="tensors")
-            raise ControlError(f"{what} refused by {eid}: {err}", errors={eid: failure})
-
-
-# ---------------------------------------------------------------- GPU transports
-
-
-async def _push_gpu(
-    upd: WeightUpdate, named: list[tuple[str, Any]], transport: str, options: dict[str, Any]
-) -> dict[str, Any]:
-    from trainer_bridge import gpu_transports
-
-    await upd._pick_engines()
-    cast = _caster(upd.engines, upd.target)
-    cast_named = [(n, cast(t.detach())) for n, t in named]
-    # The trainer's writes so far, as an event: the zero-copy share waits for
-    # them, not for the NaN/inf check queued behind them, which runs on the
-    # GPU while the begin makes its round trip and is waited for before the
-    # commit (nothing is written on the engines before it).
-    written = gpu_transports.record_written(cast_named)
-    check = start_nonfinite_check(cast_named) if upd.check_finite else None
-    if check is not None and transport != "cuda_ipc":
-        # nccl: the broadcast queues behind the check on the same stream
-        # anyway; refuse before a group is even made
-        _refuse_nonfinite(check())
-        check = None
-    planned = None
-    if transport == "cuda_ipc" and options.get("zero_copy"):
-        # In place only when nothing was cast (a cast tensor is a temporary:
-        # sharing it would pin a new allocation every update) and every
-        # tensor can be shared as it is; else the packed buckets, as usual.
-        uncast = all(c is t or c.data_ptr() == t.data_ptr() for (_, c), (_, t) in zip(cast_named, named, strict=True))
-        planned = gpu_transports.plan_zero_copy(cast_named) if uncast else None
-        if planned is None:
-            log.warning("zero_copy_unavailable", reason="a tensor is cast, not contiguous, or not on one GPU")
-            options = {**options, "zero_copy": False}
-    metas, sizes, tensors = planned or plan_buckets(cast_named, upd.bucket_bytes)
-    sender = gpu_transports.make_sender(transport, metas, sizes, tensors, upd.engines, options)
-    sender.written = written
-    args = {**upd.extra_args, **sender.transport_args()}
-    # Both transports: begin + receive + prepare in one op, then the commit.
-    # cuda_ipc: the handles travel with the begin; nccl: the engines wait for
-    # the broadcast inside the begin, so it is published, not awaited, first.
-    handles = sender.handles() if transport == "cuda_ipc" else []
-    begin = P.BeginWeightUpdate(
-        upd.update_id, transport, metas, sizes, target=upd.target, transport_args=args,
-        prepare=True, handles=handles, check_finite=upd.check_finite,
-    )  # fmt: skip
-    try:
-        if transport == "nccl":
-            try:
-                await sender.send_during(upd.open(begin=begin), upd.timeout_s)
-            except BaseException:
-                await upd.abort()
-                raise
-        else:
-            await upd.open(begin=begin)
-        bad = check() if check is not None else None
-        if bad is not None:
-            await upd.abort()
-            _refuse_nonfinite(bad)
-        return await upd.commit()
-    finally:
-        # cuda_ipc: the engines load straight from views of our buckets at the
-        # commit, so the buckets live until the commit (or abort) is acked.
-        release = getattr(sender, "release", None)
-        if release is not None:
-            release()
-
-
 # ---------------------------------------------------------------- helpers
-
-
-def _refuse_nonfinite(bad: str | None) -> None:
-    if bad is not None:
-        raise BadRequest(
-            f"tensor {bad!r} has NaN or inf values: not sent (update_weights(check_finite=False) skips this check)",
-            field="tensors",
-        )
 
 
 def _updatable(e: dict[str, Any]) -> bool:

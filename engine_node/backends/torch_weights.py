@@ -12,8 +12,12 @@ import structlog
 import torch
 
 from bus.tensors import unpack_bucket
+from bus.transport import Transport
 from engine_node.backend import BackendError, BackendOp
 from engine_node.backends.torch_ops import TorchOps
+
+# The bytes of a zmq update pass the node (stage_bucket); the GPU transports need vLLM's workers.
+TRANSPORTS = frozenset({Transport.ZMQ})
 
 log = structlog.get_logger("engine_node.backends.torch_backend")  # the backend's own logger name
 
@@ -57,8 +61,8 @@ class TorchWeightUpdates(TorchOps):
 
     def _begin(self, transport: str, tensors: list[Any]) -> None:
         self._check_open()
-        if transport != "zmq":
-            raise BackendError(f"transport {transport!r} not supported by torch backend (zmq only)")
+        if transport not in TRANSPORTS:
+            raise BackendError(f"transport {transport!r} not supported by torch backend (zmq only)", field="transport")
         if self._weights_where == "discarded":
             raise BackendError("weights were discarded by sleep(2); wake_up(['weights']) before a weight update")
         announced: dict[str, tuple[str, tuple[int, ...]]] = {}

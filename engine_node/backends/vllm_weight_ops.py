@@ -10,9 +10,11 @@ from typing import Any
 
 import structlog
 
+from bus.transport import Transport
 from engine_node.backend import BackendError, BackendOp
 from engine_node.backends import vllm_weights as W
 from engine_node.backends.vllm_ops import VllmOps
+from engine_node.backends.vllm_transports import VLLM_RECEIVERS
 
 log = structlog.get_logger("rollout_bus.vllm_backend")
 
@@ -44,7 +46,8 @@ class VllmWeightOps(VllmOps):
     def begin_weight_update(
         self, update_id: str, transport: str, tensors: list[Any], args: dict[str, Any]
     ) -> BackendOp:
-        if transport not in W.TRANSPORTS:
+        receiver = VLLM_RECEIVERS.get(transport)
+        if receiver is None:
             return BackendOp.failed(
                 "begin_weight_update",
                 BackendError(
@@ -62,18 +65,7 @@ class VllmWeightOps(VllmOps):
         if bad is not None:
             return BackendOp.failed("begin_weight_update", BackendError(bad[1], field=bad[0]))
         up = W.WeightUpdate(update_id, transport, metas, sizes, dict(args))
-        if transport == "zmq":
-            try:
-                up.stage = W.ShmStage(sizes, up.uid)
-            except OSError as e:
-                return BackendOp.failed("begin_weight_update", BackendError(f"zmq staging: shared memory: {e}"))
-            self._update = up
-            return BackendOp.done("begin_weight_update", {"bytes": sum(sizes), "staging": up.stage.path})
-        self._update = up
-        # cuda_ipc / nccl: nothing to tell the workers yet. The metas travel with
-        # the call that needs them (nccl: the receive; cuda_ipc: the commit), so
-        # an update costs one worker round trip (cuda_ipc) or two (nccl).
-        return BackendOp.done("begin_weight_update", {"tensors": len(metas), "bytes": sum(sizes)})
+        return receiver.begin(self, up)  # engine_node/backends/vllm_transports.py
 
     def _require(self, transport: str | None = None) -> W.WeightUpdate:
         up = self._update
@@ -84,7 +76,7 @@ class VllmWeightOps(VllmOps):
         return up
 
     def stage_bucket(self, bucket: int, data: memoryview) -> None:
-        up = self._require(transport="zmq")
+        up = self._require(transport=Transport.ZMQ)
         assert up.stage is not None
         try:
             up.stage.write(int(bucket), data, up.metas)
@@ -96,48 +88,7 @@ class VllmWeightOps(VllmOps):
             up = self._require()
         except BackendError as e:
             return BackendOp.failed("receive_weights", e)
-        t0 = time.perf_counter()
-        nbytes = int(sum(up.sizes))
-
-        def result(rs: list[Any]) -> dict[str, Any]:
-            dt = time.perf_counter() - t0
-            up.received = True
-            r: dict[str, Any] = {
-                "bytes": nbytes,
-                "backend_seconds": round(dt, 4),
-                "GBps": round(nbytes / dt / 1e9, 3) if dt > 0 else None,
-                "worker_seconds": [round(x["seconds"], 4) for x in rs[0]],
-            }
-            if up.transport == "nccl":
-                w = rs[0][0]
-                r["nccl"] = {k: w.get(k) for k in ("reused", "setup_seconds", "alloc_s", "broadcast_s")}
-                log.info("weight_receive_timing", transport="nccl", seconds=round(dt, 4), **r["nccl"])
-            return r
-
-        if up.transport == "cuda_ipc":
-            if len(handles) != len(up.sizes):
-                return BackendOp.failed(
-                    "receive_weights",
-                    BackendError(f"cuda_ipc: {len(handles)} handle(s) for {len(up.sizes)} bucket(s)", field="handles"),
-                )
-            # Kept, not opened: the commit maps, validates and writes in one worker
-            # call (a bad handle fails the commit before any parameter is written).
-            # The trainer keeps its buckets until the commit (or abort) is acked.
-            up.handles = list(handles)
-            up.received = True
-            return BackendOp.done("receive_weights", {"bytes": nbytes, "deferred": True})
-        if up.transport == "nccl":
-            a = {**up.args, "timeout_s": float(up.args.get("timeout_s", self.weight_timeout_s))}
-            call = self._rpc("rollout_bus_recv_nccl", up.uid, a, up.metas, up.sizes, timeout=self.weight_timeout_s)
-            up.workers_know = True
-        else:
-            return BackendOp.failed(
-                "receive_weights",
-                BackendError(
-                    "receive_weights is for the GPU transports (cuda_ipc, nccl); zmq stages buckets", field="transport"
-                ),
-            )
-        return self._op("receive_weights", "weight_timeout_s", [call], result)
+        return VLLM_RECEIVERS[up.transport].receive(self, up, handles)
 
     def receive_part(
         self, sender: int, tensors: list[Any], sizes: list[int], handles: list[Any], transport_args: dict[str, Any]
@@ -171,44 +122,18 @@ class VllmWeightOps(VllmOps):
             m[3] = int(m[3]) + first
         up.metas += metas
         up.sizes += sizes
-        if up.transport == "cuda_ipc":
-            if len(handles) != len(sizes):
-                return BackendOp.failed(
-                    what,
-                    BackendError(f"cuda_ipc: {len(handles)} handle(s) for {len(sizes)} bucket(s)", field="handles"),
-                )
-            up.handles += list(handles)
-            up.received = True
-            return BackendOp.done(what, {"bytes": sum(sizes), "deferred": True})
-        a = {**transport_args, "timeout_s": float(transport_args.get("timeout_s", self.weight_timeout_s))}
-        call = self._rpc("rollout_bus_recv_nccl_part", up.uid, a, metas, sizes, first, timeout=self.weight_timeout_s)
-        up.workers_know = True
-        t0 = time.perf_counter()
-
-        def result(rs: list[Any]) -> dict[str, Any]:
-            up.received = True
-            w = rs[0][0]
-            return {"bytes": sum(sizes), "backend_seconds": round(time.perf_counter() - t0, 4), **w}
-
-        return self._op(what, "weight_timeout_s", [call], result)
+        part = W.Part(what, metas, sizes, first, list(handles), transport_args)
+        return VLLM_RECEIVERS[up.transport].receive_part(self, up, part)
 
     def commit_weight_update(self) -> BackendOp:
         try:
             up = self._require()
         except BackendError as e:
             return BackendOp.failed("commit_weight_update", e)
-        shm = None
-        if up.transport == "zmq":
-            assert up.stage is not None
-            missing = up.stage.missing()
-            if missing:
-                return BackendOp.failed(
-                    "commit_weight_update", BackendError(f"zmq: bucket(s) {missing[:8]} never staged")
-                )
-            # The workers never saw a begin for zmq: begin + commit go together.
-            shm = up.stage.spec()
-        elif not up.received:
-            return BackendOp.failed("commit_weight_update", BackendError("commit before receive_weights"))
+        receiver = VLLM_RECEIVERS[up.transport]
+        refused, shm = receiver.ready(up)
+        if refused is not None:
+            return BackendOp.failed("commit_weight_update", refused)
         self._update = None
         t0 = time.perf_counter()
         # transport_args["weight_check"] (the trainer's update_weights(weight_check=True)):
@@ -226,17 +151,7 @@ class VllmWeightOps(VllmOps):
             # wake that ends sleep, would overwrite what it wrote).
             calls.append(self._rpc("rollout_bus_reload_checkpoint", timeout=self.weight_timeout_s))
             self._weights_stale = False
-        if up.transport == "zmq":
-            calls.append(self._rpc("rollout_bus_begin", up.uid, up.metas, up.sizes, timeout=self.weight_timeout_s))
-            calls.append(self._rpc("rollout_bus_commit", up.uid, shm, timeout=self.weight_timeout_s))
-        elif up.transport == "cuda_ipc":  # the whole update in one worker call
-            calls.append(
-                self._rpc(
-                    "rollout_bus_apply_ipc", up.uid, up.metas, up.sizes, up.handles, opts, timeout=self.weight_timeout_s
-                )
-            )
-        else:
-            calls.append(self._rpc("rollout_bus_commit", up.uid, None, opts, timeout=self.weight_timeout_s))
+        calls += receiver.commit_calls(self, up, shm, opts)
         # The prefix cache is invalidated by a new salt, not a reset (see VllmBackend._init_loop_state).
         self._weights_epoch += 1
         if self._weights_stale and self._ckpt_shapes and set(self._ckpt_shapes) <= {m[0] for m in up.metas}:

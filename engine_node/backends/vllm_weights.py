@@ -5,7 +5,7 @@ Where the bytes go, per transport (the workers' side is vllm_worker_ext):
 - cuda_ipc: nowhere here. The receive only keeps the handles; the commit is ONE
   worker call that maps the trainer's buckets, validates them, writes the
   parameters from those views and drops the maps; the trainer keeps its buckets
-  alive until the commit's ack (trainer_bridge.gpu_transports documents that).
+  alive until the commit's ack (trainer_bridge.transports.cuda_ipc documents that).
 - nccl: workers receive into their own staging buffers at receive (the begin's
   metas travel with that call), write the parameters at commit.
 - zmq: `stage_bucket` copies each bucket's raw bytes, once, into one shared
@@ -24,9 +24,10 @@ import tempfile
 import uuid
 from typing import Any
 
-from bus.tensors import unpack_bucket
+from bus.tensors import _ALIGN, unpack_bucket
+from bus.transport import Transport
 
-TRANSPORTS = ("zmq", "cuda_ipc", "nccl")
+TRANSPORTS = tuple(t.value for t in Transport)
 
 
 def meta_list(t: Any) -> list[Any]:
@@ -80,8 +81,6 @@ def validate(
 def derive_sizes(metas: list[list[Any]]) -> list[int]:
     """Bucket sizes as bus.tensors.plan_buckets makes them (end of the last
     tensor, 256-aligned), for a begin that did not carry bucket_sizes."""
-    from bus.tensors import _ALIGN
-
     n = 1 + max((m[3] for m in metas), default=-1)
     sizes = [0] * n
     for m in metas:
@@ -166,6 +165,19 @@ class ShmStage:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+@dataclasses.dataclass
+class Part:
+    """One sender's part of a multi-sender GPU update, validated and appended
+    to the update (its bucket numbers shifted past the parts before it)."""
+
+    what: str  # the op's name in errors: "receive_part(sender N)"
+    metas: list[list[Any]]
+    sizes: list[int]
+    first: int  # the update's bucket index of the part's bucket 0
+    handles: list[Any]
+    args: dict[str, Any]
 
 
 @dataclasses.dataclass(eq=False)

@@ -24,7 +24,7 @@ def local_device_for_uuid(uuid: str | None, default: int) -> int:
 
 def open_ipc_handle(handle: bytes, default_device: int) -> torch.Tensor:
     """Rebuild a tensor from a pickled (rebuild_fn, args, uuid) of
-    torch.multiprocessing.reductions.reduce_tensor (see trainer_bridge.gpu_transports)."""
+    torch.multiprocessing.reductions.reduce_tensor (see trainer_bridge.transports.cuda_ipc)."""
     fn, args, uuid = pickle.loads(handle)
     args = list(args)
     # args[6] is the storage's device index in the sender's numbering: map the
@@ -39,7 +39,7 @@ class IpcReceive(WorkerApply):
         tensor). Same GPU: views of the trainer's buffers, alive until the
         commit's ack. Returns how many buckets had to be copied (another GPU).
 
-        keep_maps (the trainer's zero-copy mode, trainer_bridge.gpu_transports):
+        keep_maps (the trainer's zero-copy mode, trainer_bridge.transports.cuda_ipc):
         the handles name the trainer's own parameters, which stay where they are
         from one update to the next, so the same handle bytes come again. Maps
         are kept across updates in st["maps"] (handle bytes -> flat uint8 view)

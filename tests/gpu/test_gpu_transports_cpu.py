@@ -1,4 +1,4 @@
-"""CPU tests of trainer_bridge.gpu_transports' packing (runs in CI)."""
+"""CPU tests of trainer_bridge.transports.packing (runs in CI)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bus.tensors import pack_bucket, plan_buckets
-from trainer_bridge.gpu_transports import pack_fast
+from trainer_bridge.transports.packing import pack_fast
 
 pytestmark = pytest.mark.timeout(60)
 

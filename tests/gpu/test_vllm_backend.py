@@ -270,7 +270,7 @@ def _named_from(model_dir, device="cuda"):
 def test_weight_update_cuda_ipc_then_zmq_back(backend, model_dirs, llm_reference):
     import torch
 
-    from trainer_bridge.gpu_transports import CudaIpcSender
+    from trainer_bridge.transports.cuda_ipc import CudaIpcSender
 
     # trainer: model B's weights on this GPU (bf16, what a trainer would push)
     sdB = {k: v.to(torch.bfloat16) for k, v in _named_from(model_dirs["B"]).items()}
@@ -335,7 +335,7 @@ def test_weight_update_cuda_ipc_then_zmq_back(backend, model_dirs, llm_reference
 
 
 def _ipc_update(backend, sd, tag, **args):
-    from trainer_bridge.gpu_transports import CudaIpcSender
+    from trainer_bridge.transports.cuda_ipc import CudaIpcSender
 
     sender = CudaIpcSender(bucket_bytes=8 << 20)
     metas, sizes, handles = sender.prepare(list(sd.items()))
@@ -504,7 +504,7 @@ def test_nccl_update_trainer_gpu0_engine_gpu1(model_dirs):
     import torch
 
     from engine_node.backends.vllm_backend import make_backend
-    from trainer_bridge.gpu_transports import NcclSender
+    from trainer_bridge.transports.nccl import NcclSender
 
     torch.cuda.set_device(0)
     old = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -590,7 +590,7 @@ def test_tp2_engine_receives_cuda_ipc(model_dirs):
     import torch
 
     from engine_node.backends.vllm_backend import make_backend
-    from trainer_bridge.gpu_transports import CudaIpcSender
+    from trainer_bridge.transports.cuda_ipc import CudaIpcSender
 
     if True:
         t0 = time.perf_counter()
@@ -639,7 +639,7 @@ def test_bench_model(backend):
     from vllm import SamplingParams as VSP
 
     from engine_node.backends.vllm_backend import make_backend
-    from trainer_bridge.gpu_transports import CudaIpcSender
+    from trainer_bridge.transports.cuda_ipc import CudaIpcSender
 
     opts = dict(gpu_memory_utilization=0.3, max_model_len=4096, dtype="bfloat16", seed=0, skip_tokenizer_init=True)
     vocab = 151936

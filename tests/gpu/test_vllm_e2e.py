@@ -344,7 +344,7 @@ def test_e2e_nccl_trainer_gpu0(model_dirs, gpus, tp):
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         # the group set up ahead of the updates (SkyRL's init_weight_update_communicator
         # does this): an empty begin/receive/abort; no weights, no version change
-        from trainer_bridge.gpu_transports import warm_up_nccl
+        from trainer_bridge.transports.nccl import warm_up_nccl
 
         t0 = time.perf_counter()
         init = cl._call(warm_up_nccl(cl._aclient, {"device": "cuda:0"}), 120)

@@ -107,7 +107,7 @@ def _sd(model_dir, device="cuda"):
 
 
 def push_ipc(be, named, tag):
-    from trainer_bridge.gpu_transports import CudaIpcSender
+    from trainer_bridge.transports.cuda_ipc import CudaIpcSender
 
     sender = CudaIpcSender(bucket_bytes=8 << 20)
     metas, sizes, handles = sender.prepare(named)

@@ -293,7 +293,7 @@ def test_plan_through_lora_wrappers(vbe):
 
 
 def _zero_copy_update(be, named, tag, handle_of):
-    """One tensor per bucket (trainer_bridge.gpu_transports.plan_zero_copy's
+    """One tensor per bucket (trainer_bridge.transports.cuda_ipc.plan_zero_copy's
     layout), handles that repeat for a tensor that did not move."""
     from bus.protocol import TensorMeta
     from bus.tensors import dtype_name
@@ -372,7 +372,7 @@ def test_drop_maps_forgets_kept_maps(vbe):
 
 
 def test_plan_zero_copy_refuses_what_cannot_be_shared_in_place():
-    from trainer_bridge.gpu_transports import plan_zero_copy
+    from trainer_bridge.transports.cuda_ipc import plan_zero_copy
 
     assert plan_zero_copy([("w", torch.zeros(4))]) is None  # not on a GPU: packed buckets instead
     assert plan_zero_copy([]) is None

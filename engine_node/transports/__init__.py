@@ -1,0 +1,1 @@
+"""Engine-side receivers of the weight transports (see registry.RECEIVERS)."""

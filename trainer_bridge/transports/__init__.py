@@ -1,0 +1,1 @@
+"""Trainer-side senders of the weight transports (see registry.SENDERS)."""
