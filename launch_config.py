@@ -88,7 +88,9 @@ def _add_topology_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--engines", type=int, default=None, help="engine nodes on this machine (default: 2, or GPUs // tp with vLLM)"
     )
-    ap.add_argument("--backend", default="auto", help="auto | torch | vllm | module:factory of an out-of-tree backend")
+    ap.add_argument(
+        "--backend", default="auto", help="auto | torch | vllm | null | module:factory of an out-of-tree backend"
+    )
     ap.add_argument("--model", default=None, help="model folder (default: a tiny random model built into the cache)")
     ap.add_argument(
         "--host", default="127.0.0.1", help="address this node binds (0.0.0.0 for multi-node: loopback only by default)"

@@ -116,8 +116,8 @@ def resolve_model(a: argparse.Namespace, backend: str) -> str:
     """--model, or the tiny model built into the cache for the torch backend."""
     if backend == "torch" and not a.model:
         return ensure_tiny_model()
-    if ":" in backend:
-        return a.model or ""
+    if ":" in backend or backend == "null":  # out-of-tree, or no model at all
+        return a.model or ("null" if backend == "null" else "")
     if not a.model:
         raise SystemExit(f"--model is required with the {backend} backend")
     return a.model

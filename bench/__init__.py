@@ -14,6 +14,6 @@ Each benchmark runs as ``python -m bench.<name>``, prints a table, and writes
 - ``bench.peer_side``: the HTTP side of the comparisons: http_peer servers,
   ``vllm-router`` in front of them, and an aiohttp load driver.
 
-The ``null`` backend (bench/null_backend.py) has no model; it
-exists for these benchmarks and for tests only.
+The engines run the product's model-less ``null`` backend (``--backend
+null``); the GPU benchmarks live in ``bench.gpu`` (bench/README.md).
 """

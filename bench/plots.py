@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.report import REPO_ROOT, RESULTS_DIR
+from bench.report import RESULTS_DIR, shown
 
 
 def _plt():
@@ -95,7 +95,7 @@ def _finish_figure(
     path = png_path(name)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    print(f"wrote {path.relative_to(REPO_ROOT)}", flush=True)
+    print(f"wrote {shown(path)}", flush=True)
     return path
 
 

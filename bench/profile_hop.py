@@ -32,7 +32,7 @@ from typing import Any
 
 from bench import harness as H
 from bench import rb_side as RB
-from bench.null_backend import NULL_BACKEND
+from engine_node.backends.null_backend import NULL_BACKEND
 
 ROLES = {"router_node": "router_node.router:run_router_node", "engine_node": "engine_node.node:run_engine_node"}
 

@@ -36,7 +36,7 @@ def start_cluster(
     procs: H.Procs,
     k: int,
     *,
-    backend: str = "bench.null_backend:make_backend",
+    backend: str = "null",
     model: str = "null",
     backend_options: dict[str, Any] | None = None,
     policy: str = "least_loaded",

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from bench.stats import fmt
 
@@ -80,17 +80,24 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+@runtime_checkable
+class Summarized(Protocol):
+    """What JSON keeps of a measurement object (bench.measure.RunResult): its
+    summary. A protocol, so this module never imports measure (measure → procs
+    → report)."""
+
+    def summary(self) -> dict[str, Any]: ...
+
+
 def jsonable(o: Any) -> Any:
     """JSON-ready: NaN/inf → None, tuples → lists, RunResult → its summary, paths → str."""
-    from bench.measure import RunResult  # measure → procs → report: imported here, not at the top
-
     if isinstance(o, float) and (math.isnan(o) or math.isinf(o)):
         return None
     if isinstance(o, dict):
         return {str(k): jsonable(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
         return [jsonable(v) for v in o]
-    if isinstance(o, RunResult):
+    if isinstance(o, Summarized):
         return o.summary()
     if isinstance(o, Path):
         return str(o)
@@ -102,5 +109,11 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS_DIR / f"{name}.json"
     doc = {"benchmark": name, "machine": machine_info(), **payload}
     path.write_text(json.dumps(jsonable(doc), indent=2, sort_keys=False) + "\n")
-    print(f"wrote {path.relative_to(REPO_ROOT)}", flush=True)
+    print(f"wrote {shown(path)}", flush=True)
     return path
+
+
+def shown(path: Path) -> str:
+    """`path` relative to the repository when inside it (bench/results/...), else
+    as it is (bench.all writes under the temp dir by default)."""
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)

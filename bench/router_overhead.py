@@ -36,7 +36,7 @@ from typing import Any
 from bench import harness as H
 from bench import peer_side as PS
 from bench import rb_side as RB
-from bench.null_backend import NULL_BACKEND
+from engine_node.backends.null_backend import NULL_BACKEND
 
 HTTP_DIRECT, VR_CH, VR_P2 = "http direct", "vllm-router c_hash", "vllm-router p2"
 RB_DIRECT, RB_ROUTER, RB_SESSION = "rb direct", "rb router", "rb router+session"

@@ -26,7 +26,7 @@ from typing import Any
 
 from bench import harness as H
 from bench import rb_side as RB
-from bench.null_backend import NULL_BACKEND
+from engine_node.backends.null_backend import NULL_BACKEND
 
 PLACEMENTS = ("outstanding", "open_sessions")
 

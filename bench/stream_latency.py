@@ -32,7 +32,7 @@ from typing import Any
 from bench import harness as H
 from bench import peer_side as PS
 from bench import rb_side as RB
-from bench.null_backend import NULL_BACKEND
+from engine_node.backends.null_backend import NULL_BACKEND
 
 ORDER = ["rb router", "rb direct", "rb router (raw)", "rb direct (raw)", "vllm-router p2", "http direct"]
 

@@ -287,12 +287,13 @@ BACKENDS: dict[str, str] = {
     # name -> "module:factory"; factory(model: str, **options) -> Backend
     "torch": "engine_node.backends.torch_backend:make_backend",
     "vllm": "engine_node.backends.vllm_backend:make_backend",
+    "null": "engine_node.backends.null_backend:make_backend",  # no model: benches, routing tests, dry runs
 }
 
 
 def load_backend(name: str, model: str, **options: Any) -> Backend:
     """A registered backend by name, or any importable "module:factory"
-    (out-of-tree backends; the benchmarks' model-less `bench.null_backend`)."""
+    (out-of-tree backends)."""
     import importlib
 
     target = BACKENDS.get(name, name if ":" in name else None)

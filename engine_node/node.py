@@ -58,8 +58,8 @@ from engine_node.core import RequestCore
 from engine_node.head_link import HeadLink, NodeFatal
 from engine_node.heartbeat import Heartbeats, HeartbeatSource
 from engine_node.peer_keys import Handler, keyed
-from engine_node.resume_trace import ResumeTrace
 from engine_node.seeding import backend_seed, derive_seed
+from engine_node.timings import TimingLog
 from engine_node.weight_socket import WeightSocket
 from engine_node.weight_update import WeightUpdates
 
@@ -100,6 +100,7 @@ class EngineNode:
         self.gate, self._curve = _security(self.ctx, cfg)
         seed = derive_seed(cfg.seed, cfg.engine_id, self.incarnation)
         self.core = RequestCore(backend, self.info, self.engine_id, seed)
+        self.timings = TimingLog()  # weight receive/commit, resume -> first output (Stats)
         self._open_weight_plane()
         source = HeartbeatSource(self.engine_id, self.incarnation, backend, self.core)
         # Control: commands in order, long ops without blocking; its wake pipe
@@ -132,7 +133,6 @@ class EngineNode:
             interval_s=cfg.heartbeat_interval_s,
         )
         self.core.work_appeared = self.heartbeats.work_appeared
-        self.resume_trace = ResumeTrace(backend, self.log)  # benchmark hook (resume_trace.py)
         self.loop_stats: dict[str, float] = {"turns": 0, "poll_s": 0.0, "read_s": 0.0, "step_s": 0.0, "flush_s": 0.0}
         self._open_data_plane()
         self._wire_loop()
@@ -144,7 +144,12 @@ class EngineNode:
         weights = open_socket(self.ctx, zmq.ROUTER, bind=cfg.weight_address, curve=self._curve, zap_domain=auth.PEERS)
         self.weight_address = advertised(bound_address(weights), cfg.advertise_host)
         self.updates = WeightUpdates(
-            backend, self.core, self.engine_id, self.weight_address, prepare_ttl_s=cfg.prepare_ttl_s
+            backend,
+            self.core,
+            self.engine_id,
+            self.weight_address,
+            prepare_ttl_s=cfg.prepare_ttl_s,
+            timings=self.timings,
         )
         self.updates.log_aborted = lambda uid, why: self.log.info("weight_update_aborted", update_id=uid, reason=why)
         self.weights = WeightSocket(
@@ -283,8 +288,8 @@ class EngineNode:
             core.accepting = False
         if core.admit_dirty:
             core.admit()
-            if self.resume_trace.armed:  # benchmark hook (resume_trace.py)
-                self.resume_trace.mark("admitted")
+            if self.timings.resume.armed:
+                self.timings.resume.admitted(time.perf_counter())
         t2 = time.perf_counter()
         ls["read_s"] += t2 - t1
         if self.backend.has_work():
@@ -312,8 +317,9 @@ class EngineNode:
         # backend, i.e. after the step, not when this turn began.
         self.core.set_time(time.monotonic(), time.time())
         self.core.on_step(outs)
-        if outs and self.resume_trace.armed:  # benchmark hook (resume_trace.py)
-            self.resume_trace.mark("first_output")
+        if outs and self.timings.resume.armed:
+            take = getattr(self.backend, "take_output_trace", None)
+            self.timings.resumed(time.perf_counter(), self.backend.num_running(), take() if take is not None else None)
 
     def _poll_ms(self, busy: bool) -> int:
         """How long this turn may wait for sockets. A backend that produces on
@@ -468,14 +474,25 @@ class EngineNode:
         return self.core.config_result()
 
     def _op_resume(self, op: P.Resume, seq: int) -> OpOutcome:
-        self.resume_trace.arm(self.core.counters())  # benchmark hook (resume_trace.py)
+        # Where a resume's first output comes from (a ResumeTiming in Stats).
+        # Only when requests were parked or held by the pause: after an idle
+        # resume the "first output" is a later request's, and its delay
+        # (seconds of nobody asking) read like a stall (issue 23).
+        c = self.core.counters()
+        if not (c.get("parked", 0) or c.get("held", 0) or c.get("running", 0)):
+            self.timings.resume.disarm()
+            return self.core.resume(op, seq)
+        self.timings.resume.arm(time.perf_counter())
+        arm = getattr(self.backend, "trace_outputs", None)  # optional: the vllm backend's core-side trace
+        if arm is not None:
+            arm()
         return self.core.resume(op, seq)
 
     def _op_stats(self, op: P.Stats, seq: int) -> P.StatsResult:
         hb = self.heartbeats.make()
         return P.StatsResult(
             heartbeat={f: getattr(hb, f) for f in hb.__struct_fields__},
-            detail={**self.backend.stats(), "loop": dict(self.loop_stats)},
+            detail={**self.backend.stats(), "loop": dict(self.loop_stats), "timings": self.timings.to_builtins()},
         )
 
 

@@ -55,6 +55,7 @@ from bus.transport import backend_args
 from engine_node.actions import DEFERRED, OpOutcome, Pending, SendAck
 from engine_node.backend import BackendError, BackendOp
 from engine_node.core import RequestCore
+from engine_node.timings import TimingLog
 from engine_node.transports.registry import receiver_for
 
 
@@ -152,12 +153,14 @@ class WeightUpdates:
         weight_address: str,
         *,
         prepare_ttl_s: float = DEFAULT_PREPARE_TTL_S,
+        timings: TimingLog | None = None,
     ) -> None:
         self.backend = backend
         self.core = core
         self.engine_id = engine_id
         self.weight_address = weight_address
         self.prepare_ttl_s = prepare_ttl_s
+        self.timings = timings if timings is not None else TimingLog()  # receive / commit records (Stats)
         self.current: WeightUpdate | None = None
         # Deferred prepare acks, for the shell (take_actions).
         self.actions: list[SendAck] = []
@@ -349,6 +352,7 @@ class WeightUpdates:
         def then(res: dict[str, Any]) -> P.ReceiveWeightsResult:
             up.received.update(range(len(up.begin.bucket_sizes)))
             self._prepared(up)
+            self.timings.receive(up.update_id, up.begin.transport, self.core.now - t0, res)
             return P.ReceiveWeightsResult(seconds=round(self.core.now - t0, 4), detail=dict(res))
 
         return Pending(self.backend.receive_weights(list(op.handles)), then, lambda e: self._abort("receive failed"))
@@ -385,6 +389,7 @@ class WeightUpdates:
             if up.phase is Phase.BEGUN:
                 up.to(Phase.RECEIVING)
             self._maybe_prepare(up)
+            self.timings.receive(up.update_id, up.begin.transport, self.core.now - t0, res)
             return P.ReceiveWeightsResult(seconds=round(self.core.now - t0, 4), detail=dict(res))
 
         return Pending(bop, then, lambda e: self._abort(f"sender {r}'s part failed: {e}", up))
@@ -412,8 +417,9 @@ class WeightUpdates:
             cfg = dict(up.begin.lora_config)
             bop = self.backend.load_lora(name, tensors=up.lora_tensors, config=cfg)
 
-        def then(_res: dict[str, Any]) -> P.WeightsCommitted:
+        def then(res: dict[str, Any]) -> P.WeightsCommitted:
             up.to(Phase.COMMITTED)
+            self.timings.commit(up.update_id, up.begin.transport, self.core.now - t0, res)
             if self.current is up:
                 self.current = None
             restarted = 0

@@ -31,7 +31,7 @@ from trainer_bridge import AsyncClient, AuthRefused, Client, Unauthorized
 
 pytestmark = pytest.mark.timeout(60)
 
-NULL = {"backend": "bench.null_backend:make_backend", "model": "null"}
+NULL = {"backend": "null", "model": "null"}
 
 
 # ---------------------------------------------------------------- key folder (no sockets)

@@ -1,4 +1,4 @@
-"""The GPU benchmarks' CPU dry run (bench/gpu_throughput.py, bench/gpu_weight_update.py
+"""The GPU benchmarks' CPU dry run (bench/gpu/throughput.py, bench/gpu/weight_update.py
 with --cpu): the phase machinery, launch.py, the rollout-bus paths and the JSON are
 real (torch backend, tiny model); the vLLM paths are skipped with a reason."""
 
@@ -26,12 +26,12 @@ def _run(module: str, out: str, *args: str) -> dict:
         timeout=80,
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return json.loads(Path(out, module.split(".")[-1] + ".json").read_text())
+    return json.loads(Path(out, "gpu_" + module.split(".")[-1] + ".json").read_text())  # bench.gpu.X writes gpu_X.json
 
 
 def test_gpu_throughput_dry_run(tmp_path):
     doc = _run(
-        "bench.gpu_throughput",
+        "bench.gpu.throughput",
         str(tmp_path),
         "--prompts",
         "6",
@@ -55,7 +55,7 @@ def test_gpu_throughput_dry_run(tmp_path):
 
 
 def test_gpu_weight_update_dry_run(tmp_path):
-    doc = _run("bench.gpu_weight_update", str(tmp_path), "--streams", "2", "--updates", "1", "--gap-s", "0.1")
+    doc = _run("bench.gpu.weight_update", str(tmp_path), "--streams", "2", "--updates", "1", "--gap-s", "0.1")
     ipc = doc["ipc"]
     assert ipc["ok"], ipc.get("error")
     assert [u.get("error") for u in ipc["updates"]] == [None, None]
@@ -66,7 +66,7 @@ def test_gpu_weight_update_dry_run(tmp_path):
 
 
 def test_gpu_interleaved_dry_run(tmp_path):
-    doc = _run("bench.gpu_interleaved", str(tmp_path))
+    doc = _run("bench.gpu.interleaved", str(tmp_path))
     res = doc["result"]
     assert res["ok"], doc.get("error")
     assert set(res["reps"]) == {"rb batch", "rb streams"}
@@ -81,7 +81,7 @@ def test_gpu_interleaved_dry_run(tmp_path):
 
 
 def test_paired_ratios_pair_reps_by_index():
-    from bench.gpu_interleaved import paired_ratios
+    from bench.gpu.interleaved import paired_ratios
 
     reps = {
         "LLM.generate": [{"rep": 0, "tokens_per_s": 100.0}, {"rep": 1, "tokens_per_s": 50.0}],
@@ -98,7 +98,7 @@ def test_paired_ratios_pair_reps_by_index():
 
 
 def test_paired_ttft_compares_round_by_round():
-    from bench.gpu_interleaved import paired_ttft
+    from bench.gpu.interleaved import paired_ttft
 
     rounds = {"rb": [[10.0, 12.0, 11.0], [30.0, 31.0, 32.0]], "AsyncLLM": [[9.0, 10.0, 11.0], [27.0, 28.0, 29.0]]}
     (row,) = paired_ttft(rounds)
@@ -109,7 +109,7 @@ def test_paired_ttft_compares_round_by_round():
 
 
 def test_a_phase_killed_at_its_limit_keeps_what_it_checkpointed(tmp_path):
-    from bench import gpu_common as G
+    from bench.gpu import common as G
 
     res = G.run_phase("ck", "tests.test_bench_gpu_dry:_checkpoint_then_hang", {}, 6.0, tmp_path, log=lambda _m: None)
     assert res["ok"] is False and "ran past its limit of 6s" in res["error"]
@@ -120,7 +120,7 @@ def _checkpoint_then_hang(spec: dict) -> dict:
     """A phase (run by run_phase in a child) that checkpoints one rep, then hangs."""
     import time
 
-    from bench import gpu_common as G
+    from bench.gpu import common as G
 
     spec["_partial"]["reps"] = {"rb batch": [{"rep": 0, "tokens_per_s": 1.0}]}
     G.checkpoint(spec)
@@ -142,24 +142,24 @@ def _bench(module: str, *args: str, timeout_s: float = 80) -> None:
 
 
 def test_gpu_plan_copy_dry_run(tmp_path):
-    """bench/gpu_plan_copy.py on the CPU, 2 layers and a small vocabulary: every
+    """bench/gpu/plan_copy.py on the CPU, 2 layers and a small vocabulary: every
     way of copying writes exactly the sources (bit for bit)."""
     out = tmp_path / "copy.json"
-    _bench("gpu_plan_copy", "--device", "cpu", "--reps", "2", "--layers", "2", "--vocab", "1000", "--out", str(out))
+    _bench("gpu.plan_copy", "--device", "cpu", "--reps", "2", "--layers", "2", "--vocab", "1000", "--out", str(out))
     doc = json.loads(out.read_text())
     assert doc["tensors"] == 2 + 12 * 2 and doc["copies_equal_sources"] is True
     assert {"loop", "foreach", "flat", "hybrid_1MiB"} <= set(doc) and doc["flat"]["ms"] > 0
 
 
 def test_gpu_first_step_plots_a_recorded_run(tmp_path):
-    """bench/gpu_first_step.py needs vLLM's engine core (GPU only); its PNG is
-    rebuilt here from the recorded H200 run, so the script stays importable and
-    its report code runs in CI."""
-    src = Path(ROOT) / "bench" / "results" / "gpu_first_step.json"
+    """bench/gpu/first_step.py needs vLLM's engine core (GPU only); its PNG is
+    rebuilt here from the recorded H200 run (tests/data/gpu_first_step.json), so
+    the script stays importable and its report code runs in CI."""
+    src = Path(ROOT) / "tests" / "data" / "gpu_first_step.json"
     doc = json.loads(src.read_text())
     assert doc["info"]["cudagraph_capture_sizes_max"] == 512 and doc["resume"] and doc["cold"]
     (tmp_path / "run.json").write_text(src.read_text())
-    _bench("gpu_first_step", "--plot-from", str(tmp_path / "run.json"))
+    _bench("gpu.first_step", "--plot-from", str(tmp_path / "run.json"))
     assert (tmp_path / "run.png").stat().st_size > 10_000
 
 
@@ -168,7 +168,7 @@ def test_gpu_prefix_placement_dry_run(tmp_path):
     request answered, and prefix placement keeps each prompt's samples on one
     engine (the vLLM hit rate is n/a without vLLM; the ideal-cache estimate is not)."""
     doc = _run(
-        "bench.gpu_prefix_placement", str(tmp_path), "--cpu-backend", "bench.null_backend:make_backend",
+        "bench.gpu.prefix_placement", str(tmp_path), "--cpu-backend", "null",
         "--prompts", "4", "--samples", "3",
     )  # fmt: skip
     table = doc["summary"]
@@ -183,10 +183,10 @@ def test_gpu_prefix_placement_dry_run(tmp_path):
 
 
 def test_gpu_rl_step_dry_run(tmp_path):
-    """bench/gpu_rl_step.py on CPU: an in-flight update block (streams in a
+    """bench/gpu/rl_step.py on CPU: an in-flight update block (streams in a
     process of their own) and SkyRL's colocated order with the split wake."""
     doc = _run(
-        "bench.gpu_rl_step",
+        "bench.gpu.rl_step",
         str(tmp_path),
         *("--configs", "keep:packed:other", "--streams", "2", "--steps", "1", "--gap-s", "0.1"),
         *("--stream-max-tokens", "48", "--gen-prompts", "2", "--gen-tokens", "4", "--request-timeout-s", "60"),
@@ -201,3 +201,20 @@ def test_gpu_rl_step_dry_run(tmp_path):
     assert all(s["gen_tokens"] == 8 for s in steps)
     assert "--cpu" in doc["vllm"]["skipped"]
     assert doc["summary"]["colocated"]["rb"]["wake_kv_ms"] is not None
+
+
+def test_the_shared_parser_takes_cpu_defaults_and_given_flags_win():
+    from bench.gpu import common as G
+
+    def parse(argv):  # a fresh parser per run, as each bench's parse() builds one
+        ap = G.bench_parser("A bench.\n\nMore.", cpu_help="dry run", budget_s=500.0, seed=0)
+        ap.add_argument("--prompts", type=int, default=512)
+        return G.parse_args(ap, argv, {"prompts": 16, "budget_s": 240.0})
+
+    a = parse(["--cpu", "--prompts", "3"])
+    assert (a.cpu, a.prompts, a.budget_s, a.seed, a.model, a.plot_from) == (True, 3, 240.0, 0, None, None)
+    b = parse(["--budget-s", "9"])  # no --cpu: the bench's own defaults
+    assert (b.cpu, b.prompts, b.budget_s) == (False, 512, 9.0)
+    assert parse(["--dry-run"]).prompts == 16
+    with pytest.raises(SystemExit, match="--model is required"):
+        G.model_of(b)

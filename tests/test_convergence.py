@@ -27,7 +27,7 @@ from bus.errors import ControlError, RequestTimeout
 from router_node.intended_state import ALL, SLEEP_SCOPE, SLEEP_TAGS, IntendedState
 from tests.cluster import Cluster, live_children, wait_until
 
-NULL = "bench.null_backend:make_backend"
+NULL = "null"
 NULL_OPTIONS = {"tokens_per_step": 1, "step_delay_s": 0.005}  # a few ms per token: requests run a while
 
 # ---------------------------------------------------------------- the reconciler alone

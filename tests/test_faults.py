@@ -115,7 +115,7 @@ def test_stalled_engine_loop_is_unhealthy_and_its_requests_fail_over(cluster_fac
 
     cl = cluster_factory(
         1,
-        backend="bench.null_backend:make_backend",
+        backend="null",
         router_args=["--stall-timeout-s", "1.0"],
         backend_options={"tokens_per_step": 1},
     )

@@ -4,7 +4,7 @@ while the engines wait inside the begin, and a broken broadcast aborts.
 
 The head and the group are fakes on purpose (the test is about the order of
 the trainer's messages); the real thing runs on the device
-(tests/gpu/test_vllm_e2e.py::test_e2e_nccl_trainer_gpu0, bench/gpu_weight_update.py)."""
+(tests/gpu/test_vllm_e2e.py::test_e2e_nccl_trainer_gpu0, bench/gpu/weight_update.py)."""
 
 from __future__ import annotations
 

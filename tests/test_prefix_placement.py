@@ -15,7 +15,7 @@ from router_node.prefix import PrefixPlacement
 
 pytestmark = pytest.mark.timeout(120)
 
-NULL = {"backend": "bench.null_backend:make_backend", "model": "null"}
+NULL = {"backend": "null", "model": "null"}
 
 
 class _E:

@@ -64,7 +64,7 @@ def test_an_engine_idle_past_the_stall_timeout_serves_its_next_request(cluster_f
     be served there, not failed over or failed as EngineDead."""
     cl = cluster_factory(
         0,
-        backend="bench.null_backend:make_backend",
+        backend="null",
         router_args=["--stall-timeout-s", "2.0"],
     )
     cl.start_engine("e0", extra=["--backend-options", json.dumps({"tokens_per_step": 1, "step_delay_s": 1.2})])

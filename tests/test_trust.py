@@ -34,7 +34,7 @@ from tests.cluster import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
-NULL = {"backend": "bench.null_backend:make_backend", "model": "null"}
+NULL = {"backend": "null", "model": "null"}
 
 
 class ForgingStranger:

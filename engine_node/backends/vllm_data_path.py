@@ -13,7 +13,7 @@ step costs is set by CUDA graphs, not by its size: a step of at most the largest
 capture size (512 tokens for LLM's defaults) replays a graph, 9-15 ms for a 0.5B
 model on an H200; one token over it runs the compiled model piece by piece from
 Python, 25-50 ms of CPU for ~4 ms of GPU work, about the same for 1,000 tokens
-as for 7,000 (bench/gpu_first_step.py, RESULTS run 30). With
+as for 7,000 (bench/gpu/first_step.py, RESULTS run 30). With
 resume_ramp_tokens=N (or "auto": that capture size), when sequences arrive at an
 engine with none live, they are held until the node's next step(); then the
 SHORTEST go to the core, up to N prompt tokens (at least one sequence), and the

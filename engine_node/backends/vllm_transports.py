@@ -19,13 +19,9 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar
 
-import structlog
-
 from bus.transport import Transport
 from engine_node.backend import BackendError, BackendOp
 from engine_node.backends import vllm_weights as W
-
-log = structlog.get_logger("rollout_bus.vllm_backend")
 
 
 def _handle_count(what: str, handles: list[Any], buckets: int) -> BackendOp | None:
@@ -125,8 +121,8 @@ class NcclVllm(_GpuVllm):
             dt = time.perf_counter() - t0
             up.received = True
             w = rs[0][0]
+            # the node keeps it as a ReceiveTiming (engine_node/timings.py, read through Stats)
             nccl = {k: w.get(k) for k in ("reused", "setup_seconds", "alloc_s", "broadcast_s")}
-            log.info("weight_receive_timing", transport="nccl", seconds=round(dt, 4), **nccl)
             return {
                 "bytes": nbytes,
                 "backend_seconds": round(dt, 4),

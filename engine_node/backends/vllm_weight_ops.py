@@ -8,17 +8,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import structlog
-
 from bus.transport import Transport
 from engine_node.backend import BackendError, BackendOp
 from engine_node.backends import vllm_weights as W
 from engine_node.backends.vllm_ops import VllmOps
 from engine_node.backends.vllm_transports import VLLM_RECEIVERS
 
-log = structlog.get_logger("rollout_bus.vllm_backend")
-
-# What the worker's commit reports about where its time went (logged, returned).
+# What the worker's commit reports about where its time went (returned; engine_node/timings.py).
 _WORKER_TIMING = (
     "path",
     "maps_kept",
@@ -160,8 +156,7 @@ class VllmWeightOps(VllmOps):
         def result(rs: list[Any]) -> dict[str, Any]:
             dt = time.perf_counter() - t0
             w = rs[-1][0] if rs[-1] else {}
-            timing = {k: w[k] for k in _WORKER_TIMING if k in w}
-            log.info("weight_commit_timing", transport=up.transport, backend_s=round(dt, 4), **timing)
+            timing = {k: w[k] for k in _WORKER_TIMING if k in w}  # the node's CommitTiming.worker
             return {
                 "backend_seconds": round(dt, 4),
                 "bytes": int(sum(up.sizes)),

@@ -21,8 +21,8 @@ Also "cold": K fresh prompts into an idle engine (time to first token).
 (CPU + CUDA; top ops by self CPU and by CUDA time) and cProfile (top Python
 functions), into the text report. The JSON has every step's duration.
 
-    python3 -m bench.gpu_first_step --model /tmp/q05 --out-dir $OUT      # on a GPU
-    python3 -m bench.gpu_first_step --plot-from gpu_first_step.json        # the PNG again
+    python3 -m bench.gpu.first_step --model /tmp/q05 --out-dir $OUT      # on a GPU
+    python3 -m bench.gpu.first_step --plot-from gpu_first_step.json        # the PNG again
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_common as G
+from bench.gpu import common as G
 
 
 def engine(a: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
@@ -236,11 +236,11 @@ class Prof:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model")
-    ap.add_argument("--plot-from", default=None, metavar="JSON", help="only write the PNG of an earlier run")
-    ap.add_argument("--out-dir", default=".")
-    ap.add_argument("--cpu", action="store_true", help="dry run on vLLM's CPU build (not the GPU figures)")
+    ap = G.bench_parser(
+        __doc__,
+        cpu_help="dry run on vLLM's CPU build (not the GPU figures)",
+        **dict(seed=0, gpu_memory_utilization=0.85, max_model_len=2048),
+    )
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=300, help="tokens each stream has when the pause comes")
     ap.add_argument("--max-tokens", type=int, default=1024)
@@ -250,18 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold", default="1,4,16", help="fresh prompts into an idle engine")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--engine-args", default=None, help="JSON: more EngineArgs fields")
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    if a.plot_from:
-        plot(json.loads(Path(a.plot_from).read_text()), Path(a.plot_from).with_suffix(".png"))
+    a = G.parse_args(ap, argv)
+    if G.replot(a, lambda doc: None, plot):  # the tables are in the .txt the run wrote
         return 0
     if not a.model:
         ap.error("--model is required (or --plot-from)")
-    out_dir = Path(a.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = G.out_dir(a.out_dir)
     t0 = time.perf_counter()
     api, core, info = engine(a)
     info["start_s"] = round(time.perf_counter() - t0, 1)

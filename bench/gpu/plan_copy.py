@@ -11,7 +11,7 @@ parameter) and checkpoint-shaped sources cut from flat 256-byte-aligned uint8 bu
   hybrid   copy_ for tensors >= --big-mib, foreach for the rest
   flat     one copy of the whole bucket (the floor)
 
-    python -m bench.gpu_plan_copy            # on a GPU; --device cpu for a dry run
+    python -m bench.gpu.plan_copy            # on a GPU; --device cpu for a dry run
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The paths gpu_throughput compares, one phase function each (run in a child
-process by ``bench.gpu_common.run_phase``; one engine on the GPU at a time):
+process by ``bench.gpu.common.run_phase``; one engine on the GPU at a time):
 
 - ``llm``:      vLLM ``LLM.generate`` with token prompts (the ceiling);
 - ``asyncllm``: vLLM ``AsyncLLM`` in-process, every request at once;
@@ -27,8 +27,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_common as G
 from bench import harness as H
+from bench.gpu import common as G
 
 # ---------------------------------------------------------------- shared
 
@@ -585,8 +585,8 @@ async def _areset(ac: Any) -> Any:
 
 
 PHASES = {
-    "llm": "bench.gpu_paths:phase_llm",
-    "asyncllm": "bench.gpu_paths:phase_asyncllm",
-    "http": "bench.gpu_paths:phase_http",
-    "rb": "bench.gpu_paths:phase_rb",
+    "llm": "bench.gpu.paths:phase_llm",
+    "asyncllm": "bench.gpu.paths:phase_asyncllm",
+    "http": "bench.gpu.paths:phase_http",
+    "rb": "bench.gpu.paths:phase_rb",
 }

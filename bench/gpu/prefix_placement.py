@@ -24,9 +24,9 @@ vllm-router is NOT in this run: it needs two more vLLM OpenAI servers on the
 GPU and the vllm-router wheel, which the device image does not carry
 (bench/README.md).
 
-    python -m bench.gpu_prefix_placement --model /tmp/q05 --out-dir $OUT   # GPU
-    python -m bench.gpu_prefix_placement --cpu --out-dir /tmp/pp           # dry run (torch backend, tiny model)
-    python -m bench.gpu_prefix_placement --cpu --cpu-backend bench.null_backend:make_backend  # placement only (CI)
+    python -m bench.gpu.prefix_placement --model /tmp/q05 --out-dir $OUT   # GPU
+    python -m bench.gpu.prefix_placement --cpu --out-dir /tmp/pp           # dry run (torch backend, tiny model)
+    python -m bench.gpu.prefix_placement --cpu --cpu-backend null  # placement only (CI)
 
 Writes gpu_prefix_placement.{json,txt,png} in --out-dir.
 """
@@ -35,15 +35,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_common as G
 from bench import harness as H
+from bench.gpu import common as G
 
 NAME = "gpu_prefix_placement"
 BLOCK = 16  # ids per block of the ideal-cache estimate (vLLM's default block size)
@@ -284,14 +283,24 @@ def plot(doc: dict[str, Any], png: Path) -> None:
 # ---------------------------------------------------------------- main
 
 
+# --cpu: a reduced workload (flags given still win)
+CPU_DEFAULTS: dict[str, Any] = dict(
+    prompts=6, samples=4, system_tokens=64, question_min=8, question_max=24, max_tokens=2
+)
+CPU_DEFAULTS.update(reps=1, budget_s=240.0, min_phase_s=20.0)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--cpu", action="store_true", help="dry run: torch backend, tiny model, a reduced workload")
+    ap = G.bench_parser(
+        __doc__,
+        cpu_help="dry run: torch backend, tiny model, a reduced workload",
+        **dict(seed=0, gpu_fraction=0.4, max_model_len=2048, ready_timeout_s=300.0, request_timeout_s=300.0),
+        **dict(budget_s=540.0, min_phase_s=60.0),
+    )
     ap.add_argument(
         "--cpu-backend",
         default="torch",
-        help="--cpu: torch (tiny model) or bench.null_backend:make_backend (no model: placement only, fast)",
+        help="--cpu: torch (tiny model) or null (no model: placement only, fast)",
     )
     ap.add_argument("--policies", default="least_loaded,prefix")
     ap.add_argument("--reps", type=int, default=2)
@@ -302,38 +311,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--question-max", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gpu-fraction", type=float, default=0.4, help="gpu_memory_utilization of EACH engine")
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--ready-timeout-s", type=float, default=300.0)
-    ap.add_argument("--request-timeout-s", type=float, default=300.0)
-    ap.add_argument("--budget-s", type=float, default=540.0, help="the whole run (engine starts included)")
-    ap.add_argument("--min-phase-s", type=float, default=60.0, help="a policy gets skipped below this much time")
-    ap.add_argument("--out-dir", default=None)
-    ap.add_argument("--plot-from", default=None, metavar="JSON")
-    if "--cpu" in (sys.argv[1:] if argv is None else argv):  # the dry run's defaults; flags still override
-        ap.set_defaults(prompts=6, samples=4, system_tokens=64, question_min=8, question_max=24, max_tokens=2,
-                        reps=1, budget_s=240.0, min_phase_s=20.0)  # fmt: skip
-    return ap.parse_args(argv)
+    return G.parse_args(ap, argv, CPU_DEFAULTS)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    od = G.out_dir(a.out_dir)
-    if a.plot_from:
-        saved = json.loads(Path(a.plot_from).read_text())
-        report(saved)
-        plot(saved, od / f"{NAME}.png")
+    if G.replot(a, report, plot):
         return 0
-    model = a.model
+    od = G.out_dir(a.out_dir)
     null = a.cpu and a.cpu_backend != "torch"
-    if model is None:
-        if not a.cpu:
-            raise SystemExit("--model is required (except with --cpu)")
-        from engine_node.tiny_model import ensure_tiny_model
-
-        model = "null" if null else ensure_tiny_model()
-    log_dir = od / f"{NAME}_logs"
+    model = (a.model or "null") if null else G.model_of(a)
+    log_dir = G.log_dir_of(a, od, NAME)
     spec = {
         "model": model,
         "cpu": a.cpu,
@@ -375,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         # each policy takes its share of what is left (engine starts included)
         share = left / (len(policies) - policies.index(pol))
-        res = G.run_phase(f"{NAME}_{pol}", "bench.gpu_prefix_placement:phase_policy", {**spec, "policy": pol},
+        res = G.run_phase(f"{NAME}_{pol}", "bench.gpu.prefix_placement:phase_policy", {**spec, "policy": pol},
                           share, log_dir)  # fmt: skip
         doc["policies"][pol] = {k: v for k, v in res.items() if k != "traceback"}
         if not res.get("ok"):

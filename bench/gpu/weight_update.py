@@ -34,8 +34,8 @@ with the originals, each with weight_check=True (the engine compares every
 parameter its plan wrote with vLLM's load_weights, bit for bit), then greedy
 outputs must equal those before any update.
 
-    python -m bench.gpu_weight_update --model /tmp/q05 --out-dir $OUT [--nccl]
-    python -m bench.gpu_weight_update --cpu      # dry run: torch backend, zmq transport, CPU copy floor
+    python -m bench.gpu.weight_update --model /tmp/q05 --out-dir $OUT [--nccl]
+    python -m bench.gpu.weight_update --cpu      # dry run: torch backend, zmq transport, CPU copy floor
 """
 
 from __future__ import annotations
@@ -50,9 +50,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_common as G
+import msgspec
+
 from bench import harness as H
+from bench.gpu import common as G
+from bus import protocol as P
 from bus.proctree import terminate_tree
+from engine_node.timings import CommitTiming, ReceiveTiming, ResumeTiming, Timings, read_timings
 
 NAME = "gpu_weight_update"
 TARGETS = {"e2e_ms": 25.0, "first_token_ms": 30.0, "nccl_steady_x_raw": 3.0, "nccl_first_s": 1.0}
@@ -243,25 +247,49 @@ def instrument() -> None:
     NcclSender.send = timed_send  # type: ignore[method-assign]
 
 
-def engine_timing(log_path: Path, since: int = 0) -> tuple[list[dict[str, Any]], int]:
-    """The engine's weight_commit_timing / weight_receive_timing log events
-    (JSON lines in the cluster's log) after byte `since`; and the new end."""
-    out = []
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(since)
-            data = f.read()
-    except OSError:
-        return [], since
-    for line in data.decode(errors="replace").splitlines():
-        if "weight_commit_timing" not in line and "weight_receive_timing" not in line and "resume_timing" not in line:
-            continue
-        i = line.find("{")
-        try:
-            out.append(json.loads(line[i:]))
-        except (ValueError, IndexError):
-            out.append({"event": "unparsed", "line": line[-300:]})
-    return out, since + len(data)
+class EngineTimings:
+    """The engine's timing records (engine_node/timings.py) newer than the last
+    read, through the Stats control op: the commit and receive of each update,
+    where each resume's first output came from. One engine (the first)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.seen = {"commits": 0, "receives": 0, "resumes": 0}
+
+    def read(self) -> Timings:
+        res = self.client.control(P.Stats(), strict=False, timeout_s=30)
+        t = read_timings(next(iter(res.values())).detail) if res else Timings()
+        new = Timings(
+            commits=[c for c in t.commits if c.n > self.seen["commits"]],
+            receives=[r for r in t.receives if r.n > self.seen["receives"]],
+            resumes=[r for r in t.resumes if r.n > self.seen["resumes"]],
+        )
+        for kind in self.seen:
+            self.seen[kind] = max([self.seen[kind], *(x.n for x in getattr(t, kind))])
+        return new
+
+    def skip(self) -> None:
+        """Start after what the engine has now (earlier updates are not this run's)."""
+        self.read()
+
+
+def commit_record(c: CommitTiming) -> dict[str, Any]:
+    """The flat dict the JSON and the tables keep: the worker's report (s), backend_s."""
+    w = msgspec.to_builtins(c.worker) if c.worker is not None else {}
+    return {"transport": c.transport, "node_s": c.seconds, "backend_s": c.backend_seconds, **w}
+
+
+def receive_record(r: ReceiveTiming) -> dict[str, Any]:
+    keys = ("seconds", "setup_seconds", "alloc_s", "broadcast_s", "reused")
+    return {k: getattr(r, k) for k in keys if getattr(r, k) is not None}
+
+
+def resume_record(r: ResumeTiming) -> dict[str, Any]:
+    """ms after the engine got the Resume; core_*: the vLLM backend's trace."""
+    out: dict[str, Any] = {"admitted_ms": r.admitted_ms, "first_output_ms": r.first_output_ms, "running": r.running}
+    for k, v in (msgspec.to_builtins(r.backend) if r.backend is not None else {}).items():
+        out[f"core_{k}"] = v
+    return out
 
 
 def _ms(v: Any) -> str:
@@ -311,13 +339,6 @@ def timing_line(tag: str, rec: dict[str, Any]) -> str:
     return f"TIMING {tag} update {rec.get('i')} (ms): " + " | ".join(parts)
 
 
-def engine_log_end(log_path: Path | None) -> int:
-    try:
-        return log_path.stat().st_size if log_path else 0
-    except OSError:
-        return 0
-
-
 def timed_updates(
     client: Any,
     named: list[tuple[str, Any]],
@@ -327,14 +348,15 @@ def timed_updates(
     gap_s: float,
     first_token_timeout_s: float,
     options: dict[str, Any],
-    log_path: Path | None = None,
     tag: str = "",
     pause_mode: str = "abort",
 ) -> list[dict[str, Any]]:
-    """n pause+update+resume blocks under load; one dict of timings each.
-    pause_mode "keep" leaves the streams in the engine with their KV cache."""
+    """n pause+update+resume blocks under load; one dict of timings each (the
+    engine's own from its Stats). pause_mode "keep" leaves the streams in the
+    engine with their KV cache."""
     out = []
-    log_at = engine_log_end(log_path)
+    engine = EngineTimings(client)
+    engine.skip()
     for i in range(n):
         time.sleep(gap_s)  # streams back at full speed
         rec: dict[str, Any] = {"i": i, "streams_in_flight": load.active}
@@ -374,16 +396,17 @@ def timed_updates(
             ctl[k] = ctl.get(k, 0.0) + dt * 1e3
         rec["control_ms"] = {k: round(v, 2) for k, v in ctl.items()}
         rec["sender"] = SENDER_LOG[s0] if len(SENDER_LOG) > s0 else {}
-        if log_path is not None:
-            time.sleep(0.05)  # the engine's log line may trail its ack
-            evs, log_at = engine_timing(log_path, log_at)
-            for ev in evs:
-                if ev.get("event") == "weight_commit_timing":
-                    rec["engine_commit"] = ev
-                elif ev.get("event") == "weight_receive_timing":
-                    rec["engine_receive"] = ev
-                elif ev.get("event") == "resume_timing":
-                    rec["engine_resume"] = ev  # ms after the engine got the Resume
+        try:
+            t = engine.read()  # after the control timings above: this Stats op is not one of them
+        except Exception as e:
+            rec["engine_timings_error"] = f"{type(e).__name__}: {e}"[:300]
+            t = Timings()
+        if t.commits:
+            rec["engine_commit"] = commit_record(t.commits[-1])
+        if t.receives:
+            rec["engine_receive"] = receive_record(t.receives[-1])
+        if t.resumes:
+            rec["engine_resume"] = resume_record(t.resumes[-1])  # ms after the engine got the Resume
         out.append(rec)
         print(timing_line(tag, rec), flush=True)
         print(
@@ -437,7 +460,6 @@ def weight_check(
     named: list[tuple[str, Any]],
     transport: str,
     opts: dict[str, Any],
-    log_path: Path,
     greedy0: list[dict[str, Any]] | None,
     spec: dict[str, Any],
 ) -> dict[str, Any]:
@@ -451,16 +473,15 @@ def weight_check(
     end = time.monotonic() + 10.0  # the cancelled load's requests leave the engine first
     while time.monotonic() < end and int(client.stats().get("in_flight", 0)):
         time.sleep(0.05)
-    at = engine_log_end(log_path)
+    engine = EngineTimings(client)
+    engine.skip()
     g = torch.Generator(device=named[0][1].device).manual_seed(1234)
     with torch.no_grad():
         noisy = [(n, t + 0.01 * torch.randn(t.shape, generator=g, device=t.device, dtype=t.dtype)) for n, t in named]
     for tag, ws in (("perturbed", noisy), ("original", named)):
         client.update_weights(ws, transport=transport, weight_check=True, **opts)
-        time.sleep(0.1)
-        evs, at = engine_timing(log_path, at)
-        commits = [e for e in evs if e.get("event") == "weight_commit_timing"]
-        c = commits[-1] if commits else {}
+        commits = engine.read().commits
+        c = commit_record(commits[-1]) if commits else {}
         out[tag] = {k: c.get(k) for k in ("path", "check_params", "check_mismatch", "check_s")}
         if tag == "perturbed" and greedy0 is not None:
             out["perturbed_changes_output"] = _greedy(client, spec) != greedy0
@@ -471,7 +492,7 @@ def weight_check(
         out["greedy_logprobs_equal"] = g2 == greedy0
     seen = [out[t] for t in ("perturbed", "original") if out[t].get("path") is not None]
     if not seen:
-        out["engine_check"] = "no weight_commit_timing in the engine log (not the vllm backend?)"
+        out["engine_check"] = "no worker commit report in the engine's timings (not the vllm backend?)"
     out["ok"] = all(c.get("path") == "plan" and c.get("check_mismatch") == [] for c in seen) and (
         out.get("greedy_tokens_equal", True) is True
     )
@@ -525,9 +546,6 @@ def _run_under_load(
         gpus=None if cpu else gpus,
         ready_timeout_s=spec["ready_timeout_s"],
         log_dir=Path(spec["log_dir"]),
-        # INFO: the engine's weight_commit_timing / weight_receive_timing lines (the
-        # breakdown and --check read them); the node logs nothing per request at INFO.
-        log_level="INFO",
         **eng,
     ) as cl:
         out["engine_start_s"], out["engines"] = cl.wait_ready()
@@ -571,7 +589,6 @@ def _run_under_load(
                 spec["gap_s"],
                 spec["first_token_timeout_s"],
                 opts,
-                log_path=cl.log_path,
                 tag=transport,
             )
             out["summary"] = summarize(out["updates"], skip_first=True)
@@ -580,7 +597,7 @@ def _run_under_load(
             load.stop()
         try:
             if spec.get("check"):
-                out["check"] = weight_check(client, named, transport, opts, cl.log_path, greedy0, spec)
+                out["check"] = weight_check(client, named, transport, opts, greedy0, spec)
                 out["check"]["greedy_idle_repeat_equal"] = repeat
                 print("CHECK " + json.dumps(out["check"]), flush=True)
         finally:
@@ -655,7 +672,7 @@ def raw_broadcast(nbytes: int, spec: dict[str, Any], engine_like: bool = False) 
                     [
                         sys.executable,
                         "-m",
-                        "bench.gpu_weight_update",
+                        "bench.gpu.weight_update",
                         "--raw-rank",
                         str(rank),
                         "--raw-port",
@@ -913,16 +930,12 @@ def plot(doc: dict[str, Any], png: Path) -> None:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
-    )
-    ap.add_argument("--model", default=None)
-    ap.add_argument(
-        "--cpu",
-        "--dry-run",
-        dest="cpu",
-        action="store_true",
-        help="CPU dry run: torch backend + tiny model, zmq transport, 8 streams; NCCL skipped",
+    ap = G.bench_parser(
+        __doc__,
+        cpu_help="CPU dry run: torch backend + tiny model, zmq transport, 8 streams; NCCL skipped",
+        **dict(seed=0, gpu_memory_utilization=0.85, max_model_len=2048, budget_s=500.0, phase_limit_s=240.0),
+        **dict(min_phase_s=60.0, ready_timeout_s=180.0, request_timeout_s=300.0, control_timeout_s=60.0),
+        **dict(first_token_timeout_s=10.0, gpu_idle_timeout_s=30.0),
     )
     ap.add_argument("--nccl", action="store_true", help="also the NCCL phase (2 GPUs: trainer 0, engine 1)")
     ap.add_argument("--no-ipc", dest="ipc", action="store_false", help="skip the cuda_ipc phase")
@@ -962,22 +975,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt-max", type=int, default=256)
     ap.add_argument("--updates", type=int, default=5, help="measured updates (one more first, reported apart)")
     ap.add_argument("--gap-s", type=float, default=0.5, help="streams run this long between updates")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--budget-s", type=float, default=500.0)
-    ap.add_argument("--phase-limit-s", type=float, default=240.0)
-    ap.add_argument("--min-phase-s", type=float, default=60.0)
-    ap.add_argument("--ready-timeout-s", type=float, default=180.0)
-    ap.add_argument("--request-timeout-s", type=float, default=300.0)
-    ap.add_argument("--control-timeout-s", type=float, default=60.0)
-    ap.add_argument("--first-token-timeout-s", type=float, default=10.0)
     ap.add_argument("--raw-reps", type=int, default=10)
     ap.add_argument("--raw-timeout-s", type=float, default=120.0)
-    ap.add_argument("--gpu-idle-timeout-s", type=float, default=30.0)
-    ap.add_argument("--log-dir", default=None, help="phase and server logs (default OUT_DIR/gpu_weight_update_logs)")
-    ap.add_argument("--out-dir", default=None)
-    ap.add_argument("--plot-from", default=None, metavar="JSON")
     # internal: one rank of the raw broadcast
     ap.add_argument("--raw-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--raw-port", type=int, default=0, help=argparse.SUPPRESS)
@@ -1008,21 +1007,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.raw_rank is not None:
         raw_rank_main(a)
         return 0
-    if a.plot_from:
-        doc = json.loads(Path(a.plot_from).read_text())
-        report(doc)
-        plot(doc, Path(a.plot_from).with_suffix(".png"))
+    if G.replot(a, report, plot):
         return 0
     budget = G.Budget(a.budget_s)
     od = G.out_dir(a.out_dir)
-    log_dir = Path(a.log_dir) if a.log_dir else od / "gpu_weight_update_logs"
+    log_dir = G.log_dir_of(a, od, NAME)
     env = G.probe_env()
-    if a.model is None:
-        if not a.cpu:
-            raise SystemExit("--model is required (except with --cpu)")
-        from engine_node.tiny_model import ensure_tiny_model
-
-        a.model = ensure_tiny_model()
+    a.model = G.model_of(a)
     spec = {
         "model": a.model,
         "cpu": a.cpu,
@@ -1049,7 +1040,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend_options": a.backend_options,
         "nccl_warm_up": a.nccl_warm_up,
     }
-    doc = {
+    doc: dict[str, Any] = {
         "benchmark": NAME,
         "machine": H.machine_info(),
         "env": env,
@@ -1059,10 +1050,10 @@ def main(argv: list[str] | None = None) -> int:
     path = od / f"{NAME}.json"
     print(f"{NAME}: model {a.model}, env {json.dumps(env)}, budget {a.budget_s:.0f}s", flush=True)
     phases = [
-        ("ipc", "bench.gpu_weight_update:phase_ipc", a.ipc, None),
+        ("ipc", "bench.gpu.weight_update:phase_ipc", a.ipc, None),
         (
             "nccl",
-            "bench.gpu_weight_update:phase_nccl",
+            "bench.gpu.weight_update:phase_nccl",
             a.nccl,
             "--cpu dry run"
             if a.cpu

@@ -2,7 +2,7 @@
 paths, the SAME requests for every path, one engine on the GPU at a time.
 
 Paths (each a phase in its own process, the previous one's tree killed and the
-GPU idle before the next starts; bench/gpu_paths.py):
+GPU idle before the next starts; bench/gpu/paths.py):
   LLM.generate (the ceiling) · AsyncLLM in-process · vLLM OpenAI server +
   aiohttp (what RL stacks run today) · rollout-bus (launch.py, 1 vLLM engine
   node): Client.generate batch and one AsyncClient stream per request.
@@ -17,9 +17,9 @@ OpenAI server 1024/8192; a bare AsyncLLM 128/2048-like): each path runs with its
 own defaults (recorded), then, budget permitting, once more with LLM's values
 ("LLM's values" rows; skipped where they equal the defaults).
 
-    python -m bench.gpu_throughput --model /tmp/q05 --out-dir $OUT --budget-s 500
-    python -m bench.gpu_throughput --cpu            # dry run: rollout-bus on the torch backend, vLLM paths skipped
-    python -m bench.gpu_throughput --plot-from gpu_throughput.json   # the PNG later, on CPU
+    python -m bench.gpu.throughput --model /tmp/q05 --out-dir $OUT --budget-s 500
+    python -m bench.gpu.throughput --cpu            # dry run: rollout-bus on the torch backend, vLLM paths skipped
+    python -m bench.gpu.throughput --plot-from gpu_throughput.json   # the PNG later, on CPU
 
 Writes gpu_throughput.json (after every phase) and gpu_throughput.png; prints the tables last.
 """
@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_common as G
 from bench import harness as H
-from bench.gpu_paths import PHASES
+from bench.gpu import common as G
+from bench.gpu.paths import PHASES
 
 PATH_NAMES = {
     "llm": "vLLM LLM.generate",
@@ -64,16 +64,11 @@ CPU_DEFAULTS = dict(
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
-    )
-    ap.add_argument("--model", default=None, help="HF model dir (e.g. the qwen05 preset); --cpu: the tiny model")
-    ap.add_argument(
-        "--cpu",
-        "--dry-run",
-        dest="cpu",
-        action="store_true",
-        help="CPU dry run: rollout-bus on the torch backend + tiny model, small set; vLLM paths skipped",
+    ap = G.bench_parser(
+        __doc__,
+        cpu_help="CPU dry run: rollout-bus on the torch backend + tiny model, small set; vLLM paths skipped",
+        **dict(seed=0, gpu_memory_utilization=0.85, max_model_len=2048, budget_s=500.0, phase_limit_s=200.0),
+        **dict(min_phase_s=60.0, ready_timeout_s=180.0, request_timeout_s=300.0, gpu_idle_timeout_s=30.0),
     )
     ap.add_argument("--paths", default="llm,asyncllm,http,rb", help="comma list of " + ",".join(PHASES))
     ap.add_argument(
@@ -90,7 +85,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ttft-n", type=int, default=16, help="concurrent requests of the TTFT phase (0: none)")
     ap.add_argument("--ttft-max-tokens", type=int, default=64)
     ap.add_argument("--ttft-rounds", type=int, default=4)
@@ -98,28 +92,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     # an engine was 25 % slower than the next on an H100 (JIT-compiled kernels, allocator growth).
     ap.add_argument("--warmup-n", type=int, default=512)
     ap.add_argument("--warmup-max-tokens", type=int, default=32)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument(
-        "--budget-s", type=float, default=500.0, help="wall-clock budget of the whole run, engine starts included"
-    )
-    ap.add_argument("--phase-limit-s", type=float, default=200.0, help="one phase at most (engine start included)")
-    ap.add_argument("--min-phase-s", type=float, default=60.0, help="skip a phase when less budget than this is left")
-    ap.add_argument("--ready-timeout-s", type=float, default=180.0, help="engine / server start deadline")
-    ap.add_argument("--request-timeout-s", type=float, default=300.0)
-    ap.add_argument("--gpu-idle-timeout-s", type=float, default=30.0, help="wait for the GPU to be free after a phase")
-    ap.add_argument("--log-dir", default=None, help="phase and server logs (default OUT_DIR/gpu_throughput_logs)")
-    ap.add_argument("--out-dir", default=None, help="where JSON, PNG and phase logs go (default bench/results)")
-    ap.add_argument(
-        "--plot-from", default=None, metavar="JSON", help="only print the tables and write the PNG of a JSON"
-    )
-    a = ap.parse_args(argv)
-    if a.cpu:
-        given = {x.split("=")[0].lstrip("-").replace("-", "_") for x in (argv if argv is not None else sys.argv[1:])}
-        for k, v in CPU_DEFAULTS.items():
-            if k not in given:
-                setattr(a, k, v)
-    return a
+    return G.parse_args(ap, argv, CPU_DEFAULTS)
 
 
 def base_spec(a: argparse.Namespace, model: str, log_dir: Path) -> dict[str, Any]:
@@ -155,15 +128,9 @@ def skip_reason(path: str, a: argparse.Namespace, env: dict[str, Any]) -> str | 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     budget = G.Budget(a.budget_s)
     od = G.out_dir(a.out_dir)
-    log_dir = Path(a.log_dir) if a.log_dir else od / "gpu_throughput_logs"
+    log_dir = G.log_dir_of(a, od, NAME)
     env = G.probe_env()
-    model = a.model
-    if model is None:
-        if not a.cpu:
-            raise SystemExit("--model is required (except with --cpu)")
-        from engine_node.tiny_model import ensure_tiny_model
-
-        model = ensure_tiny_model()
+    model = G.model_of(a)
     spec0 = base_spec(a, model, log_dir)
     doc: dict[str, Any] = {
         "benchmark": NAME,
@@ -381,7 +348,7 @@ def plot(doc: dict[str, Any], png: Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception as e:
-        print(f"no PNG ({e!r}); later, on CPU: python -m bench.gpu_throughput --plot-from JSON", flush=True)
+        print(f"no PNG ({e!r}); later, on CPU: python -m bench.gpu.throughput --plot-from JSON", flush=True)
         return None
     bars = [
         (f"{r['name']}\n{mode} [{r['config']}]", m["tokens_per_s"])
@@ -425,10 +392,7 @@ def plot(doc: dict[str, Any], png: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     H.setup_logging()
     a = parse(argv)
-    if a.plot_from:
-        doc = json.loads(Path(a.plot_from).read_text())
-        report(doc)
-        plot(doc, Path(a.plot_from).with_suffix(".png"))
+    if G.replot(a, report, plot):
         return 0
     t0 = time.monotonic()
     with H.Procs():  # SIGTERM → SystemExit, so a killed run still unwinds its phases

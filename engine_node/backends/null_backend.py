@@ -1,10 +1,11 @@
-"""The `null` backend: a BENCHMARK / ROUTING-TEST backend with NO MODEL.
+"""The `null` backend (`--backend null`): an engine with NO MODEL.
 
 It runs no forward pass and holds no weights. Every sequence added to it
 produces deterministic tokens at once, so whatever is measured around it
 (engine node loop, router, client, wire protocol) is the runtime's own cost,
-not a model's. It is meant for `bench/` and tests only; never serve real
-rollouts with it.
+not a model's. Benchmarks, routing and fault tests, and a cluster dry run
+(placement, pause/resume, weight-update plumbing) use it; it never serves
+real rollouts.
 
 Behaviour
 - Token ``i`` (0-based) of a sequence is ``(prompt[-1] + 1 + i) % vocab``. A
@@ -407,8 +408,8 @@ class NullBackend:
         self._runnable = 0
 
 
-# What an engine node's --backend takes to load this one.
-NULL_BACKEND = "bench.null_backend:make_backend"
+# What an engine node's --backend takes to load this one (engine_node.backend.BACKENDS).
+NULL_BACKEND = "null"
 
 
 def make_backend(model: str = "null", **options: Any) -> NullBackend:

@@ -9,7 +9,7 @@ import torch
 
 from bus.tensors import pack_bucket, plan_buckets, unpack_bucket
 from engine_node.backends.vllm_weight_plan import WeightPlan, plannable
-from tests.gpu.vllm_like import VllmLikeModel, checkpoint, same_bits, snapshot
+from tests.vllm_like import VllmLikeModel, checkpoint, same_bits, snapshot
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -134,7 +134,7 @@ def vbe(tmp_path, monkeypatch):
 
     from engine_node.backends import vllm_worker_ipc as X  # open_ipc_handle lives there
     from engine_node.backends.vllm_backend import make_backend
-    from tests.gpu import test_vllm_backend_cpu as T
+    from tests import test_vllm_backend_cpu as T
 
     ref = VllmLikeModel(seed=5)
     d = tmp_path / "model"
@@ -150,7 +150,7 @@ def vbe(tmp_path, monkeypatch):
 
 
 def _ipc_update(be, named, tag, **args):
-    from tests.gpu.test_vllm_backend_cpu import wait
+    from tests.test_vllm_backend_cpu import wait
 
     metas, sizes, tensors = plan_buckets(named, 2048)
     handles = []
@@ -183,7 +183,7 @@ def test_cuda_ipc_update_is_one_call_and_equals_load_weights(vbe):
 
 def test_bad_ipc_handle_fails_the_commit_and_keeps_the_weights(vbe):
     from engine_node.backend import BackendError
-    from tests.gpu.test_vllm_backend_cpu import wait
+    from tests.test_vllm_backend_cpu import wait
 
     ref, worker = vbe.test_ref, vbe.test_fake.worker
     _ipc_update(vbe, checkpoint(ref, seed=1), "good")  # learn the plan
@@ -201,7 +201,7 @@ def test_bad_ipc_handle_fails_the_commit_and_keeps_the_weights(vbe):
 
 
 def test_nccl_receive_stages_once_and_commit_uses_the_plan(vbe):
-    from tests.gpu.test_vllm_backend_cpu import wait
+    from tests.test_vllm_backend_cpu import wait
 
     ref, worker = vbe.test_ref, vbe.test_fake.worker
 
@@ -297,7 +297,7 @@ def _zero_copy_update(be, named, tag, handle_of):
     layout), handles that repeat for a tensor that did not move."""
     from bus.protocol import TensorMeta
     from bus.tensors import dtype_name
-    from tests.gpu.test_vllm_backend_cpu import wait
+    from tests.test_vllm_backend_cpu import wait
 
     metas = [
         TensorMeta(n, dtype_name(t), list(t.shape), i, 0, t.numel() * t.element_size())

@@ -30,8 +30,8 @@ keep: all_streams <= 2 decode steps; abort: all_streams <= 200 ms.
 
 COPY: packed | zero_copy | zero_copy_unchecked (check_finite=False: no NaN/inf pass).
 
-    python -m bench.gpu_rl_step --model /tmp/q7b --out-dir $OUT
-    python -m bench.gpu_rl_step --cpu          # dry run: torch backend, zmq transport
+    python -m bench.gpu.rl_step --model /tmp/q7b --out-dir $OUT
+    python -m bench.gpu.rl_step --cpu          # dry run: torch backend, zmq transport
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_common as G
-from bench import gpu_weight_update as W
 from bench import harness as H
+from bench.gpu import common as G
+from bench.gpu import weight_update as W
 
 NAME = "gpu_rl_step"
 TARGETS = {"e2e_x_floor": 2.0, "wake_s": 1.0, "trainer_vs_other": 1.2, "abort_all_streams_ms": 200.0}
@@ -74,7 +74,7 @@ class RemoteStreamLoad:
         self._argv = [
             sys.executable,
             "-m",
-            "bench.gpu_rl_step",
+            "bench.gpu.rl_step",
             "--stream-load-child",
             json.dumps({"address": address, "n": n, "spec": {k: spec[k] for k in _LOAD_KEYS}}),
         ]
@@ -282,7 +282,6 @@ def phase_rb(spec: dict[str, Any]) -> dict[str, Any]:
         gpus=None if cpu else "0",
         ready_timeout_s=spec["ready_timeout_s"],
         log_dir=Path(spec["log_dir"]),
-        log_level="INFO",
         **eng,
     ) as cl:
         out["engine_start_s"], out["engines"] = cl.wait_ready()
@@ -329,7 +328,6 @@ def phase_rb(spec: dict[str, Any]) -> dict[str, Any]:
                         spec["gap_s"],
                         spec["first_token_timeout_s"],
                         opts,
-                        log_path=cl.log_path,
                         tag=cfg,
                         pause_mode=mode,
                     )
@@ -513,11 +511,12 @@ def plot(doc: dict[str, Any], png: Path) -> None:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    ap = G.bench_parser(
+        __doc__,
+        cpu_help="dry run: torch backend, zmq transport, no vLLM phase",
+        **dict(seed=0, gpu_memory_utilization=0.5, max_model_len=2048, budget_s=560.0, phase_limit_s=400.0),
+        **dict(ready_timeout_s=240.0, request_timeout_s=300.0, control_timeout_s=120.0, first_token_timeout_s=10.0),
     )
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--cpu", action="store_true", help="dry run: torch backend, zmq transport, no vLLM phase")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="MODE:COPY:WHERE,... ('' = none)")
     ap.add_argument("--no-colocated", dest="colocated", action="store_false")
     ap.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vLLM's own path")
@@ -532,18 +531,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=3, help="measured steps per config (one more first, apart)")
     ap.add_argument("--gap-s", type=float, default=0.5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--backend-options", type=json.loads, default={}, help="JSON for the vllm backend")
-    ap.add_argument("--budget-s", type=float, default=560.0)
-    ap.add_argument("--phase-limit-s", type=float, default=400.0)
-    ap.add_argument("--ready-timeout-s", type=float, default=240.0)
-    ap.add_argument("--request-timeout-s", type=float, default=300.0)
-    ap.add_argument("--control-timeout-s", type=float, default=120.0)
-    ap.add_argument("--first-token-timeout-s", type=float, default=10.0)
-    ap.add_argument("--out-dir", default=None)
-    ap.add_argument("--plot-from", default=None, metavar="JSON")
     ap.add_argument("--stream-load-child", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -553,22 +541,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.stream_load_child:
         return stream_load_child(a.stream_load_child)
     H.setup_logging()
-    if a.plot_from:
-        saved = json.loads(Path(a.plot_from).read_text())
-        report(saved)
-        plot(saved, Path(a.plot_from).with_suffix(".png"))
+    if G.replot(a, report, plot):
         return 0
     budget = G.Budget(a.budget_s)
     od = G.out_dir(a.out_dir)
-    log_dir = od / f"{NAME}_logs"
+    log_dir = G.log_dir_of(a, od, NAME)
     env = G.probe_env()
-    if a.model is None:
-        if not a.cpu:
-            raise SystemExit("--model is required (except with --cpu)")
-        from engine_node.tiny_model import ensure_tiny_model
-
-        a.model = ensure_tiny_model()
-    spec = {k: v for k, v in vars(a).items() if k not in ("plot_from", "out_dir", "stream_load_child")}
+    a.model = G.model_of(a)
+    spec = {k: v for k, v in vars(a).items() if k not in ("plot_from", "out_dir", "log_dir", "stream_load_child")}
     spec.update(configs=[c for c in a.configs.split(",") if c], log_dir=str(log_dir))
     doc: dict[str, Any] = {
         "benchmark": NAME,
@@ -581,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{NAME}: model {a.model}, env {json.dumps(env)}, budget {a.budget_s:.0f}s", flush=True)
     with H.Procs():
         doc["rb"] = G.run_phase(
-            "rl-rb", "bench.gpu_rl_step:phase_rb", spec, min(a.phase_limit_s, budget.left() - 5), log_dir
+            "rl-rb", "bench.gpu.rl_step:phase_rb", spec, min(a.phase_limit_s, budget.left() - 5), log_dir
         )
         G.write_doc(path, doc)
         if a.cpu or not a.vllm or not env.get("vllm"):
@@ -592,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             doc["vllm"] = {"skipped": f"budget: {budget.left():.0f}s left"}
         else:
             G.wait_gpu_idle(30)
-            doc["vllm"] = G.run_phase("rl-vllm", "bench.gpu_rl_step:phase_vllm", spec, budget.left() - 5, log_dir)
+            doc["vllm"] = G.run_phase("rl-vllm", "bench.gpu.rl_step:phase_vllm", spec, budget.left() - 5, log_dir)
     doc["summary"] = summarize_doc(doc)
     doc["elapsed_s"] = budget.elapsed()
     G.write_doc(path, doc)

@@ -16,8 +16,8 @@ rollout-bus streams and the HTTP server, round r of `--ttft-n` concurrent
 requests on every path in rotated order; the verdict is the median over rounds
 of (rollout-bus p50 of round r - AsyncLLM p50 of round r).
 
-    python -m bench.gpu_interleaved --model /tmp/q05 --out-dir $OUT [--reps 5]
-    python -m bench.gpu_interleaved --cpu      # dry run: rollout-bus (torch backend) only
+    python -m bench.gpu.interleaved --model /tmp/q05 --out-dir $OUT [--reps 5]
+    python -m bench.gpu.interleaved --cpu      # dry run: rollout-bus (torch backend) only
 
 Writes gpu_interleaved.{json,txt,png}. Targets (issue 8): rb / LLM.generate
 >= 1.0, rb streams / HTTP >= 1.2, TTFT p50 rb - AsyncLLM <= 2 ms. A phase
@@ -35,9 +35,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_common as G
-from bench import gpu_paths as GP
 from bench import harness as H
+from bench.gpu import common as G
+from bench.gpu import paths as GP
 
 NAME = "gpu_interleaved"
 PAIRS = [  # (numerator mode, denominator mode, target)
@@ -466,56 +466,42 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     print(f"wrote {png}", flush=True)
 
 
+# --cpu: a small set (flags given still win)
+CPU_DEFAULTS: dict[str, Any] = dict(prompts=16, min_len=8, max_len=32, max_tokens=16, reps=2, warmup_n=4)
+CPU_DEFAULTS.update(warmup_max_tokens=4, limit_s=240.0, ttft_n=4, ttft_rounds=2, ttft_max_tokens=4)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--cpu", action="store_true", help="dry run: rollout-bus on the torch backend only")
+    ap = G.bench_parser(
+        __doc__,
+        cpu_help="dry run: rollout-bus on the torch backend only",
+        **dict(seed=0, gpu_fraction=0.2, max_model_len=2048, ready_timeout_s=240.0, request_timeout_s=300.0),
+    )
     ap.add_argument(
         "--paths", default="llm,http,rb,asyncllm", help="comma list of llm, http, rb, asyncllm (rb always runs)"
     )
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--gpu-fraction", type=float, default=0.2, help="gpu_memory_utilization of EACH engine")
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--min-len", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup-n", type=int, default=512)
     ap.add_argument("--warmup-max-tokens", type=int, default=32)
-    ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--ttft-n", type=int, default=16, help="concurrent requests per TTFT round")
     ap.add_argument("--ttft-rounds", type=int, default=10)
     ap.add_argument("--ttft-max-tokens", type=int, default=64)
-    ap.add_argument("--ready-timeout-s", type=float, default=240.0)
-    ap.add_argument("--request-timeout-s", type=float, default=300.0)
     ap.add_argument("--limit-s", type=float, default=540.0, help="the whole run (engine starts included)")
-    ap.add_argument("--out-dir", default=None)
-    ap.add_argument("--plot-from", default=None, metavar="JSON")
-    a = ap.parse_args(argv)
-    if a.cpu:
-        a.prompts, a.min_len, a.max_len, a.max_tokens, a.reps = 16, 8, 32, 16, 2
-        a.warmup_n, a.warmup_max_tokens, a.limit_s = 4, 4, 240.0
-        a.ttft_n, a.ttft_rounds, a.ttft_max_tokens = 4, 2, 4
-    return a
+    return G.parse_args(ap, argv, CPU_DEFAULTS)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    od = G.out_dir(a.out_dir)
-    if a.plot_from:
-        saved = json.loads(Path(a.plot_from).read_text())
-        report(saved)
-        plot(saved, od / f"{NAME}.png")
+    if G.replot(a, report, plot):
         return 0
-    model = a.model
-    if model is None:
-        if not a.cpu:
-            raise SystemExit("--model is required (except with --cpu)")
-        from engine_node.tiny_model import ensure_tiny_model
-
-        model = ensure_tiny_model()
-    log_dir = od / f"{NAME}_logs"
+    od = G.out_dir(a.out_dir)
+    model = G.model_of(a)
+    log_dir = G.log_dir_of(a, od, NAME)
     spec = {
         "model": model,
         "cpu": a.cpu,
@@ -542,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": vars(a),
     }
     t0 = time.perf_counter()
-    res = G.run_phase(NAME, "bench.gpu_interleaved:phase_interleaved", spec, a.limit_s, log_dir)
+    res = G.run_phase(NAME, "bench.gpu.interleaved:phase_interleaved", spec, a.limit_s, log_dir)
     doc["result"] = {k: v for k, v in res.items() if k != "traceback"}
     if not res.get("ok") and res.get("reps"):
         summarize(doc["result"])  # a checkpoint: the reps / rounds it finished

@@ -1,10 +1,12 @@
-"""What the GPU benchmarks (gpu_throughput, gpu_weight_update) share: the
-request set, the wall-clock budget, phases run as child processes (one engine
-on the GPU at a time, the whole tree killed afterwards), a rollout-bus cluster
-started through ``launch.py``, and the environment probe.
+"""The one helper every GPU benchmark (bench/gpu/*.py) shares: its command
+line (`bench_parser`: the flags they all take, and the shared ones each names
+with its own default; `model_of`, `log_dir_of`, `replot`), the request set,
+the wall-clock budget, phases run as child processes (one engine on the GPU at
+a time, the whole tree killed afterwards), a rollout-bus cluster started
+through ``launch.py``, and the environment probe.
 
 A phase is a function ``fn(spec) -> dict`` run in a fresh Python process
-(``python -m bench.gpu_common MODULE:FUNC SPEC.json OUT.json``): when it ends,
+(``python -m bench.gpu.common MODULE:FUNC SPEC.json OUT.json``): when it ends,
 crashes or overruns its time, its process group and every descendant (vLLM
 engine cores, api_server, launch.py's children) are killed, so the next phase
 finds the GPU free. A failed phase is a row with its error, never a crash of
@@ -13,6 +15,7 @@ the run.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib
 import json
@@ -30,8 +33,86 @@ from typing import Any
 
 from bench import harness as H
 from bus.proctree import descendants, terminate_tree
+from engine_node.tiny_model import ensure_tiny_model
 
 REPO_ROOT = H.REPO_ROOT
+
+
+# ---------------------------------------------------------------- the command line
+
+# Flags several GPU benches take: dest -> (type, help). A bench names the ones
+# it takes, each with its own default, in bench_parser(..., dest=default).
+FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "seed": (int, "seed of the request set"),
+    "max_model_len": (int, "the engines' max_model_len"),
+    "gpu_memory_utilization": (float, "vLLM's gpu_memory_utilization (one engine on the GPU at a time)"),
+    "gpu_fraction": (float, "gpu_memory_utilization of EACH engine (several alive on the GPU at once)"),
+    "budget_s": (float, "wall-clock budget of the whole run, engine starts included"),
+    "phase_limit_s": (float, "one phase at most (engine start included)"),
+    "min_phase_s": (float, "skip a phase when less budget than this is left"),
+    "ready_timeout_s": (float, "engine / server start deadline"),
+    "request_timeout_s": (float, "one request's deadline"),
+    "control_timeout_s": (float, "one control op's deadline (pause, update, resume, sleep)"),
+    "first_token_timeout_s": (float, "after a resume: wait this long for a token of the new weight version"),
+    "gpu_idle_timeout_s": (float, "after a phase: wait this long for the GPU to be free"),
+}
+
+
+def bench_parser(doc: str, *, cpu_help: str, **defaults: Any) -> argparse.ArgumentParser:
+    """The parser a GPU bench starts from: --model, --cpu (--dry-run), --out-dir,
+    --log-dir, --plot-from, and each FLAGS entry named in `defaults`, with that
+    default. `doc` (the module docstring) gives the description and epilog."""
+    ap = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc
+    )
+    ap.add_argument("--model", default=None, help="HF model dir (e.g. the qwen05 preset); --cpu: the tiny model")
+    ap.add_argument("--cpu", "--dry-run", dest="cpu", action="store_true", help=cpu_help)
+    ap.add_argument("--out-dir", default=None, help="where the JSON and PNG go (default bench/results)")
+    ap.add_argument("--log-dir", default=None, help="phase and server logs (default OUT_DIR/<benchmark>_logs)")
+    ap.add_argument(
+        "--plot-from", default=None, metavar="JSON", help="only print the tables and write the PNG of an earlier run"
+    )
+    for dest, default in defaults.items():
+        typ, hlp = FLAGS[dest]
+        ap.add_argument("--" + dest.replace("_", "-"), type=typ, default=default, help=hlp)
+    return ap
+
+
+def parse_args(
+    ap: argparse.ArgumentParser, argv: list[str] | None, cpu_defaults: dict[str, Any] | None = None
+) -> argparse.Namespace:
+    """`ap.parse_args(argv)`, with `cpu_defaults` as the defaults of a --cpu
+    run (a smaller set; flags given still win)."""
+    given = sys.argv[1:] if argv is None else argv
+    if cpu_defaults and ("--cpu" in given or "--dry-run" in given):
+        ap.set_defaults(**cpu_defaults)
+    return ap.parse_args(argv)
+
+
+def model_of(a: argparse.Namespace) -> str:
+    """--model, or with --cpu the tiny model (built once into the cache)."""
+    if a.model:
+        return str(a.model)
+    if not a.cpu:
+        raise SystemExit("--model is required (except with --cpu)")
+    return ensure_tiny_model()
+
+
+def log_dir_of(a: argparse.Namespace, out: Path, name: str) -> Path:
+    return Path(a.log_dir) if a.log_dir else out / f"{name}_logs"
+
+
+def replot(
+    a: argparse.Namespace, report: Callable[[dict[str, Any]], Any], plot: Callable[[dict[str, Any], Path], Any]
+) -> bool:
+    """--plot-from JSON: the tables and the PNG (next to the JSON) of an earlier
+    run, on any machine. True when that was asked (and done)."""
+    if not a.plot_from:
+        return False
+    doc = json.loads(Path(a.plot_from).read_text())
+    report(doc)
+    plot(doc, Path(a.plot_from).with_suffix(".png"))
+    return True
 
 
 # ---------------------------------------------------------------- requests
@@ -164,7 +245,7 @@ def run_phase(
     log(f"[{name}] start (limit {timeout_s:.0f}s; log {log_path})")
     with open(log_path, "wb") as lf:
         p = subprocess.Popen(
-            [sys.executable, "-m", "bench.gpu_common", target, str(spec_path), str(out_path)],
+            [sys.executable, "-m", "bench.gpu.common", target, str(spec_path), str(out_path)],
             stdout=lf,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
