@@ -106,3 +106,49 @@ def test_a_head_that_answers_then_goes_silent_is_detected_within_head_timeout_s(
     assert pongs == 3
     assert isinstance(err, HeadUnavailable) and err.field == "head_timeout_s" and err.address == addr, err
     assert took < 1.5 + SLACK_S, took  # was timeout_s (300 s)
+
+
+@pytest.mark.timeout(60)
+def test_a_garbled_reply_is_logged_and_the_request_gets_its_answer():
+    """A scripted head answers a query with a frame no codec reads, then with
+    the real reply: the client logs the garbled one (it names no waiter) and
+    the query returns the real one."""
+    from structlog.testing import capture_logs
+
+    ctx = zmq.Context()
+    head = ctx.socket(zmq.ROUTER)
+    port = head.bind_to_random_port("tcp://127.0.0.1")
+    addr = f"tcp://127.0.0.1:{port}"
+    codec = Codec()
+
+    def serve() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if not head.poll(200):
+                continue
+            peer, *frames = head.recv_multipart()
+            msg, _ = codec.decode(frames)
+            if isinstance(msg, P.Query):
+                head.send_multipart([peer, b"\xee", b"\xc1garbage"])
+                head.send_multipart([peer, *codec.encode(P.QueryReply(request_id=msg.request_id, body={"ok": 1}))])
+                return
+
+    async def main() -> dict:
+        client = AsyncClient(addr, control_timeout_s=10)
+        try:
+            served = asyncio.get_running_loop().run_in_executor(None, serve)
+            body = await client.stats()
+            await served
+            return body
+        finally:
+            await client.close()
+
+    try:
+        with capture_logs() as logs:
+            body = asyncio.run(main())
+    finally:
+        head.close(linger=0)
+        ctx.term()
+    assert body == {"ok": 1}
+    garbled = [e for e in logs if e["event"] == "garbled_reply_dropped"]
+    assert len(garbled) == 1 and garbled[0]["address"] == addr and garbled[0]["log_level"] == "warning", logs

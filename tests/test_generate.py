@@ -141,7 +141,7 @@ def test_unknown_sampling_parameter_is_refused_locally(torch_cluster):
     c = torch_cluster.client()
     with pytest.raises(BadRequest) as e:
         c.generate(PROMPTS[0], {"max_token": 3})
-    assert e.value.field == "params"
+    assert e.value.field == "params.max_token"
 
 
 def test_async_client_streams_and_generates_concurrently(torch_cluster):

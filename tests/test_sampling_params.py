@@ -386,3 +386,76 @@ def test_stop_strings_top_k_and_prompt_logprobs_survive_failover(cluster_factory
     assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[0] is None
     assert chunks[-1].prompt is not None and chunks[-1].prompt.logprobs[1:] == pytest.approx(r.prompt_logprobs[1:])
     assert c.stats()["counters"]["failovers"] >= 1
+
+
+# ------------------------------------------------------------------ one translation for both paths
+
+# A value per key of the table, as vLLM (and so SkyRL) spells it.
+VLLM_STYLE = {
+    "max_tokens": 4,
+    "temperature": 0,
+    "top_p": 1,
+    "top_k": -1,
+    "seed": 3,
+    "stop_token_ids": None,
+    "ignore_eos": True,
+    "logprobs": 0,
+    "n": 2,
+    "skip_special_tokens": True,
+    "stop": "zzz",
+    "include_stop_str_in_output": False,
+    "min_tokens": 1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "prompt_logprobs": None,
+    "cache_salt": "s",
+}
+
+
+def test_the_client_and_the_skyrl_path_translate_every_parameter_alike():
+    from trainer_bridge.sampling import PARAMS, for_request, translate
+
+    assert set(VLLM_STYLE) == set(PARAMS)  # a new table line gets a value here
+    skyrl = translate(VLLM_STYLE, prefix="sampling_params.")
+    mine = for_request(VLLM_STYLE, None)
+    assert mine.params == skyrl.params and mine.num_samples == skyrl.num_samples == 2
+    assert mine.params.top_k == 0 and mine.params.stop == ["zzz"] and mine.params.temperature == 0.0
+    assert for_request(VLLM_STYLE, 2).num_samples == 2  # n and num_samples agree
+    assert for_request({"max_tokens": 3}, None).num_samples == 1
+    sp = SamplingParams(max_tokens=3)
+    assert for_request(sp, 5).params is sp
+
+
+@pytest.mark.parametrize(
+    "params,num_samples,field",
+    [
+        ({"n": 2}, 3, "params.n"),  # both given and they disagree
+        ({"n": 0}, None, "params.n"),
+        ({"max_token": 3}, None, "params.max_token"),  # unknown: named, never dropped
+        ({"temperature": "hot"}, None, "params.temperature"),
+        ({"max_tokens": "3"}, None, "params.max_tokens"),
+        (None, 0, "num_samples"),
+        (None, True, "num_samples"),
+    ],
+)
+def test_client_params_are_refused_naming_the_field(params, num_samples, field):
+    from trainer_bridge.sampling import for_request
+
+    with pytest.raises(BadRequest) as e:
+        for_request(params, num_samples)
+    assert e.value.field == field
+
+
+def test_n_is_the_number_of_samples_on_the_client_as_on_the_skyrl_path(torch_cluster):
+    c = torch_cluster.client()
+    greedy = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True, "top_k": -1}
+    r = c.generate(PROMPT, {**greedy, "n": 3})
+    assert [s.index for s in r.samples] == [0, 1, 2] and all(len(s.token_ids) == 4 for s in r.samples)
+    assert len(c.generate(PROMPT, {**greedy, "n": 2}, num_samples=2).samples) == 2
+    assert {ch.sample_index for ch in c.stream(PROMPT, {**greedy, "n": 2})} == {0, 1}
+    assert len(c.sample(PROMPT, 2, {**greedy, "n": 2}).sequences) == 2
+    with pytest.raises(BadRequest) as e:
+        c.sample(PROMPT, 2, {**greedy, "n": 3})
+    assert e.value.field == "params.n"

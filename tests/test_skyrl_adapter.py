@@ -211,6 +211,10 @@ def test_sample_tinker_semantics(engine, loop):
     assert [len(x) for x in out["response_logprobs"]] == [len(r) for r in out["response_ids"]]  # always, as Tinker
     assert len({tuple(r) for r in out["response_ids"]}) > 1  # independent samples
     assert out == run(loop, engine.sample([5, 17, 42], 3, params(seed=11, logprobs=None)))  # seeded: reproducible
+    assert len(run(loop, engine.sample([5, 17, 42], 2, params(n=2)))["response_ids"]) == 2
+    with pytest.raises(BadRequest) as e:  # the client's rule (sampling.for_request): n and num_samples agree
+        run(loop, engine.sample([5, 17, 42], 2, params(n=3)))
+    assert e.value.field == "sampling_params.n"
 
 
 def test_multi_turn_with_session_ids_stays_and_is_released(engine, loop):

@@ -163,6 +163,26 @@ def translate(sp: Mapping[str, Any] | P.SamplingParams | None, *, prefix: str = 
     return out
 
 
+def for_request(
+    params: Mapping[str, Any] | P.SamplingParams | None, num_samples: int | None, *, prefix: str = "params."
+) -> Translated:
+    """The client's path (`AsyncClient.generate/stream/sample`): `translate`
+    plus the call's `num_samples`. A dict's `n` is the number of samples, as
+    on the SkyRL path; given both, they must agree (BadRequest naming `n`).
+    None and no `n`: one sample."""
+    if num_samples is not None and (
+        isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1
+    ):
+        raise BadRequest(f"num_samples must be an int >= 1, got {num_samples!r}", field="num_samples")
+    out = translate(params, prefix=prefix)
+    n = params.get("n") if isinstance(params, Mapping) else None
+    if num_samples is not None:
+        if n is not None and out.num_samples != num_samples:
+            raise BadRequest(f"{prefix}n={n!r} disagrees with num_samples={num_samples!r}", field=prefix + "n")
+        out.num_samples = num_samples
+    return out
+
+
 _WIRE_FIELDS = P.SamplingParams.__struct_fields__
 
 

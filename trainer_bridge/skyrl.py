@@ -41,7 +41,7 @@ import msgspec
 from bus.errors import BadRequest, ProtocolError, Unsupported
 from bus.frames import logprobs_wanted
 from trainer_bridge.client import AsyncClient
-from trainer_bridge.sampling import Translated, translate
+from trainer_bridge.sampling import Translated, for_request, translate
 from trainer_bridge.skyrl_chunks import has_cuda, named_tensors, unpack_ipc_chunk
 from trainer_bridge.skyrl_openai import (
     chat_choices,
@@ -317,11 +317,8 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
             return await self._sample_tinker(prompt_token_ids)
         if num_samples is None:
             raise BadRequest("num_samples is required with prompt token ids", field="num_samples")
-        sp = dict(sampling_params if sampling_params is not None else self.default_sampling_params)
-        if sp.pop("n", num_samples) != num_samples:
-            raise BadRequest("sampling_params.n disagrees with num_samples", field="sampling_params.n")
-        tr = self._translate(sp)
-        tr.num_samples = num_samples
+        sp = sampling_params if sampling_params is not None else self.default_sampling_params
+        tr = for_request(sp, num_samples, prefix="sampling_params.")  # as AsyncClient.sample: n must agree
         tr.params = msgspec.structs.replace(tr.params, logprobs=True)  # Tinker: every sequence has logprobs
         res = await self._one(list(prompt_token_ids), tr, None, None)
         for s in res.samples:

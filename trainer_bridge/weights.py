@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
@@ -49,16 +49,14 @@ from bus import protocol as P
 from bus.errors import ControlError, UpdateInProgress
 from bus.tensors import DEFAULT_BUCKET_BYTES, BucketPacker
 from bus.transport import Transport
+from trainer_bridge.control_port import ControlPort
 from trainer_bridge.transports.registry import sender_kind
-
-if TYPE_CHECKING:
-    from trainer_bridge.client import AsyncClient
 
 log = structlog.get_logger("trainer_bridge.weights")
 
 
 async def push_weights(
-    client: AsyncClient,
+    client: ControlPort,
     named: Iterable[tuple[str, Any]],
     *,
     transport: str,
@@ -95,7 +93,7 @@ class WeightUpdate:
 
     def __init__(
         self,
-        client: AsyncClient,
+        client: ControlPort,
         *,
         senders: int = 1,
         targets: list[str] | None = None,
@@ -305,7 +303,7 @@ class _Opened:
 
 
 async def join_update(
-    client: AsyncClient,
+    client: ControlPort,
     update_id: str,
     rank: int,
     *,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from bus import protocol as P
 from bus.codec import Codec
@@ -24,9 +24,7 @@ from bus.endpoint import open_socket
 from bus.errors import ControlError, ErrorCode
 from bus.tensors import BucketPacker
 from bus.transport import Transport
-
-if TYPE_CHECKING:
-    from trainer_bridge.client import AsyncClient
+from trainer_bridge.control_port import ControlPort
 
 
 class WeightSender:
@@ -36,7 +34,7 @@ class WeightSender:
 
     def __init__(
         self,
-        client: AsyncClient,
+        client: ControlPort,
         update_id: str,
         rank: int,
         engines: list[dict[str, Any]],

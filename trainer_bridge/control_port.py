@@ -1,0 +1,153 @@
+"""The client's queries and control plane: health, engines, stats, and the
+ops fanned out to every engine (pause/resume, sleep/wake, prefix cache,
+LoRA unload), each a request/reply to the head over the `HeadLink`.
+
+This is also what the weight paths (`trainer_bridge/weights.py`, the senders
+in `trainer_bridge/transports/`) need from a client: they take a
+`ControlPort`, so they do not import the `AsyncClient` that imports them.
+
+Every wait has a deadline; a timeout names the knob (`control_timeout_s`,
+or the call's `timeout_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from bus import protocol as P
+from bus.errors import ControlError, HeadUnavailable, RequestTimeout
+from trainer_bridge.connection import HeadLink
+from trainer_bridge.streams import GRACE_S
+
+
+class ControlPort(HeadLink):
+    # Set by the client's constructor (AsyncClient.__init__).
+    control_timeout_s: float
+    _token: str  # the cluster's join token: control ops that change the cluster need it
+
+    async def end_session(self, session_id: str) -> bool:
+        """Forget the session's engine binding; True when it existed."""
+        rep = await self._request(
+            P.EndSession(request_id=self._new_id(), session_id=session_id), self.control_timeout_s, "control_timeout_s"
+        )
+        return bool(rep.body.get("ended"))
+
+    # ------------------------------------------------------------ queries
+
+    async def _query(self, what: str, timeout_s: float | None = None) -> dict[str, Any]:
+        t = timeout_s or self.control_timeout_s
+        rep = await self._request(P.Query(request_id=self._new_id(), what=what), t, "control_timeout_s")
+        return dict(rep.body)
+
+    async def health(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """{"healthy": bool, "engines": {engine_id: detail}}."""
+        return await self._query("health", timeout_s)
+
+    async def engines(self) -> list[dict[str, Any]]:
+        """Every registered engine's detail (state, address, backend, load…)."""
+        return list((await self._query("engines"))["engines"])
+
+    async def stats(self) -> dict[str, Any]:
+        """The head's counters, requests in flight and open sessions."""
+        return await self._query("stats")
+
+    async def wait_ready(self, num_engines: int = 1, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Wait until `num_engines` engines are healthy (deadline: timeout_s,
+        which bounds every query inside it too; a head that is down or
+        restarting is asked again until then)."""
+        deadline = time.monotonic() + timeout_s
+        last: Any = None
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                h = await self.health(timeout_s=max(0.05, left))
+            except (HeadUnavailable, RequestTimeout) as e:
+                h, last = None, e
+            if h is not None:
+                last = h
+                if sum(1 for e in h["engines"].values() if e["healthy"]) >= num_engines:
+                    return h
+            if time.monotonic() >= deadline:
+                raise RequestTimeout(
+                    f"fewer than {num_engines} healthy engine(s) after timeout_s={timeout_s}: {last}", field="timeout_s"
+                )
+            await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+    # ------------------------------------------------------------ control plane
+
+    async def control(
+        self, op: Any, *, targets: list[str] | None = None, timeout_s: float | None = None, strict: bool = True
+    ) -> dict[str, Any]:
+        """Fan `op` out to the engines; returns {engine_id: the op's typed
+        result} (a `P.*Result`, readable by key as well: `r["parked"]`). With
+        strict, any engine error or missing ack raises ControlError (which
+        carries results, errors {engine_id: EngineFailure(code, message, field)}
+        and missing)."""
+        t = timeout_s or self.control_timeout_s
+        msg = P.Control(request_id=self._new_id(), op=op, targets=targets, timeout_s=t, token=self._token)
+        rep: P.ControlReply = await self._request(msg, t + GRACE_S, "control_timeout_s")
+        if strict and (rep.errors or rep.missing):
+            parts = [
+                f"{eid}: [{f.code}] {f.message}" + (f" (field={f.field})" if f.field else "")
+                for eid, f in sorted(rep.errors.items())
+            ]
+            if rep.missing:
+                parts.append(f"no ack within timeout_s={t} from {rep.missing}")
+            raise ControlError(
+                f"{P.OP_NAMES[type(op)]} failed on some engines: " + "; ".join(parts),
+                results=dict(rep.results),
+                errors=dict(rep.errors),
+                missing=list(rep.missing),
+                request_id=msg.request_id,
+            )
+        return dict(rep.results)
+
+    async def pause(
+        self, mode: str = "abort", *, lora: str | None = None, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Returns once every engine is quiescent for the scope; per engine:
+        parked / frozen / held counts."""
+        t = timeout_s or self.control_timeout_s
+        return await self.control(P.Pause(mode=mode, lora=lora, timeout_s=t), timeout_s=t)
+
+    async def resume(self, *, lora: str | None = None) -> dict[str, Any]:
+        """Open the gate (all scopes, or adapter `lora`); per engine a ResumeResult."""
+        return await self.control(P.Resume(lora=lora))
+
+    async def is_paused(self, *, lora: str | None = None) -> bool:
+        """True when every engine is paused (for adapter `lora`, when given)."""
+        res = await self.control(P.IsPaused(lora=lora))
+        return bool(res) and all(r["paused"] for r in res.values())
+
+    @contextlib.asynccontextmanager
+    async def paused(self, mode: str = "abort", *, lora: str | None = None) -> AsyncIterator[Any]:
+        """`async with client.paused("abort"): await client.update_weights(...)`;
+        resumes even when the body raises."""
+        await self.pause(mode, lora=lora)
+        try:
+            yield self
+        finally:
+            await self.resume(lora=lora)
+
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Put both tags ("weights", "kv_cache") to sleep on every engine (1:
+        offload the weights, 2: discard them); {engine_id: SleepResult}."""
+        return await self.control(P.Sleep(level=level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Wake `tags` (None: both) in any order and split, e.g. ["weights"],
+        a weight update, then ["kv_cache"]; requests run once no tag sleeps.
+        {engine_id: WakeUpResult} (`detail["asleep"]`: the tags still asleep)."""
+        return await self.control(P.WakeUp(tags=tags))
+
+    async def reset_prefix_cache(self) -> dict[str, Any]:
+        """Drop every engine's cached prefix blocks; per engine a result."""
+        return await self.control(P.ResetPrefixCache())
+
+    async def unload_lora(self, name: str) -> dict[str, Any]:
+        """Unload adapter `name` from every engine."""
+        return await self.control(P.UnloadLora(name=name))
