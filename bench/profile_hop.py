@@ -34,7 +34,7 @@ from bench import harness as H
 from bench import rb_side as RB
 from engine_node.backends.null_backend import NULL_BACKEND
 
-ROLES = {"router_node": "router_node.router:run_router_node", "engine_node": "engine_node.node:run_engine_node"}
+ROLES = {"router_node": "router_node.main:run_router_node", "engine_node": "engine_node.node:run_engine_node"}
 
 
 def child_main(role: str, out: str, argv: list[str]) -> int:

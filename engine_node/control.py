@@ -1,8 +1,10 @@
 """Control commands of an engine node: in arrival order, one long op at a time,
 never blocking the loop.
 
-A handler returns its op's typed result (a `P.*Result`: ack now), `core.DEFERRED` (someone acks
-later: pause(wait)), or a `core.Pending` (a BackendOp still running). While an
+A handler returns an `OpOutcome` (engine_node/actions.py): its op's typed
+result (a `P.*Result`: ack now), `DEFERRED` (a core acks it later with a
+SendAck action: pause(wait), a prepare waiting for senders) or a `Pending` (a
+BackendOp still running). While an
 op runs the runner is *busy*: later state-changing commands queue behind it;
 read-only ops (Ping, Stats, IsPaused) are answered at once. The op's future
 gets a done-callback that writes one byte to the wake pipe, whose read end the
@@ -11,40 +13,31 @@ BackendTimeout naming the op's knob when the clock passes its deadline first.
 
 Ownership: the node's loop thread calls everything here except `_wake`, which
 runs on whatever thread completes a future and only writes to the pipe.
-Ack errors are typed (`ack_error_of`), never parsed from text.
+Every ack is a `SendAck` (a result or a typed `P.EngineFailure`, `failure_of`),
+never parsed from text; `actions.wire_ack` makes the wire Ack.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
 
 from bus import protocol as P
-from bus.errors import ErrorCode, RolloutBusError
-from engine_node.core import DEFERRED, Pending
+from bus.errors import ErrorCode
+from engine_node.actions import Deferred, OpOutcome, Pending, SendAck, failure_of, wire_ack
 
 ACK_CACHE = 4096  # republished commands are answered from here, never re-run
 READ_ONLY: frozenset[type] = frozenset({P.Ping, P.Stats, P.IsPaused})
-
-
-def ack_error_of(e: BaseException) -> tuple[str, str, str | None]:
-    """(code, message, field) of a failed control op: backend failures keep
-    their own codes (backend_timeout naming the knob, backend_refused naming
-    the field), never bad_request."""
-    if isinstance(e, RolloutBusError):  # BackendTimeout / BackendError included
-        return e.code.value, e.message, e.field
-    if isinstance(e, ValueError):  # a backend's refusal of bad input, untyped
-        return ErrorCode.BACKEND_REFUSED.value, str(e), None
-    return ErrorCode.INTERNAL.value, f"{type(e).__name__}: {e}", None
 
 
 class ControlRunner:
     def __init__(
         self,
         engine_id: str,
-        handlers: dict[type, Callable[[Any, int], Any]],
+        handlers: dict[type, Callable[[Any, int], OpOutcome]],
         send_ack: Callable[[P.Ack], object],
         *,
         on_busy_change: Callable[[], None] = lambda: None,
@@ -71,10 +64,8 @@ class ControlRunner:
 
     def close(self) -> None:
         for fd in (self.wake_fd, self._wake_w):
-            try:
+            with contextlib.suppress(OSError):  # closed already
                 os.close(fd)
-            except OSError:
-                pass
 
     # ------------------------------------------------------------ events
 
@@ -95,11 +86,9 @@ class ControlRunner:
 
     def on_wake(self) -> None:
         """The wake pipe is readable: an op's future completed."""
-        try:
+        with contextlib.suppress(BlockingIOError, OSError):  # drained (non-blocking pipe)
             while os.read(self.wake_fd, 4096):
                 pass
-        except (BlockingIOError, OSError):
-            pass
         if self.busy is not None and self.busy[1].op.future.done():
             cmd, pending = self.busy
             self.busy = None
@@ -122,27 +111,13 @@ class ControlRunner:
         self.on_busy_change()
         self.pump()
 
-    def ack(
-        self,
-        seq: int,
-        *,
-        ok: bool,
-        result: Any = None,
-        error: str | None = None,
-        code: str | None = None,
-        field: str | None = None,
-    ) -> None:
-        if ok and result is None:
-            result = P.Done()
-        failure = (
-            None
-            if ok
-            else P.EngineFailure(code=code or ErrorCode.INTERNAL.value, message=error or "failed", field=field)
-        )
-        ack = P.Ack(seq=seq, engine_id=self.engine_id, result=result if ok else None, failure=failure)
-        if seq in self.acks:
-            self.acks[seq] = ack
-        self.acked_seq = max(self.acked_seq, seq)
+    def ack(self, a: SendAck) -> None:
+        """Send one ack (a SendAck from an op, the runner or a core) and cache it
+        for republished commands."""
+        ack = wire_ack(self.engine_id, a)
+        if a.seq in self.acks:
+            self.acks[a.seq] = ack
+        self.acked_seq = max(self.acked_seq, a.seq)
         self.send_ack(ack)
 
     # ------------------------------------------------------------ internals
@@ -158,7 +133,7 @@ class ControlRunner:
         except Exception as e:
             self._failed(cmd, e)
             return
-        if result is DEFERRED:
+        if isinstance(result, Deferred):
             return
         if isinstance(result, Pending):
             if result.op.future.done():
@@ -169,14 +144,12 @@ class ControlRunner:
             self.log.info("op_started", op=self.busy_name, seq=cmd.seq, knob=result.op.knob)
             result.op.future.add_done_callback(self._wake)
             return
-        self.ack(cmd.seq, ok=True, result=result)
+        self.ack(SendAck.done(cmd.seq, result))
 
     def _wake(self, _f: Any) -> None:
         # Any thread: only a byte into the pipe (a full pipe already wakes us).
-        try:
+        with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"!")
-        except (BlockingIOError, OSError):
-            pass
 
     def _complete(self, cmd: P.Command, pending: Pending) -> None:
         self.before_complete()
@@ -186,7 +159,7 @@ class ControlRunner:
             self._rollback(pending, e)
             self._failed(cmd, e)
             return
-        self.ack(cmd.seq, ok=True, result=result)
+        self.ack(SendAck.done(cmd.seq, result))
 
     def _rollback(self, pending: Pending, e: BaseException) -> None:
         if pending.on_error is None:
@@ -198,9 +171,9 @@ class ControlRunner:
 
     def _failed(self, cmd: P.Command, e: BaseException) -> None:
         op_name = P.OP_NAMES[type(cmd.op)]
-        code, message, field = ack_error_of(e)
-        if code == ErrorCode.INTERNAL.value:
-            self.log.error("op_crashed", op=op_name, error=message, exc_info=e)
+        f = failure_of(e)
+        if f.code == ErrorCode.INTERNAL.value:
+            self.log.error("op_crashed", op=op_name, error=f.message, exc_info=e)
         else:
-            self.log.warning("op_failed", op=op_name, error=message, code=code)
-        self.ack(cmd.seq, ok=False, error=message, code=code, field=field)
+            self.log.warning("op_failed", op=op_name, error=f.message, code=f.code)
+        self.ack(SendAck(cmd.seq, failure=f))

@@ -36,7 +36,8 @@ the commit loads them as adapter NAME).
 
 Ownership: the node's loop thread; backend control calls return BackendOps
 that the shell waits on (this module never blocks). Prepares that wait for
-senders are DEFERRED: their acks are queued in `acks` and sent by the shell.
+senders are DEFERRED: their acks are SendAck actions (engine_node/actions.py)
+the shell takes with `take_actions()`, the same shape as the request core's.
 """
 
 from __future__ import annotations
@@ -44,14 +45,16 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import enum
+from collections.abc import Callable
 from typing import Any
 
 from bus import protocol as P
 from bus.errors import BackendRefused, BadRequest
 from bus.tensors import first_nonfinite, unpack_bucket
 from bus.transport import backend_args
+from engine_node.actions import DEFERRED, OpOutcome, Pending, SendAck
 from engine_node.backend import BackendError, BackendOp
-from engine_node.core import DEFERRED, Pending, RequestCore
+from engine_node.core import RequestCore
 from engine_node.timings import TimingLog
 from engine_node.transports.registry import receiver_for
 
@@ -159,18 +162,22 @@ class WeightUpdates:
         self.prepare_ttl_s = prepare_ttl_s
         self.timings = timings if timings is not None else TimingLog()  # receive / commit records (Stats)
         self.current: WeightUpdate | None = None
-        # Deferred prepare acks: (seq, ok, result, error) — the shell sends them.
-        self.acks: list[tuple[int, bool, Any, BaseException | None]] = []
-        self.log_aborted: Any = lambda update_id, why: None  # shell hook
+        # Deferred prepare acks, for the shell (take_actions).
+        self.actions: list[SendAck] = []
+        self.log_aborted: Callable[[str, str], object] = lambda update_id, why: None  # shell hook
+
+    def take_actions(self) -> list[SendAck]:
+        out, self.actions = self.actions, []
+        return out
 
     # ------------------------------------------------------------ ops
 
-    def begin(self, op: P.BeginWeightUpdate, seq: int = 0) -> Any:
+    def begin(self, op: P.BeginWeightUpdate, seq: int = 0) -> OpOutcome:
         if op.target == "model" and self.core.weights_asleep():
             # Offloaded or discarded weights (vLLM has unmapped that memory);
             # refused before anything changes, an open update included.
             raise BackendRefused(
-                f"the weights of {self.engine_id} are asleep (sleep level {self.core.sleep_level}): "
+                f"the weights of {self.engine_id} are asleep (sleep level {self.core.gate.sleep_level}): "
                 "wake_up(tags=['weights']) before a weight update",
                 field="target",
             )
@@ -325,7 +332,7 @@ class WeightUpdates:
         up.to(Phase.RECEIVING)
         self._maybe_prepare(up)
 
-    def prepare(self, op: P.PrepareWeights, seq: int = 0) -> Any:
+    def prepare(self, op: P.PrepareWeights, seq: int = 0) -> OpOutcome:
         up = self._require(op.update_id)
         if up.phase is Phase.PREPARED:
             return self._vote(up)  # a second prepare of the same update: same vote
@@ -336,7 +343,7 @@ class WeightUpdates:
         up.waiting = (seq, self.core.now + max(0.0, op.wait_s), op.wait_s)
         return DEFERRED
 
-    def receive(self, op: P.ReceiveWeights, seq: int = 0) -> Any:
+    def receive(self, op: P.ReceiveWeights, seq: int = 0) -> OpOutcome:
         up = self._require(op.update_id)
         t0 = self.core.now
         if up.gpu_parts:
@@ -350,7 +357,7 @@ class WeightUpdates:
 
         return Pending(self.backend.receive_weights(list(op.handles)), then, lambda e: self._abort("receive failed"))
 
-    def _receive_part(self, up: WeightUpdate, op: P.ReceiveWeights) -> Any:
+    def _receive_part(self, up: WeightUpdate, op: P.ReceiveWeights) -> OpOutcome:
         """One sender's part of a multi-sender GPU update. The ack says the part
         is in (not a vote: the head's PrepareWeights collects the votes)."""
         r = op.sender
@@ -387,7 +394,7 @@ class WeightUpdates:
 
         return Pending(bop, then, lambda e: self._abort(f"sender {r}'s part failed: {e}", up))
 
-    def commit(self, op: P.FinishWeightUpdate, seq: int = 0) -> Any:
+    def commit(self, op: P.FinishWeightUpdate, seq: int = 0) -> OpOutcome:
         up = self._require(op.update_id)
         if up.phase is not Phase.PREPARED:
             why = up.incomplete() or f"it is {up.phase.value}, not prepared"
@@ -432,7 +439,7 @@ class WeightUpdates:
 
         return Pending(bop, then, lambda e: self._abort("finish failed", up))
 
-    def abort(self, op: P.AbortWeightUpdate, seq: int = 0) -> Any:
+    def abort(self, op: P.AbortWeightUpdate, seq: int = 0) -> OpOutcome:
         bop = None
         if self.current is not None and self.current.update_id == op.update_id:
             bop = self._abort("aborted by the trainer")
@@ -459,7 +466,7 @@ class WeightUpdates:
                 field="senders" if "sender(s)" in why else "update_id",
             )
             self._abort(str(err))
-            self.acks.append((seq, False, None, err))
+            self.actions.append(SendAck.failed(seq, err))
             return
         if up.phase is Phase.PREPARED and now - up.prepared_at > self.prepare_ttl_s:
             self._abort(f"prepared, but no commit or abort came within prepare_ttl_s={self.prepare_ttl_s}")
@@ -477,9 +484,9 @@ class WeightUpdates:
         try:
             res = self._complete_prepare(up)
         except Exception as e:
-            self.acks.append((seq, False, None, e))
+            self.actions.append(SendAck.failed(seq, e))
             return
-        self.acks.append((seq, True, res, None))
+        self.actions.append(SendAck.done(seq, res))
 
     def _complete_prepare(self, up: WeightUpdate) -> P.WeightsPrepared:
         """Everything is in: streamed buckets go to the backend now (it learns
@@ -568,7 +575,8 @@ class WeightUpdates:
             cur.phase = Phase.ABORTED
         cur.held.clear()
         if cur.waiting is not None:  # a deferred prepare learns it failed
-            self.acks.append((cur.waiting[0], False, None, BackendError(f"update {cur.update_id} aborted: {why}")))
+            err = BackendError(f"update {cur.update_id} aborted: {why}")
+            self.actions.append(SendAck.failed(cur.waiting[0], err))
             cur.waiting = None
         self.log_aborted(cur.update_id, why)
         if cur.is_model and cur.backend_open:

@@ -1,5 +1,5 @@
 import sys
 
-from router_node.router import run_router_node
+from router_node.main import run_router_node
 
 sys.exit(run_router_node())

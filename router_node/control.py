@@ -37,8 +37,9 @@ import structlog
 from bus import protocol as P
 from bus.control_bus import ControlBus, PendingCommand
 from bus.endpoint import error_message
-from bus.errors import BadRequest, ErrorCode, StaleUpdate, truncate
+from bus.errors import BadRequest, StaleUpdate
 from bus.validate import check_control_timeout
+from router_node.acks import landed, refused_by_all, tally, votes
 from router_node.cluster_state import ClusterWeights, WeightTxn
 from router_node.config import RouterConfig
 from router_node.intended_state import REFUSED, IntendedState
@@ -46,15 +47,6 @@ from router_node.intended_state import check as check_state_op
 from router_node.registry import EngineEntry, EngineState
 
 log = structlog.get_logger("router_node")
-
-
-def failure_of(ack: P.Ack) -> P.EngineFailure:
-    # An engine's error text can echo what it was sent (a tensor name, a
-    # path): the reply to the client carries at most bus.errors.MAX_ECHO of it.
-    f = ack.failure
-    if f is None:
-        return P.EngineFailure(code=ErrorCode.INTERNAL.value, message="failed")
-    return P.EngineFailure(code=f.code, message=truncate(f.message), field=f.field)
 
 
 class ClusterControl:
@@ -106,16 +98,12 @@ class ClusterControl:
 
         def done(pc: PendingCommand) -> None:
             self.intended.expired(pc.seq, pc.missing, time.monotonic())
-            refused = [a for a in pc.acks.values() if a.failure is not None and a.failure.code in REFUSED]
-            if msg.targets is None and refused and len(refused) == len(pc.acks):
+            if msg.targets is None and refused_by_all(pc, REFUSED):
                 self.intended.cluster_refused(msg.op, before)  # nobody took it: not the intent
-            results = {eid: a.result or P.Done() for eid, a in pc.acks.items() if a.ok}
-            if self.cluster.on_control_done(msg.op, results):
+            t = tally(pc)
+            if self.cluster.on_control_done(msg.op, t.results):
                 self.reevaluate(time.monotonic())  # stale / synced engines change state now
-            errors = {eid: failure_of(a) for eid, a in pc.acks.items() if not a.ok}
-            self.reply(
-                client, P.ControlReply(request_id=msg.request_id, results=results, errors=errors, missing=pc.missing)
-            )
+            self.reply(client, t.reply(msg.request_id))
 
         # Silent (presumed dead) targets are reported missing, never waited on;
         # their intent changes all the same (they converge when they return).
@@ -196,8 +184,8 @@ class ClusterControl:
             prep = P.PrepareWeights(txn.update_id, wait_s=max(0.1, 0.75 * msg.timeout_s))
 
             def prepared(pc: PendingCommand) -> None:
-                self.cluster.on_votes(txn.update_id, {eid: a.result or P.Done() for eid, a in pc.acks.items() if a.ok})
-                errors = {eid: failure_of(a) for eid, a in pc.acks.items() if not a.ok}
+                self.cluster.on_votes(txn.update_id, votes(pc))
+                errors = tally(pc).errors
                 if errors or pc.missing:
                     self._abort(txn, f"prepare failed on {sorted(errors)}, no vote from {pc.missing}")
                     self.reply(client, P.ControlReply(request_id=msg.request_id, errors=errors, missing=pc.missing))
@@ -213,14 +201,13 @@ class ClusterControl:
         commit = P.FinishWeightUpdate(txn.update_id, version=txn.version)
 
         def committed(pc: PendingCommand) -> None:
-            results = {eid: a.result or P.Done() for eid, a in pc.acks.items() if a.ok}
-            landed = {eid: int(r.weight_version) for eid, r in results.items() if isinstance(r, P.WeightsCommitted)}
+            t = tally(pc)
+            errors, on = t.errors, landed(t.results)
             # The version moves only if an engine is on it; one that failed or
             # missed the commit is below it then: stale, no traffic.
-            self.cluster.commit_done(txn, landed, missing=bool(pc.missing))
+            self.cluster.commit_done(txn, on, missing=bool(pc.missing))
             self.reevaluate(time.monotonic())
-            errors = {eid: failure_of(a) for eid, a in pc.acks.items() if not a.ok}
-            if not landed:
+            if not on:
                 log.warning(
                     "weight_commit_failed",
                     update_id=txn.update_id,
@@ -230,9 +217,7 @@ class ClusterControl:
                 )
             elif errors or pc.missing:
                 log.warning("weight_commit_missed", update_id=txn.update_id, failed=sorted(errors), missing=pc.missing)
-            self.reply(
-                client, P.ControlReply(request_id=msg.request_id, results=results, errors=errors, missing=pc.missing)
-            )
+            self.reply(client, t.reply(msg.request_id))
 
         self.bus.publish(commit, txn.targets, msg.timeout_s, committed, gone=self._gone(txn.targets))
 

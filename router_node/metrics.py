@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from router_node.router import Router
+
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
-
-    from router_node.router import Router
 
 
 class RouterCollector:

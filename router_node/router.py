@@ -1,20 +1,19 @@
 """The head process: the thin shell around the registry, forwarding
-(router_node/forwarding.py) and cluster control (router_node/control.py).
+(router_node/forwarding.py over router_node/forwarding_core.py), cluster
+control (router_node/control.py) and registration (router_node/registration.py,
+checks in router_node/trust.py). The entry point is router_node/main.py.
 
 One thread owns every socket: the frontend ROUTER (clients), the events
 ROUTER (engines' register/heartbeat/ack), the control PUB, and one DEALER per
 engine data socket — each served by a bus.endpoint.Endpoint (decode → handler
-table → typed Error reply). This module keeps the loop, registration, health
-ticks and queries.
+table → typed Error reply). This module keeps the loop, the sockets' handler
+tables, health ticks, leases and queries.
 """
 
 from __future__ import annotations
 
 import enum
 import gc
-import json
-import os
-import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -25,21 +24,24 @@ import zmq
 
 from bus import auth
 from bus import protocol as P
-from bus.auth import Gatekeeper, KeyDir, KeyFileError, peer_key, read_token, token_matches
+from bus.auth import Gatekeeper, KeyDir, peer_key, read_token
 from bus.codec import Codec
 from bus.control_bus import ControlBus
 from bus.endpoint import Endpoint, open_socket
 from bus.errors import BadRequest, ErrorCode, Unauthorized, truncate
-from bus.sockets import CONTROL_HWM, bound_address, check_endpoint
+from bus.sockets import CONTROL_HWM, bound_address
 from router_node import leases as L
 from router_node import views
 from router_node.config import RouterConfig
 from router_node.control import ClusterControl
 from router_node.forwarding import Forwarder
+from router_node.lease_hooks import LEASE_HOOKS
 from router_node.leases import Leases
 from router_node.policies import POLICIES, SESSION_PLACEMENTS, Sessions, pick_least_loaded_exact
 from router_node.prefix import PrefixPlacement
-from router_node.registry import Admission, EngineEntry, EngineState, LoopClock, admit_register, credit_stall
+from router_node.registration import Registrar
+from router_node.registry import EngineEntry, EngineState, LoopClock, credit_stall
+from router_node.trust import check_join_token, engine_of
 
 log = structlog.get_logger("router_node")
 
@@ -59,6 +61,36 @@ class Lifecycle(enum.Enum):
     STOPPED = "stopped"
 
 
+def new_counters() -> dict[str, int]:
+    """The head's counters (stats query, /metrics), all at zero."""
+    return {
+        "requests": 0,
+        "errors": 0,
+        "failovers": 0,
+        "engine_dead": 0,
+        "no_healthy_engine": 0,
+        "spoofed_events": 0,  # heartbeats / acks whose connection is not the engine's own
+        "poison_requests": 0,  # ended after cfg.max_engine_deaths engines died under them
+        "limit_exceeded": 0,  # requests refused by a per-client cap
+        "client_over_hwm": 0,  # clients whose requests were cancelled: they did not read (client_hwm)
+        "register_refused_token": 0,  # Registers without the cluster's join token
+        "register_refused": 0,  # Registers refused for another reason (vocab_size, identity, fields)
+        "unauthorized": 0,  # client control ops without the token, frames of a revoked CURVE key
+        "clients_revoked": 0,  # frontend peers cut because their CURVE key left the allow-list
+        "leases_expired": 0,  # pauses / sleeps / updates released because their client vanished
+        "head_stalls": 0,  # the head's own loop was away longer than a heartbeat interval
+    }
+
+
+def _check_policies(cfg: RouterConfig) -> None:
+    if cfg.session_placement not in SESSION_PLACEMENTS:
+        raise ValueError(
+            f"--session-placement must be one of {sorted(SESSION_PLACEMENTS)}, got {cfg.session_placement!r}"
+        )
+    if cfg.policy not in POLICIES and cfg.policy != "prefix":
+        raise ValueError(f"--policy must be one of {sorted([*POLICIES, 'prefix'])}, got {cfg.policy!r}")
+
+
 class Router:
     def __init__(self, cfg: RouterConfig, ctx: zmq.Context | None = None) -> None:
         self.cfg = cfg
@@ -66,6 +98,66 @@ class Router:
         self._own_ctx = ctx is None
         self.codec = Codec()
         self.lifecycle = Lifecycle.STARTING
+        self._secure(cfg)
+        # CURVE key of each frontend peer (routing id -> z85), so removing a key
+        # from the allow-list cuts what that peer has open (_revoke_removed_keys).
+        self._client_keys: dict[bytes, str] = {}
+        _check_policies(cfg)
+        # --policy prefix: requests without a session follow their prompt's prefix
+        self.prefix = PrefixPlacement.from_config(cfg) if cfg.policy == "prefix" else None
+        self.engines: dict[str, EngineEntry] = {}
+        self.sessions = Sessions(cfg.session_ttl_s)
+        self.counters = new_counters()
+        # This head's identity on every engine's data socket (RegisterReply.data_peer):
+        # engines send their acks there, behind the chunks they produced first.
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.registrar = Registrar(
+            cfg,
+            self.ctx,
+            self.codec,
+            self.engines,
+            self.counters,
+            data_identity=f"head/{self.incarnation}".encode(),
+            token=self.token,
+            gate=self.gate,
+            curve=self._curve,
+        )
+        self.leases = Leases(cfg.lease_s)
+        # A head that was itself stopped must not blame its peers for its own
+        # stall: time away from the loop longer than one heartbeat interval is
+        # credited to every engine and lease (registry.LoopClock).
+        self.clock = LoopClock(threshold_s=max(cfg.heartbeat_interval_s, 0.25))
+        self.forwarding = Forwarder(
+            cfg,
+            self.codec,
+            self.engines,
+            self.sessions,
+            pick=POLICIES.get(cfg.policy, pick_least_loaded_exact),
+            place_session=SESSION_PLACEMENTS[cfg.session_placement],
+            counters=self.counters,
+            prefix=self.prefix,
+        )
+        self.pub = open_socket(
+            self.ctx, zmq.PUB, bind=cfg.control, hwm=CONTROL_HWM, curve=self._curve, zap_domain=auth.ENGINES
+        )
+        self.bus = ControlBus(self.pub, self.codec)
+        self.control = ClusterControl(
+            cfg, self.bus, self.engines, reply=self._reply, forget=self._forget, reevaluate=self._evaluate_engines
+        )
+        self._open_endpoints(cfg)
+        self._queries = self._query_table()
+        assert set(self._queries) == set(P.QUERY_BODIES), "every query has its typed body (bus/views.py)"
+        self._last_tick = 0.0
+        # Cached query answers (issue 22): a flood of health queries is served
+        # from one snapshot, rebuilt when it is cfg.query_cache_s old or when
+        # anything else happened since (`_gen`: bumped by every tick, engine
+        # event and non-query client message), so an answer is never older
+        # than what the caller already saw change.
+        self._query_cache: dict[str, tuple[float, int, P.QueryBody]] = {}
+        self._gen = 0
+        self._spin_s = max(0, cfg.busy_poll_us) / 1e6  # --busy-poll-us
+
+    def _secure(self, cfg: RouterConfig) -> None:
         # Security on (curve_dir): CURVE on every TCP socket and one ZAP
         # authenticator for this context, bound before any socket accepts.
         self.gate: Gatekeeper | None = None
@@ -83,66 +175,9 @@ class Router:
                 hint="no --token-file and no --curve-dir: any process that reaches the events socket may register "
                 "engines and any client may pause or update the cluster (launch.py always makes a token)",
             )
-        self._vocab = cfg.vocab_size  # the cluster's vocabulary (0: the first registered engine's)
-        # CURVE key of each frontend peer (routing id -> z85), so removing a key
-        # from the allow-list cuts what that peer has open (_revoke_removed_keys).
-        self._client_keys: dict[bytes, str] = {}
-        if cfg.session_placement not in SESSION_PLACEMENTS:
-            raise ValueError(
-                f"--session-placement must be one of {sorted(SESSION_PLACEMENTS)}, got {cfg.session_placement!r}"
-            )
-        if cfg.policy not in POLICIES and cfg.policy != "prefix":
-            raise ValueError(f"--policy must be one of {sorted([*POLICIES, 'prefix'])}, got {cfg.policy!r}")
-        # --policy prefix: requests without a session follow their prompt's prefix
-        self.prefix = PrefixPlacement.from_config(cfg) if cfg.policy == "prefix" else None
-        self.engines: dict[str, EngineEntry] = {}
-        self.sessions = Sessions(cfg.session_ttl_s)
-        self.counters = {
-            "requests": 0,
-            "errors": 0,
-            "failovers": 0,
-            "engine_dead": 0,
-            "no_healthy_engine": 0,
-            "spoofed_events": 0,  # heartbeats / acks whose connection is not the engine's own
-            "poison_requests": 0,  # ended after cfg.max_engine_deaths engines died under them
-            "limit_exceeded": 0,  # requests refused by a per-client cap
-            "client_over_hwm": 0,  # clients whose requests were cancelled: they did not read (client_hwm)
-            "register_refused_token": 0,  # Registers without the cluster's join token
-            "register_refused": 0,  # Registers refused for another reason (vocab_size, identity, fields)
-            "unauthorized": 0,  # client control ops without the token, frames of a revoked CURVE key
-            "clients_revoked": 0,  # frontend peers cut because their CURVE key left the allow-list
-            "leases_expired": 0,  # pauses / sleeps / updates released because their client vanished
-            "head_stalls": 0,  # the head's own loop was away longer than a heartbeat interval
-        }
-        # This head's identity on every engine's data socket (RegisterReply.data_peer):
-        # engines send their acks there, behind the chunks they produced first.
-        self.incarnation = uuid.uuid4().hex[:12]
-        self._data_identity = f"head/{self.incarnation}".encode()
-        self.leases = Leases(cfg.lease_s)
-        # A head that was itself stopped must not blame its peers for its own
-        # stall: time away from the loop longer than one heartbeat interval is
-        # credited to every engine and lease (registry.LoopClock).
-        self.clock = LoopClock(threshold_s=max(cfg.heartbeat_interval_s, 0.25))
-        self._rejoin_asked: dict[bytes, float] = {}
-        self.forwarding = Forwarder(
-            cfg,
-            self.codec,
-            self.engines,
-            self.sessions,
-            pick=POLICIES.get(cfg.policy, pick_least_loaded_exact),
-            place_session=SESSION_PLACEMENTS[cfg.session_placement],
-            counters=self.counters,
-            prefix=self.prefix,
-        )
-        fw = self.forwarding
 
-        self.pub = open_socket(
-            self.ctx, zmq.PUB, bind=cfg.control, hwm=CONTROL_HWM, curve=self._curve, zap_domain=auth.ENGINES
-        )
-        self.bus = ControlBus(self.pub, self.codec)
-        self.control = ClusterControl(
-            cfg, self.bus, self.engines, reply=self._reply, forget=self._forget, reevaluate=self._evaluate_engines
-        )
+    def _open_endpoints(self, cfg: RouterConfig) -> None:
+        fw = self.forwarding
         self.front = Endpoint(
             open_socket(
                 self.ctx, zmq.ROUTER, bind=cfg.frontend, hwm=cfg.client_hwm, curve=self._curve, zap_domain=auth.CLIENTS
@@ -186,24 +221,16 @@ class Router:
         self._endpoints: dict[zmq.Socket, Endpoint] = {self.front.sock: self.front, self.events.sock: self.events}
         for sock in self._endpoints:
             self.poller.register(sock, zmq.POLLIN)
-        # Query.what -> its answer (bus/views.py: P.QUERY_BODIES names the body of each)
-        self._queries: dict[str, Callable[[], P.QueryBody]] = {
+
+    def _query_table(self) -> dict[str, Callable[[], P.QueryBody]]:
+        """Query.what -> its answer (bus/views.py: P.QUERY_BODIES names the body of each)."""
+        return {
             "health": self.health,
             "weight_updates": self.control.cluster.open_updates,
             "weight_update_decisions": self.control.cluster.decisions,
             "engines": lambda: views.engines_view(self.engines, self.control.intended, self.sessions),
             "stats": lambda: views.stats_view(self.counters, len(self.forwarding.flights), self.sessions, self.prefix),
         }
-        assert set(self._queries) == set(P.QUERY_BODIES), "every query has its typed body (bus/views.py)"
-        self._last_tick = 0.0
-        # Cached query answers (issue 22): a flood of health queries is served
-        # from one snapshot, rebuilt when it is cfg.query_cache_s old or when
-        # anything else happened since (`_gen`: bumped by every tick, engine
-        # event and non-query client message), so an answer is never older
-        # than what the caller already saw change.
-        self._query_cache: dict[str, tuple[float, int, P.QueryBody]] = {}
-        self._gen = 0
-        self._spin_s = max(0, cfg.busy_poll_us) / 1e6  # --busy-poll-us
 
     # ------------------------------------------------------------ lifecycle
 
@@ -338,6 +365,7 @@ class Router:
         if self.engines.get(e.engine_id) is e:
             self.engines.pop(e.engine_id)
             self.control.intended.remove(e.engine_id)
+            self.forwarding.forget_engine(e.engine_id)
             if self.prefix is not None:
                 self.prefix.forget(e.engine_id)
         ep = self._endpoints.pop(e.sock, None)
@@ -347,162 +375,43 @@ class Router:
         log.info("engine_forgotten", engine_id=e.engine_id)
 
     def health(self) -> P.HealthView:
-        return views.health_view(self.engines, self.control.intended, self.sessions, self.control.cluster, self._vocab)
+        return views.health_view(
+            self.engines, self.control.intended, self.sessions, self.control.cluster, self.registrar.vocab
+        )
 
     # ------------------------------------------------------------ events
 
     def _on_register(self, ident: bytes, reg: P.Register, _b: list[Any]) -> None:
-        if reg.protocol_version != P.PROTOCOL_VERSION:
-            err = f"protocol version {reg.protocol_version} != head's {P.PROTOCOL_VERSION}: upgrade the older side"
-            log.error("register_refused", engine_id=reg.engine_id[:128], error=err)
-            self.counters["register_refused"] += 1
-            self.events.send(ident, P.RegisterReply(ok=False, error=err, code=ErrorCode.PROTOCOL.value))
+        send = self.events.send
+        checked = self.registrar.check(reg, ident, self.events.frames, send)
+        if checked is None or not self.registrar.admit(reg, ident, send):
             return
         old = self.engines.get(reg.engine_id)
-        try:
-            # First the credential: without it nothing of the Register is believed
-            # (a stranger cannot take even a dead engine's id).
-            self._check_join_token(reg.token, self.events.frames, what="Register")
-            check_endpoint(reg.data_address, field="data_address")
-            if reg.weight_address:
-                check_endpoint(reg.weight_address, field="weight_address")
-            if not reg.engine_id or len(reg.engine_id) > 128:
-                raise BadRequest("engine_id must be 1-128 characters", field="engine_id")
-            if not _ident_ok(ident, reg.engine_id, reg.incarnation):
-                # The node connects with identity "engine_id/incarnation/NONCE";
-                # heartbeats and acks are only believed from that connection.
-                raise BadRequest(
-                    "the events connection's identity must be 'engine_id/incarnation/NONCE' (NONCE: 32+ hex "
-                    "characters, secret to the engine) of the Register",
-                    field="incarnation",
-                )
-            if old is not None and old.reg.incarnation == reg.incarnation and old.ident != ident:
-                raise BadRequest(
-                    f"incarnation {reg.incarnation} of {reg.engine_id!r} is registered from another connection",
-                    field="incarnation",
-                )
-            if reg.vocab_size and self._vocab and reg.vocab_size != self._vocab:
-                raise BadRequest(
-                    f"vocab_size {reg.vocab_size} != the cluster's {self._vocab} (the first registered engine's, or "
-                    "the head's --vocab-size): every engine of a cluster must serve the same vocabulary",
-                    field="vocab_size",
-                )
-            data_curve = self._engine_curve(reg)
-        except (BadRequest, Unauthorized) as err:
-            if isinstance(err, Unauthorized):
-                self.counters["register_refused_token"] += 1
-                event = "register_refused_token"
-            else:
-                self.counters["register_refused"] += 1
-                event = "register_refused"
-            log.warning(event, engine_id=reg.engine_id[:128], pid=reg.pid, field=err.field, error=err.message)
-            reply = P.RegisterReply(ok=False, error=str(err), code=err.code.value, field=err.field)
-            self.events.send(ident, reply)
-            return
-        now = time.monotonic()
-        accepted = P.RegisterReply(
-            ok=True, heartbeat_interval_s=self.cfg.heartbeat_interval_s, data_peer=self._data_identity.decode()
-        )
-        old = self.engines.get(reg.engine_id)
-        deadline = self.cfg.missed_heartbeats * self.cfg.heartbeat_interval_s
-        admission, why = admit_register(old, reg, now, deadline_s=deadline)
-        if admission is Admission.REPEAT:
-            self.events.send(ident, accepted)
-            return
-        if admission is Admission.TAKEN:
-            log.warning(
-                "register_refused_id_taken", engine_id=reg.engine_id, incarnation=reg.incarnation, pid=reg.pid,
-                host=reg.host, data=reg.data_address, error=why,
-            )  # fmt: skip
-            self.events.send(ident, P.RegisterReply(ok=False, error=why, retry=True))
-            return
         if old is not None:  # restarted process under the same id: what it ran is gone
             self.forwarding.evacuate(old, f"engine {reg.engine_id} restarted")
             self.bus.engine_gone(reg.engine_id)
             self._forget(old)
-        sock = open_socket(
-            self.ctx, zmq.DEALER, connect=reg.data_address, curve=data_curve, identity=self._data_identity
-        )
-        e = EngineEntry(reg=reg, sock=sock, registered_at=now, last_seen=now, steps_changed_at=now, ident=ident)
-        if not self._vocab and reg.vocab_size > 0:
-            self._vocab = reg.vocab_size  # the cluster's vocabulary from now on
-        e.loras = set(reg.loras)
-        e.weight_version = reg.weight_version
+        e = self.registrar.connect(reg, ident, checked[0])
         self.engines[reg.engine_id] = e
         handlers = self.forwarding.engine_handlers(e, lambda: ep)
         # Acks come over the data connection too (behind the chunks produced before them).
         handlers[P.Ack] = lambda _peer, ack, buffers: self._on_data_ack(e, ack, buffers)
-        ep = Endpoint(
-            sock,
-            self.codec,
-            handlers,
-            name=f"engine {reg.engine_id}",
-            routed=False,
-            error_reply=None,
-        )
-        self._endpoints[sock] = ep
-        self.poller.register(sock, zmq.POLLIN)
-        self.events.send(ident, accepted)
+        ep = Endpoint(e.sock, self.codec, handlers, name=f"engine {reg.engine_id}", routed=False, error_reply=None)
+        self._endpoints[e.sock] = ep
+        self.poller.register(e.sock, zmq.POLLIN)
+        send(ident, self.registrar.accepted())
         log.info("engine_registered", engine_id=reg.engine_id, data=reg.data_address, backend=reg.backend)
         self.control.join(e)
 
-    def _engine_curve(self, reg: P.Register) -> Any:
-        """Keys to connect to the engine's data socket: its own CURVE key, which
-        must be an allowed engine credential (else the head would hand requests
-        to a server nobody vouched for)."""
-        if self._curve is None or self.gate is None or not reg.data_address.startswith("tcp://"):
-            return None
-        if not self.gate.allows(auth.ENGINES, reg.curve_key.encode()):
-            raise BadRequest(
-                "curve_key is not an engine credential of this cluster (engines/*.key of the head's curve_dir)",
-                field="curve_key",
-            )
-        return self._curve.connecting_to(reg.curve_key.encode())
-
-    def _engine_of(self, ident: bytes, engine_id: str, what: str) -> EngineEntry | None:
-        """The registered engine `engine_id` if this message came over ITS events
-        connections (the loop's, and the heartbeat thread's ".../hb"). Hazard:
-        without --curve anyone who reaches the events socket
-        could otherwise speak for an engine (a forged ack of a commit, a heartbeat
-        with another weight version); a second connection cannot take a live
-        identity (ROUTER without handover), so the identity is the credential,
-        and its NONCE part, secret to the engine process, keeps it from being
-        re-used once that process is dead."""
-        e = self.engines.get(engine_id)
-        if e is None:
-            return None
-        own = e.ident
-        if ident != own and ident != own + b"/hb":
-            self.counters["spoofed_events"] += 1
-            if self.counters["spoofed_events"] <= 10 or self.counters["spoofed_events"] % 1000 == 0:
-                log.warning("engine_event_from_another_connection", engine_id=engine_id, what=what)
-            return None
-        return e
-
     def _on_heartbeat(self, ident: bytes, hb: P.Heartbeat, _b: list[Any]) -> None:
         if hb.engine_id not in self.engines:
-            self._ask_rejoin(ident, hb.engine_id)
+            self.registrar.ask_rejoin(ident, hb.engine_id, self.events.send)
             return
-        e = self._engine_of(ident, hb.engine_id, "heartbeat")
+        e = engine_of(self.engines, self.counters, ident, hb.engine_id, "heartbeat")
         if e is not None and e.reg.incarnation == hb.incarnation:
             e.on_heartbeat(hb, time.monotonic())
             self.control.intended.heartbeat(hb.engine_id, hb)
             self._recheck(hb.engine_id)
-
-    def _ask_rejoin(self, ident: bytes, engine_id: str) -> None:
-        """A heartbeat from an engine this head does not know: this head was
-        restarted (or forgot it). Ask it to register again, at most once a
-        second per connection; it re-registers with its weight version, LoRAs
-        and (heartbeats) paused / sleeping state, and joins like a new engine."""
-        now = time.monotonic()
-        if now - self._rejoin_asked.get(ident, -1e9) < 1.0:
-            return
-        if len(self._rejoin_asked) > 4096:
-            self._rejoin_asked.clear()
-        self._rejoin_asked[ident] = now
-        loop_ident = ident[: -len(b"/hb")] if ident.endswith(b"/hb") else ident
-        log.info("engine_asked_to_rejoin", engine_id=engine_id[:128])
-        self.events.send(loop_ident, P.Rejoin(reason="the head does not know this engine (it restarted)"))
 
     def _on_data_ack(self, e: EngineEntry, ack: P.Ack, buffers: list[Any]) -> None:
         """An ack over the engine's data connection (the head's own, so it is
@@ -513,35 +422,18 @@ class Router:
         self._recheck(ack.engine_id)
 
     def _on_ack(self, peer: bytes, ack: P.Ack, buffers: list[Any]) -> None:
-        if self._engine_of(peer, ack.engine_id, "ack") is None:
+        if engine_of(self.engines, self.counters, peer, ack.engine_id, "ack") is None:
             return  # a forged ack, or one of an engine the head does not know (any more)
         self.control.on_ack(peer, ack, buffers)
         self._recheck(ack.engine_id)
 
     # ------------------------------------------------------------ trust
 
-    def _check_join_token(self, given: str, frames: list[Any], *, what: str) -> None:
-        """Raise Unauthorized unless the message carries the cluster's join
-        token or came over a CURVE-authenticated connection (ZAP vouched for
-        its key: the allow-list is the credential there)."""
-        if self.token is None:
-            return
-        if frames and peer_key(frames[0]) is not None:
-            return
-        if given and token_matches(self.token, given):
-            return
-        why = "a wrong join token" if given else "no join token"
-        raise Unauthorized(
-            f"{what} with {why}: this cluster needs its join token (the 0600 file launch.py made: engines "
-            "--token-file or $ROLLOUT_BUS_TOKEN_FILE, clients Client(..., token_file=...) or the file launch.py "
-            "publishes for its address; README, Security)",
-            field="token",
-        )
-
     def _on_control(self, client: bytes, msg: P.Control, buffers: list[Any]) -> None:
         if type(msg.op) not in READ_ONLY_OPS:
             try:
-                self._check_join_token(msg.token, self.front.frames, what=f"control op {P.OP_NAMES[type(msg.op)]}")
+                what = f"control op {P.OP_NAMES[type(msg.op)]}"
+                check_join_token(self.token, msg.token, self.front.frames, what=what)
             except Unauthorized as e:
                 self.counters["unauthorized"] += 1
                 log.warning("control_refused_token", op=P.OP_NAMES[type(msg.op)], request_id=msg.request_id[:128])
@@ -550,9 +442,9 @@ class Router:
         self.control.on_control(client, msg, buffers)  # raises on a refused op: nothing held
         now = time.monotonic()
         self.leases.seen(client, now)
-        hook = _LEASE_HOOKS.get(type(msg.op))
+        hook = LEASE_HOOKS.get(type(msg.op))
         if hook is not None:
-            hook(self, client, msg, now)
+            hook(self.leases, self.control.intended, client, msg, now)
 
     def _keyed(self, handler: Any) -> Any:
         """A frontend handler that first checks the peer's CURVE key is still
@@ -595,15 +487,10 @@ class Router:
                 continue
             del self._client_keys[client]
             self.counters["clients_revoked"] += 1
-            flights = [f for f in self.forwarding.flights.values() if f.client == client]
-            log.warning("client_key_revoked", key=key, requests_ended=len(flights))
-            for fl in flights:
-                self.forwarding.fail_flight(
-                    fl,
-                    ErrorCode.UNAUTHORIZED,
-                    f"client key {key} was removed from the head's clients allow-list",
-                    "client_key",
-                )
+            ended = sum(1 for f in self.forwarding.flights.values() if f.client == client)
+            log.warning("client_key_revoked", key=key, requests_ended=ended)
+            why = f"client key {key} was removed from the head's clients allow-list"
+            self.forwarding.fail_client(client, ErrorCode.UNAUTHORIZED, why, "client_key")
 
     # ------------------------------------------------------------ frontend queries
 
@@ -672,91 +559,3 @@ class Router:
     def _before_error(self) -> None:
         self.forwarding.flush()  # chunks already produced go out before the error
         self.counters["errors"] += 1
-
-
-def run_router_node(argv: list[str] | None = None) -> int:
-    """Entry point: `python -m router_node …`."""
-    from bus.runtime import become_child_process
-    from router_node.config import parse_args
-
-    cfg = parse_args(argv)
-    become_child_process("rollout-bus router_node")
-    from bus.profiler import start_from_env
-
-    start_from_env("head")  # benchmarks only: ROLLOUT_BUS_PROFILE_DIR
-    try:
-        router = Router(cfg)
-    except KeyFileError as e:  # an unreadable or group-readable token / key file: say which
-        log.error("head_refused_to_start", field=e.field, error=str(e))
-        return 2
-    if cfg.metrics_port >= 0:
-        from router_node.metrics import serve_metrics
-
-        router.addresses["metrics"] = (
-            f"http://{cfg.metrics_host}:{serve_metrics(router, cfg.metrics_port, cfg.metrics_host)}/metrics"
-        )
-    signal.signal(signal.SIGTERM, router.request_stop)
-    signal.signal(signal.SIGINT, router.request_stop)
-    ready = getattr(cfg, "ready_file", None)
-    if ready:
-        tmp = ready + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(router.addresses, f)
-        os.replace(tmp, ready)
-    return router.run()
-
-
-def _ident_ok(ident: bytes, engine_id: str, incarnation: str) -> bool:
-    """The events-socket identity an engine node connects with
-    (engine_node/node.py): "engine_id/incarnation/NONCE", NONCE 32+ hex chars."""
-    prefix = f"{engine_id}/{incarnation}/".encode()
-    nonce = ident[len(prefix) :]
-    return ident.startswith(prefix) and len(nonce) >= 32 and all(c in b"0123456789abcdef" for c in nonce)
-
-
-def _hold_pause(router: Router, client: bytes, msg: P.Control, now: float) -> None:
-    if msg.targets is None:  # a cluster-wide pause (the intended state's) is held
-        assert isinstance(msg.op, P.Pause)
-        router.leases.acquired(client, L.pause(msg.op.lora), now)
-
-
-def _drop_pause(router: Router, client: bytes, msg: P.Control, now: float) -> None:
-    assert isinstance(msg.op, P.Resume)
-    if msg.op.lora is None:
-        router.leases.released_kind("pause")  # a resume of every scope, by anyone
-    else:
-        router.leases.released(L.pause(msg.op.lora))
-
-
-def _hold_sleep(router: Router, client: bytes, msg: P.Control, now: float) -> None:
-    if msg.targets is None:
-        router.leases.acquired(client, L.SLEEP, now)
-
-
-def _drop_sleep(router: Router, client: bytes, msg: P.Control, now: float) -> None:
-    # Tags wake one by one (SkyRL: weights, then kv_cache): the sleep is let go
-    # of once the cluster intends nothing asleep, whatever the split.
-    if not router.control.intended.cluster.asleep:
-        router.leases.released(L.SLEEP)
-
-
-def _hold_txn(router: Router, client: bytes, msg: P.Control, now: float) -> None:
-    assert isinstance(msg.op, P.BeginWeightUpdate)
-    router.leases.acquired(client, L.txn(msg.op.update_id), now)
-
-
-def _drop_txn(router: Router, client: bytes, msg: P.Control, now: float) -> None:
-    assert isinstance(msg.op, (P.FinishWeightUpdate, P.AbortWeightUpdate))
-    router.leases.released(L.txn(msg.op.update_id))
-
-
-# What a client's control op takes or lets go of (router_node/leases.py).
-_LEASE_HOOKS: dict[type, Any] = {
-    P.Pause: _hold_pause,
-    P.Resume: _drop_pause,
-    P.Sleep: _hold_sleep,
-    P.WakeUp: _drop_sleep,
-    P.BeginWeightUpdate: _hold_txn,
-    P.FinishWeightUpdate: _drop_txn,
-    P.AbortWeightUpdate: _drop_txn,
-}

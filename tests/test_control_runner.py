@@ -10,9 +10,10 @@ import time
 import structlog
 
 from bus import protocol as P
+from bus.errors import RequestTimeout
+from engine_node.actions import DEFERRED, Pending, SendAck, wire_ack
 from engine_node.backend import BackendError, BackendOp
 from engine_node.control import ControlRunner
-from engine_node.core import DEFERRED, Pending
 
 
 class Rig:
@@ -114,5 +115,27 @@ def test_failures_are_typed_and_deferred_ops_are_not_acked_here() -> None:
         a = rig.acks[-1]
         assert not a.ok and a.failure is not None
         assert (a.seq, a.failure.code, a.failure.field) == (3, "backend_refused", "level")
+    finally:
+        rig.r.close()
+
+
+def test_a_cores_late_ack_is_one_shape_cached_for_republication() -> None:
+    """A SendAck a core appends later (pause(wait), a prepare that waited) goes
+    out through the runner like any ack: same wire shape, cached, acked_seq."""
+    rig = Rig()
+    try:
+        rig.cmd(7, P.Pause(mode="wait"))
+        assert rig.acks == [] and rig.r.acked_seq == 0
+        rig.r.ack(SendAck.done(7, P.PauseResult(mode="wait", scope="*")))
+        assert rig.acks[-1].seq == 7 and rig.acks[-1].ok and rig.acks[-1].result.mode == "wait"
+        assert rig.r.acked_seq == 7
+        rig.cmd(7, P.Pause(mode="wait"))  # republished: answered from the cache
+        assert len(rig.acks) == 2 and rig.acks[-1] == rig.acks[0] and rig.ran.count("pause") == 1
+        rig.cmd(8, P.Pause(mode="wait"))
+        late = SendAck.failed(8, RequestTimeout("pause(mode='wait') still had 1 running sequence(s)"))
+        assert late.failure is not None and late.failure.code == "timeout" and not late.ok
+        rig.r.ack(late)
+        assert rig.acks[-1] == wire_ack("e0", late) and not rig.acks[-1].ok  # the one mapping to the wire
+        assert SendAck.done(9).result == P.Done() and SendAck.done(9).ok  # nothing to report: Done
     finally:
         rig.r.close()

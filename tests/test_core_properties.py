@@ -1,4 +1,5 @@
-"""Property tests of the request core (engine_node/core.py) with a scripted
+"""Property tests of the request core (engine_node/core.py and the modules it
+puts together: request_flow, pausing, sleeping, chunks) with a scripted
 backend: thousands of random interleavings of generate / cancel / pause
 (abort | keep | wait, LoRA or all) / resume / weight update / sleep / wake /
 backend-side abort and error finishes / abort leftovers / clock advances past
@@ -24,7 +25,13 @@ Invariants:
   sample of such a request holds a token (core state, and what a stream
   consumer kept after discarding at each `restarts` increase) older than
   version - k; a restarted sample regenerates the same tokens (same seed)
-  and its final chunk reports the restart count; a sample's seed never changes.
+  and its final chunk reports the restart count; a sample's seed never changes;
+- the core's output is typed actions (engine_node/actions.py), executed in
+  order: SendChunks / SendError / SendAck only; a SendAck answers only a
+  command its handler DEFERRED (pause(wait)), exactly once, with a result or a
+  typed failure (timeout naming `timeout_s`), never both; and the chunks a
+  drained scope produced come before its pause(wait)'s ack — no token of that
+  scope is stepped out after it until a resume.
 
 Cost: the "ci" profile (default) is derandomized and bounded (~20 s). For a
 long hunt: ROLLOUT_BUS_HYPOTHESIS_PROFILE=long (or set
@@ -42,7 +49,9 @@ from hypothesis import strategies as st
 
 from bus import protocol as P
 from bus.codec import split_chunks
-from engine_node.core import ALL, DEFERRED, SLEEP_SCOPE, Pending, RequestCore
+from engine_node.actions import DEFERRED, Pending, SendAck, SendChunks, SendError
+from engine_node.core import RequestCore
+from engine_node.gates import ALL, SLEEP_SCOPE
 from engine_node.weight_update import WeightUpdates
 from tests.scripted_backend import EOS, ScriptedBackend, expected_token
 
@@ -85,6 +94,10 @@ class Harness:
         self.sleeping = False  # any tag asleep
         self.asleep: set[str] = set()
         self.acks: dict[int, tuple] = {}
+        self.updates_seqs: set[int] = set()  # seq numbers spent on update ids, not commands
+        self.deferred: dict[int, P.Pause] = {}  # seq -> the pause(wait) the core acks later
+        self.drained: set[str] = set()  # scopes whose pause(wait) was acked drained, until a resume
+        self.execute = {SendChunks: self.on_chunks, SendError: self.on_error_action, SendAck: self.on_ack}
 
     # ------------------------------------------------------------ plumbing
 
@@ -105,21 +118,42 @@ class Harness:
                     res.on_error(e)
                 self.acks[seq] = (False, str(e))
                 return None
-        if res is not DEFERRED:
+        if res is DEFERRED:
+            assert isinstance(op, P.Pause) and op.mode == "wait", f"only pause(wait) defers, not {op}"
+            self.deferred[seq] = op
+        else:
             self.acks[seq] = (True, res)
         self.collect(during_step=False)
         return res
 
     def collect(self, *, during_step: bool) -> None:
-        for seq, ok, result, error, _code in self.core.take_acks():
-            assert seq not in self.acks, f"command {seq} acked twice"
-            self.acks[seq] = (ok, result if ok else error)
-        for peer, msg, buffers in self.core.take_sends():
-            if isinstance(msg, P.Error):
-                self.on_error(peer, msg)
-                continue
-            for ch, bufs in split_chunks(msg, buffers):
-                self.on_chunk(peer, ch, bufs, during_step)
+        """Execute the core's actions in order, as the node's table does."""
+        self.during_step = during_step
+        for a in self.core.take_actions():
+            handler = self.execute.get(type(a))
+            assert handler is not None, f"untyped action {a!r}"
+            handler(a)
+
+    def on_chunks(self, a: SendChunks) -> None:
+        for ch, bufs in split_chunks(a.msg, a.buffers):
+            self.on_chunk(a.peer, ch, bufs, self.during_step)
+
+    def on_error_action(self, a: SendError) -> None:
+        self.on_error(a.peer, a.error)
+
+    def on_ack(self, a: SendAck) -> None:
+        op = self.deferred.pop(a.seq, None)
+        assert op is not None, f"SendAck for command {a.seq}, which no handler deferred (or acked twice)"
+        assert a.seq not in self.acks, f"command {a.seq} acked twice"
+        assert (a.result is None) != (a.failure is None), "an ack has a result or a failure, never both"
+        if a.failure is not None:
+            assert a.failure.code == "timeout" and f"timeout_s={op.timeout_s}" in a.failure.message, a.failure
+            self.acks[a.seq] = (False, a.failure.message)
+            return
+        assert isinstance(a.result, P.PauseResult) and a.result.mode == "wait"
+        if not a.result.resumed_before_drained:
+            self.drained.add(a.result.scope)
+        self.acks[a.seq] = (True, a.result)
 
     def on_error(self, peer: bytes, err: P.Error) -> None:
         r = self.reqs.get((peer, err.request_id))
@@ -154,6 +188,7 @@ class Harness:
                     raise AssertionError(
                         f"tokens emitted for {ch.request_id} while {scope!r} is paused ({self.pauses[scope]})"
                     )
+                assert scope not in self.drained, f"tokens for {ch.request_id} after {scope!r} was acked drained"
         if msg.stream:
             assert not ch.version_changes
             if toks:
@@ -265,8 +300,10 @@ class Harness:
         self.control(self.core.resume, P.Resume(lora=lora))
         if lora is None:
             self.pauses.clear()
+            self.drained.clear()
         else:
             self.pauses.pop(lora, None)
+            self.drained.discard(lora)
 
     def sleep(self, level: int) -> None:
         self.control(self.core.sleep, P.Sleep(level=level))
@@ -280,9 +317,9 @@ class Harness:
         assert isinstance(res, P.WakeUpResult), res
         self.asleep -= {"weights", "kv_cache"} if tags is None else set(tags)
         self.sleeping = bool(self.asleep)
-        assert self.core.asleep == self.asleep, (self.core.asleep, self.asleep)
-        assert (SLEEP_SCOPE in self.core.pauses) == self.sleeping, "the sleep gate follows the tags"
-        assert (self.core.sleep_level > 0) == self.sleeping
+        assert self.core.gate.asleep == self.asleep, (self.core.gate.asleep, self.asleep)
+        assert (SLEEP_SCOPE in self.core.gate.pauses) == self.sleeping, "the sleep gate follows the tags"
+        assert (self.core.gate.sleep_level > 0) == self.sleeping
         assert self.core.weight_version >= before
         self._after_weights_changed(restarts_before)
 
@@ -291,6 +328,7 @@ class Harness:
         engine catching up), else the engine increments."""
         self.seq += 1
         uid = f"u{self.seq}"
+        self.updates_seqs.add(self.seq)
         before = self.core.weight_version
         restarts_before = self._core_restarts()
         meta = P.TensorMeta("w", "float32", [1], 0, 0, 4)
@@ -339,6 +377,18 @@ class Harness:
         self.core.on_step(self.backend.step())
         self.collect(during_step=True)
 
+    def turn(self, per_seq: int, dt: int) -> None:
+        """One loop turn of the node: step, then the clock tick, then one flush
+        of everything both produced (so a pause(wait) drained by this step is
+        acked in the same action list as the step's chunks)."""
+        if self.core.admit_dirty:
+            self.core.admit()
+        self.backend.produce(per_seq)
+        self.core.on_step(self.backend.step())
+        self.now += dt
+        self.core.tick(self.now, self.now)
+        self.collect(during_step=True)
+
     def produce(self, per_seq: int) -> None:
         """The engine ran but nothing was handed over yet: an abort now has leftovers."""
         self.backend.produce(per_seq)
@@ -379,8 +429,10 @@ class Harness:
             for idx, why in r["finals"].items():
                 if why == "cancelled":
                     assert r["cancelled"], f"{key}/{idx} cancelled without a cancel"
-        # every control command got exactly one ack
-        assert set(self.acks) >= {s for s in self.acks}, "unreachable"
+        # every control command got exactly one ack: the deferred ones too, once
+        # the gate opened (quiesce resumed every scope: moot waits are answered)
+        assert not self.deferred, f"deferred commands never acked: {sorted(self.deferred)}"
+        assert set(self.acks) == set(range(1, self.seq + 1)) - self.updates_seqs, "a command without an ack"
 
 
 EVENTS = st.one_of(
@@ -398,6 +450,7 @@ EVENTS = st.one_of(
     st.tuples(st.just("step"), st.integers(1, 3)),
     st.tuples(st.just("step"), st.integers(1, 3)),
     st.tuples(st.just("step"), st.integers(1, 3)),
+    st.tuples(st.just("turn"), st.integers(1, 3), st.sampled_from([0, 0, 1])),
     st.tuples(st.just("produce"), st.integers(1, 3)),
     st.tuples(st.just("cancel"), st.integers(0, 50)),
     st.tuples(st.just("pause"), st.sampled_from(["abort", "keep", "wait"]), st.integers(0, 2)),

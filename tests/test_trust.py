@@ -295,7 +295,7 @@ def test_version_rules_without_sockets():
     level-2 wake reloading its checkpoint) is not "ahead"."""
     from router_node.cluster_state import ClusterWeights
     from router_node.registry import EngineEntry, EngineState
-    from router_node.router import _ident_ok
+    from router_node.trust import ident_ok as _ident_ok
 
     cw = ClusterWeights()
     cw.on_register(3)  # a restarted head learns where the cluster was

@@ -258,7 +258,7 @@ def test_split_packed_refuses_frames_that_are_not_4_byte_values():
 def test_an_engine_error_text_reaches_the_client_cut_to_1kb():
     from bus import protocol as P
     from bus.errors import MAX_ECHO
-    from router_node.control import failure_of
+    from router_node.acks import failure_of
 
     f = failure_of(P.Ack(seq=1, engine_id="e0", failure=P.EngineFailure("backend_refused", "x" * 50_000, "w")))
     assert len(f.message) <= MAX_ECHO and f.message.endswith("more chars]") and f.field == "w"

@@ -1,5 +1,5 @@
-"""The weight-update transaction (engine_node/weight_update.py) and the shell's
-ack error mapping, without processes."""
+"""The weight-update transaction (engine_node/weight_update.py) and the typed
+ack failures (engine_node/actions.py), without processes."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from bus import protocol as P
 from bus.errors import BadRequest
 from bus.tensors import BucketPacker, pack_bucket, plan_buckets, unpack_bucket
 from bus.transport import NcclArgs
+from engine_node.actions import DEFERRED, Pending, SendAck, failure_of
 from engine_node.backend import BackendError, BackendOp, BackendTimeout
-from engine_node.control import ack_error_of
-from engine_node.core import DEFERRED, Pending, RequestCore
+from engine_node.core import RequestCore
 from engine_node.weight_update import Phase, WeightUpdates
 from tests.scripted_backend import ScriptedBackend
 
@@ -112,12 +112,23 @@ def test_lora_target_keeps_clones_and_commits_as_a_load() -> None:
 
 
 def test_ack_error_codes_are_typed() -> None:
-    code, msg, field = ack_error_of(BackendTimeout("commit_weight_update", 600, "op_timeout_s"))
-    assert code == "backend_timeout" and "op_timeout_s" in msg and field == "op_timeout_s"
-    assert ack_error_of(BackendError("bad tensor", field="tensors")) == ("backend_refused", "bad tensor", "tensors")
-    assert ack_error_of(BadRequest("bad mode", field="mode"))[::2] == ("bad_request", "mode")
-    code, msg, field = ack_error_of(RuntimeError("boom"))
-    assert code == "internal" and "boom" in msg and field is None
+    f = failure_of(BackendTimeout("commit_weight_update", 600, "op_timeout_s"))
+    assert f.code == "backend_timeout" and "op_timeout_s" in f.message and f.field == "op_timeout_s"
+    assert failure_of(BackendError("bad tensor", field="tensors")) == P.EngineFailure(
+        "backend_refused", "bad tensor", "tensors"
+    )
+    f = failure_of(BadRequest("bad mode", field="mode"))
+    assert (f.code, f.field) == ("bad_request", "mode")
+    f = failure_of(RuntimeError("boom"))
+    assert f.code == "internal" and "boom" in f.message and f.field is None
+    assert failure_of(ValueError("bad dtype")).code == "backend_refused"
+
+
+def _only_ack(up: WeightUpdates) -> SendAck:
+    """The one deferred ack the transaction produced (taken, as the shell does)."""
+    [a] = up.take_actions()
+    assert isinstance(a, SendAck) and a.ok == (a.failure is None) and (a.result is None) != a.ok
+    return a
 
 
 # ---------------------------------------------------------------- streamed, several senders, deadlines
@@ -144,8 +155,8 @@ def test_streamed_buckets_from_two_senders_reach_the_backend_only_at_prepare() -
     assert b.staged == {} and up.current.phase is Phase.RECEIVING  # held, not staged yet
     assert up.prepare(P.PrepareWeights("s1", wait_s=5), seq=7) is DEFERRED  # sender 1 has not ended
     up.on_sender_end("s1", 1, 1)
-    (seq, ok, vote, err), *_ = up.acks
-    assert (seq, ok, err) == (7, True, None) and vote.buckets == 3 and vote.tensors == 3
+    a = _only_ack(up)
+    assert (a.seq, a.ok) == (7, True) and a.result.buckets == 3 and a.result.tensors == 3
     # global bucket order is (sender, index): a0, a1, then b0
     assert b.staged == {0: bytes([1]) * 8, 1: bytes([2]) * 8, 2: bytes([3]) * 8}
     res = _finish(up.commit(P.FinishWeightUpdate("s1", version=5)))
@@ -160,11 +171,12 @@ def test_a_sender_that_never_ends_fails_the_prepare_naming_it() -> None:
     core.now = 10.0
     assert up.prepare(P.PrepareWeights("s2", wait_s=1.0), seq=3) is DEFERRED
     up.tick(10.5)
-    assert not up.acks
+    assert not up.actions
     up.tick(11.5)
-    (seq, ok, _r, err), *_ = up.acks
-    assert seq == 3 and not ok and "sender(s) [1] never finished" in str(err) and "wait_s=1.0" in str(err)
-    assert err.field == "senders"
+    a = _only_ack(up)
+    assert a.seq == 3 and not a.ok and "sender(s) [1] never finished" in a.failure.message
+    assert "wait_s=1.0" in a.failure.message and a.failure.field == "senders"
+    assert a.failure.code == "backend_refused"
     assert up.current is None and b.commits == 0 and core.weight_version == 0
 
 
@@ -175,7 +187,7 @@ def test_a_declared_bucket_that_never_came_fails_the_prepare() -> None:
     up.on_sender_end("s3", 0, 2)  # says 2 buckets; bucket 0 was lost
     assert up.prepare(P.PrepareWeights("s3", wait_s=0.0), seq=1) is DEFERRED
     up.tick(1.0)
-    assert "(0, 0)" in str(up.acks[0][3]) and up.current is None
+    assert "(0, 0)" in _only_ack(up).failure.message and up.current is None
 
 
 def test_bad_streamed_input_is_refused() -> None:
@@ -225,7 +237,8 @@ def test_an_abort_fails_a_waiting_prepare() -> None:
     _streamed(up, "s5")
     assert up.prepare(P.PrepareWeights("s5"), seq=9) is DEFERRED
     up.abort(P.AbortWeightUpdate("s5"))
-    assert up.acks[0][0] == 9 and not up.acks[0][1] and up.current is None
+    a = _only_ack(up)
+    assert a.seq == 9 and not a.ok and "aborted" in a.failure.message and up.current is None
 
 
 def test_streamed_tensors_the_backend_refuses_abort_at_prepare() -> None:
@@ -290,8 +303,8 @@ def test_gpu_parts_of_two_senders_commit_once_after_both() -> None:
     assert up.current.phase is Phase.RECEIVING, "a part is not a vote"
     assert up.prepare(P.PrepareWeights("g1", wait_s=5.0)) is DEFERRED  # sender 0 is still missing
     _finish(_part(up, "g1", 0, ("a0",)))
-    [(seq, ok, vote, err)] = up.acks  # the deferred prepare completed with the last part
-    assert ok and vote.buckets == 2 and vote.tensors == 3 and vote.bytes == 24
+    a = _only_ack(up)  # the deferred prepare completed with the last part
+    assert a.ok and a.result.buckets == 2 and a.result.tensors == 3 and a.result.bytes == 24
     assert b.parts == [(1, ["b0", "b1"], [16]), (0, ["a0"], [8])]
     res = _finish(up.commit(P.FinishWeightUpdate("g1")))
     assert b.commits == 1 and res["weight_version"] == core.weight_version == 1
@@ -310,8 +323,8 @@ def test_gpu_part_refusals_name_the_sender_and_a_silent_sender_fails_the_prepare
     assert up.prepare(P.PrepareWeights("g2", wait_s=1.0)) is DEFERRED
     core.set_time(core.now + 2.0, 0.0)
     up.tick(core.now)
-    [(seq, ok, _res, err)] = up.acks
-    assert not ok and "sender(s) [1] never finished sending" in str(err)
+    a = _only_ack(up)
+    assert not a.ok and "sender(s) [1] never finished sending" in a.failure.message
     assert b.commits == 0 and core.weight_version == 0
 
 

@@ -1,0 +1,102 @@
+"""What one sample's chunk carries, built from the node's request bookkeeping
+(engine_node/requests.py). Pure functions: no I/O, no clock reads.
+
+Hazards this module owns:
+- a chunk carries only the tokens after `Sample.sent`, and advances it: the
+  caller sends every chunk it builds (a built and dropped chunk loses tokens);
+- token ids, logprobs and top-k travel as raw frames (bus/frames.py), in the
+  order bus.codec.split_chunks expects; prompt logprobs only on a final chunk;
+- streamed chunks carry the current weight version; a non-streamed final
+  carries the versions its tokens came from (version marks);
+- the stop / length decision is the backends' order: a last token that is both
+  the max_tokens-th and a stop token finished with "stop".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from bus import frames as F
+from bus import protocol as P
+from bus.frames import chunk_versions, pack_logprobs, pack_tokens
+from engine_node.requests import NodeRequest, Sample
+
+
+def natural_finish(req: NodeRequest, s: Sample, eos: frozenset[int]) -> str | None:
+    """ "stop" / "length" when the sample's tokens so far end it, else None."""
+    p = req.msg.params
+    if s.tokens and len(s.tokens) > req.msg.resume_len:
+        last = s.tokens[-1]
+        if last in p.stop_token_ids or (not p.ignore_eos and last in eos):
+            return "stop"
+    if len(s.tokens) >= p.max_tokens:
+        return "length"
+    return None
+
+
+def sample_chunk(
+    req: NodeRequest,
+    s: Sample,
+    finish: str | None,
+    version: int,
+    wall: float,
+    engine_id: str,
+    eos: frozenset[int],
+) -> tuple[P.Chunk, list[Any]]:
+    """The sample's next chunk (tokens since the last one) and its frames.
+    Hot path (once per chunk): positional arguments."""
+    sent = s.sent
+    p = req.msg.params
+    buffers = [pack_tokens(s.tokens[sent:])]
+    top_k = prompt_k = -1
+    if F.logprobs_wanted(p.logprobs):
+        buffers.append(pack_logprobs(s.logprobs[sent:]))
+        top_k = F.top_k_of(p.logprobs)
+        if top_k > 0:
+            buffers.append(pack_tokens(s.top_ids[sent * top_k : len(s.tokens) * top_k]))
+            buffers.append(pack_logprobs(s.top_logprobs[sent * top_k : len(s.tokens) * top_k]))
+    text = None
+    if finish is not None:
+        pl = s.prompt_logprobs
+        if p.prompt_logprobs is not None and pl is not None:
+            prompt_k = pl.k
+            buffers += F.encode_prompt(pl.k, pl.logprobs, pl.top_ids, pl.top_logprobs)
+        if s.matcher is not None:
+            last = s.tokens[-1] if len(s.tokens) > req.msg.resume_len else None
+            stop_id = last is not None and (last in p.stop_token_ids or (not p.ignore_eos and last in eos))
+            text = s.matcher.final_text(finish == "stop" and stop_id)
+    changes: list[list[int]]
+    if req.msg.stream:
+        changes = []
+    else:
+        version, changes = chunk_versions(s.version_marks, version)
+    chunk = P.Chunk(
+        request_id=req.msg.request_id,
+        sample_index=s.index,
+        weight_version=version,
+        finish_reason=finish,
+        version_changes=changes,
+        emitted_at=wall,
+        num_prompt_tokens=len(req.base_prompt) if finish else 0,
+        engine_id=engine_id if finish else "",
+        top_logprobs=max(0, top_k),
+        prompt_logprobs=prompt_k,
+        stop_reason=s.stop_reason if finish else None,
+        text=text,
+        restarts=s.restarts,
+    )
+    s.sent = len(s.tokens)
+    return chunk, buffers
+
+
+def base_prompt_logprobs(pl: Any, base_len: int) -> Any:
+    """A submission's prompt logprobs cut to the client's prompt (a re-submitted
+    prompt ends with output tokens)."""
+    k = pl.k
+    return dataclasses.replace(
+        pl,
+        logprobs=list(pl.logprobs[:base_len]),
+        top_ids=list(pl.top_ids[: base_len * k]),
+        top_logprobs=list(pl.top_logprobs[: base_len * k]),
+    )

@@ -1,0 +1,98 @@
+"""An engine node's weight data socket: the ROUTER that zmq-transport weight
+buckets arrive on (`WeightBucket`, `WeightSenderEnd`), each answered with a
+`WeightBucketAck`. The transaction they feed is engine_node/weight_update.py.
+
+Ownership: the node's loop thread (the socket and every method here).
+
+Hazards:
+- a refused bucket or sender end (BackendError / ValueError: bad size, unknown
+  update, duplicate) aborts the update it belongs to and is answered with
+  ok=False naming why; any other exception is a bug of ours: logged with its
+  traceback, answered the same way, and the node keeps serving;
+- a bucket's zmq frame is passed on with its view: a streamed update keeps it
+  (zero-copy) until the prepare stages it;
+- a bucket may complete a prepare that waited for it: `after` (the node's
+  flush) runs after every bucket so its deferred ack goes out at once;
+- a sender that left loses only its bucket acks: nothing to undo here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from bus import auth
+from bus import protocol as P
+from bus.codec import Codec
+from bus.endpoint import Endpoint
+from engine_node.backend import BackendError
+from engine_node.peer_keys import Handler, keyed
+from engine_node.weight_update import WeightUpdates
+
+
+class WeightSocket:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        codec: Codec,
+        updates: WeightUpdates,
+        *,
+        engine_id: str,
+        gate: auth.Gatekeeper | None,
+        after: Callable[[], None],
+        max_batch: int,
+        log: Any,
+    ) -> None:
+        self.updates = updates
+        self.engine_id = engine_id
+        self.after = after
+        self.log = log
+        self.sock = sock  # bound by the node (its address goes into the Register)
+        handlers: dict[type, Handler] = {
+            P.WeightBucket: self._on_bucket,
+            P.WeightSenderEnd: self._on_sender_end,
+        }
+        self.ep = Endpoint(
+            self.sock,
+            codec,
+            {t: keyed(gate, lambda: self.ep.frames, h) for t, h in handlers.items()},
+            name="weights",
+            routed=True,
+            error_reply=lambda rid, code, message, field: P.WeightBucketAck(
+                update_id="", bucket=-1, ok=False, error=message
+            ),
+            max_batch=max_batch,
+        )
+
+    def _on_bucket(self, peer: bytes, msg: P.WeightBucket, buffers: list[Any]) -> None:
+        ack = P.WeightBucketAck(update_id=msg.update_id, bucket=msg.bucket)
+        try:
+            if not buffers:
+                raise BackendError(f"bucket {msg.bucket} of update {msg.update_id} has no data frame")
+            self.updates.on_bucket(
+                msg.update_id, msg.bucket, buffers[0].buffer, sender=msg.sender, metas=msg.metas, frame=buffers[0]
+            )
+        except Exception as e:  # refused, or a bug (logged in _refused): answer it, keep serving
+            ack = self._refused(msg.update_id, msg.bucket, e)
+        self.ep.send(peer, ack)
+        self.after()
+
+    def _on_sender_end(self, peer: bytes, msg: P.WeightSenderEnd, _b: list[Any]) -> None:
+        ack = P.WeightBucketAck(update_id=msg.update_id, bucket=-1)
+        try:
+            self.updates.on_sender_end(msg.update_id, msg.sender, msg.buckets)
+        except Exception as e:  # as in _on_bucket
+            ack = self._refused(msg.update_id, -1, e)
+        self.ep.send(peer, ack)
+        self.after()
+
+    def _refused(self, update_id: str, bucket: int, e: Exception) -> P.WeightBucketAck:
+        if not isinstance(e, (BackendError, ValueError)):
+            self.log.exception("weight_bucket_crashed", update_id=update_id, bucket=bucket)
+        self.updates.abort_current(update_id, str(e))
+        return P.WeightBucketAck(update_id=update_id, bucket=bucket, ok=False, error=f"{self.engine_id}: {e}")
+
+    def close(self) -> None:
+        self.ep.close()
