@@ -274,7 +274,14 @@ class Outbox:
 def _raw(body: Any) -> Any:
     try:
         return msgspec.msgpack.decode(body)
-    except Exception:
+    except (
+        msgspec.MsgspecError,
+        TypeError,
+        ValueError,
+        RecursionError,
+        MemoryError,
+        OverflowError,
+    ):  # garbage is expected here: the caller replies BadRequest
         return None
 
 
@@ -288,6 +295,6 @@ def request_id_of(frames: Sequence[Any]) -> str:
             return raw[1]
     # Hostile bodies: msgspec's decode errors, a missing frame, a frame that is
     # not bytes, nesting too deep; the caller's error reply goes out without an id.
-    except (msgspec.DecodeError, IndexError, TypeError, ValueError, RecursionError, MemoryError):
+    except (msgspec.DecodeError, IndexError, TypeError, ValueError, RecursionError, MemoryError, OverflowError):
         pass
     return ""

@@ -98,8 +98,8 @@ def start_from_env(role: str) -> StackSampler | None:
         while not sampler._stop.wait(5.0):
             try:
                 write()
-            except Exception:
-                pass
+            except Exception as exc:  # a full disk must not stop the sampler; say so once per period
+                print(f"rollout-bus profiler: cannot write its output: {exc!r}", file=sys.stderr)
 
     threading.Thread(target=periodic, name="rb-profiler-writer", daemon=True).start()
     atexit.register(write)

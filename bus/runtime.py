@@ -47,7 +47,7 @@ def set_title(title: str) -> None:
         import setproctitle
 
         setproctitle.setproctitle(title)
-    except Exception:  # pragma: no cover - cosmetic only
+    except (ImportError, OSError):  # pragma: no cover - cosmetic only: the title is for ps/top
         pass
 
 

@@ -106,7 +106,7 @@ def engine_processes(root_pid: int) -> list[int]:
     for p in psutil.Process(root_pid).children(recursive=True):
         try:
             title = " ".join(p.cmdline()) + " " + p.name()
-        except Exception:
+        except (psutil.Error, OSError):  # a child that ended or is not ours meanwhile
             continue
         if "EngineCore" in title or "Worker" in title:
             out.append(p.pid)

@@ -29,7 +29,11 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+import structlog
+
 from bus.errors import BadRequest
+
+log = structlog.get_logger("rollout_bus.detokenize")
 
 
 @functools.lru_cache(maxsize=4)
@@ -37,7 +41,7 @@ def load_tokenizer(model: str) -> Any:
     """The engine model's tokenizer (AutoTokenizer from the model folder), once."""
     from transformers import AutoTokenizer
 
-    from engine_node.tiny_model import hf_quiet
+    from engine_node.tiny_model import hf_quiet  # lazy: tiny_model imports torch and transformers
 
     with hf_quiet():
         return AutoTokenizer.from_pretrained(model)
@@ -99,7 +103,9 @@ class StopMatcher:
         if self._stream is not None:
             try:
                 piece = self._stream.step(self._fast, tok)
-            except Exception:  # vLLM's recovery: restart the stream (invalid prefix)
+            except Exception as exc:  # vLLM's recovery: restart the stream (invalid prefix)
+                # the tokenizers binding raises a bare Exception; the restart is the handling
+                log.debug("decode_stream_restart", error=str(exc))
                 from tokenizers.decoders import DecodeStream
 
                 self._stream = DecodeStream(skip_special_tokens=self.skip)

@@ -102,7 +102,9 @@ def test_no_silent_broad_except() -> None:
 
 
 def test_the_except_rule_sees_a_silent_handler() -> None:
-    tree = ast.parse("try:\n    f()\nexcept Exception:\n    pass\ntry:\n    f()\nexcept Exception as e:\n    log.warning('x', error=str(e))\n")
+    tree = ast.parse(
+        "try:\n    f()\nexcept Exception:\n    pass\ntry:\n    f()\nexcept Exception as e:\n    log.warning('x', error=str(e))\n"
+    )
     handlers = [n for n in ast.walk(tree) if isinstance(n, ast.ExceptHandler)]
     assert [hands_on_or_logs(h) for h in handlers] == [False, True]
 

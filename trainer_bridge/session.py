@@ -21,6 +21,9 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from bus.errors import ClosedByUs
+from trainer_bridge.text import prompt_kind
+
 if TYPE_CHECKING:
     from trainer_bridge.client import AsyncClient, Client
     from trainer_bridge.types import SampleOutput
@@ -78,8 +81,6 @@ class _Trajectory:
 
     def _check_open(self) -> None:
         if self.closed:
-            from bus.errors import ClosedByUs
-
             raise ClosedByUs(f"session {self.session_id} is closed")
 
     def _record(self, s: SampleOutput) -> Turn:
@@ -115,7 +116,6 @@ class AsyncSession(_Trajectory):
         self._prompt = prompt
 
     async def _ids(self, x: Any) -> list[int]:
-        from trainer_bridge.text import prompt_kind
 
         return [int(t) for t in x] if prompt_kind(x) == "ids" else await self.client.tokenize(x)
 
@@ -159,7 +159,6 @@ class Session(_Trajectory):
         self._prompt = prompt
 
     def _ids(self, x: Any) -> list[int]:
-        from trainer_bridge.text import prompt_kind
 
         return [int(t) for t in x] if prompt_kind(x) == "ids" else self.client.tokenize(x)
 

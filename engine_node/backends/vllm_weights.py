@@ -24,10 +24,14 @@ import tempfile
 import uuid
 from typing import Any
 
+import structlog
+
 from bus.tensors import _ALIGN, unpack_bucket
 from bus.transport import Transport
 
 TRANSPORTS = tuple(t.value for t in Transport)
+
+log = structlog.get_logger("rollout_bus.vllm_weights")
 
 
 def meta_list(t: Any) -> list[Any]:
@@ -96,7 +100,8 @@ def checkpoint_shapes(model: str) -> dict[str, list[int]]:
             from huggingface_hub import snapshot_download
 
             path = snapshot_download(model, local_files_only=True, allow_patterns=["*.safetensors", "*.json"])
-        except Exception:
+        except Exception as exc:  # not in the local cache: the plan learns shapes from the engine instead
+            log.debug("checkpoint_shapes_unknown", model=model, error=repr(exc))
             return {}
     shapes: dict[str, list[int]] = {}
     try:
@@ -107,7 +112,8 @@ def checkpoint_shapes(model: str) -> dict[str, list[int]]:
                 with safe_open(os.path.join(path, fn), framework="pt") as f:
                     for k in f.keys():
                         shapes[k] = list(f.get_slice(k).get_shape())
-    except Exception:
+    except Exception as exc:  # an unreadable header: same fallback as an unknown checkpoint
+        log.debug("checkpoint_shapes_unreadable", path=path, error=repr(exc))
         return {}
     return shapes
 

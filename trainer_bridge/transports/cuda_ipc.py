@@ -112,7 +112,7 @@ _ZERO_COPY_PLAN: list[Any] = [None, None]  # [key, (metas, sizes)]
 def _zero_copy_key(named: list[tuple[str, Any]]) -> tuple[Any, ...] | None:
     try:
         return tuple((n, t.data_ptr(), t.dtype, t.shape, t.device) for n, t in named)
-    except Exception:  # not tensors: no cache
+    except (AttributeError, TypeError, RuntimeError):  # not (plain) tensors: no cache
         return None
 
 
