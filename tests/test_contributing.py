@@ -73,8 +73,8 @@ class Index:
         if head not in self.names and head not in self.modules and head not in ALIASES and external(head):
             return True
         head = ALIASES.get(head, head)
-        if not rest:
-            return head in self.names or head in self.modules
+        if not rest:  # a bare name: defined anywhere, a class member included
+            return head in self.names or head in self.modules or any(head in m for m in self.members.values())
         dotted = ".".join([head, *rest])
         if dotted in self.modules:
             return True
