@@ -587,6 +587,19 @@ def out_dir(arg: str | None) -> Path:
     return d
 
 
+def result_doc(name: str, a: argparse.Namespace, env: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """The head every GPU bench's JSON starts with: what ran, where, when, how."""
+    return {
+        "benchmark": name,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "gpu": env.get("gpu_name") or "CPU",
+        "env": env,
+        "machine": H.machine_info(),
+        "config": vars(a),
+        **extra,
+    }
+
+
 def write_doc(path: Path, doc: dict[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(H.jsonable(doc), indent=2) + "\n")

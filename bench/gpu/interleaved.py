@@ -519,14 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         "log_dir": str(log_dir),
     }
     env = G.probe_env()
-    doc: dict[str, Any] = {
-        "benchmark": NAME,
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "gpu": env.get("gpu_name") or "CPU",
-        "env": env,
-        "machine": H.machine_info(),
-        "config": vars(a),
-    }
+    doc = G.result_doc(NAME, a, env)
     t0 = time.perf_counter()
     res = G.run_phase(NAME, "bench.gpu.interleaved:phase_interleaved", spec, a.limit_s, log_dir)
     doc["result"] = {k: v for k, v in res.items() if k != "traceback"}

@@ -345,15 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         "log_dir": str(log_dir),
     }
     env = G.probe_env()
-    doc: dict[str, Any] = {
-        "benchmark": NAME,
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "gpu": env.get("gpu_name") or "CPU",
-        "env": env,
-        "machine": H.machine_info(),
-        "config": vars(a),
-        "policies": {},
-    }
+    doc = G.result_doc(NAME, a, env, policies={})
     budget = G.Budget(a.budget_s)
     policies = [p for p in a.policies.split(",") if p]
     for pol in policies:

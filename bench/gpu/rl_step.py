@@ -550,13 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     a.model = G.model_of(a)
     spec = {k: v for k, v in vars(a).items() if k not in ("plot_from", "out_dir", "log_dir", "stream_load_child")}
     spec.update(configs=[c for c in a.configs.split(",") if c], log_dir=str(log_dir))
-    doc: dict[str, Any] = {
-        "benchmark": NAME,
-        "machine": H.machine_info(),
-        "env": env,
-        "config": vars(a),
-        "targets": TARGETS,
-    }
+    doc = G.result_doc(NAME, a, env, targets=TARGETS)
     path = od / f"{NAME}.json"
     print(f"{NAME}: model {a.model}, env {json.dumps(env)}, budget {a.budget_s:.0f}s", flush=True)
     with H.Procs():

@@ -132,14 +132,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     env = G.probe_env()
     model = G.model_of(a)
     spec0 = base_spec(a, model, log_dir)
-    doc: dict[str, Any] = {
-        "benchmark": NAME,
-        "machine": H.machine_info(),
-        "env": env,
-        "config": vars(a),
-        "spec": {k: v for k, v in spec0.items() if k != "log_dir"},
-        "runs": [],
-    }
+    doc = G.result_doc(NAME, a, env, spec={k: v for k, v in spec0.items() if k != "log_dir"}, runs=[])
     path = od / f"{NAME}.json"
     print(f"{NAME}: model {model}, env {json.dumps(env)}, budget {a.budget_s:.0f}s", flush=True)
     paths = [p for p in a.paths.split(",") if p]

@@ -1040,13 +1040,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend_options": a.backend_options,
         "nccl_warm_up": a.nccl_warm_up,
     }
-    doc: dict[str, Any] = {
-        "benchmark": NAME,
-        "machine": H.machine_info(),
-        "env": env,
-        "config": vars(a),
-        "targets": TARGETS,
-    }
+    doc = G.result_doc(NAME, a, env, targets=TARGETS)
     path = od / f"{NAME}.json"
     print(f"{NAME}: model {a.model}, env {json.dumps(env)}, budget {a.budget_s:.0f}s", flush=True)
     phases = [
