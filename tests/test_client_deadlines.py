@@ -130,7 +130,9 @@ def test_a_garbled_reply_is_logged_and_the_request_gets_its_answer():
             msg, _ = codec.decode(frames)
             if isinstance(msg, P.Query):
                 head.send_multipart([peer, b"\xee", b"\xc1garbage"])
-                head.send_multipart([peer, *codec.encode(P.QueryReply(request_id=msg.request_id, body=P.StatsView(in_flight=7)))])
+                head.send_multipart(
+                    [peer, *codec.encode(P.QueryReply(request_id=msg.request_id, body=P.StatsView(in_flight=7)))]
+                )
                 return
 
     async def main() -> dict:
