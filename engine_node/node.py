@@ -336,15 +336,22 @@ class EngineNode:
 
     def _flush(self) -> None:
         """Execute what the cores asked for, in order (actions.py)."""
-        if self.core.has_actions():
-            self._run_actions(self.core.take_actions())
+        core = self.core
+        if core.actions or core.outbox.by_peer:  # core.has_actions(), inlined: runs once per turn
+            self._run_actions(core.take_actions())
         if self.updates.actions:  # prepares that waited for their senders
             self._run_actions(self.updates.take_actions())
 
     def _run_actions(self, actions: list[Any]) -> None:
+        # Chunks are nearly every action and this runs per chunk: they skip the
+        # table's extra call (callgrind: ~5k instructions per chunk otherwise).
         table = self._actions
+        send = self.data_ep.send
         for a in actions:
-            table[type(a)](a)
+            if type(a) is SendChunks:
+                send(a.peer, a.msg, a.buffers)  # a gone peer: core.peer_gone
+            else:
+                table[type(a)](a)
 
     def _tick(self, now: float) -> None:
         self.core.tick(now, time.time())

@@ -214,7 +214,7 @@ class RequestFlow:
     def take_actions(self) -> list[Action]:
         """Everything to do this turn, in order; chunks coalesced per peer."""
         if self.outbox.by_peer:
-            self._flush_chunks()
+            self.actions += [SendChunks(peer, msg, bufs) for peer, msg, bufs in self.outbox.messages()]
         out, self.actions = self.actions, []
         return out
 
