@@ -116,15 +116,15 @@ def paths_in(token: str) -> list[str]:
 
 
 def path_exists(path: str) -> bool:
-    if "/" not in path:  # a bare file name: somewhere in the tree
-        return any(ROOT.rglob(path))
+    if "/" not in path:  # a bare file name is one at the root (launch.py): elsewhere, give its path
+        return (ROOT / path).exists()
     return bool(list(ROOT.glob(path.rstrip("/"))))
 
 
 def refs_in(token: str) -> list[str]:
     """Code references in a quoted token: `A.b`, `A.b/c/d` (members of one
-    class), `f(...)` calls, CamelCase, _private and CONSTANT names. Plain
-    lowercase words are left alone: they are op names, flags and prose."""
+    class), `f(...)` calls, CamelCase, snake_case, _private and CONSTANT names.
+    Single lowercase words are left alone: they are op names, flags and prose."""
     token = token.split("(")[0].strip()
     if re.fullmatch(FILE, token) or not re.fullmatch(rf"{IDENT}(\.{IDENT})*(/{IDENT})*", token):
         return []
@@ -133,7 +133,7 @@ def refs_in(token: str) -> list[str]:
     if alternatives and "." in first:
         owner = first.rsplit(".", 1)[0]
         refs += [f"{owner}.{alt}" for alt in alternatives]
-    return [r for r in refs if "." in r or r[0].isupper() or r.startswith("_") or (r.isupper() and len(r) > 1)]
+    return [r for r in refs if "." in r or "_" in r or r[0].isupper() or (r.isupper() and len(r) > 1)]
 
 
 def test_the_guide_quotes_code() -> None:
