@@ -187,9 +187,9 @@ class EngineNode:
 
     def _wire_loop(self) -> None:
         """The loop's tables: actions by type, sockets and fds by poll event."""
-        # What the cores ask for, by action type (engine_node/actions.py).
+        # What the cores ask for, by action type (engine_node/actions.py);
+        # SendChunks is sent inline by _run_actions (it runs per chunk).
         self._actions: dict[type, Callable[[Any], None]] = {
-            SendChunks: self._send_chunks,
             SendError: self._send_error,
             SendAck: self.control.ack,
         }
@@ -337,7 +337,7 @@ class EngineNode:
     def _flush(self) -> None:
         """Execute what the cores asked for, in order (actions.py)."""
         core = self.core
-        if core.actions or core.outbox.by_peer:  # core.has_actions(), inlined: runs once per turn
+        if core.actions or core.outbox.by_peer:
             self._run_actions(core.take_actions())
         if self.updates.actions:  # prepares that waited for their senders
             self._run_actions(self.updates.take_actions())
@@ -426,9 +426,6 @@ class EngineNode:
             if self.data_ep.send(peer, ack):
                 return
         self.head.send_event(ack)
-
-    def _send_chunks(self, a: SendChunks) -> None:
-        self.data_ep.send(a.peer, a.msg, a.buffers)  # a gone peer: core.peer_gone
 
     def _send_error(self, a: SendError) -> None:
         e = a.error

@@ -213,13 +213,9 @@ class RequestFlow:
 
     def take_actions(self) -> list[Action]:
         """Everything to do this turn, in order; chunks coalesced per peer."""
-        if self.outbox.by_peer:
-            self.actions += [SendChunks(peer, msg, bufs) for peer, msg, bufs in self.outbox.messages()]
+        self._flush_chunks()
         out, self.actions = self.actions, []
         return out
-
-    def has_actions(self) -> bool:
-        return bool(self.actions or self.outbox.by_peer)
 
     def ack(self, a: SendAck) -> None:
         """A late control ack (pause(wait)): behind every chunk produced before it."""
@@ -228,7 +224,7 @@ class RequestFlow:
 
     def _flush_chunks(self) -> None:
         if self.outbox.by_peer:
-            self.actions.extend(SendChunks(peer, msg, bufs) for peer, msg, bufs in self.outbox.messages())
+            self.actions += [SendChunks(peer, msg, bufs) for peer, msg, bufs in self.outbox.messages()]
 
     def counters(self) -> dict[str, Any]:
         """Heartbeat fields (called every ~50 ms, not per step)."""
