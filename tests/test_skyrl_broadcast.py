@@ -317,3 +317,24 @@ def test_update_weights_nccl_out_of_order_is_a_typed_error(monkeypatch) -> None:
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
     assert head.ops == []
+
+
+def test_skyrls_broadcast_init_on_a_trainer_without_cuda_is_a_typed_error(monkeypatch) -> None:
+    BroadcastInitInfo, *_ = _skyrl()
+    import trainer_bridge.skyrl as S
+    from trainer_bridge.skyrl import RolloutBusEngine
+
+    monkeypatch.setattr(S, "has_cuda", lambda: False)
+    head = FakeHead([view("e0")])
+    info = BroadcastInitInfo(
+        override_existing_receiver=True, master_addr="h", master_port=1, rank_offset=1, world_size=2
+    )
+
+    async def scenario():
+        engine = RolloutBusEngine(head, engines=[P.as_dict(view("e0"))])  # type: ignore[arg-type]
+        await engine.init_weight_update_communicator(info)
+
+    with pytest.raises(Unsupported) as e:
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert e.value.field == "weight_sync_backend" and "no CUDA device" in str(e.value)
+    assert "weight_sync_backend to anything but 'nccl'" in str(e.value) and head.ops == []

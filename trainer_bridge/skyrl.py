@@ -468,7 +468,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         if isinstance(init_info, Mapping):
             transport = init_info.get("transport", transport)
             self._transport_options = dict(init_info.get("options", {}))
-        if transport in ("nccl", "cuda_ipc") and not has_cuda():
+        if transport in ("nccl", "cuda_ipc", "vllm_nccl") and not has_cuda():
             raise Unsupported(_NO_CUDA.format(info=kind), field="weight_sync_backend")
         if kind == "BroadcastInitInfo":
             engines = await broadcast.updatable_engines(self.client)
