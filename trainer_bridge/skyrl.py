@@ -522,6 +522,8 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
     async def update_weights_ipc(self, update_info: Mapping[str, Any]) -> dict[str, Any]:
         """One chunk of SkyRL's CUDA IPC sender (skyrl_chunks.unpack_ipc_chunk)."""
         self._open_update("update_weights_ipc")
+        if "txn" in self._update:  # the broadcast already staged this update on the engines
+            raise BadRequest("IPC chunks in an update that update_weights_nccl filled", field="weight_update")
         return {"received": unpack_ipc_chunk(update_info, self._update_named)}
 
     async def update_weights_nccl(self, update_info: Mapping[str, Any]) -> dict[str, Any]:

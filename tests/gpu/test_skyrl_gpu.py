@@ -15,7 +15,11 @@ Written, not yet run on the device machine (GPU-untested). Wheels it needs
 there besides the vLLM bundle (no network on that machine; carry them in
 .device/whl, see run_on_device.sh): skyrl-0.3.0 and skyrl_gym-0.4.0 (`pip
 download --no-deps`), omegaconf 2.4.0, loguru 0.7.3 and pandas (their
-imports), antlr4-python3-runtime if omegaconf asks for it. Python 3.12 there
+imports), antlr4-python3-runtime if omegaconf asks for it, and ray (skyrl's
+weight_sync package imports its broadcast strategy, which imports ray and asks
+`ray._private.services.get_node_ip_address()` for the group's address).
+The broadcast test only: `TESTS=tests/gpu/test_skyrl_gpu.py PYTEST_ARGS="-k broadcast"
+bash tests/gpu/run_on_device.sh` on nvidia-h200-x2 / nvidia-h100-x2 (no TESTS_GPU1). Python 3.12 there
 (skyrl 0.3.0's pydantic models need it). SkyRL's sender needs
 torch.distributed: one gloo rank here.
 """
