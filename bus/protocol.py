@@ -125,7 +125,9 @@ from bus.wire import Version as Version
 # Also 7 (one version: both landed together): Ack.failure (an EngineFailure)
 # instead of flat error/code/field; typed QueryReply.body (bus/views.py);
 # StatsResult.heartbeat is a Heartbeat.
-PROTOCOL_VERSION = 7
+# 8: the "vllm_nccl" transport (Transport.VLLM_NCCL, VllmNcclArgs): engines join
+# a trainer's vLLM NCCL weight-transfer group (SkyRL's broadcast strategy).
+PROTOCOL_VERSION = 8
 
 # ---------------------------------------------------------------- data plane
 

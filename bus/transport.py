@@ -1,7 +1,7 @@
 """The weight transports: their names and their typed arguments on the wire.
 
 A transport is one member of `Transport` (str-valued: the wire strings are
-"zmq", "cuda_ipc", "nccl"). Its arguments travel in
+"zmq", "cuda_ipc", "nccl", "vllm_nccl"). Its arguments travel in
 `BeginWeightUpdate.transport_args` / `ReceiveWeights.transport_args` as ONE
 tagged Struct of `TransportArgs`, its tag the transport's name, so a bad
 argument is refused at decode naming the field.
@@ -33,6 +33,10 @@ class Transport(str, enum.Enum):
     ZMQ = "zmq"  # raw frames to every engine's weight socket (CPU, across machines, CI)
     CUDA_IPC = "cuda_ipc"  # IPC handles of the trainer's GPU buffers (same GPU(s))
     NCCL = "nccl"  # a broadcast from the trainer, rank 0 of one NCCL group
+    # vLLM's own NCCL weight-transfer protocol (NCCLWeightTransferEngine, packed): the
+    # trainer's group and broadcast are its own (SkyRL's BroadcastTransferStrategy);
+    # rollout-bus only joins the group and stages what arrives (trainer_bridge/skyrl_broadcast.py)
+    VLLM_NCCL = "vllm_nccl"
 
     def __str__(self) -> str:
         return self.value
@@ -44,6 +48,8 @@ _Port = Annotated[int, Meta(ge=0, le=65535)]
 _World = Annotated[int, Meta(ge=2, le=1 << 20)]
 _Rank = Annotated[int, Meta(ge=0, le=1 << 20)]
 _Seconds = Annotated[float, Meta(ge=0.0, le=1e7)]
+_EngineId = Annotated[str, Meta(max_length=256)]
+_Bytes = Annotated[int, Meta(ge=1, le=1 << 50)]
 
 
 class _Args(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False, kw_only=True):
@@ -76,12 +82,27 @@ class NcclArgs(_Args, tag="nccl"):
     sender_group: bool = False
 
 
-TransportArgs = ZmqArgs | CudaIpcArgs | NcclArgs
+class VllmNcclArgs(_Args, tag="vllm_nccl"):
+    host: _Host  # the trainer's TCPStore (vLLM's StatelessProcessGroup, rank 0)
+    port: _Port
+    world_size: _World  # the trainer plus every engine worker
+    # Each engine's first rank in the group (engine id -> rank); a worker takes
+    # that plus its own rank, as vLLM's init_transfer_engine does with rank_offset.
+    rank_offsets: Annotated[dict[_EngineId, _Rank], Meta(max_length=1 << 16)]
+    group_id: _GroupId
+    timeout_s: _Seconds | None = None  # None: the engine's weight_timeout_s
+    # vLLM's packed broadcast: chunks close past this many bytes (producer and consumer agree)
+    packed_buffer_size_bytes: _Bytes = 1 << 30
+    packed_num_buffers: Annotated[int, Meta(ge=1, le=64)] = 2
+
+
+TransportArgs = ZmqArgs | CudaIpcArgs | NcclArgs | VllmNcclArgs
 
 ARGS_OF: dict[Transport, type[_Args]] = {
     Transport.ZMQ: ZmqArgs,
     Transport.CUDA_IPC: CudaIpcArgs,
     Transport.NCCL: NcclArgs,
+    Transport.VLLM_NCCL: VllmNcclArgs,
 }
 
 

@@ -268,6 +268,32 @@ def test_skyrl_default_nccl_backend_on_cpu_is_a_typed_error(torch_cluster, tok):
     assert e.value.field == "weight_sync_backend" and "no CUDA device" in str(e.value)
 
 
+def test_skyrl_broadcast_strategy_with_torch_engines_is_a_typed_error(torch_cluster, tok, monkeypatch):
+    """SkyRL's non-colocated strategy on a trainer WITH CUDA (faked) but
+    engines on the torch backend: refused naming weight_sync_backend and the
+    engines, before any group is made or any op reaches the engines."""
+    import trainer_bridge.skyrl as S
+
+    monkeypatch.setattr(S, "has_cuda", lambda: True)
+    ie = InferenceEngineConfig(model_dtype="float32", weight_sync_backend="nccl")
+    strategy = get_transfer_strategy_cls(ie.weight_sync_backend, colocate_all=False)  # BroadcastTransferStrategy
+    info = strategy.create_init_info(ie, inference_world_size=2)
+
+    async def scenario():
+        engine = await RolloutBusEngine.connect(torch_cluster.frontend, num_engines=2, tokenizer=tok)
+        try:
+            v0 = (await engine.client.health())["weight_version"]
+            with pytest.raises(Unsupported) as e:
+                await engine.init_weight_update_communicator(info)
+            return e.value, v0, (await engine.client.health())["weight_version"]
+        finally:
+            await engine.aclose()
+
+    err, v0, v1 = run(scenario())
+    assert err.field == "weight_sync_backend" and "torch" in str(err) and "vllm backend" in str(err)
+    assert v1 == v0
+
+
 def test_skyrl_ipc_strategy_syncs_weights_with_rollouts_in_flight(torch_cluster, tok, tiny_model, skyrl_rank0):
     ie = InferenceEngineConfig(model_dtype="float32", weight_sync_backend="nccl")
     strategy = get_transfer_strategy_cls(ie.weight_sync_backend, colocate_all=True)  # CudaIpcTransferStrategy

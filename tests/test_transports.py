@@ -22,7 +22,7 @@ def test_every_transport_has_args_a_sender_and_a_receiver() -> None:
         assert t in ARGS_OF and t in SENDERS and t in RECEIVERS and t in VLLM_RECEIVERS, t
         assert RECEIVERS[t].transport is t and VLLM_RECEIVERS[t.value].transport is t
         assert ARGS_OF[t].__struct_config__.tag == t.value
-    assert [t.value for t in Transport] == ["zmq", "cuda_ipc", "nccl"], "the wire strings stay the same"
+    assert [t.value for t in Transport] == ["zmq", "cuda_ipc", "nccl", "vllm_nccl"], "the wire strings stay the same"
 
 
 def test_only_the_transport_whose_bytes_pass_the_node_takes_lora_or_a_plan() -> None:
@@ -34,7 +34,7 @@ def test_only_the_transport_whose_bytes_pass_the_node_takes_lora_or_a_plan() -> 
 def test_unknown_transport_names_the_field() -> None:
     with pytest.raises(BadRequest) as e:
         receiver_for("carrier-pigeon")
-    assert e.value.field == "transport" and "zmq, cuda_ipc, nccl" in str(e.value)
+    assert e.value.field == "transport" and "zmq, cuda_ipc, nccl, vllm_nccl" in str(e.value)
     with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'"):
         sender_kind("carrier-pigeon")
 

@@ -22,7 +22,9 @@ What maps where:
 | `abort_generation` | `pause("abort")`: requests are parked with their tokens, resumed by `resume_generation` (no "abort" reaches the generator) |
 | `sleep` (level 2 by default, as SkyRL's client) / `wake_up` / `reset_prefix_cache` | the same control ops |
 | `start_weight_update` / `update_weights_ipc` / `finish_weight_update` | SkyRL's CUDA IPC sender: chunks collected, one all-or-nothing update at finish |
-| `update_weights_nccl`, `BroadcastInitInfo` | Unsupported naming `weight_sync_backend` (SkyRL's own NCCL group) |
+| `init_weight_update_communicator(BroadcastInitInfo)` | every engine worker joins SkyRL's own vLLM NCCL group (rank_offset + the workers before it), vllm backend only (skyrl_broadcast.py) |
+| `start_weight_update` / `update_weights_nccl` / `finish_weight_update` | SkyRL's broadcast sender: one begin whose receive takes its packed broadcast into staging, the commit at finish (version + 1, all-or-nothing) |
+| a GPU strategy without CUDA / engines off the vllm backend | Unsupported naming `weight_sync_backend`, saying what to set instead |
 | `get_endpoint_url` | `endpoint_url=` if given, else Unsupported (no HTTP endpoint) |
 | `aclose` / `teardown` | close an owned client (the next call reopens it) |
 | `init_weight_update_communicator` / `update_named_weights` | picks the transport / `update_weights` (tensors) or `load_lora` (`LoraLoadRequest`) |
@@ -40,6 +42,7 @@ import msgspec
 
 from bus.errors import BadRequest, ProtocolError, Unsupported
 from bus.frames import logprobs_wanted
+from trainer_bridge import skyrl_broadcast as broadcast
 from trainer_bridge.client import AsyncClient
 from trainer_bridge.sampling import Translated, for_request, translate
 from trainer_bridge.skyrl_chunks import has_cuda, named_tensors, unpack_ipc_chunk
@@ -69,11 +72,11 @@ def _skyrl_base() -> type:
 InferenceEngineBase = _skyrl_base()
 
 # SkyRL's init-info classes → rollout-bus transports (by class name: no skyrl import needed).
-TRANSPORT_OF_INIT_INFO = {"BroadcastInitInfo": "nccl", "CudaIpcInitInfo": "cuda_ipc"}
+TRANSPORT_OF_INIT_INFO = {"BroadcastInitInfo": "vllm_nccl", "CudaIpcInitInfo": "cuda_ipc"}
 
 # What each SkyRL weight_sync_backend needs; the error for a machine without it.
 _NO_CUDA = (
-    "SkyRL's weight_sync_backend='nccl' ({info}) moves CUDA tensors and this machine has no CUDA device: "
+    "SkyRL's weight_sync_backend='nccl' ({info}) moves CUDA tensors and this trainer has no CUDA device: "
     "on CPU set generator.inference_engine.weight_sync_backend to anything but 'nccl' and send the weights "
     "with rollout-bus's zmq transport (trainer_bridge.skyrl_weights.get_transfer_strategy_cls in place of "
     "SkyRL's, or engine.update_named_weights(tensors))"
@@ -90,6 +93,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         sampling_params: Mapping[str, Any] | None = None,
         engines: list[dict[str, Any]] | None = None,
         endpoint_url: str | None = None,
+        weight_timeout_s: float = 300.0,
     ) -> None:
         """`client`: an AsyncClient or the head's address (then owned and
         closed by `teardown`). `tokenizer`: object or local folder (default:
@@ -99,7 +103,9 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         engines' `--model`. `sampling_params`: used when a batch has none.
         `engines`: the cluster's engine list (`connect` fetches it).
         `endpoint_url`: the base URL of an OpenAI-compatible HTTP server you run
-        in front of this cluster, if any (what `get_endpoint_url` returns)."""
+        in front of this cluster, if any (what `get_endpoint_url` returns).
+        `weight_timeout_s`: how long SkyRL's broadcast may take to join / to
+        arrive (its NCCL group's store timeout and the begin's deadline)."""
         self._owns_client = isinstance(client, str)
         self._client = AsyncClient(client) if isinstance(client, str) else client
         self._text: Text | None = load_text(tokenizer) if tokenizer is not None else None
@@ -115,6 +121,8 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         self._base_names: set[str] = set()
         self._update: Any = None  # the open weight update (start_weight_update .. finish_weight_update)
         self._update_named: list[tuple[str, Any]] = []
+        self.weight_timeout_s = float(weight_timeout_s)
+        self._broadcast: broadcast.BroadcastGroup | None = None  # SkyRL's NCCL group, once joined
 
     @property
     def client(self) -> AsyncClient:
@@ -450,25 +458,24 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         rollout-bus's own strategy's info → its transport, anything else →
         "zmq"). NCCL: the group is set up here, with every healthy engine
         (trainer_bridge.transports.nccl.warm_up_nccl), so the first update does not pay for it;
+        SkyRL's BroadcastInitInfo: every engine worker joins SkyRL's own group
+        (skyrl_broadcast.join; SkyRL's create_sender joins rank 0 meanwhile);
         the other transports need no set-up. A GPU transport on a machine
-        without CUDA, and SkyRL's own broadcast strategy (its trainer joins
-        vLLM's NCCL weight-transfer group, which rollout-bus engines do not
-        join), are refused with an Unsupported naming weight_sync_backend."""
+        without CUDA, or SkyRL's group with engines that are not on the vllm
+        backend, is refused with an Unsupported naming weight_sync_backend."""
         kind = type(init_info).__name__
         transport = getattr(init_info, "transport", None) or TRANSPORT_OF_INIT_INFO.get(kind, "zmq")
         if isinstance(init_info, Mapping):
             transport = init_info.get("transport", transport)
             self._transport_options = dict(init_info.get("options", {}))
-        if transport in ("nccl", "cuda_ipc") and not has_cuda():
+        if transport in ("nccl", "cuda_ipc", "vllm_nccl") and not has_cuda():
             raise Unsupported(_NO_CUDA.format(info=kind), field="weight_sync_backend")
         if kind == "BroadcastInitInfo":
-            raise Unsupported(
-                "SkyRL's broadcast strategy (weight_sync_backend='nccl' without placement.colocate_all) has its "
-                "trainer join vLLM's own NCCL weight-transfer group, which rollout-bus engines do not join: set "
-                "placement.colocate_all=true (SkyRL's CUDA IPC strategy, served) or use rollout-bus's nccl "
-                "transport (trainer_bridge.skyrl_weights.get_transfer_strategy_cls in place of SkyRL's)",
-                field="weight_sync_backend",
-            )
+            engines = await broadcast.updatable_engines(self.client)
+            broadcast.check_backends(engines)
+            self._broadcast = broadcast.group_of(init_info, engines, self.weight_timeout_s)
+            self._transport = transport
+            return {"transport": transport, "joined": await broadcast.join(self.client, self._broadcast)}
         self._transport = transport
         out: dict[str, Any] = {"transport": self._transport}
         if self._transport == "nccl":
@@ -491,13 +498,15 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
 
     # ------------------------------------------------------------ SkyRL's chunked update
     #
-    # SkyRL 0.3.0's own senders (CudaIpcWeightTransferSender; the broadcast
-    # one is refused at init) call, on rank 0: start_weight_update, then one
-    # update_weights_ipc per chunk (a packed buffer shared by IPC handle, freed
-    # when the call returns), then finish_weight_update. The chunks are copied
-    # here and pushed at finish as ONE all-or-nothing update (every engine,
-    # version + 1) over the transport init_weight_update_communicator chose:
-    # rank 0 holds one copy of the weights meanwhile (on the chunks' device).
+    # SkyRL 0.3.0's own senders call, on rank 0: start_weight_update, then
+    # CudaIpcWeightTransferSender: one update_weights_ipc per chunk (a packed
+    # buffer shared by IPC handle, freed when the call returns): the chunks
+    # are copied here and pushed at finish as ONE all-or-nothing update
+    # (every engine, version + 1) over the transport init_weight_update_communicator
+    # chose; rank 0 holds one copy of the weights meanwhile (on the chunks' device).
+    # BroadcastWeightTransferSender: one update_weights_nccl while its own
+    # thread broadcasts: the engines receive it into staging inside that
+    # call's begin (skyrl_broadcast.open_update); finish commits it.
 
     async def start_weight_update(self, is_checkpoint_format: bool = True) -> dict[str, Any]:
         if self._update is not None:
@@ -513,21 +522,39 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
     async def update_weights_ipc(self, update_info: Mapping[str, Any]) -> dict[str, Any]:
         """One chunk of SkyRL's CUDA IPC sender (skyrl_chunks.unpack_ipc_chunk)."""
         self._open_update("update_weights_ipc")
+        if "txn" in self._update:  # the broadcast already staged this update on the engines
+            raise BadRequest("IPC chunks in an update that update_weights_nccl filled", field="weight_update")
         return {"received": unpack_ipc_chunk(update_info, self._update_named)}
 
     async def update_weights_nccl(self, update_info: Mapping[str, Any]) -> dict[str, Any]:
-        """SkyRL's broadcast sender's receive call: refused at
-        init_weight_update_communicator already (see there); here for the
-        interface, with the same error."""
-        raise Unsupported(
-            "SkyRL's NCCL broadcast is not received by rollout-bus engines (see init_weight_update_communicator)",
-            field="weight_sync_backend",
-        )
+        """SkyRL's broadcast sender's receive call (`{names, dtype_names,
+        shapes, packed: True}`), awaited while SkyRL's thread broadcasts:
+        returns once every engine holds the whole update staged (committed by
+        finish_weight_update). A failure aborts it everywhere and closes the
+        update (old weights, old version)."""
+        self._open_update("update_weights_nccl")
+        if self._broadcast is None:
+            raise BadRequest(
+                "update_weights_nccl before init_weight_update_communicator(BroadcastInitInfo)", field="init_info"
+            )
+        if "txn" in self._update or self._update_named:
+            raise BadRequest(
+                "one update_weights_nccl per weight update, and no IPC chunks in it", field="weight_update"
+            )
+        try:
+            self._update["txn"], out = await broadcast.open_update(self.client, self._broadcast, update_info)
+        except BaseException:
+            self._update, self._update_named = None, []
+            raise
+        return out
 
     async def finish_weight_update(self) -> dict[str, Any]:
         """Push every chunk received since start_weight_update: one update."""
         self._open_update("finish_weight_update")
+        txn = self._update.get("txn")
         named, self._update_named, self._update = self._update_named, [], None
+        if txn is not None:  # SkyRL's broadcast, staged on every engine: the head commits it
+            return await txn.commit()
         if not named:
             return {"updated": 0}
         return await self.client.update_weights(named, transport=self._transport, **self._transport_options)

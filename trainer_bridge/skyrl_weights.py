@@ -1,14 +1,16 @@
 """SkyRL's weight-sync strategy on rollout-bus transports.
 
-SkyRL's policy workers send weights through a `WeightTransferStrategy` chosen
-by `skyrl.backends.skyrl_train.weight_sync.get_transfer_strategy_cls`. Its CUDA
-IPC strategy (colocated, weight_sync_backend="nccl") works with
-`RolloutBusEngine` as it is (start_weight_update / update_weights_ipc /
-finish_weight_update); its broadcast strategy joins vLLM's own NCCL group and
-SkyRL 0.3.0 has none for a machine without CUDA: for those, this one hands the
-chunks to `RolloutBusEngine.update_named_weights` instead (one all-or-nothing
-update, version + 1 on every engine), over the transport SkyRL's config
-implies: colocated + nccl → `cuda_ipc`, nccl → `nccl`, anything else → `zmq`.
+OPTIONAL. SkyRL's policy workers send weights through a `WeightTransferStrategy`
+chosen by `skyrl.backends.skyrl_train.weight_sync.get_transfer_strategy_cls`, and
+both of SkyRL's own work with `RolloutBusEngine` as they are: its CUDA IPC
+strategy (colocated, weight_sync_backend="nccl": start_weight_update /
+update_weights_ipc / finish_weight_update) and its broadcast strategy (not
+colocated: the engines join SkyRL's vLLM NCCL group, trainer_bridge/skyrl_broadcast.py).
+SkyRL 0.3.0 has none for a trainer without CUDA: for that (or to use
+rollout-bus's own transports instead), this one hands the chunks to
+`RolloutBusEngine.update_named_weights` (one all-or-nothing update, version + 1
+on every engine), over the transport SkyRL's config implies: colocated + nccl →
+`cuda_ipc`, nccl → rollout-bus's `nccl`, anything else → `zmq`.
 
 In the worker processes, replace `skyrl.backends.skyrl_train.weight_sync.get_transfer_strategy_cls`
 with this module's `get_transfer_strategy_cls`. Every rank iterates the chunks (SkyRL's extractor

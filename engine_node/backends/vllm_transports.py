@@ -9,6 +9,9 @@ receivers, looked up in VLLM_RECEIVERS by engine_node/backends/vllm_weight_ops.p
   abort) is acked.
 - nccl: the workers receive the broadcast inside the receive (their group
   joined on first use); the commit writes what they hold.
+- vllm_nccl: the same, but the group and the broadcast are the trainer's own
+  vLLM NCCLWeightTransferEngine (SkyRL's broadcast strategy): the workers join
+  as vLLM's receiver does and take its packed chunks (vllm_worker_packed.py).
 
 Hazard: the order of the worker calls is what the GPU timings measure; each
 method issues exactly the calls its transport's branch of the backend issued.
@@ -112,6 +115,7 @@ class CudaIpcVllm(_GpuVllm):
 
 class NcclVllm(_GpuVllm):
     transport: ClassVar[Transport] = Transport.NCCL
+    recv_rpc: ClassVar[str] = "rollout_bus_recv_nccl"  # the workers' receive (begin folded in)
 
     def receive(self, be: Any, up: W.WeightUpdate, handles: list[Any]) -> BackendOp:
         t0 = time.perf_counter()
@@ -132,7 +136,7 @@ class NcclVllm(_GpuVllm):
             }
 
         a = {**up.args, "timeout_s": float(up.args.get("timeout_s", be.weight_timeout_s))}
-        call = be._rpc("rollout_bus_recv_nccl", up.uid, a, up.metas, up.sizes, timeout=be.weight_timeout_s)
+        call = be._rpc(self.recv_rpc, up.uid, a, up.metas, up.sizes, timeout=be.weight_timeout_s)
         up.workers_know = True
         return be._op("receive_weights", "weight_timeout_s", [call], result)
 
@@ -157,9 +161,20 @@ class NcclVllm(_GpuVllm):
         return [be._rpc("rollout_bus_commit", up.uid, None, opts, timeout=be.weight_timeout_s)]
 
 
+class VllmNcclVllm(NcclVllm):
+    transport: ClassVar[Transport] = Transport.VLLM_NCCL
+    recv_rpc: ClassVar[str] = "rollout_bus_recv_packed"
+
+    def receive_part(self, be: Any, up: W.WeightUpdate, part: W.Part) -> BackendOp:
+        return BackendOp.failed(
+            part.what, BackendError("vllm_nccl has one sender: the trainer's rank 0", field="transport")
+        )
+
+
 # Keyed by the wire string (a Transport is one): backends take the transport as a str.
 VLLM_RECEIVERS: dict[str, Any] = {
     Transport.ZMQ: ZmqVllm(),
     Transport.CUDA_IPC: CudaIpcVllm(),
     Transport.NCCL: NcclVllm(),
+    Transport.VLLM_NCCL: VllmNcclVllm(),
 }

@@ -22,6 +22,11 @@ before commit:
                                            into this worker's staging buffers (kept while the
                                            layout is the same)
   rollout_bus_nccl_join(args)              join the group ahead of the first update
+  rollout_bus_recv_packed(uid, args, metas, sizes)
+                                           vllm_nccl: as recv_nccl, but the group is the trainer's
+                                           own vLLM NCCL weight-transfer group (joined as vLLM's
+                                           receiver joins it) and the chunks arrive by vLLM's
+                                           packed consumer (SkyRL's broadcast strategy)
   rollout_bus_commit(uid, shm, opts)       write the parameters from what was received, or (zmq)
                                            load_weights from the backend's shared-memory file `shm`
   rollout_bus_abort(uid)                   drop what is staged
@@ -59,7 +64,7 @@ import torch
 from bus.tensors import unpack_bucket
 from engine_node.backends.vllm_worker_apply import _fresh_state, _on, _sync
 from engine_node.backends.vllm_worker_ipc import IpcReceive
-from engine_node.backends.vllm_worker_nccl import NcclReceive
+from engine_node.backends.vllm_worker_packed import PackedReceive
 from engine_node.child_watch import NODE_PID_ENV as NODE_PID_ENV
 from engine_node.child_watch import arm as arm_node_watch
 
@@ -70,10 +75,11 @@ from engine_node.child_watch import arm as arm_node_watch
 PARENT_DEATH = arm_node_watch()
 
 
-class RolloutBusWorkerExtension(IpcReceive, NcclReceive):
+class RolloutBusWorkerExtension(IpcReceive, PackedReceive):
     """Mixed into vLLM's Worker: `self` has model_runner, device, rank, local_rank.
     The update's state and apply: vllm_worker_apply; cuda_ipc: vllm_worker_ipc;
-    nccl: vllm_worker_nccl; here: info, sleep buffers, commit (zmq included)."""
+    nccl: vllm_worker_nccl; vllm_nccl: vllm_worker_packed (over nccl's staging);
+    here: info, sleep buffers, commit (zmq included)."""
 
     # -- RPC methods
     def rollout_bus_info(self) -> dict[str, Any]:

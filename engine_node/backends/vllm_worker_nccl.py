@@ -29,16 +29,10 @@ class NcclReceive(WorkerApply):
         setup = self._rb_nccl(args)
         t1 = time.perf_counter()
         comm = st["nccl"]
-        # Staging kept across updates while the layout is the same: no allocation
-        # on the steady path. Hazard: its memory stays taken between updates
-        # (the bytes of one update); nccl_close drops it.
-        key = tuple(int(n) for n in st["sizes"])
-        staging = st["staging"]
-        if staging is None or staging[0] != key or any(b.device != dev for b in staging[1]):
-            staging = st["staging"] = (key, [torch.empty(n, dtype=torch.uint8, device=dev) for n in key])
+        staging = self._rb_staging(st, dev)
         t2 = time.perf_counter()
         with _on(dev):
-            for i, buf in enumerate(staging[1]):
+            for i, buf in enumerate(staging):
                 comm.broadcast(buf, src=0)
                 st["buckets"][i] = buf
             _sync(dev)
@@ -52,6 +46,17 @@ class NcclReceive(WorkerApply):
             "broadcast_s": round(t3 - t2, 4),
             **setup,
         }
+
+    def _rb_staging(self, st: dict[str, Any], dev: torch.device) -> list[torch.Tensor]:
+        """One flat uint8 buffer per bucket of the begun update. Kept across
+        updates while the layout is the same: no allocation on the steady
+        path. Hazard: its memory stays taken between updates (the bytes of one
+        update); nccl_close drops it."""
+        key = tuple(int(n) for n in st["sizes"])
+        staging = st["staging"]
+        if staging is None or staging[0] != key or any(b.device != dev for b in staging[1]):
+            staging = st["staging"] = (key, [torch.empty(n, dtype=torch.uint8, device=dev) for n in key])
+        return staging[1]
 
     def rollout_bus_recv_nccl_part(
         self, uid: str, args: dict[str, Any], metas: list[Any], sizes: list[int], first: int
@@ -94,17 +99,12 @@ class NcclReceive(WorkerApply):
         r = self._rb_nccl(args)
         return {**r, "seconds": round(time.perf_counter() - t0, 4)}
 
-    def _rb_nccl(self, a: dict[str, Any]) -> dict[str, Any]:
+    def _rb_nccl(self, a: dict[str, Any], make: Any = None) -> dict[str, Any]:
         """Join the trainer's NCCL group once per group id (trainer = rank 0,
         hosting a TCPStore at host:port); later updates reuse it. Ranks: the
         bridge's rank_offset + this worker's rank, else reserved from a counter
-        in the store (each worker takes one)."""
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-
+        in the store (each worker takes one). `make(a)`: (communicator, rank)
+        of a group joined another way (vllm_worker_packed: as vLLM's receiver)."""
         st = self._rb()
         key = str(a.get("group_id") or f"{a['host']}:{a['port']}")
         if st["nccl"] is not None and st["nccl_key"] == key:
@@ -117,6 +117,19 @@ class NcclReceive(WorkerApply):
             return {"rank": comms[key].rank, "reused": True}
         if not a.get("sender_group"):
             self.rollout_bus_nccl_close()  # one trainer group: a new one replaces it (the old may be broken)
+        comm, rank = (make or self._rb_nccl_make)(a)
+        st["nccl"], st["nccl_key"] = comm, key
+        st["comms"][key] = comm
+        return {"rank": rank, "reused": False}
+
+    def _rb_nccl_make(self, a: dict[str, Any]) -> tuple[Any, int]:
+        """rollout-bus's own group: the trainer's TCPStore waits for no worker."""
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
         timeout = float(a.get("timeout_s", 300.0))
         store = TCPStore(
             a["host"],
@@ -129,11 +142,10 @@ class NcclReceive(WorkerApply):
         if a.get("rank_offset") is not None:
             rank = int(a["rank_offset"]) + int(getattr(self, "rank", 0))
         else:
+            key = str(a.get("group_id") or f"{a['host']}:{a['port']}")
             rank = int(store.add(f"rollout_bus/{key}/next_rank", 1))  # 1, 2, …: the trainer is 0
         pg = StatelessProcessGroup(rank=rank, world_size=int(a["world_size"]), store=store)
-        st["nccl"], st["nccl_key"] = PyNcclCommunicator(pg, device=self._rb_device()), key
-        comms[key] = st["nccl"]
-        return {"rank": rank, "reused": False}
+        return PyNcclCommunicator(pg, device=self._rb_device()), rank
 
     def rollout_bus_nccl_close(self) -> None:
         st = self._rb()

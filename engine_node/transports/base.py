@@ -28,6 +28,7 @@ class Txn(Protocol):
 
     backend: Any
     core: Any
+    engine_id: str
 
     def drop(self, up: Any, why: str) -> None:
         """The backend refused the begin: forget the update (nothing is staged)."""

@@ -12,12 +12,14 @@ from bus.transport import Transport, check_args, parse_transport
 from engine_node.transports.base import Receiver
 from engine_node.transports.cuda_ipc import CudaIpcReceiver
 from engine_node.transports.nccl import NcclReceiver
+from engine_node.transports.vllm_nccl import VllmNcclReceiver
 from engine_node.transports.zmq import ZmqReceiver
 
 RECEIVERS: dict[Transport, Receiver] = {
     Transport.ZMQ: ZmqReceiver(),
     Transport.CUDA_IPC: CudaIpcReceiver(),
     Transport.NCCL: NcclReceiver(),
+    Transport.VLLM_NCCL: VllmNcclReceiver(),
 }
 
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from bus import protocol as P
 from bus.transport import Transport
-from trainer_bridge.transports import cuda_ipc, nccl, zmq
+from trainer_bridge.transports import cuda_ipc, nccl, vllm_nccl, zmq
 
 
 class SenderKind(Protocol):
@@ -28,6 +28,7 @@ SENDERS: dict[Transport, SenderKind] = {
     Transport.ZMQ: zmq.KIND,
     Transport.CUDA_IPC: cuda_ipc.KIND,
     Transport.NCCL: nccl.KIND,
+    Transport.VLLM_NCCL: vllm_nccl.KIND,  # sends nothing: the trainer's own vLLM broadcast
 }
 
 
