@@ -111,7 +111,7 @@ class RolloutBusWorkerExtension(IpcReceive, NcclReceive):
         loader = get_model_loader(worker.load_config)
         with _on(self._rb_device()), torch.no_grad():
             n = self._rb_load(loader.get_all_weights(worker.model_config, model))
-        self._rb().update(plans={}, srcs=None)  # the plan stays valid, but be safe: learn it again
+        self._rb().update(plans={}, kept=None)  # the plan stays valid, but be safe: learn it again
         return n
 
     def rollout_bus_restore_sleep_buffers(self) -> int:
