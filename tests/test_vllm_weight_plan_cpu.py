@@ -126,6 +126,14 @@ def test_still_valid_and_plannable():
 
 @pytest.fixture
 def vbe(tmp_path, monkeypatch):
+    b = vllm_like_backend(tmp_path, monkeypatch)
+    yield b
+    b.close()
+
+
+def vllm_like_backend(tmp_path, monkeypatch):
+    """The vLLM backend on the fake engine core, its worker's model VllmLikeModel
+    (tests/test_vllm_worker_reuse_cpu.py's fixture too); the caller closes it."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is not None:
@@ -145,8 +153,7 @@ def vbe(tmp_path, monkeypatch):
     b = make_backend(str(d), max_model_len=64, weight_timeout_s=5.0, _api=T.fake_api(str(d)))
     T.FAKE.worker.model = VllmLikeModel(seed=5)  # same start as `ref`
     b.test_ref, b.test_registry, b.test_fake = ref, registry, T.FAKE
-    yield b
-    b.close()
+    return b
 
 
 def _ipc_update(be, named, tag, **args):

@@ -399,7 +399,7 @@ class WeightPlan:
             b = []
             for c in self.copies:
                 bucket, off = where[c.name]
-                isz = torch.empty((), dtype=c.src_dtype).element_size()
+                isz = c.src_dtype.itemsize
                 if off % isz:
                     raise ValueError(f"tensor {c.name!r}: offset {off} not aligned to {c.src_dtype}")
                 b.append((bucket, c.src_dtype, off // isz + c.src_offset))
@@ -416,7 +416,7 @@ class WeightPlan:
             base = typed.get((bucket, dt))
             if base is None:
                 raw = buckets[bucket]
-                n = raw.numel() // torch.empty((), dtype=dt).element_size() * torch.empty((), dtype=dt).element_size()
+                n = raw.numel() // dt.itemsize * dt.itemsize
                 base = typed[(bucket, dt)] = raw[:n].view(dt)
             out.append(base.as_strided(c.src_size, c.src_stride, base.storage_offset() + off))
         return out

@@ -31,6 +31,7 @@ are new every time and are never kept.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 from typing import Any
@@ -63,9 +64,13 @@ class Layout:
 
     @classmethod
     def of(cls, metas: list[list[Any]], sizes: list[int]) -> Layout:
-        # Shallow copies: the caller's lists may grow (a multi-sender nccl
-        # update appends its parts to the update's metas).
-        return cls(list(metas), list(sizes), layout_key(metas, sizes), plan_key(metas), [str(m[0]) for m in metas])
+        # Deep copies (types kept, so that `same` compares like with like): the
+        # caller's lists may change after (a multi-sender nccl update appends
+        # its parts to the update's metas; an in-process caller owns its own).
+        # Paid once per layout, on a miss.
+        return cls(
+            copy.deepcopy(metas), list(sizes), layout_key(metas, sizes), plan_key(metas), [str(m[0]) for m in metas]
+        )
 
     def same(self, metas: list[list[Any]], sizes: list[int]) -> bool:
         """Equal metas and sizes (one list compare each; a tuple where a list
