@@ -35,6 +35,7 @@ class WorkerCommit(msgspec.Struct, omit_defaults=True, kw_only=True):
     copy_s: float | None = None
     fallback: int | None = None  # tensors the plan could not write (loaded the slow way)
     fallback_s: float | None = None
+    views_reused: bool | None = None  # the plan's source views kept from the last update (vllm_worker_reuse)
     record_s: float | None = None
     load_s: float | None = None
     verify_s: float | None = None

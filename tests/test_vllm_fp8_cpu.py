@@ -435,3 +435,33 @@ def test_default_reload_without_vllm_says_what_is_missing():
         pytest.skip("vLLM is installed here")
     with pytest.raises(RuntimeError, match="0.24"):
         vllm_fp8.VllmReload()
+
+
+def test_worker_repeated_updates_from_kept_buckets_stay_on_the_fp8_path(monkeypatch):
+    """Buckets the worker keeps (nccl staging, zero-copy maps) let an unquantized
+    model reuse the plan's views; an fp8 engine never takes the plan, so every
+    update goes through vllm_fp8's load, equal to a fresh engine, nothing kept."""
+    from bus.tensors import pack_bucket, plan_buckets
+    from engine_node.backends import vllm_weights as W
+
+    model, api = fresh(checkpoint(0))
+    worker, calls = _worker(model, api, monkeypatch)
+    staging = None
+    for k, seed in enumerate((1, 2, 3)):
+        sd = checkpoint(seed)
+        metas, sizes, tensors = plan_buckets(list(sd.items()), bucket_bytes=1 << 20)
+        lists = [W.meta_list(m) for m in metas]
+        worker.rollout_bus_begin(f"k{k}", lists, sizes)
+        st = worker._rb()
+        if staging is None:
+            staging = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        for i, buf in enumerate(staging):  # what rollout_bus_recv_nccl leaves: its kept staging
+            buf.copy_(pack_bucket(i, metas, sizes, tensors))
+            st["buckets"][i] = buf
+        st["keep_views"] = True
+        worker._rb_validate(st)
+        r = worker.rollout_bus_commit(f"k{k}")
+        assert r["path"] == "load_weights" and r["why"] == "quantized model (vllm_fp8)", r
+        assert worker._rb()["kept"] is None
+        assert same_bits(kernel_state(model), kernel_state(fresh(sd)[0])), f"update {k}"
+    assert calls == ["list"] * 3

@@ -126,6 +126,14 @@ def test_still_valid_and_plannable():
 
 @pytest.fixture
 def vbe(tmp_path, monkeypatch):
+    b = vllm_like_backend(tmp_path, monkeypatch)
+    yield b
+    b.close()
+
+
+def vllm_like_backend(tmp_path, monkeypatch):
+    """The vLLM backend on the fake engine core, its worker's model VllmLikeModel
+    (tests/test_vllm_worker_reuse_cpu.py's fixture too); the caller closes it."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is not None:
@@ -145,8 +153,7 @@ def vbe(tmp_path, monkeypatch):
     b = make_backend(str(d), max_model_len=64, weight_timeout_s=5.0, _api=T.fake_api(str(d)))
     T.FAKE.worker.model = VllmLikeModel(seed=5)  # same start as `ref`
     b.test_ref, b.test_registry, b.test_fake = ref, registry, T.FAKE
-    yield b
-    b.close()
+    return b
 
 
 def _ipc_update(be, named, tag, **args):
@@ -230,8 +237,11 @@ def test_nccl_receive_stages_once_and_commit_uses_the_plan(vbe):
         assert vbe.test_fake.calls[calls0:] == ["collective_rpc", "collective_rpc"], "receive + commit"
         assert same_bits(snapshot(ref), snapshot(worker.model)) == [], f"update {k}"
         assert c["worker"]["path"] == ("load_weights+record" if k == 0 else "plan")
+        assert c["worker"].get("views_reused") == (None, False, True)[k], "the staging's views are cut once"
         staging_ids.append([b.data_ptr() for b in st["staging"][1]])
     assert staging_ids[0] == staging_ids[1] == staging_ids[2], "staging buffers are reused"
+    worker.rollout_bus_nccl_close()
+    assert st["kept"] is None, "the views go with the staging"
 
 
 def test_plan_off_uses_load_weights(vbe):
@@ -324,7 +334,7 @@ def test_zero_copy_keeps_maps_and_views_across_updates(vbe, monkeypatch):
     monkeypatch.setattr(X, "open_ipc_handle", open_counting)
     for name, t in checkpoint(ref, seed=1):
         params[name] = t.clone().contiguous()
-    paths = []
+    paths, reused = [], []
     for k, seed in enumerate((1, 2, 3, 4)):
         new = dict(checkpoint(ref, seed=seed))
         for name, t in params.items():
@@ -333,12 +343,13 @@ def test_zero_copy_keeps_maps_and_views_across_updates(vbe, monkeypatch):
         ref.load_weights(iter(named))
         r = _zero_copy_update(vbe, named, f"z{k}", lambda n, t: n.encode())
         paths.append(r["worker"]["path"])
+        reused.append(r["worker"].get("views_reused"))
         assert r["worker"]["maps_kept"] == len(named)
         assert same_bits(snapshot(ref), snapshot(worker.model)) == [], f"update {k}"
     assert paths == ["load_weights+record", "plan", "plan", "plan"]
+    assert reused == [None, False, True, True]  # the plan's source views were cut once
     assert len(opened) == len(params), "a kept map was opened again"
-    cached = worker._rb()["srcs"]
-    assert cached is not None  # the plan's source views were cut once
+    assert worker._rb()["kept"] is not None
     # A failed update keeps no map; a sleep drops them (the colocated trainer's memory).
     bad = dict(params)
     first = next(iter(bad))
@@ -366,9 +377,9 @@ def test_drop_maps_forgets_kept_maps(vbe):
     worker = vbe.test_fake.worker
     st = worker._rb()
     st["maps"] = {b"x": torch.zeros(4, dtype=torch.uint8)}
-    st["srcs"] = (("k",), [])
+    st["kept"] = object()  # (its views pin the maps)
     assert worker.rollout_bus_drop_maps() == 1
-    assert st["maps"] == {} and st["srcs"] is None
+    assert st["maps"] == {} and st["kept"] is None
 
 
 def test_plan_zero_copy_refuses_what_cannot_be_shared_in_place():

@@ -42,10 +42,10 @@ class StackedLinear(nn.Module):
             self.offsets[k] = off
             off += rows
         self.weight = _param(off, in_features, dtype=dtype)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = _param(off, dtype=dtype)
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
         rows = self.shards[shard_id]
@@ -62,7 +62,7 @@ class RowLinear(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp
         self.weight = _param(out_features, in_features // self.tp_size, dtype=dtype)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         n = param.shape[1]
@@ -75,7 +75,7 @@ class Embedding(nn.Module):
     def __init__(self, vocab: int, padded: int, hidden: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = _param(padded, hidden, dtype=dtype)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         param[: loaded.shape[0]].data.copy_(loaded)
@@ -88,7 +88,7 @@ class OddLinear(nn.Module):
     def __init__(self, n: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = _param(n, n, dtype=dtype)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded.t().contiguous())

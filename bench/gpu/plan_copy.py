@@ -4,14 +4,20 @@ preset on an H200, against 0.49 ms for one flat copy of the same bytes.)
 
 Torch only, no vLLM: vLLM-shaped fused destinations (qkv, gate_up: row slices of one
 parameter) and checkpoint-shaped sources cut from flat 256-byte-aligned uint8 buckets, as
-`engine_node/backends/vllm_weight_plan.py` replays them. Four ways, median of --reps
-(CUDA-synchronized wall time):
-  loop     copy_ per tensor
-  foreach  one torch._foreach_copy_ over all of them (what the plan does today)
-  hybrid   copy_ for tensors >= --big-mib, foreach for the rest
-  flat     one copy of the whole bucket (the floor)
+`engine_node/backends/vllm_weight_plan.py` replays them; --preset qwen05 (290 tensors,
+0.99 GB) or qwen7b (Qwen2-7B: 339 tensors, 15.23 GB; ~46 GB of GPU memory in all).
+Ways, median of --reps (CUDA-synchronized wall time, and the CPU time to launch):
+  loop         copy_ per tensor
+  foreach      one torch._foreach_copy_ over all of them (the plan before the Replay)
+  hybrid_N     copy_ for tensors >= N MiB (--big-mib), foreach for the rest
+  plan         the product's write: WeightPlan.replay(...).run() with its default
+               BIG_COPY_BYTES, the Replay kept across updates as the worker keeps it
+               (engine_node/backends/vllm_worker_reuse.py)
+  plan_recut   the same, with the source views cut from the bucket every update
+               (sources_from_buckets + replay: what a worker without kept views pays)
+  flat         one copy of the whole bucket (the floor)
 
-    python -m bench.gpu.plan_copy            # on a GPU; --device cpu for a dry run
+    python -m bench.gpu.plan_copy [--preset qwen7b]   # on a GPU; --device cpu for a dry run
 """
 
 from __future__ import annotations
@@ -23,7 +29,11 @@ import time
 
 import torch
 
-QWEN05 = dict(hidden=896, inter=4864, layers=24, heads=14, kv_heads=2, head_dim=64, vocab=151936)
+from engine_node.backends.vllm_weight_plan import BIG_COPY_BYTES, WeightPlan, _Copy
+
+QWEN05 = dict(hidden=896, inter=4864, layers=24, heads=14, kv_heads=2, head_dim=64, vocab=151936, tied=1)
+QWEN7B = dict(hidden=3584, inter=18944, layers=28, heads=28, kv_heads=4, head_dim=128, vocab=152064, tied=0)
+PRESETS = {"qwen05": QWEN05, "qwen7b": QWEN7B}
 
 
 def shapes(p: dict[str, int]) -> tuple[dict[str, tuple[int, ...]], list[tuple[str, str, int, int]]]:
@@ -32,6 +42,9 @@ def shapes(p: dict[str, int]) -> tuple[dict[str, tuple[int, ...]], list[tuple[st
     q, kv = p["heads"] * hd, p["kv_heads"] * hd
     params: dict[str, tuple[int, ...]] = {"embed": (p["vocab"], h), "norm": (h,)}
     ck: list[tuple[str, str, int, int]] = [("embed", "embed", 0, p["vocab"]), ("norm", "norm", 0, h)]
+    if not p.get("tied", 1):
+        params["lm_head"] = (p["vocab"], h)
+        ck.append(("lm_head", "lm_head", 0, p["vocab"]))
     for li in range(p["layers"]):
         L = f"l{li}."
         params.update({L + "qkv": (q + 2 * kv, h), L + "o": (h, q), L + "gate_up": (2 * i, h), L + "down": (h, i)})
@@ -52,9 +65,9 @@ def shapes(p: dict[str, int]) -> tuple[dict[str, tuple[int, ...]], list[tuple[st
 
 
 def build(
-    device: str, dtype: torch.dtype, **over: int
-) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    params_s, ck = shapes({**QWEN05, **over})
+    device: str, dtype: torch.dtype, preset: dict[str, int], **over: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor, list[int]]:
+    params_s, ck = shapes({**preset, **over})
     params = {n: torch.zeros(s, dtype=dtype, device=device) for n, s in params_s.items()}
     dsts = []
     for _, pn, r0, rows in ck:
@@ -66,11 +79,27 @@ def build(
         off += (d.numel() * isz + 255) // 256 * 256
     # Random values, not random bytes: bytes would hold NaNs, whose payload a copy may
     # canonicalize (the bitwise check below would then fail for no real reason).
-    typed = torch.randn(off // isz, device=device).to(dtype)
+    # (in dtype directly: a float32 draw first would need twice the bucket's memory at 7B)
+    typed = torch.randn(off // isz, device=device, dtype=dtype)
     bucket = typed.view(torch.uint8)
     srcs = [typed.as_strided(tuple(d.shape), d.stride(), o // isz) for d, o in zip(dsts, offs, strict=True)]
     flat_dst = torch.empty_like(bucket)
-    return dsts, srcs, bucket, flat_dst
+    return dsts, srcs, bucket, flat_dst, offs
+
+
+def product_plan(dsts: list[torch.Tensor], srcs: list[torch.Tensor], offs: list[int]) -> tuple[WeightPlan, list]:
+    """The product's WeightPlan for these copies (as `WeightPlan.record` would
+    learn it: tensor k is checkpoint tensor "t{k}" at byte offset offs[k] of
+    bucket 0), and its metas for sources_from_buckets."""
+    plan = WeightPlan("bench")
+    metas = []
+    for k, (d, s, o) in enumerate(zip(dsts, srcs, offs, strict=True)):
+        name = f"t{k}"
+        plan.copies.append(_Copy(name, name, d, 0, tuple(s.shape), tuple(s.stride()), s.dtype))
+        metas.append([name, str(s.dtype).removeprefix("torch."), list(s.shape), 0, o, s.numel() * s.element_size()])
+    plan.order = list(plan.copies)
+    plan._finish()
+    return plan, metas
 
 
 def timed(fn, device: str, reps: int) -> dict[str, float]:
@@ -97,10 +126,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--big-mib", type=float, nargs="+", default=[1.0, 4.0, 16.0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--layers", type=int, default=QWEN05["layers"], help="fewer for a CPU dry run")
-    ap.add_argument("--vocab", type=int, default=QWEN05["vocab"], help="smaller for a CPU dry run")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="qwen05")
+    ap.add_argument("--layers", type=int, default=None, help="fewer for a CPU dry run")
+    ap.add_argument("--vocab", type=int, default=None, help="smaller for a CPU dry run")
     a = ap.parse_args()
-    dsts, srcs, bucket, flat_dst = build(a.device, torch.bfloat16, layers=a.layers, vocab=a.vocab)
+    over = {k: v for k, v in (("layers", a.layers), ("vocab", a.vocab)) if v is not None}
+    dsts, srcs, bucket, flat_dst, offs = build(a.device, torch.bfloat16, PRESETS[a.preset], **over)
+    plan, metas = product_plan(dsts, srcs, offs)
+    kept = plan.replay(plan.sources_from_buckets("bench", metas, {0: bucket}))
+
+    def plan_kept() -> None:
+        kept.run()
+
+    def plan_recut() -> None:
+        plan.replay(plan.sources_from_buckets("bench", metas, {0: bucket})).run()
 
     def loop() -> None:
         for d, s in zip(dsts, srcs, strict=True):
@@ -129,11 +168,17 @@ def main() -> None:
     with torch.no_grad():
         ways = [("loop", loop), ("foreach", foreach), ("flat", flat)]
         ways += [(f"hybrid_{m:g}MiB", hybrid_of(m)) for m in a.big_mib]
+        ways += [("plan", plan_kept), ("plan_recut", plan_recut)]
         res = {n: timed(f, a.device, a.reps) for n, f in ways}
-        foreach()
+        for d in dsts:
+            d.zero_()
+        kept.run()
         ok = all(torch.equal(d.view(torch.int16), s.view(torch.int16)) for d, s in zip(dsts, srcs, strict=True))
     out = {
         "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,
+        "preset": a.preset,
+        "big_copy_bytes": BIG_COPY_BYTES,
+        "plan_big_copies": len(kept.big),
         "tensors": len(dsts),
         "bytes": int(sum(d.numel() * d.element_size() for d in dsts)),
         "copies_equal_sources": ok,

@@ -24,6 +24,7 @@ _WORKER_TIMING = (
     "copy_s",
     "fallback",
     "fallback_s",
+    "views_reused",
     "record_s",
     "load_s",
     "verify_s",

@@ -24,10 +24,13 @@ keeping tensors in Python state, say) it is left to `load_weights` every time.
 `verify` then checks the plan against the truth: after the real
 `load_weights` of the same update ran, every planned destination must hold
 exactly (bit for bit) what the plan would write; a name whose copies disagree
-goes to the fallback set. `apply` replays the plan: `torch._foreach_copy_`
-over (dst, src) pairs of equal shape (one kernel per few tensors instead of
-~300 Python loader calls), single copies for broadcasts, fills after. Where
-two destinations overlap the plan replays strictly in recorded order instead.
+goes to the fallback set. `apply` replays the plan (a `Replay`: the copies
+grouped for launch once, cached by the worker with the source views): a copy
+of at least `BIG_COPY_BYTES` is its own `copy_` (the dedicated copy kernel moves
+large tensors faster than `_foreach_copy_`'s chunked one: bench/gpu/plan_copy.py),
+the rest go in ONE `torch._foreach_copy_` per device (one kernel per few tensors
+instead of ~300 Python loader calls), single copies for broadcasts, fills after.
+Where two destinations overlap the plan replays strictly in recorded order instead.
 
 Hazards:
 - Python side effects of a loader (flags on a layer, counters kept by vLLM's
@@ -35,8 +38,10 @@ Hazards:
   extension never plans a quantized model (`plannable`); fp8 re-quantization
   is vllm_fp8's, run from the post-load hook.
 - The plan holds views of the live parameters. `still_valid` checks that every
-  parameter still has the storage pointer it had when recorded (a module swap
-  or re-allocation invalidates the plan; it is then recorded again).
+  parameter is still its module's and still at the address it had when recorded
+  (a parameter replaced or re-allocated invalidates the plan; it is then
+  recorded again). It runs on every update, so it is a few C-level list
+  compares, not a Python loop over the parameters.
 
 Nothing here imports vLLM: the CPU tests run it against a small vLLM-like
 module with stacked parameters and TP-style narrowing.
@@ -46,12 +51,18 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import operator
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# A copy this large (bytes) is launched as its own copy_ (bench/gpu/plan_copy.py,
+# run 28: copy_ for tensors >= 16 MiB + one foreach for the rest 0.65 ms against
+# 0.76 ms for one foreach, 0.5B layout on an H200).
+BIG_COPY_BYTES = 16 << 20
 
 _aten = torch.ops.aten
 _FILLS = {_aten.fill_.Scalar, _aten.zero_.default}
@@ -70,6 +81,10 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
     p = t.data_ptr()
     return p, p + span * t.element_size()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -147,6 +162,43 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+@dataclasses.dataclass
+class Replay:
+    """One update's planned writes, grouped for launch: the large copies one
+    `copy_` each (issued first, so the GPU starts on them while the CPU
+    launches the rest), then one `_foreach_copy_` per device, broadcasting
+    copies, fills; or, with overlapping destinations, every write in recorded
+    order. Destinations do not overlap otherwise, so the grouping cannot
+    change the result."""
+
+    n: int = 0
+    big: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    foreach: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = dataclasses.field(default_factory=list)
+    single: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    fills: list[tuple[torch.Tensor, Any]] = dataclasses.field(default_factory=list)
+    ordered: list[tuple[torch.Tensor, torch.Tensor | None, Any]] | None = None
+
+    def run(self) -> int:
+        """Perform the writes. Returns the number of copies."""
+        with torch.no_grad():
+            if self.ordered is not None:
+                for dst, src, value in self.ordered:
+                    if src is not None:
+                        dst.copy_(src)
+                    else:
+                        dst.fill_(value)
+                return self.n
+            for dst, src in self.big:
+                dst.copy_(src)
+            for dsts, srcs in self.foreach:
+                torch._foreach_copy_(dsts, srcs)
+            for dst, src in self.single:
+                dst.copy_(src)
+            for dst, value in self.fills:
+                dst.fill_(value)
+        return self.n
+
+
 class WeightPlan:
     """The copy plan for one incoming layout (names, dtypes, shapes)."""
 
@@ -164,9 +216,13 @@ class WeightPlan:
         self.verified = False
         self.record_seconds = 0.0
         self._groups: list[tuple[list[int], list[int]]] = []  # filled by _finish
-        # (module, attribute, the parameter object, its storage pointer) for every
-        # parameter the plan writes: still_valid's cheap check
-        self._owners: list[tuple[torch.nn.Module, str, torch.Tensor, int]] = []
+        # still_valid's check, as parallel lists for C-level compares: for every
+        # parameter the plan writes, the dict that holds it (its module's
+        # _parameters or _buffers), its key there, the object, its address
+        self._owner_dicts: list[dict[str, Any]] = []
+        self._owner_attrs: list[str] = []
+        self._owner_params: list[torch.Tensor] = []
+        self._owner_ptrs: list[int] = []
         # layout (bucket sizes + metas) -> per copy (bucket, dtype, element offset in that bucket)
         self._bound: dict[Any, list[tuple[int, torch.dtype, int]]] = {}
 
@@ -212,7 +268,7 @@ class WeightPlan:
                 plan._fall(n, f"writes {param}, which {plan._tainted[param]}")
         plan._ask_about_unplanned(load, named, params, names_done)
         plan._finish()
-        plan._owners = _owners(model, {op.param for op in plan.order})
+        plan._own(model, {op.param for op in plan.order})
         plan.record_seconds = time.perf_counter() - t0
         return plan
 
@@ -312,14 +368,27 @@ class WeightPlan:
         return {c.name for c in self.copies}
 
     def still_valid(self, model: torch.nn.Module | None = None) -> bool:
-        """Every parameter the plan writes is still the module's parameter, in
-        the same storage (a dict lookup and a pointer per parameter: cheap
-        enough for every update)."""
-        for mod, attr, p, ptr in self._owners:
-            cur = mod._parameters.get(attr) if attr in mod._parameters else mod._buffers.get(attr)
-            if cur is not p or p.untyped_storage().data_ptr() != ptr:
-                return False
-        return True
+        """Every parameter the plan writes is still its module's parameter, at
+        the address it had when recorded (runs every update: a `map` over dicts
+        and one over data_ptr, compared as lists, ~10x a Python loop's speed).
+        A re-allocated parameter cannot come back at its old address: the
+        plan's views keep the old memory alive."""
+        cur = map(dict.get, self._owner_dicts, self._owner_attrs)
+        if not all(map(operator.is_, cur, self._owner_params)):
+            return False
+        return list(map(torch.Tensor.data_ptr, self._owner_params)) == self._owner_ptrs
+
+    def _own(self, model: torch.nn.Module, names: set[str]) -> None:
+        for name in sorted(names):
+            prefix, _, attr = name.rpartition(".")
+            mod = model.get_submodule(prefix) if prefix else model
+            d = mod._parameters if attr in mod._parameters else mod._buffers
+            p = d.get(attr)
+            if p is not None:
+                self._owner_dicts.append(d)
+                self._owner_attrs.append(attr)
+                self._owner_params.append(p)
+                self._owner_ptrs.append(p.data_ptr())
 
     def bind(self, layout: Any, metas: list[list[Any]]) -> list[tuple[int, torch.dtype, int]]:
         """Where each copy's source starts inside the buckets of `layout`
@@ -330,7 +399,7 @@ class WeightPlan:
             b = []
             for c in self.copies:
                 bucket, off = where[c.name]
-                isz = torch.empty((), dtype=c.src_dtype).element_size()
+                isz = c.src_dtype.itemsize
                 if off % isz:
                     raise ValueError(f"tensor {c.name!r}: offset {off} not aligned to {c.src_dtype}")
                 b.append((bucket, c.src_dtype, off // isz + c.src_offset))
@@ -347,7 +416,7 @@ class WeightPlan:
             base = typed.get((bucket, dt))
             if base is None:
                 raw = buckets[bucket]
-                n = raw.numel() // torch.empty((), dtype=dt).element_size() * torch.empty((), dtype=dt).element_size()
+                n = raw.numel() // dt.itemsize * dt.itemsize
                 base = typed[(bucket, dt)] = raw[:n].view(dt)
             out.append(base.as_strided(c.src_size, c.src_stride, base.storage_offset() + off))
         return out
@@ -362,28 +431,39 @@ class WeightPlan:
             out.append(t.as_strided(c.src_size, c.src_stride, t.storage_offset() + c.src_offset))
         return out
 
-    def apply(self, tensors: dict[str, torch.Tensor] | None = None, srcs: list[torch.Tensor] | None = None) -> int:
+    def apply(
+        self,
+        tensors: dict[str, torch.Tensor] | None = None,
+        srcs: list[torch.Tensor] | None = None,
+        big_bytes: int = BIG_COPY_BYTES,
+    ) -> int:
         """Write every planned copy and fill, from this update's named tensors
         (or the sources already cut, `srcs`). Returns the number of copies."""
         if srcs is None:
             srcs = self.sources(tensors or {})
-        with torch.no_grad():
-            if self.ordered:  # the order load_weights wrote them in
-                src_of = {id(c): s for c, s in zip(self.copies, srcs, strict=True)}
-                for op in self.order:
-                    if isinstance(op, _Copy):
-                        op.dst.copy_(src_of[id(op)])
-                    else:
-                        op.dst.fill_(op.value)
-                return len(self.copies)
-            for same, other in self._groups:
-                if same:
-                    torch._foreach_copy_([self.copies[i].dst for i in same], [srcs[i] for i in same])
-                for i in other:
-                    self.copies[i].dst.copy_(srcs[i])
-            for f in self.fills:
-                f.dst.fill_(f.value)
-        return len(self.copies)
+        return self.replay(srcs, big_bytes).run()
+
+    def replay(self, srcs: list[torch.Tensor], big_bytes: int = BIG_COPY_BYTES) -> Replay:
+        """The copies from `srcs` (one per copy, as `sources` cuts them) grouped
+        for launch. Holds the source views: a worker keeps it across updates
+        only while the buffers behind them are kept too (vllm_worker_reuse)."""
+        r = Replay(n=len(self.copies))
+        if self.ordered:  # the order load_weights wrote them in
+            src_of = {id(c): s for c, s in zip(self.copies, srcs, strict=True)}
+            r.ordered = [
+                (op.dst, src_of[id(op)], None) if isinstance(op, _Copy) else (op.dst, None, op.value)
+                for op in self.order
+            ]
+            return r
+        for same, other in self._groups:
+            big = [i for i in same if _nbytes(self.copies[i].dst) >= big_bytes]
+            small = [i for i in same if _nbytes(self.copies[i].dst) < big_bytes]
+            r.big += [(self.copies[i].dst, srcs[i]) for i in big]
+            if small:
+                r.foreach.append(([self.copies[i].dst for i in small], [srcs[i] for i in small]))
+            r.single += [(self.copies[i].dst, srcs[i]) for i in other]
+        r.fills = [(f.dst, f.value) for f in self.fills]
+        return r
 
     def verify(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         """After the real load_weights of `tensors`: names whose planned writes
@@ -416,17 +496,6 @@ class WeightPlan:
             "ordered": self.ordered,
             "record_seconds": round(self.record_seconds, 4),
         }
-
-
-def _owners(model: torch.nn.Module, names: set[str]) -> list[tuple[torch.nn.Module, str, torch.Tensor, int]]:
-    out = []
-    for name in sorted(names):
-        prefix, _, attr = name.rpartition(".")
-        mod = model.get_submodule(prefix) if prefix else model
-        p = mod._parameters.get(attr) if attr in mod._parameters else mod._buffers.get(attr)
-        if p is not None:
-            out.append((mod, attr, p, p.untyped_storage().data_ptr()))
-    return out
 
 
 def plannable(model: torch.nn.Module) -> str | None:

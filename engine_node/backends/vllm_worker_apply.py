@@ -4,7 +4,9 @@
 `WorkerApply` is the base of the worker extension's mixins: the per-worker
 update state (`_rb`), begin/abort, validation and `_rb_apply` (a recorded copy
 plan, or the model's own load_weights). LoRA wrappers are unwrapped while
-loading, so load_weights sees the checkpoint's names.
+loading, so load_weights sees the checkpoint's names. A repeated update (same
+layout, same kept buckets) reuses its validated layout and the plan's cut source
+views (vllm_worker_reuse: what is kept, and how long).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from bus.tensors import unpack_bucket
 from engine_node.backends import vllm_fp8
 from engine_node.backends import vllm_weight_plan as WP
+from engine_node.backends.vllm_worker_reuse import Kept, Layout, buckets_list
 
 _LORA_SWAPS: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[torch.nn.Module, str, torch.nn.Module]]] = (
     weakref.WeakKeyDictionary()
@@ -86,23 +89,18 @@ def _on(dev: torch.device) -> Any:
 
 
 def _fresh_state() -> dict[str, Any]:
-    return {"uid": None, "metas": [], "sizes": [], "buckets": {}, "named": {}, "layout": None}
+    # keep_views: this update's buckets outlive it (kept IPC maps, nccl staging),
+    # so views cut from them may be kept for the next update (vllm_worker_reuse)
+    # (handles: the kept maps' IPC handles, as received)
+    return {
+        **{"uid": None, "metas": [], "sizes": [], "buckets": {}, "named": {}, "layout": None},
+        **{"keep_views": False, "handles": None},
+    }
 
 
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def _layout_key(metas: list[list[Any]], sizes: list[int]) -> tuple[Any, ...]:
-    """The whole bucket layout (names, dtypes, shapes, places, bucket sizes)."""
-    return (tuple(int(x) for x in sizes), tuple((str(m[0]), str(m[1]), tuple(m[2]), *m[3:6]) for m in metas))
-
-
-def _plan_key(metas: list[list[Any]]) -> tuple[Any, ...]:
-    """What a plan depends on: names, dtypes, shapes (not the bucket layout:
-    a plan's sources are relative to each named tensor)."""
-    return tuple((str(m[0]), str(m[1]), tuple(int(d) for d in m[2])) for m in metas)
 
 
 class WorkerApply:
@@ -115,7 +113,10 @@ class WorkerApply:
     def _rb(self) -> dict[str, Any]:
         st = self.__dict__.get("_rollout_bus_state")
         if st is None:
-            st = {**_fresh_state(), "nccl": None, "nccl_key": None, "plans": {}, "staging": None, "validated": None}
+            st = {
+                **_fresh_state(),
+                **{"nccl": None, "nccl_key": None, "plans": {}, "staging": None, "validated": None, "kept": None},
+            }
             self.__dict__["_rollout_bus_state"] = st
         return st
 
@@ -159,8 +160,7 @@ class WorkerApply:
         model = self._rb_model()
         dev = self._rb_device()
         t0 = time.perf_counter()
-        if st.get("layout") is None:
-            st["layout"] = _layout_key(st["metas"], st["sizes"])
+        layout = self._rb_layout(st)
         off = (opts or {}).get("plan") is False or os.environ.get("ROLLOUT_BUS_WEIGHT_PLAN", "1") == "0"
         why = "off" if off else _plannable(model)
         r: dict[str, Any] = {"tensors": len(st["metas"])}
@@ -170,71 +170,84 @@ class WorkerApply:
             with _LoraUnwrapped(model):  # the checkpoint's names, for the plan as for load_weights
                 r.update(self._rb_plan_apply(st, model, t0, bool((opts or {}).get("check"))))
         t3 = time.perf_counter()
-        self._rb_post_load(model, [str(m[0]) for m in st["metas"]])
+        self._rb_post_load(model, layout.names)
         _sync(dev)
         r["post_sync_s"] = round(time.perf_counter() - t3, 4)
         r["apply_s"] = round(time.perf_counter() - t0, 4)
         return r
 
     def _rb_plan_apply(self, st: dict[str, Any], model: torch.nn.Module, t0: float, check: bool) -> dict[str, Any]:
-        r: dict[str, Any] = {}
-        key = _plan_key(st["metas"])
-        plan = st["plans"].get(key)
+        layout: Layout = st["layout"]
+        plan = st["plans"].get(layout.plan_key)
         if plan == "failed":  # recording this layout failed once: load_weights for good
             return {"path": "load_weights", "params_loaded": self._rb_load(self._rb_named(st)), "why": "plan failed"}
         if isinstance(plan, WP.WeightPlan) and not plan.still_valid(model):
             plan = None  # a parameter was re-allocated or swapped: learn again
         if plan is None:
-            named = self._rb_named(st)
-            try:
-                plan = WP.WeightPlan.record(key, model, model.load_weights, named)
-            except Exception as e:  # nothing was written: recording performs no write
-                st["plans"] = {key: "failed"}
-                return {
-                    "path": "load_weights",
-                    "params_loaded": self._rb_load(named),
-                    "why": f"plan failed: {type(e).__name__}: {e}"[:300],
-                }
-            t1 = time.perf_counter()
-            r["params_loaded"] = self._rb_load(named)  # the truth, this once
-            t2 = time.perf_counter()
-            bad = plan.verify(dict(named))
-            st["plans"] = {key: plan}  # one layout at a time: a new one replaces it
-            r.update(
-                path="load_weights+record",
-                record_s=round(t1 - t0, 4),
-                load_s=round(t2 - t1, 4),
-                verify_s=round(time.perf_counter() - t2, 4),
-                verify_mismatch=bad[:8],
-                plan=plan.summary(),
-            )
-            return r
-        # The source views depend on the plan, the layout and the bucket
-        # tensors; with kept maps (zero-copy) all three repeat, so cutting
-        # hundreds of views (Python, ~10 us each) is done once, not per update.
-        skey = (id(plan), st["layout"], tuple(id(b) for _i, b in sorted(st["buckets"].items())))
-        cached = st.get("srcs")
-        if cached is not None and cached[0] == skey and st.get("maps"):
-            srcs = cached[1]
-        else:
-            srcs = plan.sources_from_buckets(st["layout"], st["metas"], st["buckets"])
-            st["srcs"] = (skey, srcs) if st.get("maps") else None
-        n = plan.apply(srcs=srcs)
-        del srcs
+            return self._rb_record(st, model, t0)
+        replay, reused = self._rb_replay(st, plan)
+        n = replay.run()
+        del replay
         t1 = time.perf_counter()
         rest = self._rb_subset(st, plan.fallback) if plan.fallback else []
         if rest:
             self._rb_load(rest)
-        r.update(
-            path="plan",
-            copies=n,
-            fallback=len(rest),
-            copy_s=round(t1 - t0, 4),
-            fallback_s=round(time.perf_counter() - t1, 4),
-        )
+        r = {
+            "path": "plan",
+            "copies": n,
+            "fallback": len(rest),
+            "views_reused": reused,
+            "copy_s": round(t1 - t0, 4),
+            "fallback_s": round(time.perf_counter() - t1, 4),
+        }
         if check:
             r.update(self._rb_check_plan(model, self._rb_named(st)))
         return r
+
+    def _rb_replay(self, st: dict[str, Any], plan: WP.WeightPlan) -> tuple[WP.Replay, bool]:
+        """The plan's writes from this update's buckets, and whether they were
+        reused: the source views depend on the plan, the layout and the bucket
+        tensors, and with kept maps (zero-copy) or nccl's staging all three
+        repeat, so the views (339 as_strided at 7B) are cut once, not per update."""
+        kept: Kept | None = st.get("kept")
+        if kept is not None and kept.serves(st["layout"], plan, st["buckets"]):
+            return kept.replay, True
+        st["kept"] = None  # its views may pin buffers this update no longer uses
+        layout: Layout = st["layout"]
+        replay = plan.replay(plan.sources_from_buckets(layout.key, st["metas"], st["buckets"]))
+        if st["keep_views"]:
+            st["kept"] = Kept(layout, plan, buckets_list(st["buckets"]), replay, st.get("handles"))
+        return replay, False
+
+    def _rb_record(self, st: dict[str, Any], model: torch.nn.Module, t0: float) -> dict[str, Any]:
+        """The first update of a layout: load_weights (the truth) with the plan
+        recorded alongside, then verified against what load_weights wrote."""
+        key = st["layout"].plan_key
+        named = self._rb_named(st)
+        try:
+            plan = WP.WeightPlan.record(key, model, model.load_weights, named)
+        except Exception as e:  # nothing was written: recording performs no write
+            st["plans"] = {key: "failed"}
+            return {
+                "path": "load_weights",
+                "params_loaded": self._rb_load(named),
+                "why": f"plan failed: {type(e).__name__}: {e}"[:300],
+            }
+        t1 = time.perf_counter()
+        loaded = self._rb_load(named)  # the truth, this once
+        t2 = time.perf_counter()
+        bad = plan.verify(dict(named))
+        st["plans"] = {key: plan}  # one layout at a time: a new one replaces it
+        st["kept"] = None  # (views of the old plan's)
+        return {
+            "params_loaded": loaded,
+            "path": "load_weights+record",
+            "record_s": round(t1 - t0, 4),
+            "load_s": round(t2 - t1, 4),
+            "verify_s": round(time.perf_counter() - t2, 4),
+            "verify_mismatch": bad[:8],
+            "plan": plan.summary(),
+        }
 
     def _rb_subset(self, st: dict[str, Any], names: set[str]) -> list[tuple[str, torch.Tensor]]:
         """Views of just these names (the layout is validated)."""
@@ -256,20 +269,35 @@ class WorkerApply:
             "check_s": round(time.perf_counter() - t0, 4),
         }
 
+    def _rb_layout(self, st: dict[str, Any]) -> Layout:
+        """This update's Layout: set by _rb_validate, else the validated one
+        when the metas are the same, else made (not validated: zmq, fp8 tests)."""
+        layout = st.get("layout")
+        if layout is None:
+            known: Layout | None = st.get("validated")
+            same = known is not None and known.same(st["metas"], st["sizes"])
+            layout = st["layout"] = known if same and known is not None else Layout.of(st["metas"], st["sizes"])
+        return layout
+
     def _rb_validate(self, st: dict[str, Any]) -> None:
         """Every bucket against the metas (bus.tensors.unpack_bucket: a lie is a
-        ValueError naming the tensor). A layout validated before needs only its
-        bucket lengths checked: the same metas give the same answer."""
-        layout = _layout_key(st["metas"], st["sizes"])
-        st["layout"] = layout
-        if st.get("validated") == layout:
+        ValueError naming the tensor). A layout validated before (found by one
+        list compare, vllm_worker_reuse) needs only its bucket lengths checked:
+        the same metas give the same answer. The very buckets of the kept last
+        update passed that check already."""
+        known: Layout | None = st.get("validated")
+        if known is not None and known.same(st["metas"], st["sizes"]):
+            st["layout"] = known
+            kept: Kept | None = st.get("kept")
+            if kept is not None and kept.layout is known and kept.same_buckets(st["buckets"]):
+                return
             for i, b in st["buckets"].items():
                 if b.numel() < st["sizes"][i]:
                     raise ValueError(f"bucket {i}: {b.numel()} bytes, the plan says {st['sizes'][i]}")
             return
         for i, b in st["buckets"].items():
             st["named"][i] = unpack_bucket(i, st["metas"], b)
-        st["validated"] = layout
+        st["layout"] = st["validated"] = Layout.of(st["metas"], st["sizes"])
 
     def _rb_named(self, st: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
         known = st["named"]

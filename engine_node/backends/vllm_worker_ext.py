@@ -37,8 +37,11 @@ Writing the parameters (`_rb_apply`): the first update of a layout runs vLLM's
 `load_weights` (the truth) and records, alongside, the copy plan it amounts to
 (vllm_weight_plan: which slice of which incoming tensor lands in which slice of
 which parameter), then verifies the plan against what load_weights wrote, bit for
-bit. Later updates replay the plan as device copies (torch._foreach_copy_), and
-only the names the plan cannot express go through load_weights. Quantized models
+bit. Later updates replay the plan as device copies (a `copy_` per tensor of
+16 MiB or more, one torch._foreach_copy_ for the rest), and only the names the
+plan cannot express go through load_weights. A repeated update of the same layout
+into buckets the worker keeps (zero-copy maps, nccl staging) reuses the validated
+layout and the plan's cut source views (vllm_worker_reuse). Quantized models
 never use a plan. `_rb_post_load` runs after every write (the hook for a
 post-load step such as fp8 re-quantization; a no-op here). opts["plan"]=False
 (or ROLLOUT_BUS_WEIGHT_PLAN=0 in the workers' environment) turns plans off.
@@ -117,7 +120,7 @@ class RolloutBusWorkerExtension(IpcReceive, PackedReceive):
         loader = get_model_loader(worker.load_config)
         with _on(self._rb_device()), torch.no_grad():
             n = self._rb_load(loader.get_all_weights(worker.model_config, model))
-        self._rb().update(plans={}, srcs=None)  # the plan stays valid, but be safe: learn it again
+        self._rb().update(plans={}, kept=None)  # the plan stays valid, but be safe: learn it again
         return n
 
     def rollout_bus_restore_sleep_buffers(self) -> int:

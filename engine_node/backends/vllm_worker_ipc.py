@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from engine_node.backends.vllm_worker_apply import WorkerApply, _fresh_state, _on, _sync
+from engine_node.backends.vllm_worker_reuse import Kept
 
 
 def local_device_for_uuid(uuid: str | None, default: int) -> int:
@@ -46,10 +47,18 @@ class IpcReceive(WorkerApply):
         and opening them — cudaIpcOpenMemHandle, ~0.1 ms each, hundreds at 7B —
         is paid once. Hazard: a kept map pins the trainer's memory (torch's IPC
         ref counter keeps a freed block in limbo), so only this update's maps
-        survive it, and sleep drops them all (rollout_bus_drop_maps)."""
+        survive it, and sleep drops them all (rollout_bus_drop_maps). The same
+        handles as the kept last update's (one list compare) are its very
+        buckets: no per-handle lookup (vllm_worker_reuse)."""
         dev = self._rb_device()
         if len(handles) != len(st["sizes"]):
             raise ValueError(f"cuda_ipc: {len(handles)} handle(s) for {len(st['sizes'])} bucket(s)")
+        kept: Kept | None = st.get("kept")
+        if keep_maps and kept is not None and kept.handles is not None and kept.handles == handles:
+            st["buckets"] = dict(enumerate(kept.buckets))
+            st.update(keep_views=True, handles=kept.handles)
+            self._rb_validate(st)
+            return 0
         my_uuid = str(torch.cuda.get_device_properties(dev).uuid) if dev.type == "cuda" else ""
         copied = 0
         old_maps: dict[bytes, torch.Tensor] = st.get("maps") or {}
@@ -82,8 +91,10 @@ class IpcReceive(WorkerApply):
         # Only this update's maps survive it (a handle that did not come again
         # may name memory the trainer has freed); without keep_maps none do.
         st["maps"] = maps
-        if not keep_maps:
-            st["srcs"] = None  # cached views would pin the old maps
+        if keep_maps and not copied:
+            st.update(keep_views=True, handles=list(handles))
+        else:
+            st["kept"] = None  # its views would pin maps that are no longer kept
         self._rb_validate(st)  # now: a lie fails the update before anything is written
         return copied
 
@@ -108,7 +119,7 @@ class IpcReceive(WorkerApply):
                 t1 = time.perf_counter()
                 r = self._rb_apply(st, opts)
         except BaseException:
-            st["maps"] = {}  # a failed update keeps nothing of the trainer's
+            st["maps"], st["kept"] = {}, None  # a failed update keeps nothing of the trainer's
             raise
         finally:
             # drop the views: the trainer may free its buffers after the ack
@@ -127,6 +138,5 @@ class IpcReceive(WorkerApply):
         trainer's freed memory is really free for it while the engine sleeps."""
         st = self._rb()
         n = len(st.get("maps") or {})
-        st["maps"] = {}
-        st["srcs"] = None
+        st["maps"], st["kept"] = {}, None  # the kept views pin the maps too
         return n

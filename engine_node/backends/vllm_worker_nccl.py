@@ -37,6 +37,9 @@ class NcclReceive(WorkerApply):
                 st["buckets"][i] = buf
             _sync(dev)
         t3 = time.perf_counter()
+        # The staging outlives the update: the plan's views cut from it are kept
+        # for the next update of this layout (vllm_worker_reuse), until nccl_close.
+        st["keep_views"] = True
         self._rb_validate(st)
         return {
             "bytes": int(sum(st["sizes"])),
@@ -151,6 +154,7 @@ class NcclReceive(WorkerApply):
         st = self._rb()
         comms = st.get("comms") or {}
         st["comms"], st["nccl"], st["nccl_key"], st["staging"] = {}, None, None, None
+        st["kept"] = None  # (views of the staging)
         for comm in comms.values():
             try:
                 comm.destroy()
