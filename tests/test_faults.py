@@ -140,24 +140,28 @@ def test_stalled_engine_loop_is_unhealthy_and_its_requests_fail_over(cluster_fac
     cl.kill("e1")
 
 
-def test_protocol_version_mismatch_is_refused_with_a_clear_error(torch_cluster):
+def test_protocol_version_mismatch_is_refused_with_a_clear_error(cluster_factory):
     import zmq
 
     from bus import protocol as P
     from bus.codec import Codec
+
+    # The head's registration check: a head and one null engine (no model to load).
+    cl = cluster_factory(1, backend="null")
+    cl.wait_ready(1)
 
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, 10_000)
     try:
-        s.connect(torch_cluster.events)
+        s.connect(cl.events)
         reg = P.Register("old", "ipc:///nowhere", "ipc:///nowhere", "torch", "m", P.PROTOCOL_VERSION + 7, "inc")
         s.send_multipart(Codec().encode(reg))
         reply, _ = Codec().decode(s.recv_multipart())
         assert isinstance(reply, P.RegisterReply) and reply.ok is False
         assert "protocol version" in reply.error
-        assert "old" not in torch_cluster.client().health()["engines"]
+        assert "old" not in cl.client().health()["engines"]
     finally:
         s.close(linger=0)
         ctx.term()
