@@ -125,7 +125,10 @@ from bus.wire import Version as Version
 # Also 7 (one version: both landed together): Ack.failure (an EngineFailure)
 # instead of flat error/code/field; typed QueryReply.body (bus/views.py);
 # StatsResult.heartbeat is a Heartbeat.
-PROTOCOL_VERSION = 7
+# 8: the one-trip weight update (BeginWeightUpdate.layout/commit/version,
+# WeightsCommitted.layout/detail): a steady-state zero-copy cuda_ipc update
+# names a layout the engines already hold and commits in the same op.
+PROTOCOL_VERSION = 8
 
 # ---------------------------------------------------------------- data plane
 
@@ -318,6 +321,16 @@ class BeginWeightUpdate(_Msg, tag="begin_weights"):
     # -- protocol 7 ---------------------------------------------------------
     # target "lora:NAME": r, lora_alpha, target_modules of the staged adapter.
     lora_config: dict[str, Any] = {}
+    # -- protocol 8 (the one-trip update, trainer_bridge/transports/one_trip.py)
+    # A layout id named by the trainer for its zero-copy cuda_ipc layout. With
+    # handles: an engine that commits the update keeps (metas, sizes, handles,
+    # args) under it. With commit=True and no handles: the engine takes the
+    # layout it keeps under this id (refused, field "layout", if it has none).
+    layout: Id = ""
+    # One op: receive + validate + prepare + COMMIT at `version`, which the
+    # head decides (and sets here) before it publishes the op.
+    commit: bool = False
+    version: Annotated[int, Meta(ge=0, le=MAX_COMMIT_VERSION)] | None = None
 
 
 class ReceiveWeights(_Msg, tag="receive_weights"):
