@@ -80,7 +80,7 @@ def check_shape(op: P.BeginWeightUpdate) -> None:
     if not op.layout:
         why = "names no layout"
     elif op.transport != Transport.CUDA_IPC:
-        why = f"is over {op.transport.value}, not cuda_ipc"
+        why = f"is over {op.transport!s}, not cuda_ipc"
     elif op.handles or op.tensors or op.bucket_sizes:
         why = "carries handles or tensors (the layout brings them)"
     elif op.senders != 1 or op.streamed or op.target != "model":
