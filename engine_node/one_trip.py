@@ -74,8 +74,8 @@ class KeptLayout:
         self.held = None
 
     def take(self, op: P.BeginWeightUpdate, sleeps: int, engine_id: str) -> P.BeginWeightUpdate:
-        """The full begin of one-trip update `op` (its id, version and
-        check_finite; the kept metas, sizes, handles and args), or
+        """The full begin of one-trip update `op` (its id, check_finite and
+        transport args, e.g. weight_check; the kept metas, sizes and handles), or
         BackendRefused naming "layout" when this engine does not hold it."""
         h = self.held
         why = ""
@@ -93,8 +93,15 @@ class KeptLayout:
                 field="layout",
             )
         assert h is not None
+        args = op.transport_args if isinstance(op.transport_args, CudaIpcArgs) else h.begin.transport_args
         return msgspec.structs.replace(
-            h.begin, update_id=op.update_id, check_finite=op.check_finite, prepare=True, commit=False, version=None
+            h.begin,
+            update_id=op.update_id,
+            check_finite=op.check_finite,
+            transport_args=args,
+            prepare=True,
+            commit=False,
+            version=None,
         )
 
 

@@ -96,6 +96,8 @@ def test_engine_keeps_only_a_zero_copy_layout_and_forgets_it_after_a_sleep() -> 
     got = kept.take(_fast(version=7), 0, "e0")
     assert got.update_id == "u" and got.handles == [b"h"] and got.tensors == metas
     assert got.prepare and not got.commit and got.version is None
+    checked = kept.take(_fast(transport_args=CudaIpcArgs(keep_maps=True, weight_check=True)), 0, "e0")
+    assert checked.transport_args.weight_check, "the op's own args (weight_check) win over the kept ones"
     with pytest.raises(BackendRefused, match="holds layout 'L'") as e:
         kept.take(_fast("OTHER"), 0, "e0")
     assert e.value.field == "layout" and kept.layout == "L"

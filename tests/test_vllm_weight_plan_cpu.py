@@ -425,7 +425,7 @@ def test_one_trip_through_the_engine_txn_is_one_worker_call_and_writes_like_load
         ref.load_weights(iter(list(params.items())))
         calls0 = len(fake.calls)
         op = BeginWeightUpdate(
-            "u%d" % seed, "cuda_ipc", [], [], transport_args=args, layout="L", commit=True, version=10 + seed
+            f"u{seed}", "cuda_ipc", [], [], transport_args=args, layout="L", commit=True, version=10 + seed
         )
         done = run(txn.begin(op))
         assert fake.calls[calls0:] == ["collective_rpc"], "one worker call per one-trip update"

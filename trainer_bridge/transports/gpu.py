@@ -164,7 +164,7 @@ class GpuSender:
             zero_copy=zero_copy, written=written,
         )  # fmt: skip
         handles, args = link.part(metas, sizes, tensors)
-        layout = one_trip.layout_id(metas, sizes, handles, args) if zero_copy else ""
+        layout = one_trip.layout_id(metas, sizes, handles) if zero_copy else ""
         try:
             if one_trip.LAYOUTS.holds(upd.targets, layout):
                 done = await self._one_trip(upd, layout, args, check)

@@ -40,10 +40,11 @@ from bus.transport import Transport
 log = structlog.get_logger("trainer_bridge.transports.one_trip")
 
 
-def layout_id(metas: list[Any], sizes: list[int], handles: list[Any], args: Any) -> str:
-    """The digest of a zero-copy layout: same tensors, same storages, same args → same id."""
+def layout_id(metas: list[Any], sizes: list[int], handles: list[Any]) -> str:
+    """The digest of a zero-copy layout: same tensors, same storages → same id
+    (the transport args are not part of it: each op carries its own)."""
     h = hashlib.blake2b(digest_size=12)
-    h.update(msgspec.msgpack.encode([metas, sizes, args]))
+    h.update(msgspec.msgpack.encode([metas, sizes]))
     for x in handles:
         h.update(x if isinstance(x, bytes) else msgspec.msgpack.encode(x))
     return h.hexdigest()
