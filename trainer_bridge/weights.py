@@ -29,7 +29,12 @@ through registry.SENDERS): zmq.py, and cuda_ipc.py / nccl.py on the one GPU
 send path of gpu.py (two round trips: begin + receive + prepare in one op,
 then the commit; cuda_ipc: the trainer's buckets live until the commit (or
 abort) is acked; nccl: the begin is published and the broadcast runs while
-the engines wait in it).
+the engines wait in it). A zero-copy cuda_ipc update whose layout every
+engine already holds is ONE round trip (trainer_bridge/transports/one_trip.py:
+the head decides the version, each engine receives + prepares + commits in
+that op), with a fallback to the two round trips when an engine lost it.
+`update_weights(..., pause=MODE)` pipelines pause → update → resume
+(trainer_bridge/pipelined.py).
 
 Several senders: `client.weight_update(senders=n)` opens an update (the
 coordinator); each rank sends its part through `upd.sender(rank)` or, from its
