@@ -276,3 +276,103 @@ def test_pipelined_resume_goes_out_when_the_update_fails(cluster_factory, tiny_m
         c.update_weights([], pause="wait")
     assert e.value.field == "pause"
     assert not c.is_paused()
+
+
+# ---------------------------------------------------------------- the head's commit round (no sockets)
+
+
+class _Pub:
+    def send_multipart(self, frames: list) -> None:
+        pass
+
+
+def _head(n: int = 2):
+    from bus.codec import Codec
+    from bus.control_bus import ControlBus
+    from router_node.config import RouterConfig
+    from router_node.control import ClusterControl
+    from router_node.registry import EngineEntry
+
+    engines = {
+        f"e{i}": EngineEntry(
+            P.Register(f"e{i}", "ipc:///x", "ipc:///y", "torch", "m", P.PROTOCOL_VERSION, "inc"),
+            None,  # type: ignore[arg-type]
+            0.0,
+            state=H,
+        )
+        for i in range(n)
+    }
+    replies: list = []
+    cc = ClusterControl(
+        RouterConfig(weight_txn_timeout_s=60),
+        ControlBus(_Pub(), Codec()),  # type: ignore[arg-type]
+        engines,
+        reply=lambda client, msg: replies.append(msg),
+        forget=lambda e: None,
+    )
+    return cc, replies
+
+
+def _ack(cc, eid: str, *, version: int | None = None, layout: str = "L", fail: str = "") -> None:
+    (pc,) = [p for p in cc.bus.pending.values() if not p.done]
+    if fail:
+        failure = P.EngineFailure(code="backend_refused", message=fail, field="layout")
+        cc.on_ack(b"", P.Ack(pc.seq, eid, failure=failure), [])
+    else:
+        res = P.WeightsCommitted(weight_version=version or 0, layout=layout, detail={"path": "one_trip"})
+        cc.on_ack(b"", P.Ack(pc.seq, eid, result=res), [])
+
+
+def _one_trip(cc, rid: str, uid: str) -> P.BeginWeightUpdate:
+    import msgspec
+
+    cc.on_control(b"t", P.Control(request_id=rid, op=msgspec.structs.replace(_fast(), update_id=uid), timeout_s=5), [])
+    (pc,) = [p for p in cc.bus.pending.values() if not p.done]
+    return pc.op
+
+
+def test_the_head_decides_the_version_before_the_one_op_and_an_engine_that_fails_is_stale() -> None:
+    cc, replies = _head()
+    for eid in ("e0", "e1"):
+        cc.layouts.committed(eid, "L")
+    with pytest.raises(BackendRefused, match="do not hold"):  # one engine lacks it: nothing begins
+        cc.layouts.committed("e1", "")
+        _one_trip(cc, "r0", "u0")
+    assert cc.cluster.current is None and cc.cluster.version == 0
+    cc.layouts.committed("e1", "L")
+    sent = _one_trip(cc, "r1", "u1")
+    assert sent.commit and sent.version == 1, "the version is decided before the op goes out"
+    assert cc.cluster.current.decision == "commit"
+    _ack(cc, "e0", version=1)
+    _ack(cc, "e1", fail="e1 slept since it kept it")
+    rep = replies[-1]
+    assert set(rep.results) == {"e0"} and set(rep.errors) == {"e1"}
+    assert cc.cluster.version == 1 and cc.cluster.current is None
+    assert cc.layouts.held == {"e0": "L"}, "the engine that failed is not known to hold it any more"
+    assert cc.cluster.is_stale(cc.engines["e1"].weight_version) and cc.engines["e0"].weight_version == 1
+
+
+def test_a_one_trip_every_engine_refuses_ends_with_nothing_moved() -> None:
+    cc, replies = _head()
+    for eid in ("e0", "e1"):
+        cc.layouts.committed(eid, "L")
+    _one_trip(cc, "r1", "u1")
+    _ack(cc, "e0", fail="holds no layout")
+    _ack(cc, "e1", fail="holds no layout")
+    assert not replies[-1].results and set(replies[-1].errors) == {"e0", "e1"}
+    assert cc.cluster.version == 0 and cc.cluster.current is None and cc.layouts.held == {}
+    assert cc.cluster.ended["u1"] == "commit failed on every engine"
+    cc.on_control(b"t", P.Control(request_id="r2", op=P.BeginWeightUpdate("u2", "zmq", [], [8]), timeout_s=5), [])
+    assert cc.cluster.current.update_id == "u2", "the cluster is free for the next update"
+
+
+def test_a_one_trip_below_the_cluster_version_is_refused_and_frees_the_cluster() -> None:
+    import msgspec
+
+    cc, _ = _head(1)
+    cc.layouts.committed("e0", "L")
+    cc.cluster.version = 5
+    op = msgspec.structs.replace(_fast(), version=3)
+    with pytest.raises(BadRequest, match="not above the cluster weight version") as e:
+        cc.on_control(b"t", P.Control(request_id="r1", op=op, timeout_s=5), [])
+    assert e.value.field == "version" and cc.cluster.current is None and not cc.bus.pending
