@@ -97,9 +97,9 @@ class ControlPort(HeadLink):
         strict, any engine error or missing ack raises ControlError (which
         carries results, errors {engine_id: EngineFailure(code, message, field)}
         and missing)."""
-        return await self.control_sent(op, targets=targets, timeout_s=timeout_s, strict=strict)
+        return await self._control_sent(op, targets=targets, timeout_s=timeout_s, strict=strict)
 
-    def control_sent(
+    def _control_sent(
         self, op: P.Op, *, targets: list[str] | None = None, timeout_s: float | None = None, strict: bool = True
     ) -> Coroutine[Any, Any, dict[str, P.Result]]:
         """`control`, but the op is SENT NOW, before this returns: ops sent

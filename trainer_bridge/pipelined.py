@@ -3,7 +3,7 @@ resume, pipelined.
 
 `async with client.paused(mode): await client.update_weights(...)` costs a
 round trip per step, one after the other. Here the Pause is SENT first
-(`ControlPort.control_sent`: it leaves before the update's first message),
+(`ControlPort._control_sent`: it leaves before the update's first message),
 the update follows at once, and the Resume right behind the update's last op
 (a one-trip update: right behind its one op, before its ack). The head fans
 them out in that order and every engine runs its control ops in arrival
@@ -53,13 +53,13 @@ class Pipeline:
 
     def pause(self) -> None:
         t = self.timeout_s
-        self.replies.append(self.client.control_sent(P.Pause(mode=self.mode, timeout_s=t), timeout_s=t))
+        self.replies.append(self.client._control_sent(P.Pause(mode=self.mode, timeout_s=t), timeout_s=t))
         self.paused = True
 
     def resume(self) -> None:
         """Send the Resume now, once per pause."""
         if self.paused:
-            self.replies.append(self.client.control_sent(P.Resume(), timeout_s=self.timeout_s))
+            self.replies.append(self.client._control_sent(P.Resume(), timeout_s=self.timeout_s))
             self.paused = False
 
     async def settle(self) -> list[BaseException]:

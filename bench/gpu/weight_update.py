@@ -216,13 +216,13 @@ def instrument() -> None:
     from trainer_bridge.transports.cuda_ipc import CudaIpcSender
     from trainer_bridge.transports.nccl import NcclSender
 
-    if getattr(AsyncClient.control_sent, "_bench_timed", False):
+    if getattr(AsyncClient._control_sent, "_bench_timed", False):
         return
-    orig = AsyncClient.control_sent
+    orig = AsyncClient._control_sent
 
-    # control() sends through control_sent(): every op is timed once, from its
+    # control() sends through _control_sent(): every op is timed once, from its
     # send to its reply (pipelined ops overlap); a one-trip update is "OneTrip".
-    def control_sent(self: Any, op: Any, *args: Any, **kw: Any) -> Any:
+    def _control_sent(self: Any, op: Any, *args: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
         reply = orig(self, op, *args, **kw)
         kind = "OneTrip" if getattr(op, "commit", False) is True else type(op).__name__
@@ -235,8 +235,8 @@ def instrument() -> None:
 
         return timed()
 
-    control_sent._bench_timed = True  # type: ignore[attr-defined]
-    AsyncClient.control_sent = control_sent  # type: ignore[method-assign]
+    _control_sent._bench_timed = True  # type: ignore[attr-defined]
+    AsyncClient._control_sent = _control_sent  # type: ignore[method-assign]
     share = CudaIpcSender.share
 
     def timed_share(self: Any, *a: Any, **kw: Any) -> Any:

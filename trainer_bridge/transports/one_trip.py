@@ -104,7 +104,7 @@ async def send(upd: Any, layout: str, args: Any) -> dict[str, P.WeightsCommitted
         upd.update_id, Transport.CUDA_IPC, [], [], transport_args=args, check_finite=upd.check_finite,
         layout=layout, commit=True, version=upd.version,
     )  # fmt: skip
-    reply = upd.client.control_sent(begin, targets=upd.targets, timeout_s=upd.timeout_s)
+    reply = upd.client._control_sent(begin, targets=upd.targets, timeout_s=upd.timeout_s)
     if upd.pipeline is not None:
         upd.pipeline.resume()  # right behind the update: the head and engines keep the order
     try:
