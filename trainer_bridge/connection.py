@@ -299,10 +299,18 @@ class HeadLink:
             self._loop.call_soon(self._drain)
 
     async def _request(self, msg: Any, timeout_s: float, knob: str) -> Any:
+        return await self._reply(msg, self._issue(msg), timeout_s, knob)
+
+    def _issue(self, msg: Any) -> asyncio.Future:
+        """Send `msg` now (messages leave in call order) and register the
+        future its reply resolves; `_reply` awaits it (always: it unregisters)."""
         fut = asyncio.get_running_loop().create_future()
         self._replies[msg.request_id] = fut
         self._since[msg.request_id] = time.monotonic()
         self._send(msg)
+        return fut
+
+    async def _reply(self, msg: Any, fut: asyncio.Future, timeout_s: float, knob: str) -> Any:
         try:
             reply = await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
