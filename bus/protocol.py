@@ -323,7 +323,7 @@ class BeginWeightUpdate(_Msg, tag="begin_weights"):
     # -- protocol 7 ---------------------------------------------------------
     # target "lora:NAME": r, lora_alpha, target_modules of the staged adapter.
     lora_config: dict[str, Any] = {}
-    # -- protocol 8 (the one-trip update, trainer_bridge/transports/one_trip.py)
+    # -- protocol 9 (the one-trip update, trainer_bridge/transports/one_trip.py)
     # A layout id named by the trainer for its zero-copy cuda_ipc layout. With
     # handles: an engine that commits the update keeps (metas, sizes, handles,
     # args) under it. With commit=True and no handles: the engine takes the
