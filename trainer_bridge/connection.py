@@ -94,6 +94,11 @@ class HeadLink:
         if self._sock is None:
             self._loop = asyncio.get_running_loop()
             self._ctx = zmq.Context()
+            # Hazard: a client dropped without close() (a caller's failed
+            # scenario) is destroyed by the garbage collector, anywhere in
+            # the caller's code; every socket of this context lingers 0 so
+            # that destroy -> term never waits for undelivered frames.
+            self._ctx.setsockopt(zmq.LINGER, 0)
             self._open()
             # The first ping goes one interval later: the first frame the head
             # sees is the caller's (a scripted peer may read exactly one).
