@@ -210,15 +210,25 @@ class Endpoint:
     # ------------------------------------------------------------ sending
 
     def send(self, peer: bytes, msg: Any, buffers: Sequence[Any] = ()) -> bool:
-        # Hot path (every chunk an engine sends): the codec's encoder and the
-        # frame list built here, in one call (Codec.encode would build a list
-        # that the routing frame then copies).
+        """Encode and send `msg` (+ its raw frames) to `peer`; False when the
+        peer is gone or (with `on_peer_full`) over its high-water mark."""
+        # Hot path (every chunk an engine sends): the codec's encoder, the
+        # frame list and send_multipart's loop inlined here, in one call.
         try:
             body = self._encode(msg)
         except ENCODE_ERRORS as e:
             return self._unencodable(peer, msg, encode_failed(msg, e))
         kind = _KIND_OF[type(msg)]
-        return self.send_frames([peer, kind, body, *buffers] if self.routed else [kind, body, *buffers])
+        frames = [peer, kind, body, *buffers] if self.routed else [kind, body, *buffers]
+        sock, flags = self.sock, self._flags
+        more = flags | _SNDMORE
+        last = len(frames) - 1
+        try:
+            for i, f in enumerate(frames):
+                _raw_send(sock, f, more if i < last else flags, type(f) is not bytes or len(f) < ZERO_COPY_MIN, False)
+        except zmq.ZMQError as e:
+            return self._not_sent(frames, e)
+        return True
 
     def _unencodable(self, peer: bytes, msg: Any, e: EncodeFailed) -> bool:
         """Never a crash: the requests `msg` answered end with a typed error
@@ -231,27 +241,26 @@ class Endpoint:
         return False
 
     def send_frames(self, frames: list[Any]) -> bool:
-        """Send ready frames (routing frame included); False when the peer is
-        gone or (with `on_peer_full`) over its high-water mark. The frames go
-        out as send_multipart sends them, the loop inlined (once per message)."""
-        sock, flags = self.sock, self._flags
-        more = flags | _SNDMORE
-        last = len(frames) - 1
+        """Send ready frames (routing frame included), as `send` does."""
         try:
-            for i, f in enumerate(frames):
-                _raw_send(sock, f, more if i < last else flags, type(f) is not bytes or len(f) < ZERO_COPY_MIN, False)
-        except zmq.Again:
+            send_multipart(self.sock, frames, self._flags)
+        except zmq.ZMQError as e:
+            return self._not_sent(frames, e)
+        return True
+
+    def _not_sent(self, frames: list[Any], e: zmq.ZMQError) -> bool:
+        """A send failed: a peer over its HWM (with `on_peer_full`) or gone
+        (ROUTER_MANDATORY) is reported and False returned; anything else raises."""
+        if isinstance(e, zmq.Again):
             full = self.on_peer_full
             if full is None:
-                raise
+                raise e
             full(bytes(frames[0]) if self.routed else b"")
             return False
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
-            self.on_peer_gone(bytes(frames[0]))
-            return False
-        return True
+        if e.errno != zmq.EHOSTUNREACH:
+            raise e
+        self.on_peer_gone(bytes(frames[0]))
+        return False
 
     def fail(self, peer: bytes, rid: str, code: ErrorCode, message: str, field: str | None) -> None:
         """The typed reply to a failed request: what was produced before goes first."""

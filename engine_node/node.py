@@ -44,7 +44,7 @@ from bus import auth
 from bus import protocol as P
 from bus.auth import Gatekeeper, KeyDir, KeyFileError, read_token
 from bus.codec import Codec
-from bus.endpoint import Endpoint, open_socket, readable
+from bus.endpoint import Endpoint, open_socket
 from bus.errors import BadRequest, ErrorCode
 from bus.profiler import start_from_env
 from bus.runtime import become_child_process
@@ -75,6 +75,7 @@ _TICK_S = 0.05  # heartbeat snapshot, deadlines, op deadlines
 _FULL_POLL_S = 0.001
 # The loop's clock: turn timing (loop_stats), deadlines, ticks (monotonic).
 _clock = time.monotonic
+_zmq_poll = zmq.zmq_poll
 
 
 class Lifecycle(enum.Enum):
@@ -200,9 +201,12 @@ class EngineNode:
         if self.head.monitor is not None:
             self._fd_handlers[self.head.monitor] = self.head.on_monitor
         self.poller = self._make_poller()
-        self._data_ready = [(self.data, zmq.POLLIN)]  # the busy turn's poll result when only data is checked
+        # The busy turn's one-item poll over the data socket, and its result when a message is queued.
+        self._data_ready = [(self.data, int(zmq.POLLIN))]
         self._full_poll_at = 0.0  # _clock() of the last poll over every socket and fd
         self._turn_end = _clock()  # when the last turn ended: the next one starts there
+        # False until a resume arms the resume clock: the per-chunk step then skips looking at it.
+        self._resume_watch = False
 
     def _make_poller(self) -> zmq.Poller:
         poller = zmq.Poller()
@@ -293,7 +297,7 @@ class EngineNode:
         ls["turns"] += 1
         events: Any
         if wait_ms == 0 and t0 - self._full_poll_at < _FULL_POLL_S:
-            events = self._data_ready if readable(self.data) else ()
+            events = self._data_ready if _zmq_poll(self._data_ready, 0) else ()  # bus.endpoint.readable, inlined
             t1 = t0
         else:
             events = self.poller.poll(wait_ms)
@@ -352,9 +356,10 @@ class EngineNode:
         self.loop_stats["step_s"] += now - t
         self.core.set_time(now, time.time())
         self.core.on_step(outs)
-        if outs and self.timings.resume.armed:
+        if outs and self._resume_watch and self.timings.resume.armed:
             take = getattr(self.backend, "take_output_trace", None)
             self.timings.resumed(time.perf_counter(), self.backend.num_running(), take() if take is not None else None)
+            self._resume_watch = self.timings.resume.armed
         return now
 
     def _flush(self) -> None:
@@ -515,8 +520,10 @@ class EngineNode:
         c = self.core.counters()
         if not (c.get("parked", 0) or c.get("held", 0) or c.get("running", 0)):
             self.timings.resume.disarm()
+            self._resume_watch = False
             return self.core.resume(op, seq)
         self.timings.resume.arm(time.perf_counter())
+        self._resume_watch = True  # the steps look at the resume clock until the next idle resume
         arm = getattr(self.backend, "trace_outputs", None)  # optional: the vllm backend's core-side trace
         if arm is not None:
             arm()

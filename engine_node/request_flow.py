@@ -361,7 +361,9 @@ class RequestFlow:
                 # Frozen: a backend whose freeze is not instant may still hand
                 # over tokens; they wait in s.tokens until the thaw.
                 if req.msg.stream and len(s.tokens) > s.sent and s.state is _RUNNING:
-                    self._send_chunk(req, s, None)
+                    # _send_chunk inlined: the hot path, once per streamed chunk
+                    chunk, buffers = sample_chunk(req, s, None, version, self.wall, self.engine_id, self.eos)
+                    self.outbox.add(req.client, chunk, buffers)
             elif finish in _CLIENT_FINISH:
                 del seqs[out.seq_id]
                 s.seq_id = None
