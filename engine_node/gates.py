@@ -46,7 +46,7 @@ class Gate:
     # A level-2 sleep dropped the weights and no update has written them since.
     weights_discarded: bool = False
     # Sleeps begun so far: a sleep drops the workers' kept IPC maps, so a
-    # zero-copy layout kept before it is gone (engine_node/weight_layouts.py).
+    # zero-copy layout kept before it is gone (engine_node/one_trip.py).
     sleeps: int = 0
 
     def gated(self, lora: str | None) -> bool:

@@ -6,7 +6,7 @@ publishes.
 The one-trip update (`BeginWeightUpdate(commit=True, layout=L)`, no handles)
 is the steady state of the trainer's zero-copy cuda_ipc updates: every target
 engine committed an earlier update that carried layout L with its handles
-and keeps it (engine_node/weight_layouts.py). The head lets one out only
+and keeps it (engine_node/one_trip.py `KeptLayout`). The head lets one out only
 when its own record says every target holds L; then it decides the version
 BEFORE it publishes (as for a two-phase commit) and the engines receive,
 validate, prepare and commit in that one op.

@@ -67,6 +67,16 @@ class TurnsEnv(BaseTextEnv):
 skyrl_gym.register(id="rollout_bus_gpu_turns", entry_point=TurnsEnv)
 
 
+def _batch(cfg) -> dict:
+    """8 one-prompt trajectories of the TurnsEnv, SkyRL's vLLM sampling params."""
+    return {
+        "prompts": [[{"role": "user", "content": f"hello {i}"}] for i in range(8)],
+        "env_classes": ["rollout_bus_gpu_turns"] * 8,
+        "env_extras": [{} for _ in range(8)],
+        "sampling_params": get_sampling_params_for_backend("vllm", cfg.sampling_params),
+    }
+
+
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
     from tests.cluster import Cluster
@@ -123,12 +133,7 @@ def test_skyrl_generator_then_its_cuda_ipc_strategy_colocated(cluster, model_dir
         try:
             engine = await RolloutBusEngine.connect(client, num_engines=1, tokenizer=tok)
             gen = SkyRLGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), engine, tok)
-            batch = {
-                "prompts": [[{"role": "user", "content": f"hello {i}"}] for i in range(8)],
-                "env_classes": ["rollout_bus_gpu_turns"] * 8,
-                "env_extras": [{} for _ in range(8)],
-                "sampling_params": get_sampling_params_for_backend("vllm", cfg.sampling_params),
-            }
+            batch = _batch(cfg)
             out = await gen.generate(batch, disable_tqdm=True)
             v0 = (await client.health())["weight_version"]
             info = strategy.create_init_info(ie)
@@ -215,12 +220,7 @@ def test_skyrl_generator_then_its_broadcast_strategy_trainer_gpu0_engine_gpu1(mo
         try:
             engine = await RolloutBusEngine.connect(client, num_engines=1, tokenizer=tok)
             gen = SkyRLGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), engine, tok)
-            batch = {
-                "prompts": [[{"role": "user", "content": f"hello {i}"}] for i in range(8)],
-                "env_classes": ["rollout_bus_gpu_turns"] * 8,
-                "env_extras": [{} for _ in range(8)],
-                "sampling_params": get_sampling_params_for_backend("vllm", cfg.sampling_params),
-            }
+            batch = _batch(cfg)
             out = await gen.generate(batch, disable_tqdm=True)
             v0 = (await client.health())["weight_version"]
             world, _ = await engine.get_world_size()
