@@ -268,15 +268,13 @@ class EngineNode:
         return rc
 
     def _turn(self) -> None:
-        # Hot path: a busy engine runs this once per chunk. Clock reads are
-        # kept to three per busy turn: a turn starts when the last one ended
-        # (`_turn_end`), the clock after the step is the step's end, the
-        # chunks' emitted_at and the tick's `now`, and the turn's end.
-        # loop_stats: poll_s = the full poll over every socket and fd (the
-        # busy turn's check of the data socket alone is counted with what
-        # follows it), read_s = reading and admitting,
-        # step_s = the backend's step, flush_s = the core's handling of the
-        # outputs, the tick and sending what the cores asked for.
+        # Hot path (once per chunk while busy): three clock reads. A turn
+        # starts when the last one ended (`_turn_end`); the clock after the
+        # step is the step's end, the chunks' emitted_at and the tick's `now`.
+        # loop_stats: poll_s = the full poll (the busy turn's data-socket check
+        # counts with what follows it), read_s = reading and admitting, step_s
+        # = the backend's step, flush_s = the core's handling of the outputs,
+        # the tick and sending what the cores asked for.
         core = self.core
         backend = self.backend
         ls = self.loop_stats
@@ -303,9 +301,7 @@ class EngineNode:
             events = self.poller.poll(wait_ms)
             t1 = self._full_poll_at = _clock()
             ls["poll_s"] += t1 - t0
-        if events:
-            # Before the handlers: a Generate's deadline, a control op's
-            # start, count from now.
+        if events:  # before the handlers: a Generate's deadline, a control op's start count from now
             core.set_time(_clock(), time.time())
             self._read(events)
         if self.lifecycle is Lifecycle.DRAINING:
