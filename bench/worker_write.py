@@ -136,7 +136,12 @@ def run(reps: int, layers: int, profile: bool) -> dict[str, Any]:
     wn = _Worker(vllm_like.VllmLikeModel(seed=5))
     comm = _Comm()
     st = wn._rb()
-    wn._rb_nccl = lambda a: st.update(nccl=comm, nccl_key="g") or {"rank": 1, "reused": True}  # type: ignore[method-assign]
+
+    def joined(a: dict[str, Any], make: Any = None) -> dict[str, Any]:
+        st.update(nccl=comm, nccl_key="g")
+        return {"rank": 1, "reused": True}
+
+    wn._rb_nccl = joined  # type: ignore[method-assign]
     flat = [params[n].reshape(-1).view(torch.uint8) for n, _ in named]
 
     def nccl_recv(k: int) -> Any:

@@ -111,11 +111,25 @@ def _field_path(cls: type, path: str, raw: Any = None) -> str | None:
     return ".".join(names) if names else None
 
 
+# What msgspec's encoder raises for a value it cannot write (encode_failed
+# turns each into the typed EncodeFailed).
+ENCODE_ERRORS = (OverflowError, TypeError, ValueError, msgspec.EncodeError)
+
+
+def encode_failed(msg: Any, e: BaseException) -> EncodeFailed:
+    return EncodeFailed(
+        f"cannot encode {type(msg).__name__}: {truncate(str(e))}", request_id=getattr(msg, "request_id", None)
+    )
+
+
 class Codec:
     """Encode/decode `[kind][body][buffers…]` (routing ids handled by the caller)."""
 
     def __init__(self) -> None:
-        self._enc = msgspec.msgpack.Encoder()
+        # `encoder` is public for the hot send path (bus/endpoint.py), which
+        # builds `[peer, kind, body, *buffers]` in one list; the same thread
+        # owns it (msgspec encoders reuse an internal buffer).
+        self.encoder = msgspec.msgpack.Encoder()
         self._dec: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
             kind: msgspec.msgpack.Decoder(t) for kind, t in P.TYPE_OF.items()
         }
@@ -126,12 +140,9 @@ class Codec:
         let through never gets here, but a bug of ours must end one request
         with a typed error, not the process (the callers catch it: bus/endpoint.py)."""
         try:
-            body = self._enc.encode(msg)
-        except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
-            raise EncodeFailed(
-                f"cannot encode {type(msg).__name__}: {truncate(str(e))}",
-                request_id=getattr(msg, "request_id", None),
-            ) from None
+            body = self.encoder.encode(msg)
+        except ENCODE_ERRORS as e:
+            raise encode_failed(msg, e) from None
         return [P.KIND_OF[type(msg)], body, *buffers]
 
     def decode(self, frames: Sequence[Any]) -> tuple[Any, list[Any]]:
@@ -246,29 +257,30 @@ class Outbox:
     def add(self, peer: bytes, chunk: Any, buffers: list[Any]) -> None:
         self.by_peer.setdefault(peer, []).append((chunk, buffers))
 
-    def messages(self):
-        """Yield (peer, msg, buffers) and empty the box."""
+    def messages(self) -> list[tuple[bytes, Any, list[Any]]]:
+        """[(peer, msg, buffers)], one per peer, and empty the box (a list, not
+        a generator: it runs once per chunk in the engine node's busy loop)."""
         box, self.by_peer = self.by_peer, {}
+        out: list[tuple[bytes, Any, list[Any]]] = []
         for peer, items in box.items():
             if len(items) == 1:
-                yield peer, items[0][0], items[0][1]
+                chunk, bufs = items[0]
+                out.append((peer, chunk, bufs))
             elif all(bs for _, bs in items):
                 # Packed: one token frame for the whole batch (b"".join takes
                 # bytes, zmq Frames and memoryview slices alike).
                 toks = b"".join([bs[0] for _, bs in items])
                 rest = [b for _, bs in items for b in bs[1:]]
-                yield (
-                    peer,
-                    P.ChunkBatch(
-                        [c for c, _ in items],
-                        [len(bs) - 1 for _, bs in items],
-                        [token_count(bs[0]) for _, bs in items],
-                    ),
-                    [toks, *rest],
+                batch = P.ChunkBatch(
+                    [c for c, _ in items],
+                    [len(bs) - 1 for _, bs in items],
+                    [token_count(bs[0]) for _, bs in items],
                 )
+                out.append((peer, batch, [toks, *rest]))
             else:  # a chunk without a token frame: the unpacked layout
                 bufs = [b for _, bs in items for b in bs]
-                yield peer, P.ChunkBatch([c for c, _ in items], [len(bs) for _, bs in items]), bufs
+                out.append((peer, P.ChunkBatch([c for c, _ in items], [len(bs) for _, bs in items]), bufs))
+        return out
 
 
 def _raw(body: Any) -> Any:

@@ -26,7 +26,7 @@ import structlog
 import zmq
 
 from bus import protocol as P
-from bus.codec import Codec, request_id_of
+from bus.codec import ENCODE_ERRORS, Codec, encode_failed, request_id_of
 from bus.errors import EncodeFailed, ErrorCode, ProtocolError, RolloutBusError, truncate
 from bus.sockets import CurveKeys, make_socket
 
@@ -47,6 +47,7 @@ _zmq_poll = zmq.zmq_poll
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
+_KIND_OF = P.KIND_OF
 # A frame at least this big goes out zero-copy when it is immutable (bytes,
 # or a received zmq.Frame); smaller ones are copied (cheaper than a Frame).
 # Hazard: only immutable buffers: libzmq reads a zero-copy frame later, on its
@@ -166,6 +167,8 @@ class Endpoint:
         # and the message is dropped (the callback ends that peer's requests).
         self.on_peer_full = on_peer_full
         self.max_batch = max_batch  # messages per drain (fairness between sockets)
+        self._flags = _NOBLOCK if on_peer_full is not None else 0  # a plain int: no IntFlag arithmetic per frame
+        self._encode = codec.encoder.encode
         # The frames of the message being handled (without the routing frame):
         # valid only during the handler call (zero-copy forwarding).
         self.frames: list[Any] = []
@@ -207,37 +210,57 @@ class Endpoint:
     # ------------------------------------------------------------ sending
 
     def send(self, peer: bytes, msg: Any, buffers: Sequence[Any] = ()) -> bool:
+        """Encode and send `msg` (+ its raw frames) to `peer`; False when the
+        peer is gone or (with `on_peer_full`) over its high-water mark."""
+        # Hot path (every chunk an engine sends): the codec's encoder, the
+        # frame list and send_multipart's loop inlined here, in one call.
         try:
-            frames = self.codec.encode(msg, buffers)
-        except EncodeFailed as e:
-            # Never a crash: the requests this message answered end with a
-            # typed error instead (an Error that cannot be encoded: logged).
-            log.error("encode_failed", socket=self.name, error=e.message)
-            if isinstance(msg, P.Error):
-                return False
-            rids = _request_ids(msg)
-            for rid in rids:
-                self.send(peer, error_message(rid, ErrorCode.INTERNAL, e.message, None))
+            body = self._encode(msg)
+        except ENCODE_ERRORS as e:
+            return self._unencodable(peer, msg, encode_failed(msg, e))
+        kind = _KIND_OF[type(msg)]
+        frames = [peer, kind, body, *buffers] if self.routed else [kind, body, *buffers]
+        sock, flags = self.sock, self._flags
+        more = flags | _SNDMORE
+        last = len(frames) - 1
+        try:
+            for i, f in enumerate(frames):
+                _raw_send(sock, f, more if i < last else flags, type(f) is not bytes or len(f) < ZERO_COPY_MIN, False)
+        except zmq.ZMQError as e:
+            return self._not_sent(frames, e)
+        return True
+
+    def _unencodable(self, peer: bytes, msg: Any, e: EncodeFailed) -> bool:
+        """Never a crash: the requests `msg` answered end with a typed error
+        instead (an Error that cannot be encoded: logged)."""
+        log.error("encode_failed", socket=self.name, error=e.message)
+        if isinstance(msg, P.Error):
             return False
-        return self.send_frames([peer, *frames] if self.routed else frames)
+        for rid in _request_ids(msg):
+            self.send(peer, error_message(rid, ErrorCode.INTERNAL, e.message, None))
+        return False
 
     def send_frames(self, frames: list[Any]) -> bool:
-        """Send ready frames (routing frame included); False when the peer is
-        gone or (with `on_peer_full`) over its high-water mark."""
-        full = self.on_peer_full
+        """Send ready frames (routing frame included), as `send` does."""
         try:
-            send_multipart(self.sock, frames, zmq.NOBLOCK if full is not None else 0)
-        except zmq.Again:
+            send_multipart(self.sock, frames, self._flags)
+        except zmq.ZMQError as e:
+            return self._not_sent(frames, e)
+        return True
+
+    def _not_sent(self, frames: list[Any], e: zmq.ZMQError) -> bool:
+        """A send failed: a peer over its HWM (with `on_peer_full`) or gone
+        (ROUTER_MANDATORY) is reported and False returned; anything else raises."""
+        if isinstance(e, zmq.Again):
+            full = self.on_peer_full
             if full is None:
-                raise
+                raise e
             full(bytes(frames[0]) if self.routed else b"")
             return False
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
-            self.on_peer_gone(bytes(frames[0]))
-            return False
-        return True
+        if e.errno != zmq.EHOSTUNREACH:
+            raise e
+        self.on_peer_gone(bytes(frames[0]))
+        return False
 
     def fail(self, peer: bytes, rid: str, code: ErrorCode, message: str, field: str | None) -> None:
         """The typed reply to a failed request: what was produced before goes first."""

@@ -127,7 +127,10 @@ from bus.wire import Version as Version
 # StatsResult.heartbeat is a Heartbeat.
 # 8: the "vllm_nccl" transport (Transport.VLLM_NCCL, VllmNcclArgs): engines join
 # a trainer's vLLM NCCL weight-transfer group (SkyRL's broadcast strategy).
-PROTOCOL_VERSION = 8
+# 9: the one-trip weight update (BeginWeightUpdate.layout/commit/version,
+# WeightsCommitted.layout/detail): a steady-state zero-copy cuda_ipc update
+# names a layout the engines already hold and commits in the same op.
+PROTOCOL_VERSION = 9
 
 # ---------------------------------------------------------------- data plane
 
@@ -320,6 +323,16 @@ class BeginWeightUpdate(_Msg, tag="begin_weights"):
     # -- protocol 7 ---------------------------------------------------------
     # target "lora:NAME": r, lora_alpha, target_modules of the staged adapter.
     lora_config: dict[str, Any] = {}
+    # -- protocol 9 (the one-trip update, trainer_bridge/transports/one_trip.py)
+    # A layout id named by the trainer for its zero-copy cuda_ipc layout. With
+    # handles: an engine that commits the update keeps (metas, sizes, handles,
+    # args) under it. With commit=True and no handles: the engine takes the
+    # layout it keeps under this id (refused, field "layout", if it has none).
+    layout: Id = ""
+    # One op: receive + validate + prepare + COMMIT at `version`, which the
+    # head decides (and sets here) before it publishes the op.
+    commit: bool = False
+    version: Annotated[int, Meta(ge=0, le=MAX_COMMIT_VERSION)] | None = None
 
 
 class ReceiveWeights(_Msg, tag="receive_weights"):

@@ -139,6 +139,10 @@ class WeightsCommitted(ConfigResult, tag="finish_weights"):
     bytes: U63 = 0
     seconds: float = 0.0
     restarted: U63 = 0  # samples the staleness bound (Generate.max_staleness) restarted
+    # -- protocol 9: the zero-copy layout the engine holds after this commit
+    # ("" none) and how the update ran ("path": "one_trip" | "two_trip", timings)
+    layout: Id = ""
+    detail: Detail = {}
 
 
 class WeightsAborted(ResultBase, tag="abort_weights"):

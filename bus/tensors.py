@@ -13,6 +13,26 @@ from typing import Any
 from bus.protocol import TensorMeta
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+
+# Bytes per element of the dtype names a TensorMeta may carry (torch's names,
+# without "torch."): for sizes computed where torch is not imported.
+ITEMSIZE = {
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "double": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 _ALIGN = 256  # keep every tensor's offset aligned for fast copies / dtype views
 
 

@@ -19,6 +19,7 @@ MAX_NUM_SAMPLES = 1024
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: top-k (and prompt top-k) at most this
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+_SMALL_PROMPT = 256  # prompts up to this many ids are range-checked as a list (bench/profile_hop.py)
 
 
 def prompt_from_frames(msg: Generate, buffers: list[Any], *, max_prompt_tokens: int) -> np.ndarray:
@@ -83,11 +84,16 @@ def check_generate(msg: Generate, prompt: np.ndarray, *, vocab_size: int = 0) ->
     if msg.resume_len and msg.num_samples != 1:
         raise bad("resume_len", "a resumed request carries exactly one sample")
     _check_issue10(p, bad)
-    lo = int(prompt.min())
+    if len(prompt) <= _SMALL_PROMPT:
+        # numpy's min / max cost more than a short prompt's ids (two ufunc
+        # reductions were the largest item of a message's path in the head).
+        ids = prompt.tolist()
+        lo, hi = min(ids), max(ids)
+    else:
+        lo, hi = int(prompt.min()), (int(prompt.max()) if vocab_size else 0)
     if lo < 0:
         raise bad("prompt_token_ids", f"token id {lo} is negative")
     if vocab_size:
-        hi = int(prompt.max())
         if hi >= vocab_size:
             raise bad("prompt_token_ids", f"token id {hi} is outside the vocabulary (size {vocab_size})")
         for t in p.stop_token_ids:

@@ -45,6 +45,9 @@ class Gate:
     sleep_level: int = 0  # the level of the last sleep while any tag is asleep, else 0
     # A level-2 sleep dropped the weights and no update has written them since.
     weights_discarded: bool = False
+    # Sleeps begun so far: a sleep drops the workers' kept IPC maps, so a
+    # zero-copy layout kept before it is gone (engine_node/one_trip.py).
+    sleeps: int = 0
 
     def gated(self, lora: str | None) -> bool:
         p = self.pauses

@@ -44,7 +44,7 @@ from bus import auth
 from bus import protocol as P
 from bus.auth import Gatekeeper, KeyDir, KeyFileError, read_token
 from bus.codec import Codec
-from bus.endpoint import Endpoint, open_socket, readable
+from bus.endpoint import Endpoint, open_socket
 from bus.errors import BadRequest, ErrorCode
 from bus.profiler import start_from_env
 from bus.runtime import become_child_process
@@ -73,6 +73,9 @@ _TICK_S = 0.05  # heartbeat snapshot, deadlines, op deadlines
 # single cost of the engine's chunk path (bench/profile_hop.py). Control,
 # weights, events and the op wake pipe wait at most this long while busy.
 _FULL_POLL_S = 0.001
+# The loop's clock: turn timing (loop_stats), deadlines, ticks (monotonic).
+_clock = time.monotonic
+_zmq_poll = zmq.zmq_poll
 
 
 class Lifecycle(enum.Enum):
@@ -198,8 +201,12 @@ class EngineNode:
         if self.head.monitor is not None:
             self._fd_handlers[self.head.monitor] = self.head.on_monitor
         self.poller = self._make_poller()
-        self._data_ready = [(self.data, zmq.POLLIN)]  # the busy turn's poll result when only data is checked
-        self._full_poll_at = 0.0  # perf_counter of the last poll over every socket and fd
+        # The busy turn's one-item poll over the data socket, and its result when a message is queued.
+        self._data_ready = [(self.data, int(zmq.POLLIN))]
+        self._full_poll_at = 0.0  # _clock() of the last poll over every socket and fd
+        self._turn_end = _clock()  # when the last turn ended: the next one starts there
+        # False until a resume arms the resume clock: the per-chunk step then skips looking at it.
+        self._resume_watch = False
 
     def _make_poller(self) -> zmq.Poller:
         poller = zmq.Poller()
@@ -249,6 +256,7 @@ class EngineNode:
         self.heartbeats.start()
         self.log.info("engine_serving", data=self.data_address, backend=self.info.backend, model=self.info.model)
         rc = 0
+        self._turn_end = _clock()
         try:
             while self.lifecycle is not Lifecycle.STOPPED:
                 self._turn()
@@ -260,20 +268,66 @@ class EngineNode:
         return rc
 
     def _turn(self) -> None:
+        # Hot path (once per chunk while busy): three clock reads. A turn
+        # starts when the last one ended (`_turn_end`); the clock after the
+        # step is the step's end, the chunks' emitted_at and the tick's `now`.
+        # loop_stats: poll_s = the full poll (the busy turn's data-socket check
+        # counts with what follows it), read_s = reading and admitting, step_s
+        # = the backend's step, flush_s = the core's handling of the outputs,
+        # the tick and sending what the cores asked for.
         core = self.core
+        backend = self.backend
         ls = self.loop_stats
-        t0 = time.perf_counter()
-        busy = self.backend.has_work()
-        wait_ms = self._poll_ms(busy)
+        t0 = self._turn_end
+        busy = backend.has_work()
+        # How long this turn may wait for sockets. A backend that produces on
+        # another thread (wake fd) and has nothing queued yet is waited for
+        # HERE, next to the sockets, so a Generate that arrives while the
+        # engine steps is read and submitted at once (a wait inside step()
+        # would hold it back for up to step_wait_s: a whole engine step later
+        # for a burst's tail).
+        if not busy:
+            wait_ms = 50
+        elif self._output_ready is None or self._output_ready():
+            wait_ms = 0
+        else:
+            wait_ms = self._step_wait_ms
+        ls["turns"] += 1
         events: Any
         if wait_ms == 0 and t0 - self._full_poll_at < _FULL_POLL_S:
-            events = self._data_ready if readable(self.data) else ()
+            events = self._data_ready if _zmq_poll(self._data_ready, 0) else ()  # bus.endpoint.readable, inlined
+            t1 = t0
         else:
             events = self.poller.poll(wait_ms)
-            self._full_poll_at = time.perf_counter()
-        t1 = time.perf_counter()
-        ls["turns"] += 1
-        ls["poll_s"] += t1 - t0
+            t1 = self._full_poll_at = _clock()
+            ls["poll_s"] += t1 - t0
+        if events:  # before the handlers: a Generate's deadline, a control op's start count from now
+            core.set_time(_clock(), time.time())
+            self._read(events)
+        if self.lifecycle is Lifecycle.DRAINING:
+            core.accepting = False
+        if events or core.admit_dirty:
+            if core.admit_dirty:
+                core.admit()
+                if self.timings.resume.armed:
+                    self.timings.resume.admitted(time.perf_counter())
+            t2 = _clock()
+            ls["read_s"] += t2 - t1
+            busy = backend.has_work()
+        else:  # nothing read or admitted: the backend's work is as it was
+            t2 = t1
+        # `now` is read AFTER the step: with a time from before it, a turn
+        # whose step was long skipped the tick, and the heartbeat showed that
+        # step's progress only after the next one (the head's stall clock saw
+        # an engine with 1 s steps stuck for 2 s).
+        now = self._step(t2) if busy else _clock()
+        if now - self.heartbeats.snapshot_at > _TICK_S:
+            self._tick(now)
+        self._flush()
+        end = self._turn_end = _clock()
+        ls["flush_s"] += end - now
+
+    def _read(self, events: Any) -> None:
         for sock, _ in events:
             ep = self._endpoints.get(sock)
             if ep is not None:
@@ -283,62 +337,39 @@ class EngineNode:
             elif sock in self._fd_handlers:
                 self._fd_handlers[sock]()
             # the backend's wake fd needs no read here: step() drains it
-        core.set_time(time.monotonic(), time.time())
-        if self.lifecycle is Lifecycle.DRAINING:
-            core.accepting = False
-        if core.admit_dirty:
-            core.admit()
-            if self.timings.resume.armed:
-                self.timings.resume.admitted(time.perf_counter())
-        t2 = time.perf_counter()
-        ls["read_s"] += t2 - t1
-        if self.backend.has_work():
-            self._step()
-        t3 = time.perf_counter()
-        ls["step_s"] += t3 - t2
-        # The clock is read again AFTER the step: with `now` from before it, a
-        # turn whose step was long skipped the tick, and the heartbeat showed
-        # that step's progress only after the next one (the head's stall clock
-        # saw an engine with 1 s steps stuck for 2 s).
-        now = time.monotonic()
-        if now - self.heartbeats.snapshot_at > _TICK_S:
-            self._tick(now)
-        self._flush()
-        ls["flush_s"] += time.perf_counter() - t3
 
-    def _step(self) -> None:
+    def _step(self, t: float) -> float:
+        """One backend step (`t`: when it began); returns the clock after it."""
         try:
             outs = self.backend.step()
         except Exception as e:  # the backend broke: fail what runs, keep serving
             self.log.exception("step_failed")
             self.core.step_failed(e)
-            return
+            return _clock()
         # Chunks carry emitted_at = when their tokens came out of the
         # backend, i.e. after the step, not when this turn began.
-        self.core.set_time(time.monotonic(), time.time())
+        now = _clock()
+        self.loop_stats["step_s"] += now - t
+        self.core.set_time(now, time.time())
         self.core.on_step(outs)
-        if outs and self.timings.resume.armed:
+        if outs and self._resume_watch and self.timings.resume.armed:
             take = getattr(self.backend, "take_output_trace", None)
             self.timings.resumed(time.perf_counter(), self.backend.num_running(), take() if take is not None else None)
-
-    def _poll_ms(self, busy: bool) -> int:
-        """How long this turn may wait for sockets. A backend that produces on
-        another thread (wake fd) and has nothing queued yet is waited for HERE,
-        next to the sockets, so a Generate that arrives while the engine steps
-        is read and submitted at once (a wait inside step() would hold it back
-        for up to step_wait_s: a whole engine step later for a burst's tail)."""
-        if not busy:  # backend.has_work()
-            return 50
-        ready = self._output_ready
-        if ready is None or ready():
-            return 0
-        return self._step_wait_ms
+            self._resume_watch = self.timings.resume.armed
+        return now
 
     def _flush(self) -> None:
         """Execute what the cores asked for, in order (actions.py)."""
         core = self.core
-        if core.actions or core.outbox.by_peer:
+        if core.actions:
             self._run_actions(core.take_actions())
+        elif core.outbox.by_peer:
+            # The commonest turn, once per chunk: chunks and nothing else. The
+            # outbox's messages are then exactly the actions take_actions would
+            # return (each wrapped in a SendChunks): sent as they are.
+            send = self.data_ep.send
+            for peer, msg, buffers in core.outbox.messages():
+                send(peer, msg, buffers)  # a gone peer: core.peer_gone
         if self.updates.actions:  # prepares that waited for their senders
             self._run_actions(self.updates.take_actions())
 
@@ -485,8 +516,10 @@ class EngineNode:
         c = self.core.counters()
         if not (c.get("parked", 0) or c.get("held", 0) or c.get("running", 0)):
             self.timings.resume.disarm()
+            self._resume_watch = False
             return self.core.resume(op, seq)
         self.timings.resume.arm(time.perf_counter())
+        self._resume_watch = True  # the steps look at the resume clock until the next idle resume
         arm = getattr(self.backend, "trace_outputs", None)  # optional: the vllm backend's core-side trace
         if arm is not None:
             arm()

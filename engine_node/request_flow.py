@@ -29,6 +29,8 @@ Hazards this module owns:
   chunk carries restarts + 1 (streamed at once, empty, so a consumer discards
   what it had), and every later chunk carries the count;
 - chunks produced before an Error or an ack go out before it (`_flush_chunks`);
+  while `actions` is empty the outbox holds everything to do, so the shell may
+  send `outbox.messages()` itself (the per-chunk turn) instead of take_actions;
 - chunk timestamps and deadlines use the times given by the last clock event.
 """
 
@@ -361,7 +363,9 @@ class RequestFlow:
                 # Frozen: a backend whose freeze is not instant may still hand
                 # over tokens; they wait in s.tokens until the thaw.
                 if req.msg.stream and len(s.tokens) > s.sent and s.state is _RUNNING:
-                    self._send_chunk(req, s, None)
+                    # _send_chunk inlined: the hot path, once per streamed chunk
+                    chunk, buffers = sample_chunk(req, s, None, version, self.wall, self.engine_id, self.eos)
+                    self.outbox.add(req.client, chunk, buffers)
             elif finish in _CLIENT_FINISH:
                 del seqs[out.seq_id]
                 s.seq_id = None

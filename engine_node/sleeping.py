@@ -40,6 +40,7 @@ class Sleeping:
         flow = self.flow
         gate = flow.gate
         gate.pauses[SLEEP_SCOPE] = "abort"
+        gate.sleeps += 1  # even a sleep that fails may have dropped the kept IPC maps
         parked = flow.park(flow.scoped(None))
         t0 = flow.now
 

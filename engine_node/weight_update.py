@@ -55,6 +55,7 @@ from bus.transport import backend_args
 from engine_node.actions import DEFERRED, OpOutcome, Pending, SendAck
 from engine_node.backend import BackendError, BackendOp
 from engine_node.core import RequestCore
+from engine_node.one_trip import KeptLayout, one_trip
 from engine_node.timings import TimingLog
 from engine_node.transports.registry import receiver_for
 
@@ -162,6 +163,7 @@ class WeightUpdates:
         self.prepare_ttl_s = prepare_ttl_s
         self.timings = timings if timings is not None else TimingLog()  # receive / commit records (Stats)
         self.current: WeightUpdate | None = None
+        self.layouts = KeptLayout()  # the zero-copy layout a one-trip update may name (one_trip.py)
         # Deferred prepare acks, for the shell (take_actions).
         self.actions: list[SendAck] = []
         self.log_aborted: Callable[[str, str], object] = lambda update_id, why: None  # shell hook
@@ -181,6 +183,8 @@ class WeightUpdates:
                 "wake_up(tags=['weights']) before a weight update",
                 field="target",
             )
+        if op.commit:
+            return one_trip(self, op, seq)  # begin + receive + prepare + commit, one op
         if self.current is not None:
             self._abort("superseded by update " + op.update_id)
         if op.senders < 1:
@@ -212,9 +216,6 @@ class WeightUpdates:
         self._drop(up, why)
 
     def begin_receive_prepare(self, up: WeightUpdate, begin: BackendOp, handles: list[Any]) -> Pending:
-        return self._begin_receive_prepare(up, begin, handles)
-
-    def _begin_receive_prepare(self, up: WeightUpdate, begin: BackendOp, handles: list[Any]) -> Pending:
         """GPU transports in one op: the receive is issued right behind the
         begin (backends run their control calls in order), the ack is the vote."""
         if begin.future.done() and begin.future.exception() is not None:
@@ -422,9 +423,10 @@ class WeightUpdates:
             self.timings.commit(up.update_id, up.begin.transport, self.core.now - t0, res)
             if self.current is up:
                 self.current = None
-            restarted = 0
+            restarted, layout = 0, self.layouts.layout
             if up.is_model:
                 restarted = self.core.weights_changed(op.version)
+                layout = self.layouts.committed(up.begin, self.core.gate.sleeps)
             else:
                 self.core.config_changed()
             config = self.core.config_result()
@@ -435,6 +437,8 @@ class WeightUpdates:
                 bytes=up.bytes,
                 seconds=round(self.core.now - t0, 4),
                 restarted=restarted,
+                layout=layout,
+                detail={"path": "two_trip", "commit_s": round(self.core.now - t0, 6), "worker": res.get("worker", {})},
             )
 
         return Pending(bop, then, lambda e: self._abort("finish failed", up))

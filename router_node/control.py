@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import structlog
 
 from bus import protocol as P
@@ -44,6 +45,7 @@ from router_node.cluster_state import ClusterWeights, WeightTxn
 from router_node.config import RouterConfig
 from router_node.intended_state import REFUSED, IntendedState
 from router_node.intended_state import check as check_state_op
+from router_node.one_trip import Layouts, is_one_trip, one_trip_targets
 from router_node.registry import EngineEntry, EngineState
 
 log = structlog.get_logger("router_node")
@@ -71,6 +73,8 @@ class ClusterControl:
         # What every engine should be (paused scopes, sleep): an engine that
         # joins, restarts or missed an op is brought there before it serves.
         self.intended = IntendedState(converge_timeout_s=cfg.converge_timeout_s)
+        # Which zero-copy layout each engine holds: may a one-trip update go out (one_trip.py)?
+        self.layouts = Layouts()
 
     # ------------------------------------------------------------ fan-out
 
@@ -93,6 +97,9 @@ class ClusterControl:
                 self._finish(client, msg, txn)
                 return
             # An id never seen, no update current: a head restarted mid-update; relayed.
+        if is_one_trip(msg.op):
+            self._one_trip(client, msg)
+            return
         # One update at a time: UpdateInProgress / StaleUpdate raised here change nothing.
         self.cluster.on_control(msg.op, targets, client=client, now=time.monotonic(), wall=time.time())
 
@@ -107,6 +114,7 @@ class ClusterControl:
 
         # Silent (presumed dead) targets are reported missing, never waited on;
         # their intent changes all the same (they converge when they return).
+        self.layouts.on_fan_out(msg.op, targets)
         pc = self.bus.publish(msg.op, targets, msg.timeout_s, done, gone=silent)
         self.intended.issued(msg.op, msg.targets, pc.seq, _waiting(pc))
 
@@ -119,6 +127,7 @@ class ClusterControl:
         def done(pc: PendingCommand) -> None:
             self.intended.expired(pc.seq, pc.missing, time.monotonic())
 
+        self.layouts.on_fan_out(op, [e.engine_id])
         pc = self.bus.publish(op, [e.engine_id], timeout_s, done)
         self.intended.issued(op, [e.engine_id], pc.seq, _waiting(pc), corrective=True)
 
@@ -131,6 +140,7 @@ class ClusterControl:
         def done(pc: PendingCommand) -> None:
             self.intended.expired(pc.seq, pc.missing, time.monotonic())
 
+        self.layouts.on_fan_out(op, targets)
         pc = self.bus.publish(op, targets, self.cfg.converge_timeout_s, done, gone=silent)
         self.intended.issued(op, None, pc.seq, _waiting(pc))
 
@@ -221,6 +231,45 @@ class ClusterControl:
 
         self.bus.publish(commit, txn.targets, msg.timeout_s, committed, gone=self._gone(txn.targets))
 
+    def _one_trip(self, client: bytes, msg: P.Control) -> None:
+        """A one-trip update (router_node/one_trip.py): allowed only when every
+        target holds its layout; the version is decided here, BEFORE the one
+        op goes out, and that op commits on every engine that takes it."""
+        op = msg.op
+        assert isinstance(op, P.BeginWeightUpdate)
+        states = {eid: e.state for eid, e in self.engines.items()}
+        targets = one_trip_targets(op, msg.targets, states, self.layouts.held)  # refused: nothing changed
+        txn = self.cluster.begin(op, targets, client=client, now=time.monotonic(), wall=time.time())
+        try:
+            self.cluster.check_version(txn, op.version, [self.engines[t].weight_version for t in targets])
+        except BadRequest as e:
+            self.cluster.decide_abort(txn, e.message)  # nothing was published: no engine to tell
+            e.request_id = msg.request_id
+            raise
+        txn.finishing = True
+        version = self.cluster.decide_commit(txn, op.version, [e.weight_version for e in self.engines.values()])
+        log.info("weight_update_committing", update_id=txn.update_id, version=version, targets=targets, one_trip=True)
+
+        def committed(pc: PendingCommand) -> None:
+            t = tally(pc)
+            on = landed(t.results)
+            self.layouts.forget([*t.errors, *pc.missing])  # refused or silent: the layout is not known held
+            # No engine committed and none is missing: every one refused before
+            # writing, so the update ended as an abort; else as a commit round.
+            self.cluster.commit_done(txn, on, missing=bool(pc.missing))
+            self.reevaluate(time.monotonic())
+            if t.errors or pc.missing:
+                log.warning(
+                    "weight_one_trip_failed" if not on else "weight_commit_missed",
+                    update_id=txn.update_id,
+                    failed=sorted(t.errors),
+                    missing=pc.missing,
+                )
+            self.reply(client, t.reply(msg.request_id))
+
+        out = msgspec.structs.replace(op, version=version)
+        self.bus.publish(out, targets, msg.timeout_s, committed, gone=self._gone(targets))
+
     def _abort(self, txn: WeightTxn, reason: str) -> None:
         """Decide abort and tell every target (best effort: an engine that
         misses it discards the update after its prepare_ttl_s)."""
@@ -262,6 +311,8 @@ class ClusterControl:
         if e is not None and ack.ok and isinstance(ack.result, P.ConfigResult):
             r = ack.result
             e.apply_config(r.epoch, r.weight_version, r.loras)
+            if isinstance(r, P.WeightsCommitted):
+                self.layouts.committed(ack.engine_id, r.layout)
             if isinstance(r, P.WeightsCommitted) and self.cluster.late_commit(r.weight_version):
                 log.info("weight_commit_late", engine_id=ack.engine_id, version=r.weight_version)
                 self.reevaluate(time.monotonic())
@@ -286,6 +337,7 @@ class ClusterControl:
         (intended_state.py). An engine that misses a step's join_timeout_s is
         forgotten (it registers again)."""
         self.intended.add(e.engine_id)
+        self.layouts.forget([e.engine_id])  # a (re)joined engine keeps no IPC map of ours
         steps: list[Any] = [P.Ping()]
 
         def next_step(pc: PendingCommand | None) -> None:

@@ -37,6 +37,8 @@ from router_node.registry import EngineEntry
 
 log = structlog.get_logger("router_node")
 
+_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: IntFlag arithmetic per frame otherwise (bus/endpoint.py)
+
 __all__ = ["Forwarder", "Pick", "PlaceSession"]
 
 
@@ -71,7 +73,12 @@ class Forwarder:
     def execute(self, actions: list[Action]) -> None:
         run = self._run
         for a in actions:
-            run[type(a)](a)
+            if type(a) is RelayToClient:  # the commonest action (a streamed chunk): no table call
+                if self.outbox.by_peer:
+                    self.flush()  # what was batched before goes first
+                self.front.send_frames([a.client, *a.frames])
+            else:
+                run[type(a)](a)
 
     # ------------------------------------------------------------ client requests
 
@@ -96,10 +103,19 @@ class Forwarder:
             self.execute(core.engine_error(eid, msg))
 
         def on_chunks(_peer: bytes, msg: Any, buffers: list[Any]) -> None:
-            lone = endpoint().frames if isinstance(msg, P.Chunk) else None
-            for ch, bufs in split_chunks(msg, buffers):
-                self.execute(core.chunk(eid, ch, bufs, lone))
-            self.flush()
+            if type(msg) is not P.Chunk:
+                for ch, bufs in split_chunks(msg, buffers):
+                    self.execute(core.chunk(eid, ch, bufs, None))
+            else:  # a chunk alone: it may be relayed as it came
+                actions = core.chunk(eid, msg, buffers, endpoint().frames)
+                if len(actions) == 1 and type(a := actions[0]) is SendToClient and not self.outbox.by_peer:
+                    # One chunk for one client and nothing batched: the outbox
+                    # would send it alone, as it is; sent without it.
+                    self.front.send(a.client, a.chunk, a.buffers)
+                    return
+                self.execute(actions)
+            if self.outbox.by_peer:
+                self.flush()
 
         return {P.Error: on_error, P.Chunk: on_chunks, P.ChunkBatch: on_chunks}
 
@@ -135,7 +151,7 @@ class Forwarder:
         if isinstance(msg, P.Generate) and self.core.parts.get(msg.request_id) is None:
             return  # its flight ended while this batch ran (an earlier leg could not be sent)
         try:
-            send_multipart(e.sock, self.codec.encode(msg, a.buffers), zmq.NOBLOCK if a.nonblock else 0)
+            send_multipart(e.sock, self.codec.encode(msg, a.buffers), _NOBLOCK if a.nonblock else 0)
         except zmq.ZMQError as err:
             if not a.nonblock:
                 raise
@@ -148,7 +164,7 @@ class Forwarder:
     def _send_to_client(self, a: SendToClient) -> None:
         self.outbox.add(a.client, a.chunk, a.buffers)
 
-    def _relay_to_client(self, a: RelayToClient) -> None:
+    def _relay_to_client(self, a: RelayToClient) -> None:  # (execute runs these inline)
         if self.outbox.by_peer:
             self.flush()  # what was batched before goes first
         self.front.send_frames([a.client, *a.frames])

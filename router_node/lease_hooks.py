@@ -41,6 +41,8 @@ def _drop_sleep(leases: Leases, intended: IntendedState, client: bytes, msg: P.C
 
 def _hold_txn(leases: Leases, intended: IntendedState, client: bytes, msg: P.Control, now: float) -> None:
     assert isinstance(msg.op, P.BeginWeightUpdate)
+    if msg.op.commit:  # one-trip: decided and committed in its one op, nothing left to hold
+        return
     leases.acquired(client, txn(msg.op.update_id), now)
 
 

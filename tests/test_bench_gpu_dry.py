@@ -65,6 +65,25 @@ def test_gpu_weight_update_dry_run(tmp_path):
     assert "skipped" in doc["nccl"]
 
 
+def test_gpu_weight_update_dry_run_pipelined(tmp_path):
+    """--pause pipe-abort: update_weights(pause="abort"), pause/update/resume sent
+    back to back; every update says which path it took (zmq: two round trips)."""
+    doc = _run(
+        "bench.gpu.weight_update",
+        str(tmp_path),
+        *("--streams", "2", "--updates", "1", "--gap-s", "0.1", "--pause", "pipe-abort"),
+    )
+    ipc = doc["ipc"]
+    assert ipc["ok"], ipc.get("error")
+    assert [u.get("error") for u in ipc["updates"]] == [None, None]
+    assert [u["weight_version"] for u in ipc["updates"]] == [1, 2]
+    assert [u["path"] for u in ipc["updates"]] == ["two_trip", "two_trip"]
+    assert all(u["pause_ms"] is None and u["e2e_ms"] > 0 for u in ipc["updates"])
+    assert all(u["first_token_ms"] is not None for u in ipc["updates"])
+    assert {"Pause", "Resume"} <= set(ipc["updates"][1]["control_ms"])
+    assert ipc["summary"]["paths"] == {"two_trip": 1}
+
+
 def test_gpu_interleaved_dry_run(tmp_path):
     doc = _run("bench.gpu.interleaved", str(tmp_path))
     res = doc["result"]

@@ -456,3 +456,31 @@ def test_cancelling_the_awaiting_tasks_cancels_the_requests_on_the_engines(engin
     print(f"engines idle {idle:.2f} s after the cancel")  # heartbeats every 0.5 s
     assert out1 == out0
     assert run(loop, client.stats())["sessions"] == sessions_before  # the sessions' `async with` released them
+
+
+def test_an_ipc_chunk_exported_by_this_process_is_read_without_opening_its_handle():
+    """SkyRL's CUDA IPC sender and the adapter share one process; CUDA refuses
+    to open a handle in the process that exported it, so the adapter must find
+    torch's own storage for it (reduce_tensor caches it under the bare handle).
+    Here a CPU storage stands in for the CUDA one under a made-up handle: the
+    real rebuild_cuda_tensor would fail on this machine, so a result proves the
+    local path was taken, and it must alias the exporter's memory."""
+    import torch
+    from torch.multiprocessing import reductions
+
+    from trainer_bridge.skyrl_chunks import rebuild_shared
+
+    packed = torch.arange(12, dtype=torch.float32)
+    handle = b"made-up-cuda-ipc-handle"
+    reductions.shared_cache[handle] = reductions.StorageWeakRef(packed.untyped_storage())
+    try:
+        args = (torch.Tensor, torch.Size([2, 3]), (3, 1), 6, torch.storage.TypedStorage, torch.float32, 0, handle)
+        args += (packed.untyped_storage().nbytes(), 0, False, b"", 0, b"", False)
+        t = rebuild_shared(reductions.rebuild_cuda_tensor, args)
+        assert t.tolist() == [[6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]
+        packed[6] = -1.0
+        assert t[0, 0].item() == -1.0  # the exporter's memory, not a copy
+    finally:
+        reductions.shared_cache.pop(handle, None)
+    with pytest.raises((AssertionError, RuntimeError)):  # an unknown handle: torch opens it (no CUDA here)
+        rebuild_shared(reductions.rebuild_cuda_tensor, args)

@@ -387,3 +387,65 @@ def test_plan_zero_copy_refuses_what_cannot_be_shared_in_place():
 
     assert plan_zero_copy([("w", torch.zeros(4))]) is None  # not on a GPU: packed buckets instead
     assert plan_zero_copy([]) is None
+
+
+def test_one_trip_through_the_engine_txn_is_one_worker_call_and_writes_like_load_weights(vbe, monkeypatch):
+    """engine_node/one_trip.py on the vLLM backend's cuda_ipc path: the first
+    update brings its handles and a layout id; the next names the layout only
+    and commits in the same op (one worker call, kept maps, the head's version)."""
+    from bus.errors import BackendRefused
+    from bus.protocol import BeginWeightUpdate, FinishWeightUpdate, TensorMeta
+    from bus.tensors import dtype_name
+    from bus.transport import CudaIpcArgs
+    from engine_node.backends import vllm_worker_ipc as X
+    from engine_node.core import RequestCore
+    from engine_node.weight_update import WeightUpdates
+
+    ref, worker, fake = vbe.test_ref, vbe.test_fake.worker, vbe.test_fake
+    params = {n: t.clone().contiguous() for n, t in checkpoint(ref, seed=1)}
+    opened: list[bytes] = []
+
+    def open_counting(h, dev):
+        opened.append(h)
+        return params[h.decode()].reshape(-1).view(torch.uint8)
+
+    monkeypatch.setattr(X, "open_ipc_handle", open_counting)
+    core = RequestCore(vbe, vbe.info(), "e0")
+    txn = WeightUpdates(vbe, core, "e0", "inproc://w")
+
+    def run(res):
+        return res.then(res.op.future.result(timeout=10))
+
+    named = list(params.items())
+    metas = [
+        TensorMeta(n, dtype_name(t), list(t.shape), i, 0, t.numel() * t.element_size())
+        for i, (n, t) in enumerate(named)
+    ]
+    args = CudaIpcArgs(keep_maps=True)
+    first = BeginWeightUpdate(
+        "u1", "cuda_ipc", metas, [m.nbytes for m in metas], transport_args=args, prepare=True,
+        handles=[n.encode() for n, _ in named], layout="L",
+    )  # fmt: skip
+    run(txn.begin(first))
+    done = run(txn.commit(FinishWeightUpdate("u1")))
+    assert done.layout == "L" and done.detail["path"] == "two_trip"
+    for seed in (2, 3):
+        new = dict(checkpoint(ref, seed=seed))
+        for n, t in params.items():
+            t.copy_(new[n])  # the optimizer step: same memory
+        ref.load_weights(iter(list(params.items())))
+        calls0 = len(fake.calls)
+        op = BeginWeightUpdate(
+            f"u{seed}", "cuda_ipc", [], [], transport_args=args, layout="L", commit=True, version=10 + seed
+        )
+        done = run(txn.begin(op))
+        assert fake.calls[calls0:] == ["collective_rpc"], "one worker call per one-trip update"
+        assert done.weight_version == core.weight_version == 10 + seed
+        assert done.detail["path"] == "one_trip" and done.detail["worker"]["maps_kept"] == len(params)
+        assert done.layout == "L" and txn.current is None
+        assert same_bits(snapshot(ref), snapshot(worker.model)) == [], f"update {seed}"
+    assert len(opened) == len(params), "a kept map was opened again"
+    core.gate.sleeps += 1  # a sleep began (it drops the kept maps)
+    with pytest.raises(BackendRefused, match="slept since") as e:
+        txn.begin(BeginWeightUpdate("u9", "cuda_ipc", [], [], transport_args=args, layout="L", commit=True))
+    assert e.value.field == "layout" and core.weight_version == 13 and txn.current is None

@@ -23,6 +23,7 @@ from bus.auth import KeyDir, find_token
 from bus.errors import BadRequest, ProtocolError
 from bus.frames import pack_tokens
 from trainer_bridge.control_port import ControlPort, expect
+from trainer_bridge.pipelined import update_paused
 from trainer_bridge.sampling import for_request
 from trainer_bridge.streams import TIMED_OUT, SampleAssembler, check_num_samples, final_error, is_batch, to_stream_chunk
 from trainer_bridge.text import Text, attach_text, is_text_prompt, load_text, to_ids
@@ -265,6 +266,7 @@ class AsyncClient(ControlPort):
         targets: list[str] | None = None,
         timeout_s: float | None = None,
         check_finite: bool = True,
+        pause: str | None = None,
         **transport_options: Any,
     ) -> dict[str, P.WeightsCommitted]:
         """Push new weights into every engine: begin → buckets → commit (the
@@ -278,18 +280,30 @@ class AsyncClient(ControlPort):
         failure before the commit every engine keeps its old weights and
         version, and the error names the engine and tensor; an engine that
         misses the commit itself is reported stale by the head.
-        `transport_options` go to the GPU transports (cuda_ipc, nccl)."""
-        # Not list(): a generator is streamed (packed as it yields).
-        return await push_weights(
-            self,
-            named_tensors,
-            transport=transport,
-            bucket_bytes=bucket_bytes,
-            targets=targets,
-            timeout_s=timeout_s or self.control_timeout_s,
-            options=transport_options,
-            check_finite=check_finite,
-        )
+        `transport_options` go to the GPU transports (cuda_ipc, nccl).
+        `pause` ("abort" | "keep"): pause every engine before and resume after,
+        pipelined (sent back to back, awaited once; the resume always goes
+        out): trainer_bridge/pipelined.py. A zero-copy cuda_ipc update whose
+        layout the engines hold is ONE op (trainer_bridge/transports/one_trip.py)."""
+        t = timeout_s or self.control_timeout_s
+
+        def push(pipeline: Any = None) -> Any:
+            # Not list(): a generator is streamed (packed as it yields).
+            return push_weights(
+                self,
+                named_tensors,
+                transport=transport,
+                bucket_bytes=bucket_bytes,
+                targets=targets,
+                timeout_s=t,
+                options=transport_options,
+                check_finite=check_finite,
+                pipeline=pipeline,
+            )
+
+        if pause is None:
+            return await push()
+        return await update_paused(self, pause, t, push)
 
     def weight_update(
         self,

@@ -94,6 +94,11 @@ class HeadLink:
         if self._sock is None:
             self._loop = asyncio.get_running_loop()
             self._ctx = zmq.Context()
+            # Hazard: a client dropped without close() (a caller's failed
+            # scenario) is destroyed by the garbage collector, anywhere in
+            # the caller's code; every socket of this context lingers 0 so
+            # that destroy -> term never waits for undelivered frames.
+            self._ctx.setsockopt(zmq.LINGER, 0)
             self._open()
             # The first ping goes one interval later: the first frame the head
             # sees is the caller's (a scripted peer may read exactly one).
@@ -299,10 +304,18 @@ class HeadLink:
             self._loop.call_soon(self._drain)
 
     async def _request(self, msg: Any, timeout_s: float, knob: str) -> Any:
+        return await self._reply(msg, self._issue(msg), timeout_s, knob)
+
+    def _issue(self, msg: Any) -> asyncio.Future:
+        """Send `msg` now (messages leave in call order) and register the
+        future its reply resolves; `_reply` awaits it (always: it unregisters)."""
         fut = asyncio.get_running_loop().create_future()
         self._replies[msg.request_id] = fut
         self._since[msg.request_id] = time.monotonic()
         self._send(msg)
+        return fut
+
+    async def _reply(self, msg: Any, fut: asyncio.Future, timeout_s: float, knob: str) -> Any:
         try:
             reply = await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:

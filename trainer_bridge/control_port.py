@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 from bus import protocol as P
@@ -97,9 +97,23 @@ class ControlPort(HeadLink):
         strict, any engine error or missing ack raises ControlError (which
         carries results, errors {engine_id: EngineFailure(code, message, field)}
         and missing)."""
+        return await self._control_sent(op, targets=targets, timeout_s=timeout_s, strict=strict)
+
+    def _control_sent(
+        self, op: P.Op, *, targets: list[str] | None = None, timeout_s: float | None = None, strict: bool = True
+    ) -> Coroutine[Any, Any, dict[str, P.Result]]:
+        """`control`, but the op is SENT NOW, before this returns: ops sent
+        back to back keep their order at the head and on every engine (a
+        pipelined pause → update → resume). Await what it returns (always:
+        the deadline of its reply starts then)."""
         t = timeout_s or self.control_timeout_s
         msg = P.Control(request_id=self._new_id(), op=op, targets=targets, timeout_s=t, token=self._token)
-        rep: P.ControlReply = await self._request(msg, t + GRACE_S, "control_timeout_s")
+        return self._control_reply(op, msg, self._issue(msg), t, strict)
+
+    async def _control_reply(
+        self, op: P.Op, msg: P.Control, fut: asyncio.Future, t: float, strict: bool
+    ) -> dict[str, P.Result]:
+        rep: P.ControlReply = await self._reply(msg, fut, t + GRACE_S, "control_timeout_s")
         if strict and (rep.errors or rep.missing):
             parts = [
                 f"{eid}: [{f.code}] {f.message}" + (f" (field={f.field})" if f.field else "")

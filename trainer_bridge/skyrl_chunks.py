@@ -30,13 +30,39 @@ def gpu_uuid() -> str:
     return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
 
 
+def rebuild_shared(fn: Any, args: tuple[Any, ...]) -> Any:
+    """A tensor from torch's `reduce_tensor` pair. Hazard: SkyRL's sender and
+    this adapter share one process (the policy worker calls the engine client
+    it holds), and CUDA refuses to open an IPC handle in the process that
+    exported it (cuIpcOpenMemHandle: invalid device context). torch keeps the
+    exporting process's storage in `shared_cache` under the bare handle
+    (reduce_tensor), while rebuild_cuda_tensor looks for (handle, offset), so
+    the local storage is found here first; another process's handle (the
+    cross-process case) is opened by torch as usual."""
+    try:
+        from torch.multiprocessing import reductions
+    except ImportError:
+        return fn(*args)
+    if fn is reductions.rebuild_cuda_tensor:
+        _cls, size, stride, offset, _scls, dtype, _dev, handle = args[:8]
+        ref = reductions.shared_cache.get(handle)
+        if ref is not None and not ref.expired():
+            import torch
+
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+            return torch._utils._rebuild_tensor(typed, offset, size, stride)
+    return fn(*args)
+
+
 def unpack_ipc_chunk(update_info: Mapping[str, Any], out: list[tuple[str, Any]]) -> int:
     """Append one chunk's tensors to `out` (copies: the sender frees the packed
     buffer when the call returns); the number of tensors. The chunk:
     `ipc_handles_pickled` (base64 of a pickled {GPU uuid: (rebuild_fn, args)}
     for ONE packed buffer) + names / dtype_names / shapes / sizes (elements per
-    tensor). The handle for this process's GPU is rebuilt (its own tensor when
-    rank 0 made it); CPU tensors' handles (torch's reduce_tensor) work too."""
+    tensor). The handle for this process's GPU is rebuilt (rebuild_shared: the
+    exporter's own storage when this process made it); CPU tensors' handles
+    (torch's reduce_tensor) work too."""
     try:
         handles = pickle.loads(base64.b64decode(update_info["ipc_handles_pickled"]))
         names, shapes, sizes = list(update_info["names"]), list(update_info["shapes"]), list(update_info["sizes"])
@@ -45,7 +71,7 @@ def unpack_ipc_chunk(update_info: Mapping[str, Any], out: list[tuple[str, Any]])
     if not (len(names) == len(shapes) == len(sizes)) or not handles:
         raise BadRequest("names, shapes and sizes differ in length (or no handle)", field="update_info")
     fn, args = handles.get(gpu_uuid(), next(iter(handles.values())))
-    packed = fn(*args)
+    packed = rebuild_shared(fn, args)
     off = 0
     for name, shape, size in zip(names, shapes, sizes, strict=True):
         out.append((name, packed[off : off + size].view(*shape).clone()))

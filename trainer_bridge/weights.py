@@ -29,7 +29,12 @@ through registry.SENDERS): zmq.py, and cuda_ipc.py / nccl.py on the one GPU
 send path of gpu.py (two round trips: begin + receive + prepare in one op,
 then the commit; cuda_ipc: the trainer's buckets live until the commit (or
 abort) is acked; nccl: the begin is published and the broadcast runs while
-the engines wait in it).
+the engines wait in it). A zero-copy cuda_ipc update whose layout every
+engine already holds is ONE round trip (trainer_bridge/transports/one_trip.py:
+the head decides the version, each engine receives + prepares + commits in
+that op), with a fallback to the two round trips when an engine lost it.
+`update_weights(..., pause=MODE)` pipelines pause → update → resume
+(trainer_bridge/pipelined.py).
 
 Several senders: `client.weight_update(senders=n)` opens an update (the
 coordinator); each rank sends its part through `upd.sender(rank)` or, from its
@@ -68,6 +73,7 @@ async def push_weights(
     extra_args: dict[str, Any] | None = None,
     version: int | None = None,
     check_finite: bool = True,
+    pipeline: Any = None,
 ) -> dict[str, P.WeightsCommitted]:
     """`version`: the weight version the engines take at commit (a model
     update). None: the head picks one above everything the cluster has served
@@ -85,6 +91,7 @@ async def push_weights(
         check_finite=check_finite,
         transport=transport,
     )
+    upd.pipeline = pipeline  # trainer_bridge/pipelined.py: a resume may follow the one-trip op at once
     return await kind.push(upd, named, options)
 
 
@@ -132,10 +139,24 @@ class WeightUpdate:
         self.planned = False
         self.results: dict[str, P.WeightsCommitted] = {}
         self.state = "new"  # new | open | committed | aborted
+        self.pipeline: Any = None  # a pipelined pause's (trainer_bridge/pipelined.py), else None
 
     @property
     def engine_ids(self) -> list[str]:
         return [e.engine_id for e in self.engines]
+
+    async def renew(self, why: str) -> None:
+        """A second try under a fresh id, after a one-trip op was refused with
+        nothing committed (trainer_bridge/transports/one_trip.py): the engines
+        are read again, and a pipelined pause is sent again (the resume went
+        out right behind the refused op)."""
+        log.info("weight_update_renewed", update_id=self.update_id, why=why[:300])
+        self.update_id = uuid.uuid4().hex[:16]
+        self.state = "new"
+        self.results = {}
+        if self.pipeline is not None:
+            self.pipeline.pause()
+        await self._pick_engines()
 
     async def _pick_engines(self) -> None:
         h = await self.client.health_view()

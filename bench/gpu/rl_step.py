@@ -29,6 +29,13 @@ Targets (7B-class on an H200): e2e <= 2x the flat copy; wake weights + KV
 keep: all_streams <= 2 decode steps; abort: all_streams <= 200 ms.
 
 COPY: packed | zero_copy | zero_copy_unchecked (check_finite=False: no NaN/inf pass).
+MODE: abort | keep (`with client.paused(MODE)`, three round trips awaited in
+turn) | pipe-abort | pipe-keep (`client.update_weights(..., pause=MODE)`: pause,
+update and resume sent back to back, awaited once). Each update reports its
+`path`: "one_trip" once the engine holds the zero-copy layout (one control op:
+receive + validate + prepare + commit), else "two_trip"; `breakdown` has the
+per-op round trips (control.Pause / control.OneTrip / control.Resume) and the
+engine's commit timings.
 
     python -m bench.gpu.rl_step --model /tmp/q7b --out-dir $OUT
     python -m bench.gpu.rl_step --cpu          # dry run: torch backend, zmq transport
@@ -52,7 +59,8 @@ from bench.gpu import weight_update as W
 NAME = "gpu_rl_step"
 TARGETS = {"e2e_x_floor": 2.0, "wake_s": 1.0, "trainer_vs_other": 1.2, "abort_all_streams_ms": 200.0}
 DEFAULT_CONFIGS = (
-    "abort:packed:other,abort:zero_copy:other,keep:zero_copy:other,abort:zero_copy:trainer,keep:zero_copy:trainer"
+    "abort:packed:other,abort:zero_copy:other,keep:zero_copy:other,abort:zero_copy:trainer,keep:zero_copy:trainer,"
+    "pipe-abort:zero_copy:other,pipe-keep:zero_copy:other,pipe-abort:zero_copy_unchecked:other"
 )
 
 
@@ -422,6 +430,9 @@ def summarize_doc(doc: dict[str, Any]) -> dict[str, Any]:
             "e2e_ms": m("e2e_ms"),
             "update_ms": m("update_ms"),
             "e2e_x_floor": m("e2e_ms") / floor if m("e2e_ms") and floor else None,
+            "paths": sm.get("paths"),
+            "one_trip_prepare_ms": m("one_trip_prepare_ms"),
+            "breakdown": r.get("breakdown"),
             "first_token_ms": m("first_token_ms"),
             "all_streams_ms": m("all_streams_ms"),
             "decode_step_ms": r.get("decode_step_ms"),
@@ -457,8 +468,9 @@ def report(doc: dict[str, Any]) -> None:
     for cfg, r in s["inflight"].items():
         x = f"{r['e2e_x_floor']:.2f}" if r.get("e2e_x_floor") else "-"
         err = f" ({r['error']})" if r.get("error") else ""
+        paths = ",".join(f"{p}x{n}" for p, n in (r.get("paths") or {}).items())
         print(
-            f"| {cfg}{err} | {G.fmt_ms(r['e2e_ms'])} | {x} | {G.fmt_ms(r['update_ms'])} | {G.fmt_ms(r['first_token_ms'])} "
+            f"| {cfg} [{paths}]{err} | {G.fmt_ms(r['e2e_ms'])} | {x} | {G.fmt_ms(r['update_ms'])} | {G.fmt_ms(r['first_token_ms'])} "
             f"| {G.fmt_ms(r['all_streams_ms'])} | {G.fmt_ms(r['decode_step_ms'])} |"
         )
     if s["colocated"]:

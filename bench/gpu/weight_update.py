@@ -216,19 +216,27 @@ def instrument() -> None:
     from trainer_bridge.transports.cuda_ipc import CudaIpcSender
     from trainer_bridge.transports.nccl import NcclSender
 
-    if getattr(AsyncClient.control, "_bench_timed", False):
+    if getattr(AsyncClient._control_sent, "_bench_timed", False):
         return
-    orig = AsyncClient.control
+    orig = AsyncClient._control_sent
 
-    async def control(self: Any, op: Any, *args: Any, **kw: Any) -> Any:
+    # control() sends through _control_sent(): every op is timed once, from its
+    # send to its reply (pipelined ops overlap); a one-trip update is "OneTrip".
+    def _control_sent(self: Any, op: Any, *args: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
-        try:
-            return await orig(self, op, *args, **kw)
-        finally:
-            CONTROL_LOG.append((t0, type(op).__name__, time.perf_counter() - t0))
+        reply = orig(self, op, *args, **kw)
+        kind = "OneTrip" if getattr(op, "commit", False) is True else type(op).__name__
 
-    control._bench_timed = True  # type: ignore[attr-defined]
-    AsyncClient.control = control  # type: ignore[method-assign]
+        async def timed() -> Any:
+            try:
+                return await reply
+            finally:
+                CONTROL_LOG.append((t0, kind, time.perf_counter() - t0))
+
+        return timed()
+
+    _control_sent._bench_timed = True  # type: ignore[attr-defined]
+    AsyncClient._control_sent = _control_sent  # type: ignore[method-assign]
     share = CudaIpcSender.share
 
     def timed_share(self: Any, *a: Any, **kw: Any) -> Any:
@@ -302,7 +310,8 @@ def timing_line(tag: str, rec: dict[str, Any]) -> str:
     eng = rec.get("engine_commit") or {}
     rcv = rec.get("engine_receive") or {}
     parts = [
-        f"pause {rec.get('pause_ms', 0):.1f}",
+        f"path {rec.get('path')}",
+        f"pause {rec.get('pause_ms') or 0:.1f}",
         "control " + " ".join(f"{k} {v:.1f}" for k, v in c.items()),
         "trainer " + " ".join(f"{k} {_ms(v)}" for k, v in snd.items()),
     ]
@@ -321,7 +330,7 @@ def timing_line(tag: str, rec: dict[str, Any]) -> str:
             + " ".join(f"{k} {_ms(eng.get(k))}" for k in keys if eng.get(k) is not None)
             + (f" fallback_names {eng['fallback']}" if eng.get("fallback") is not None else "")
         )
-    parts.append(f"resume {rec.get('resume_ms', 0):.1f}")
+    parts.append(f"resume {rec.get('resume_ms') or 0:.1f}")
     res = rec.get("engine_resume") or {}
     if res:
         parts.append(
@@ -353,7 +362,10 @@ def timed_updates(
 ) -> list[dict[str, Any]]:
     """n pause+update+resume blocks under load; one dict of timings each (the
     engine's own from its Stats). pause_mode "keep" leaves the streams in the
-    engine with their KV cache."""
+    engine with their KV cache; "pipe-abort" / "pipe-keep": one
+    `update_weights(pause=...)` (pause, update and resume pipelined; resume ->
+    first token counts from when the Resume was sent). `path`: how the update
+    ran ("one_trip" | "two_trip", the engine's WeightsCommitted.detail)."""
     out = []
     engine = EngineTimings(client)
     engine.skip()
@@ -363,20 +375,28 @@ def timed_updates(
         c0, s0 = len(CONTROL_LOG), len(SENDER_LOG)
         try:
             t0 = time.perf_counter()
-            with client.paused(pause_mode):
-                t1 = time.perf_counter()
-                r = client.update_weights(named, transport=transport, **options)
-                t2 = time.perf_counter()
-            t3 = time.perf_counter()
+            if pause_mode.startswith("pipe-"):
+                r = client.update_weights(named, transport=transport, pause=pause_mode.removeprefix("pipe-"), **options)
+                t1 = t3 = time.perf_counter()
+                sent = [t for t, kind, _ in CONTROL_LOG[c0:] if kind == "Resume"]
+                t2 = sent[-1] if sent else t0  # when the Resume left (right behind the update)
+            else:
+                with client.paused(pause_mode):
+                    t1 = time.perf_counter()
+                    r = client.update_weights(named, transport=transport, **options)
+                    t2 = time.perf_counter()
+                t3 = time.perf_counter()
             res = dict(next(iter(r.values())))  # a typed result, read as the dict it was
             v = res["weight_version"]  # the version the streams will carry (KeyError: recorded as the error)
             rec.update(
-                pause_ms=(t1 - t0) * 1e3,
-                update_ms=(t2 - t1) * 1e3,
-                resume_ms=(t3 - t2) * 1e3,
+                pause_ms=(t1 - t0) * 1e3 if t1 != t3 else None,
+                update_ms=(t2 - t1) * 1e3 if t1 != t3 else None,
+                resume_ms=(t3 - t2) * 1e3 if t1 != t3 else None,
                 e2e_ms=(t3 - t0) * 1e3,
                 weight_version=v,
                 engine_result=res,
+                path=res.get("path"),  # the result's detail, flattened by dict()
+                one_trip_prepare_ms=(res.get("prepare_s") or 0) * 1e3 or None,
             )
             end = time.monotonic() + first_token_timeout_s
             while v not in load.first_seen and time.monotonic() < end:
@@ -503,11 +523,16 @@ def summarize(updates: list[dict[str, Any]], skip_first: bool) -> dict[str, Any]
     ok = [u for u in updates if "error" not in u]
     steady = ok[1:] if skip_first and len(ok) > 1 else ok
     s: dict[str, Any] = {"n": len(steady), "errors": len(updates) - len(ok)}
-    for k in ("pause_ms", "update_ms", "resume_ms", "e2e_ms", "first_token_ms", "all_streams_ms"):
+    keys = ("pause_ms", "update_ms", "resume_ms", "e2e_ms", "first_token_ms", "all_streams_ms", "one_trip_prepare_ms")
+    for k in keys:
         vals = [u[k] for u in steady if u.get(k) is not None]
         s[k] = {"median": H.median(vals), "min": min(vals), "max": max(vals)} if vals else None
+    # which path the steady updates took (one_trip once the engines hold the zero-copy layout)
+    s["paths"] = {p: sum(1 for u in steady if u.get("path") == p) for p in {u.get("path") for u in steady}}
     if ok:
-        s["first"] = {k: ok[0].get(k) for k in ("pause_ms", "update_ms", "resume_ms", "e2e_ms", "first_token_ms")}
+        s["first"] = {
+            k: ok[0].get(k) for k in ("pause_ms", "update_ms", "resume_ms", "e2e_ms", "first_token_ms", "path")
+        }
     return s
 
 
@@ -569,7 +594,9 @@ def _run_under_load(
         ).start()
         instrument()
         try:
-            opts = {"device": trainer_device} if transport != "zmq" and not cpu else {}
+            opts: dict[str, Any] = {"device": trainer_device} if transport != "zmq" and not cpu else {}
+            if transport == "cuda_ipc" and spec.get("zero_copy"):
+                opts["zero_copy"] = True
             if transport == "nccl" and spec.get("nccl_warm_up", True):
                 # as SkyRL's init_weight_update_communicator does: the group is set up
                 # before the first update (reported apart from it)
@@ -590,6 +617,7 @@ def _run_under_load(
                 spec["first_token_timeout_s"],
                 opts,
                 tag=transport,
+                pause_mode=spec.get("pause", "abort"),
             )
             out["summary"] = summarize(out["updates"], skip_first=True)
             out["breakdown"] = breakdown(out["updates"][1:])
@@ -938,6 +966,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         **dict(first_token_timeout_s=10.0, gpu_idle_timeout_s=30.0),
     )
     ap.add_argument("--nccl", action="store_true", help="also the NCCL phase (2 GPUs: trainer 0, engine 1)")
+    ap.add_argument(
+        "--zero-copy",
+        action="store_true",
+        help="cuda_ipc: update_weights(zero_copy=True) (one op per update once the engine holds the layout)",
+    )
+    ap.add_argument(
+        "--pause",
+        choices=("abort", "keep", "pipe-abort", "pipe-keep"),
+        default="abort",
+        help="with client.paused(MODE), or pipe-MODE: update_weights(pause=MODE), pipelined",
+    )
     ap.add_argument("--no-ipc", dest="ipc", action="store_false", help="skip the cuda_ipc phase")
     ap.add_argument(
         "--check",
@@ -1024,6 +1063,8 @@ def main(argv: list[str] | None = None) -> int:
         "seed": a.seed,
         "updates": a.updates,
         "gap_s": a.gap_s,
+        "zero_copy": a.zero_copy,
+        "pause": a.pause,
         "gpu_memory_utilization": a.gpu_memory_utilization,
         "max_model_len": a.max_model_len,
         "ready_timeout_s": a.ready_timeout_s,

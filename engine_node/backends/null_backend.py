@@ -40,26 +40,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from bus.tensors import unpack_bucket
+from bus.tensors import ITEMSIZE, unpack_bucket
 from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput
-
-_ITEMSIZE = {
-    "float32": 4,
-    "float": 4,
-    "float16": 2,
-    "half": 2,
-    "bfloat16": 2,
-    "float64": 8,
-    "double": 8,
-    "int8": 1,
-    "uint8": 1,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-    "bool": 1,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-}
 
 
 def _as_int(v: Any) -> int:
@@ -292,7 +274,7 @@ class NullBackend:
             name, dtype, shape, nbytes = m.name, m.dtype, tuple(int(d) for d in m.shape), int(m.nbytes)
             if name in expect:
                 raise ValueError(f"duplicate tensor name {name!r}")
-            size = _ITEMSIZE.get(dtype)
+            size = ITEMSIZE.get(dtype)
             if size is None:
                 raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
             numel = 1

@@ -17,6 +17,20 @@ from engine_node.backends.vllm_worker_apply import WorkerApply, _on, _sync
 log = structlog.get_logger("rollout_bus.vllm_worker")
 
 
+def received(st: dict[str, Any], marks: tuple[float, float, float, float], setup: dict[str, Any]) -> dict[str, Any]:
+    """A broadcast receive's result: bytes staged and where its time went
+    (marks: start, group set up, staging allocated, broadcast done)."""
+    t0, t1, t2, t3 = marks
+    return {
+        "bytes": int(sum(st["sizes"])),
+        "seconds": time.perf_counter() - t0,
+        "setup_seconds": round(t1 - t0, 4),
+        "alloc_s": round(t2 - t1, 4),
+        "broadcast_s": round(t3 - t2, 4),
+        **setup,
+    }
+
+
 class NcclReceive(WorkerApply):
     def rollout_bus_recv_nccl(
         self, uid: str, args: dict[str, Any], metas: list[Any] | None = None, sizes: list[int] | None = None
@@ -41,14 +55,7 @@ class NcclReceive(WorkerApply):
         # for the next update of this layout (vllm_worker_reuse), until nccl_close.
         st["keep_views"] = True
         self._rb_validate(st)
-        return {
-            "bytes": int(sum(st["sizes"])),
-            "seconds": time.perf_counter() - t0,
-            "setup_seconds": round(t1 - t0, 4),
-            "alloc_s": round(t2 - t1, 4),
-            "broadcast_s": round(t3 - t2, 4),
-            **setup,
-        }
+        return received(st, (t0, t1, t2, t3), setup)
 
     def _rb_staging(self, st: dict[str, Any], dev: torch.device) -> list[torch.Tensor]:
         """One flat uint8 buffer per bucket of the begun update. Kept across

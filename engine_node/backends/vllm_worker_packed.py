@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from engine_node.backends.vllm_worker_apply import _on, _sync
-from engine_node.backends.vllm_worker_nccl import NcclReceive
+from engine_node.backends.vllm_worker_nccl import NcclReceive, received
 
 DEFAULT_BUFFER_BYTES = 1 << 30  # vLLM 0.24's DEFAULT_PACKED_BUFFER_SIZE_BYTES
 DEFAULT_NUM_BUFFERS = 2
@@ -116,14 +116,7 @@ class PackedReceive(NcclReceive):
         for i, buf in enumerate(staging):
             st["buckets"][i] = buf
         self._rb_validate(st)
-        return {
-            "bytes": int(sum(st["sizes"])),
-            "seconds": time.perf_counter() - t0,
-            "setup_seconds": round(t1 - t0, 4),
-            "alloc_s": round(t2 - t1, 4),
-            "broadcast_s": round(t3 - t2, 4),
-            **setup,
-        }
+        return received(st, (t0, t1, t2, t3), setup)
 
     def _rb_worker_rank(self) -> int:
         """This worker's rank across the engine's data-parallel groups, as

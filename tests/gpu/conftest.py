@@ -55,6 +55,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
 
 
+def pytest_runtest_logreport(report):
+    """Print a failure's traceback the moment it happens: a GPU run is often
+    cut off by the device call's limit before pytest's summary, which is
+    where the tracebacks would otherwise be (runs 1 and 3 of 2026-11-27 lost
+    every failure's reason that way)."""
+    if report.failed:
+        print(f"\n==== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n====", flush=True)
+
+
 # Model shape for the tests: head_dim 64 so FlashAttention 3 runs (the CI tiny model's 16 does not).
 TEST_MODEL = dict(hidden=256, layers=4, heads=4, kv_heads=2, inter=688, vocab=4096, max_pos=4096)
 

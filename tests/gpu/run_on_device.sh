@@ -1,5 +1,6 @@
 #!/bin/bash
-# Run tests/gpu on the device machine (see tests/gpu/RESULTS.md). Needs, sent with carry=[".device"]:
+# Run tests/gpu on the device machine (see tests/gpu/RESULTS.md). Needs, sent with carry=[".device"]
+# (tests/gpu/make_device_kit.sh builds all of it):
 #   .device/vllm-bundle/ (python3 ../shared/tools/vllm_bundle.py .device/vllm-bundle)
 #   .device/whl/structlog-*.whl (pip download --no-deps --only-binary=:all: --python-version 3.12 structlog -d .device/whl)
 #   .device/whl/compressed_tensors-0.17.0 + loguru wheels (test_vllm_fp8.py: vLLM's fp8 config imports them;
@@ -16,6 +17,9 @@ nvidia-smi -L > "$OUT/setup.log" 2>&1
 BUNDLE=${ROLLOUT_BUS_BUNDLE_DIR:-.device/vllm-bundle}; WHL=${WHL_DIR:-.device/whl}
 mkdir -p /tmp/site && xz -T0 -dc "$BUNDLE"/vllm-0.24.0-sm90-py312.tar.xz | tar -x -C /tmp/site || exit 1
 for w in "$WHL"/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+# ray, stripped (tests/gpu/make_device_kit.sh): SkyRL's weight_sync imports it
+RAY_TAR=${RAY_TAR:-$(dirname "$WHL")/ray-2.60.0-stripped.tar.xz}
+[ -f "$RAY_TAR" ] && xz -T0 -dc "$RAY_TAR" | tar -x -C /tmp/site
 echo "unpacked after $(( $(date +%s) - T0 ))s"
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

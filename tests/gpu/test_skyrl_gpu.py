@@ -67,6 +67,16 @@ class TurnsEnv(BaseTextEnv):
 skyrl_gym.register(id="rollout_bus_gpu_turns", entry_point=TurnsEnv)
 
 
+def _batch(cfg) -> dict:
+    """8 one-prompt trajectories of the TurnsEnv, SkyRL's vLLM sampling params."""
+    return {
+        "prompts": [[{"role": "user", "content": f"hello {i}"}] for i in range(8)],
+        "env_classes": ["rollout_bus_gpu_turns"] * 8,
+        "env_extras": [{} for _ in range(8)],
+        "sampling_params": get_sampling_params_for_backend("vllm", cfg.sampling_params),
+    }
+
+
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
     from tests.cluster import Cluster
@@ -120,27 +130,24 @@ def test_skyrl_generator_then_its_cuda_ipc_strategy_colocated(cluster, model_dir
 
     async def scenario():
         client = AsyncClient(cluster.frontend, timeout_s=120, control_timeout_s=120)
-        engine = await RolloutBusEngine.connect(client, num_engines=1, tokenizer=tok)
-        gen = SkyRLGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), engine, tok)
-        batch = {
-            "prompts": [[{"role": "user", "content": f"hello {i}"}] for i in range(8)],
-            "env_classes": ["rollout_bus_gpu_turns"] * 8,
-            "env_extras": [{} for _ in range(8)],
-            "sampling_params": get_sampling_params_for_backend("vllm", cfg.sampling_params),
-        }
-        out = await gen.generate(batch, disable_tqdm=True)
-        v0 = (await client.health())["weight_version"]
-        info = strategy.create_init_info(ie)
-        await engine.init_weight_update_communicator(info)  # CudaIpcInitInfo → rollout-bus's cuda_ipc
-        sender = strategy.create_sender(info, engine)
-        await engine.sleep()  # SkyRL's colocated loop (level 2)
-        await engine.wake_up(tags=["weights"])
-        await sender.send_chunks(chunks)  # SkyRL's sender, unmodified
-        await engine.wake_up(tags=["kv_cache"])
-        v1 = (await client.health())["weight_version"]
-        greedy = await client.generate(PROMPTS, {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True})
-        await client.close()
-        return out, v0, v1, [r.samples[0].token_ids for r in greedy]
+        try:
+            engine = await RolloutBusEngine.connect(client, num_engines=1, tokenizer=tok)
+            gen = SkyRLGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), engine, tok)
+            batch = _batch(cfg)
+            out = await gen.generate(batch, disable_tqdm=True)
+            v0 = (await client.health())["weight_version"]
+            info = strategy.create_init_info(ie)
+            await engine.init_weight_update_communicator(info)  # CudaIpcInitInfo → rollout-bus's cuda_ipc
+            sender = strategy.create_sender(info, engine)
+            await engine.sleep()  # SkyRL's colocated loop (level 2)
+            await engine.wake_up(tags=["weights"])
+            await sender.send_chunks(chunks)  # SkyRL's sender, unmodified
+            await engine.wake_up(tags=["kv_cache"])
+            v1 = (await client.health())["weight_version"]
+            greedy = await client.generate(PROMPTS, {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True})
+            return out, v0, v1, [r.samples[0].token_ids for r in greedy]
+        finally:
+            await client.close()  # a failed scenario must not leave it to the GC
 
     out, v0, v1, toks = asyncio.run(asyncio.wait_for(scenario(), 480))
     assert len(out["response_ids"]) == 8
@@ -210,33 +217,30 @@ def test_skyrl_generator_then_its_broadcast_strategy_trainer_gpu0_engine_gpu1(mo
 
     async def scenario():
         client = AsyncClient(c.frontend, timeout_s=120, control_timeout_s=120)
-        engine = await RolloutBusEngine.connect(client, num_engines=1, tokenizer=tok)
-        gen = SkyRLGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), engine, tok)
-        batch = {
-            "prompts": [[{"role": "user", "content": f"hello {i}"}] for i in range(8)],
-            "env_classes": ["rollout_bus_gpu_turns"] * 8,
-            "env_extras": [{} for _ in range(8)],
-            "sampling_params": get_sampling_params_for_backend("vllm", cfg.sampling_params),
-        }
-        out = await gen.generate(batch, disable_tqdm=True)
-        v0 = (await client.health())["weight_version"]
-        world, _ = await engine.get_world_size()
-        info = strategy.create_init_info(ie, inference_world_size=world)
-        t0 = time.perf_counter()
-        # SkyRL's Worker.init_weight_sync_state: sender and receivers concurrently (one group)
-        sender, joined = await asyncio.gather(
-            asyncio.to_thread(strategy.create_sender, init_info=info, inference_client=engine),
-            engine.init_weight_update_communicator(info),
-        )
-        t1 = time.perf_counter()
-        await sender.send_chunks(chunks, weight_metadata=meta)  # SkyRL's sender, unmodified
-        t2 = time.perf_counter()
-        v1 = (await client.health())["weight_version"]
-        greedy = await client.generate(PROMPTS, {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True})
-        after = await gen.generate(batch, disable_tqdm=True)  # the generator on the new weights
-        await client.close()
-        timing = {"init_s": round(t1 - t0, 4), "send_s": round(t2 - t1, 4), "joined": joined}
-        return out, after, v0, v1, greedy, timing, info
+        try:
+            engine = await RolloutBusEngine.connect(client, num_engines=1, tokenizer=tok)
+            gen = SkyRLGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), engine, tok)
+            batch = _batch(cfg)
+            out = await gen.generate(batch, disable_tqdm=True)
+            v0 = (await client.health())["weight_version"]
+            world, _ = await engine.get_world_size()
+            info = strategy.create_init_info(ie, inference_world_size=world)
+            t0 = time.perf_counter()
+            # SkyRL's Worker.init_weight_sync_state: sender and receivers concurrently (one group)
+            sender, joined = await asyncio.gather(
+                asyncio.to_thread(strategy.create_sender, init_info=info, inference_client=engine),
+                engine.init_weight_update_communicator(info),
+            )
+            t1 = time.perf_counter()
+            await sender.send_chunks(chunks, weight_metadata=meta)  # SkyRL's sender, unmodified
+            t2 = time.perf_counter()
+            v1 = (await client.health())["weight_version"]
+            greedy = await client.generate(PROMPTS, {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True})
+            after = await gen.generate(batch, disable_tqdm=True)  # the generator on the new weights
+            timing = {"init_s": round(t1 - t0, 4), "send_s": round(t2 - t1, 4), "joined": joined}
+            return out, after, v0, v1, greedy, timing, info
+        finally:
+            await client.close()  # a failed scenario must not leave it to the GC
 
     try:
         out, after, v0, v1, greedy, timing, info = asyncio.run(asyncio.wait_for(scenario(), 480))

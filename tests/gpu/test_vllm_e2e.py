@@ -221,7 +221,11 @@ def test_e2e_zero_copy_updates_keep_maps_across_steps_and_sleep(e2e, model_dirs,
     """update_weights(..., zero_copy=True): the engine copies straight from the
     trainer's parameters (bit for bit what load_weights writes: weight_check),
     keeps its maps while the parameters stay put (the trainer writes them in
-    place between updates, as an optimizer does), and drops them at sleep."""
+    place between updates, as an optimizer does), and drops them at sleep.
+    Once the engine holds the trainer's layout an update is ONE control op
+    (path "one_trip": receive + validate + prepare + commit); after a sleep the
+    trainer falls back to two round trips by itself, then one again; and the
+    pipelined update_weights(pause="abort") takes the one-trip path too."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -233,33 +237,53 @@ def test_e2e_zero_copy_updates_keep_maps_across_steps_and_sleep(e2e, model_dirs,
     sdB = {n: t.detach().clone() for n, t in named}
     opts = {"transport": "cuda_ipc", "zero_copy": True, "device": "cuda:0"}
 
-    def step(sd: dict, **kw: object) -> int:
+    def step(sd: dict, path: str, pipelined: bool = False, **kw: object) -> int:
         with torch.no_grad():  # the optimizer step: same memory, new values
             for n, t in named:
                 t.copy_(sd[n].to(t.dtype))
         t0 = time.perf_counter()
-        with e2e.paused("abort"):
-            r = e2e.update_weights(named, **opts, **kw)
-        record_timing("e2e_zero_copy_update", seconds=round(time.perf_counter() - t0, 4), **kw)
-        return list(r.values())[0]["weight_version"]
+        if pipelined:
+            r = e2e.update_weights(named, pause="abort", **opts, **kw)
+        else:
+            with e2e.paused("abort"):
+                r = e2e.update_weights(named, **opts, **kw)
+        res = list(r.values())[0]
+        record_timing(
+            "e2e_zero_copy_update",
+            seconds=round(time.perf_counter() - t0, 4),
+            path=res.get("path"),
+            pipelined=pipelined,
+            prepare_s=res.get("prepare_s"),
+            commit_s=res.get("commit_s"),
+            **kw,
+        )
+        assert res.get("path") == path, res
+        if kw.get("weight_check"):
+            assert not res["worker"].get("check_mismatch"), "the fast path wrote other bits than load_weights"
+        return res["weight_version"]
 
-    assert step(sdB, weight_check=True) == v0 + 1  # maps opened (and the plan checked bit for bit)
+    assert step(sdB, "two_trip", weight_check=True) == v0 + 1  # maps opened (and the plan checked bit for bit)
     toks, out = _greedy_tokens(e2e)
     gap, agree = hf_check(model_dirs["B"], toks)
     assert gap < HF_GAP_TOL and agree > 0.9
-    assert step(sdA) == v0 + 2  # maps kept: the same handles, new values behind them
+    assert step(sdA, "one_trip") == v0 + 2  # maps kept: the same handles, new values behind them; one op
     toks, out = _greedy_tokens(e2e)
     assert toks == llm_reference and set(out[0].samples[0].token_versions) == {v0 + 2}
+    assert step(sdB, "one_trip", weight_check=True) == v0 + 3  # one op, still bit for bit
     e2e.sleep(1)  # drops the maps
     e2e.wake_up(["weights"])
-    assert step(sdB, weight_check=True) == v0 + 3  # maps opened again
+    assert step(sdA, "two_trip") == v0 + 4  # the layout was dropped: handles again, maps opened again
     e2e.wake_up(["kv_cache"])
+    toks, _ = _greedy_tokens(e2e)
+    assert toks == llm_reference
+    assert step(sdB, "one_trip", pipelined=True) == v0 + 5
     toks, _ = _greedy_tokens(e2e)
     gap, agree = hf_check(model_dirs["B"], toks)
     assert gap < HF_GAP_TOL and agree > 0.9
-    assert step(sdA) == v0 + 4
-    toks, _ = _greedy_tokens(e2e)
-    assert toks == llm_reference
+    assert step(sdA, "one_trip", pipelined=True) == v0 + 6
+    toks, out = _greedy_tokens(e2e)
+    assert toks == llm_reference and set(out[0].samples[0].token_versions) == {v0 + 6}
+    assert not e2e.is_paused()
     named.clear()
     del mB
     torch.cuda.empty_cache()

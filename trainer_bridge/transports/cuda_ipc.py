@@ -1,7 +1,8 @@
 """The cuda_ipc transport, trainer side (trainer and engines on the same GPU(s)).
 
 Two round trips per update (the sequence `Client.update_weights` runs, see
-trainer_bridge/transports/gpu.py):
+trainer_bridge/transports/gpu.py; a zero-copy update whose layout the engines
+already hold is one: trainer_bridge/transports/one_trip.py):
     s = CudaIpcSender(bucket_bytes)
     metas, sizes, handles = s.prepare(named_tensors)     # packs buckets on the GPU, syncs
     cmd BeginWeightUpdate(update_id, "cuda_ipc", metas, sizes, prepare=True, handles=handles)

@@ -33,11 +33,16 @@ import time
 from collections.abc import Awaitable, Iterable
 from typing import Any, ClassVar, Protocol
 
+import structlog
+
 from bus import protocol as P
 from bus.errors import BadRequest
 from bus.tensors import first_nonfinite, plan_buckets, start_nonfinite_check
 from bus.transport import Transport, TransportArgs
+from trainer_bridge.transports import one_trip
 from trainer_bridge.transports.packing import record_written
+
+log = structlog.get_logger("trainer_bridge.transports.gpu")
 
 
 class GpuLink(Protocol):
@@ -159,11 +164,17 @@ class GpuSender:
             zero_copy=zero_copy, written=written,
         )  # fmt: skip
         handles, args = link.part(metas, sizes, tensors)
-        begin = P.BeginWeightUpdate(
-            upd.update_id, self.transport, metas, sizes, target=upd.target, transport_args=args,
-            prepare=True, handles=handles, check_finite=upd.check_finite,
-        )  # fmt: skip
+        layout = one_trip.layout_id(metas, sizes, handles) if zero_copy else ""
         try:
+            if one_trip.LAYOUTS.holds(upd.targets, layout):
+                done = await self._one_trip(upd, layout, args, check)
+                if done is not None:
+                    return done
+                check = None  # checked already
+            begin = P.BeginWeightUpdate(
+                upd.update_id, self.transport, metas, sizes, target=upd.target, transport_args=args,
+                prepare=True, handles=handles, check_finite=upd.check_finite, layout=layout,
+            )  # fmt: skip
             try:
                 await link.deliver(upd.open(begin=begin), upd.timeout_s)
             except BaseException:
@@ -173,9 +184,27 @@ class GpuSender:
             if bad is not None:
                 await upd.abort()
                 refuse_nonfinite(bad)
-            return await upd.commit()
+            res = await upd.commit()
+            one_trip.LAYOUTS.committed(upd.targets, layout, upd.engines, res)
+            return res
+        except BaseException:
+            one_trip.LAYOUTS.forget(upd.targets)  # the engines' layouts are not known any more
+            raise
         finally:
             self.release()  # cuda_ipc: only now, after the commit (or abort) is acked
+
+    async def _one_trip(self, upd: Any, layout: str, args: Any, check: Any) -> dict[str, Any] | None:
+        """The one-op update (trainer_bridge/transports/one_trip.py); None when
+        it was refused before anything committed: `upd` is renewed for the
+        two-round-trip path then."""
+        if check is not None:  # the engines write at once: checked before the op leaves
+            refuse_nonfinite(check())
+        try:
+            return await one_trip.send(upd, layout, args)
+        except one_trip.Refused as e:
+            log.info("weight_one_trip_fallback", update_id=upd.update_id, why=str(e)[:300])
+            await upd.renew(f"one-trip refused: {e}")  # a new id, a health read (and a re-pause)
+            return None
 
     def release(self) -> None:
         """Free this rank's buffers (cuda_ipc: only after the commit / abort is acked)."""
@@ -225,7 +254,13 @@ class GpuKind:
 
     async def push(self, upd: Any, named: Iterable[tuple[str, Any]], options: dict[str, Any]) -> dict[str, Any]:
         named = list(named)
-        await upd._pick_engines()
+        # A zero-copy layout the engines hold: their views from that update
+        # (dtype casts), no health read; else the healthy and stale engines now.
+        cached = one_trip.LAYOUTS.engines_for(upd.targets) if options.get("zero_copy") else None
+        if cached:
+            upd.engines = cached
+        else:
+            await upd._pick_engines()
         s = GpuSender(
             self.link, upd.client, upd.update_id, 0, upd.engines, bucket_bytes=upd.bucket_bytes,
             timeout_s=upd.timeout_s, cast=upd.caster(), options=options, check_finite=upd.check_finite,

@@ -32,37 +32,20 @@ from typing import Any
 
 from bus import protocol as P
 from bus.errors import BadRequest, Unsupported
+from bus.tensors import ITEMSIZE
 from bus.transport import VllmNcclArgs
 
 # vLLM 0.24's packed_tensor defaults (DEFAULT_PACKED_BUFFER_SIZE_BYTES / _NUM_BUFFERS)
 DEFAULT_BUFFER_BYTES = 1 << 30
 DEFAULT_NUM_BUFFERS = 2
 
-_ITEMSIZE = {
-    "float32": 4,
-    "float": 4,
-    "float16": 2,
-    "half": 2,
-    "bfloat16": 2,
-    "float64": 8,
-    "double": 8,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-}
-
 
 def dtype_name(d: Any, field: str = "update_info.dtype_names") -> str:
     """ "bfloat16" from "bfloat16", "torch.bfloat16" or torch.bfloat16;
     BadRequest naming `field` for a dtype vLLM's receiver cannot build."""
     name = str(d).removeprefix("torch.")
-    if name not in _ITEMSIZE:
-        raise BadRequest(f"dtype {d!r} is not one vLLM's packed receiver takes ({', '.join(_ITEMSIZE)})", field=field)
+    if name not in ITEMSIZE:
+        raise BadRequest(f"dtype {d!r} is not one vLLM's packed receiver takes ({', '.join(ITEMSIZE)})", field=field)
     return name
 
 
@@ -89,7 +72,7 @@ def packed_plan(
         dims = [int(x) for x in shape]
         if any(x < 0 for x in dims):
             raise BadRequest(f"tensor {name!r}: bad shape {list(shape)}", field="update_info.shapes")
-        nbytes = math.prod(dims) * _ITEMSIZE[dt]
+        nbytes = math.prod(dims) * ITEMSIZE[dt]
         metas.append(P.TensorMeta(str(name), dt, dims, len(sizes), used, nbytes))
         used += nbytes
         if used > buffer_size_bytes:  # the producer flushes here (pack_tensors)

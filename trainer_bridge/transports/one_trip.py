@@ -1,0 +1,126 @@
+"""The one-trip update, trainer side: ONE control round trip per zero-copy
+cuda_ipc update once the engines hold the trainer's layout.
+
+A zero-copy update (`update_weights(transport="cuda_ipc", zero_copy=True)`,
+trainer_bridge/transports/cuda_ipc.py) names the trainer's own parameters;
+while they stay where they are, its metas, sizes and handles are the same
+bytes every update. Their digest is the LAYOUT id. The first update (or any
+after the layout changed) goes the two-round-trip way with its handles and
+`layout=L`; engines that commit it keep L and say so
+(`WeightsCommitted.layout`). `LAYOUTS` remembers, per target set, the layout
+every engine confirmed (and the engines, so no health read is needed next
+time). The next update with the same id is ONE op:
+
+    BeginWeightUpdate(update_id, "cuda_ipc", [], [], layout=L, commit=True)
+      → the head checks every target holds L, decides the version, publishes
+      → each engine: begin + receive + validate + prepare + commit, acks
+        WeightsCommitted (detail["path"] == "one_trip")
+
+Falls back to the two-round-trip path by itself (a new update id, a fresh
+health read) when the head or every engine refuses the layout (field
+"layout": an engine slept, re-joined, committed another layout) — nothing
+committed then. An engine that fails while another committed is STALE, as
+after a missed commit (router_node/one_trip.py says what a one-op commit
+guarantees). The NaN/inf check finishes BEFORE the op leaves: the engines
+write at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import msgspec
+import structlog
+
+from bus import protocol as P
+from bus.errors import BadRequest, ControlError
+from bus.transport import Transport
+
+log = structlog.get_logger("trainer_bridge.transports.one_trip")
+
+
+def layout_id(metas: list[Any], sizes: list[int], handles: list[Any]) -> str:
+    """The digest of a zero-copy layout: same tensors, same storages → same id
+    (the transport args are not part of it: each op carries its own)."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(msgspec.msgpack.encode([metas, sizes]))
+    for x in handles:
+        h.update(x if isinstance(x, bytes) else msgspec.msgpack.encode(x))
+    return h.hexdigest()
+
+
+def _key(targets: list[str] | None) -> Any:
+    return None if targets is None else tuple(sorted(targets))
+
+
+class LayoutCache:
+    """target set -> (layout id, engines) that every engine of the set confirmed."""
+
+    def __init__(self) -> None:
+        self.held: dict[Any, tuple[str, list[P.EngineView]]] = {}
+
+    def holds(self, targets: list[str] | None, layout: str) -> bool:
+        got = self.held.get(_key(targets))
+        return bool(layout) and got is not None and got[0] == layout
+
+    def engines_for(self, targets: list[str] | None) -> list[P.EngineView] | None:
+        got = self.held.get(_key(targets))
+        return list(got[1]) if got is not None else None
+
+    def committed(
+        self, targets: list[str] | None, layout: str, engines: list[P.EngineView], results: dict[str, Any]
+    ) -> None:
+        """A two-round-trip update committed: keep its layout only if every
+        engine it went to committed and holds it."""
+        whole = bool(results) and set(results) == {e.engine_id for e in engines}
+        if layout and whole and all(getattr(r, "layout", "") == layout for r in results.values()):
+            self.held[_key(targets)] = (layout, list(engines))
+        else:
+            self.forget(targets)
+
+    def forget(self, targets: list[str] | None) -> None:
+        self.held.pop(_key(targets), None)
+
+
+LAYOUTS = LayoutCache()  # one per trainer process
+
+
+class Refused(Exception):
+    """The one-trip op was refused before any engine committed: fall back."""
+
+
+def nothing_committed(e: BaseException) -> bool:
+    """The head or every engine refused the one-trip op (no commit, none missing)."""
+    if isinstance(e, BadRequest) and e.field in ("layout", "commit"):
+        return True
+    return isinstance(e, ControlError) and not e.results and not e.missing and bool(e.errors)
+
+
+async def send(upd: Any, layout: str, args: Any) -> dict[str, P.WeightsCommitted]:
+    """The one-trip op of `upd` (a trainer_bridge.weights.WeightUpdate whose
+    engines hold `layout`); Refused when nothing committed."""
+    begin = P.BeginWeightUpdate(
+        upd.update_id, Transport.CUDA_IPC, [], [], transport_args=args, check_finite=upd.check_finite,
+        layout=layout, commit=True, version=upd.version,
+    )  # fmt: skip
+    reply = upd.client._control_sent(begin, targets=upd.targets, timeout_s=upd.timeout_s)
+    if upd.pipeline is not None:
+        upd.pipeline.resume()  # right behind the update: the head and engines keep the order
+    try:
+        res = await reply
+    except (BadRequest, ControlError) as e:
+        if nothing_committed(e):
+            LAYOUTS.forget(upd.targets)
+            upd.state = "aborted"
+            raise Refused(str(e)) from e
+        if not isinstance(e, ControlError) or not e.results:
+            LAYOUTS.forget(upd.targets)
+            raise
+        # Committed on some engines; these failed or missed it and are stale now.
+        log.warning("weight_one_trip_missed", update_id=upd.update_id, failed=sorted(e.errors), missing=e.missing)
+        LAYOUTS.forget(upd.targets)
+        res = dict(e.results)
+    upd.state = "committed"
+    upd.results = P.expect(res, P.WeightsCommitted, "finish_weights")
+    return upd.results
