@@ -3,7 +3,8 @@ that a sequence whose prompt starts with POISON_PREFIX kills the engine
 process (os._exit) the moment it is added: a request that kills every
 engine it reaches, whatever its fields say.
 
-`--backend tests.poison_backend:factory` (backend options: the torch backend's).
+`--backend tests.poison_backend:factory` (backend options: option `inner` names
+the backend it wraps, "torch" by default; the rest are that backend's).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class _Poisoned:
         return getattr(self._inner, name)
 
 
-def factory(model: str, **options: Any) -> Any:
+def factory(model: str, inner: str = "torch", **options: Any) -> Any:
     from engine_node.backend import load_backend
 
-    return _Poisoned(load_backend("torch", model, **options))
+    return _Poisoned(load_backend(inner, model, **options))

@@ -13,6 +13,11 @@ from bus.errors import EngineDead, NoHealthyEngine
 from tests.cluster import wait_until
 
 LONG = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+# Tests of routing and heartbeats only (which engine, when it is seen dead) run
+# on the null backend: no model to import and load in each engine process. It
+# streams a token per 50 ms step here, so a LONG request is still running when
+# its engine is killed.
+NULL = {"backend": "null", "backend_options": {"tokens_per_step": 1, "step_delay_s": 0.05}}
 
 
 def _stream_in_thread(c, prompt, params, out: dict, **kw):
@@ -30,7 +35,7 @@ def _stream_in_thread(c, prompt, params, out: dict, **kw):
 
 
 def test_killed_engine_gives_engine_dead_within_the_heartbeat_deadline(cluster_factory):
-    cl = cluster_factory(1, router_args=["--no-failover"])
+    cl = cluster_factory(1, router_args=["--no-failover"], **NULL)
     cl.wait_ready(1)
     c = cl.client()
     out: dict = {}
@@ -47,7 +52,7 @@ def test_killed_engine_gives_engine_dead_within_the_heartbeat_deadline(cluster_f
 
 
 def test_no_healthy_engine_answers_at_once(cluster_factory):
-    cl = cluster_factory(1)
+    cl = cluster_factory(1, **NULL)
     cl.wait_ready(1)
     cl.kill("e0")
     c = cl.client()
@@ -85,7 +90,7 @@ def test_failover_resubmits_tokens_so_far_and_the_stream_is_unbroken(cluster_fac
 
 
 def test_session_is_replaced_when_its_engine_dies(cluster_factory):
-    cl = cluster_factory(2)
+    cl = cluster_factory(2, **NULL)
     cl.wait_ready(2)
     c = cl.client()
     first = c.generate([3, 4], {"max_tokens": 2}, session_id="s").engine_id
@@ -97,7 +102,7 @@ def test_session_is_replaced_when_its_engine_dies(cluster_factory):
 
 
 def test_hung_engine_is_unhealthy_and_gets_no_traffic(cluster_factory):
-    cl = cluster_factory(2)
+    cl = cluster_factory(2, **NULL)
     cl.wait_ready(2)
     c = cl.client()
     cl.kill("e1", signal.SIGSTOP)  # frozen process: no heartbeats, no steps
@@ -130,26 +135,33 @@ def test_stalled_engine_loop_is_unhealthy_and_its_requests_fail_over(cluster_fac
     assert h["state"] == "stalled" and "stall_timeout_s" in h["reason"]
     assert h["heartbeat_age_s"] < 1.0  # alive, just hung
     assert c.stats()["counters"]["failovers"] >= 1
+    # Its SIGTERM would wait out the 8 s step it sleeps in; the teardown still
+    # reaps the whole tree.
+    cl.kill("e1")
 
 
-def test_protocol_version_mismatch_is_refused_with_a_clear_error(torch_cluster):
+def test_protocol_version_mismatch_is_refused_with_a_clear_error(cluster_factory):
     import zmq
 
     from bus import protocol as P
     from bus.codec import Codec
+
+    # The head's registration check: a head and one null engine (no model to load).
+    cl = cluster_factory(1, backend="null")
+    cl.wait_ready(1)
 
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, 10_000)
     try:
-        s.connect(torch_cluster.events)
+        s.connect(cl.events)
         reg = P.Register("old", "ipc:///nowhere", "ipc:///nowhere", "torch", "m", P.PROTOCOL_VERSION + 7, "inc")
         s.send_multipart(Codec().encode(reg))
         reply, _ = Codec().decode(s.recv_multipart())
         assert isinstance(reply, P.RegisterReply) and reply.ok is False
         assert "protocol version" in reply.error
-        assert "old" not in torch_cluster.client().health()["engines"]
+        assert "old" not in cl.client().health()["engines"]
     finally:
         s.close(linger=0)
         ctx.term()

@@ -16,6 +16,11 @@ from bus import protocol as P
 from tests.cluster import ROOT, child_env, wait_until
 from trainer_bridge import Client
 
+# Tests of the launcher's own work (supervision, signals, joining, CURVE) run
+# null engines: no model to import and load per engine. test_demo_runs_and_exits_cleanly
+# and test_curve_multi_node_zmq_weight_update keep the default (torch) backend.
+NULL = ("--backend", "null")
+
 
 def _launch(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
@@ -48,7 +53,7 @@ def test_demo_runs_and_exits_cleanly():
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_the_whole_tree(sig):
-    p = _launch("--engines", "2")
+    p = _launch("--engines", "2", *NULL)
     addr = None
     deadline = time.monotonic() + 120
     lines = []
@@ -73,7 +78,7 @@ def test_signal_stops_the_whole_tree(sig):
 
 
 def test_crashed_engine_is_restarted():
-    p = _launch("--engines", "1", "--max-restarts", "2")
+    p = _launch("--engines", "1", "--max-restarts", "2", *NULL)
     try:
         addr = None
         deadline = time.monotonic() + 120
@@ -103,7 +108,7 @@ def test_crashed_head_is_restarted_and_the_engines_rejoin_it():
     """Issue 22: a dead head used to stop everything; now the supervisor
     restarts it on the same ports, the live engines re-register (Rejoin) and
     the trainer's client reconnects by itself."""
-    p = _launch("--engines", "1", "--max-restarts", "2")
+    p = _launch("--engines", "1", "--max-restarts", "2", *NULL)
     try:
         addr = _read_address(p)
         with Client(addr, timeout_s=30) as c:
@@ -160,7 +165,7 @@ def test_multi_node_head_and_join_on_loopback():
         addr = _read_address(head)
         assert addr == f"tcp://127.0.0.1:{port}"
         worker = subprocess.Popen(
-            [sys.executable, "launch.py", "--join", addr, "--engines", "2", "--engine-id-prefix", "nodeB-", "--grace-s", "5"],
+            [sys.executable, "launch.py", "--join", addr, "--engines", "2", "--engine-id-prefix", "nodeB-", "--grace-s", "5", *NULL],
             cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         procs.append(worker)
@@ -184,7 +189,7 @@ def test_curve_secured_cluster(tmp_path):
     from bus.errors import AuthRefused
 
     keys = str(tmp_path / "keys")
-    p = _launch("--curve", "--curve-dir", keys)
+    p = _launch("--curve", "--curve-dir", keys, *NULL)
     tree = []
     try:
         addr = _read_address(p)

@@ -103,7 +103,8 @@ _TRAINER = textwrap.dedent(
 @pytest.mark.timeout(180)
 def test_trainer_killed_inside_paused_releases_the_pause(cluster_factory):
     lease_s = 2.0
-    cl = cluster_factory(2, router_args=["--lease-s", str(lease_s)])
+    # The head's leases: null engines (no model to load in each)
+    cl = cluster_factory(2, backend="null", router_args=["--lease-s", str(lease_s)])
     cl.wait_ready(2)
     other = cl.client(timeout_s=60)
     trainer = subprocess.Popen(
@@ -136,7 +137,7 @@ def test_trainer_killed_inside_paused_releases_the_pause(cluster_factory):
 
 @pytest.mark.timeout(120)
 def test_a_resume_by_another_client_still_resumes(cluster_factory):
-    cl = cluster_factory(1, router_args=["--lease-s", "2"])
+    cl = cluster_factory(1, backend="null", router_args=["--lease-s", "2"])  # the head's leases only
     cl.wait_ready(1)
     a, b = cl.client(), cl.client()
     a.pause("keep")

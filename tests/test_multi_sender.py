@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bus.errors import ControlError
-from tests.cluster import ROOT, child_env
+from tests.cluster import ROOT, Cluster, child_env, live_children
 
 T = 20.0
 
@@ -80,14 +80,26 @@ def _reap(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
     return out
 
 
-@pytest.fixture
-def cluster(cluster_factory):
+@pytest.fixture(scope="module")
+def module_cluster(tiny_model):
+    """One cluster for the module's tests: an aborted update leaves it as it
+    was, and each test reads the version it starts from."""
     # Sender processes import torch + transformers before their first bucket
     # (tens of seconds on a loaded CI box): the engines' idle limit for an open
     # update (--prepare-ttl-s) must outlast that.
-    cl = cluster_factory(2, engine_args=["--prepare-ttl-s", "300"])
-    cl.wait_ready(2)
-    return cl
+    before = {p.pid for p in live_children()}
+    with Cluster(2, backend="torch", model=tiny_model, engine_args=["--prepare-ttl-s", "300"]) as cl:
+        cl.wait_ready(2)
+        yield cl
+    leaked = [p for p in live_children() if p.pid not in before]
+    for p in leaked:
+        p.kill()
+    assert not leaked, f"leaked processes: {[p.pid for p in leaked]}"
+
+
+@pytest.fixture
+def cluster(module_cluster):
+    return module_cluster
 
 
 def _part(tiny_model: str, seed: int, rank: int, n: int, bad: bool = False) -> list:
@@ -100,18 +112,19 @@ def _part(tiny_model: str, seed: int, rank: int, n: int, bad: bool = False) -> l
 def test_two_sender_processes_and_the_coordinator_make_one_update(cluster, tiny_model):
     c = cluster.client(control_timeout_s=T)
     p, greedy = [21, 22, 23, 24], {"max_tokens": 8, "temperature": 0.0}
+    v0 = c.health()["weight_version"]
     with c.weight_update(senders=3, bucket_bytes=1 << 15) as upd:
         procs = _senders(cluster, tiny_model, upd.update_id, 3, seed=7, modes={}, ranks=range(1, 3))
         upd.sender(0).send(iter(_part(tiny_model, 7, 0, 3)))  # rank 0 is the coordinator's own process
         results = _reap(procs)
         assert [rc for rc, _ in results] == [0, 0], results
-    assert {e: r["weight_version"] for e, r in upd.results.items()} == {"e0": 1, "e1": 1}  # += 1 once
+    assert {e: r["weight_version"] for e, r in upd.results.items()} == {"e0": v0 + 1, "e1": v0 + 1}  # += 1 once
     ref = _perturbed(tiny_model, seed=7)
     with torch.no_grad():
         want = ref.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
     for _ in range(2):  # both engines serve exactly the union of the three parts
         assert c.generate(p, greedy).token_ids == want[0, len(p) :].tolist()
-    assert c.health()["weight_version"] == 1
+    assert c.health()["weight_version"] == v0 + 1
 
 
 @pytest.mark.parametrize("mode", ["vanish", "bad"])
@@ -119,6 +132,7 @@ def test_a_sender_that_vanishes_or_fails_aborts_the_whole_update(cluster, tiny_m
     c = cluster.client(control_timeout_s=T)
     p, greedy = [31, 32, 33], {"max_tokens": 8, "temperature": 0.0}
     before = c.generate(p, greedy).token_ids
+    v0 = c.health()["weight_version"]
     upd = c.weight_update(senders=2, bucket_bytes=1 << 15, timeout_s=8.0)
     with pytest.raises(ControlError) as e:
         with upd:
@@ -132,5 +146,5 @@ def test_a_sender_that_vanishes_or_fails_aborts_the_whole_update(cluster, tiny_m
         assert "sender(s) [1] never finished" in str(e.value)
     else:
         assert "model.no_such.weight" in str(e.value)
-    assert {x["weight_version"] for x in c.engines()} == {0} and c.health()["weight_version"] == 0
+    assert {x["weight_version"] for x in c.engines()} == {v0} and c.health()["weight_version"] == v0
     assert c.generate(p, greedy).token_ids == before

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from tests.cluster import Streams, wait_until
+from tests.cluster import Cluster, Streams, live_children, wait_until
 
 PROMPT = [11, 12, 13, 14]
 UNSEEDED = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
@@ -54,6 +54,21 @@ def _direct(cl, eid: str, n: int, params: dict) -> list[tuple[int, ...]]:
     return [tuple(d.generate(PROMPT, params).token_ids) for _ in range(n)]
 
 
+@pytest.fixture(scope="module")
+def module_cluster(tiny_model):
+    """Two torch engines shared by the tests below that leave both healthy and
+    in sync (they restart an engine and bring it back; each reads the version
+    it starts from)."""
+    before = {p.pid for p in live_children()}
+    with Cluster(2, backend="torch", model=tiny_model) as cl:
+        cl.wait_ready(2)
+        yield cl
+    leaked = [p for p in live_children() if p.pid not in before]
+    for p in leaked:
+        p.kill()
+    assert not leaked, f"leaked processes: {[p.pid for p in leaked]}"
+
+
 @pytest.mark.timeout(240)
 def test_unseeded_samples_are_independent_across_engines_requests_and_restarts(cluster_factory):
     cl = cluster_factory(3)
@@ -85,9 +100,8 @@ def test_unseeded_samples_are_independent_across_engines_requests_and_restarts(c
 
 
 @pytest.mark.timeout(240)
-def test_seeded_requests_are_identical_on_every_engine_and_across_a_pause(cluster_factory):
-    cl = cluster_factory(2)
-    cl.wait_ready(2)
+def test_seeded_requests_are_identical_on_every_engine_and_across_a_pause(module_cluster):
+    cl = module_cluster
     c = cl.client()
     seeded = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True, "seed": 1234}
     on = {eid: cl.client(cl.data_address(eid)) for eid in ("e0", "e1")}
@@ -117,16 +131,17 @@ def test_seeded_requests_are_identical_on_every_engine_and_across_a_pause(cluste
 
 
 @pytest.mark.timeout(240)
-def test_a_restarted_engine_is_stale_gets_no_traffic_until_synced(cluster_factory, tiny_model):
-    cl = cluster_factory(2)
-    cl.wait_ready(2)
+def test_a_restarted_engine_is_stale_gets_no_traffic_until_synced(module_cluster, tiny_model):
+    cl = module_cluster
     c = cl.client()
+    v0 = c.health()["weight_version"]
     policy = None
     for v in (1, 2, 3):
         policy = _perturbed(tiny_model, seed=v)
         res = c.update_weights(policy.named_parameters())
-        assert {r["weight_version"] for r in res.values()} == {v}
-    assert c.health()["weight_version"] == 3
+        assert {r["weight_version"] for r in res.values()} == {v0 + v}
+    v3 = v0 + 3
+    assert c.health()["weight_version"] == v3
     inc = c.health()["engines"]["e1"]["incarnation"]
     cl.kill("e1", signal.SIGKILL)
     cl.start_engine("e1")  # back on its checkpoint: version 0
@@ -137,36 +152,36 @@ def test_a_restarted_engine_is_stale_gets_no_traffic_until_synced(cluster_factor
 
     e1 = wait_until(e1_back, 90, "the restarted e1 to report stale")
     assert not e1["healthy"] and e1["stale"] and e1["weight_version"] == 0
-    assert "cluster weight version 3" in e1["reason"]
+    assert f"cluster weight version {v3}" in e1["reason"]
     h = c.health()
     assert h["stale"] == ["e1"] and sum(e["healthy"] for e in h["engines"].values()) == 1
     p = [21, 22, 23, 24]
     rs = c.generate([p] * 12, {**GREEDY, "max_tokens": 8})
     assert {r.engine_id for r in rs} == {"e0"}, "a stale engine got traffic"
-    assert {v for r in rs for v in r.token_versions} == {3}
+    assert {v for r in rs for v in r.token_versions} == {v3}
 
     res = c.sync_stale(policy.named_parameters())
-    assert set(res) == {"e1"} and res["e1"]["weight_version"] == 3
+    assert set(res) == {"e1"} and res["e1"]["weight_version"] == v3
     wait_until(lambda: c.health()["engines"]["e1"]["healthy"], 10, "e1 to serve again")
-    assert c.health()["stale"] == [] and c.health()["weight_version"] == 3
+    assert c.health()["stale"] == [] and c.health()["weight_version"] == v3
     assert c.sync_stale(policy.named_parameters()) == {}  # nothing left to sync
     rs = c.generate([p] * 12, {**GREEDY, "max_tokens": 8})
     assert {r.engine_id for r in rs} == {"e0", "e1"}
-    assert {v for r in rs for v in r.token_versions} == {3}
+    assert {v for r in rs for v in r.token_versions} == {v3}
     assert len({tuple(r.token_ids) for r in rs}) == 1  # the same (current) weights on both
 
 
 @pytest.mark.timeout(240)
-def test_an_update_brings_a_stale_engine_up_to_the_new_version(cluster_factory, tiny_model):
-    cl = cluster_factory(2)
-    cl.wait_ready(2)
+def test_an_update_brings_a_stale_engine_up_to_the_new_version(module_cluster, tiny_model):
+    cl = module_cluster
     c = cl.client()
+    v0 = c.health()["weight_version"]
     c.update_weights(_perturbed(tiny_model, seed=1).named_parameters())
     cl.kill("e0", signal.SIGKILL)
     cl.start_engine("e0")
     wait_until(lambda: c.health()["stale"] == ["e0"], 90, "e0 to come back stale")
     res = c.update_weights(_perturbed(tiny_model, seed=2).named_parameters())
-    assert {e: r["weight_version"] for e, r in res.items()} == {"e0": 2, "e1": 2}
+    assert {e: r["weight_version"] for e, r in res.items()} == {"e0": v0 + 2, "e1": v0 + 2}
     wait_until(lambda: all(e["healthy"] for e in c.health()["engines"].values()), 10, "both engines to serve")
 
 

@@ -16,7 +16,8 @@ PARAMS = {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
 
 
 def test_open_idle_sessions_spread_evenly_and_release(cluster_factory):
-    cl = cluster_factory(3)
+    # Placement only: the null backend (no model to load in each engine)
+    cl = cluster_factory(3, backend="null")
     cl.wait_ready(3)
     c = cl.client()
     placed = {}
