@@ -6,6 +6,7 @@ SIGTERM, grace, SIGKILL of the whole tree); `assert_no_leaks` fails a test that 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -170,6 +172,21 @@ def live_children() -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+@contextlib.contextmanager
+def leak_checked_cluster(n: int, ready_timeout_s: float = 90, **kw: Any) -> Iterator[Cluster]:
+    """`Cluster(n, **kw)`, ready, for a module's tests; when the module is
+    done every process it started must be gone: a leaked one is killed and
+    fails the module (the per-test check cannot see a module fixture's)."""
+    before = {p.pid for p in live_children()}
+    with Cluster(n, **kw) as c:
+        c.wait_ready(n, timeout_s=ready_timeout_s)
+        yield c
+    leaked = [p for p in live_children() if p.pid not in before]
+    for p in leaked:
+        p.kill()
+    assert not leaked, f"the module's cluster leaked processes: {[p.pid for p in leaked]}"
 
 
 def wait_until(pred, timeout_s: float, what: str, interval: float = 0.05):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from tests.cluster import Cluster, live_children
+from tests.cluster import Cluster, leak_checked_cluster, live_children
 
 
 @pytest.fixture(scope="session")
@@ -19,16 +19,8 @@ def tiny_model() -> str:
 @pytest.fixture(scope="module")
 def torch_cluster(tiny_model):
     """Two torch engines behind a head, shared by a module's read-only tests."""
-    before = {p.pid for p in live_children()}
-    with Cluster(2, backend="torch", model=tiny_model) as c:
-        c.wait_ready(2)
+    with leak_checked_cluster(2, backend="torch", model=tiny_model) as c:
         yield c
-    leaked = [p for p in live_children() if p.pid not in before]
-    for p in leaked:
-        p.kill()
-    assert not leaked, (
-        f"the module's cluster leaked processes (torch_cluster and module_cluster fixtures are checked at module end): {[p.pid for p in leaked]}"
-    )
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from bus.errors import ControlError
-from tests.cluster import Cluster, live_children, wait_until
+from tests.cluster import leak_checked_cluster, wait_until
 
 T = 2.0  # the update's timeout_s: how long the head / the sender wait for an engine
 TTL = 1.5  # engines' --prepare-ttl-s
@@ -28,14 +28,8 @@ PHASES = ("begin", "buckets", "prepare", "commit")
 @pytest.fixture(scope="module")
 def module_cluster(tiny_model):
     """One cluster for both tests (each leaves both engines healthy and in sync)."""
-    before = {p.pid for p in live_children()}
-    with Cluster(2, backend="torch", model=tiny_model, engine_args=["--prepare-ttl-s", str(TTL)]) as cl:
-        cl.wait_ready(2)
+    with leak_checked_cluster(2, backend="torch", model=tiny_model, engine_args=["--prepare-ttl-s", str(TTL)]) as cl:
         yield cl
-    leaked = [p for p in live_children() if p.pid not in before]
-    for p in leaked:
-        p.kill()
-    assert not leaked, f"leaked processes: {[p.pid for p in leaked]}"
 
 
 def _weights(tiny_model: str, seed: int) -> list[tuple[str, torch.Tensor]]:

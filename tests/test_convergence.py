@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from bus import protocol as P
 from bus.errors import ControlError, RequestTimeout
 from router_node.intended_state import ALL, SLEEP_SCOPE, SLEEP_TAGS, IntendedState
-from tests.cluster import Cluster, live_children, wait_until
+from tests.cluster import leak_checked_cluster, wait_until
 
 NULL = "null"
 NULL_OPTIONS = {"tokens_per_step": 1, "step_delay_s": 0.005}  # a few ms per token: requests run a while
@@ -303,14 +303,8 @@ def test_a_failed_correction_keeps_it_unroutable_and_says_why():
 
 @pytest.fixture(scope="module")
 def cl():
-    before = {p.pid for p in live_children()}
-    with Cluster(2, backend=NULL, model="null", backend_options=NULL_OPTIONS) as c:
-        c.wait_ready(2, timeout_s=60)
+    with leak_checked_cluster(2, backend=NULL, model="null", backend_options=NULL_OPTIONS, ready_timeout_s=60) as c:
         yield c
-    leaked = [p for p in live_children() if p.pid not in before]
-    for p in leaked:
-        p.kill()
-    assert not leaked, f"the module's cluster leaked processes: {[p.pid for p in leaked]}"
 
 
 class Watch:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bus.errors import ControlError
-from tests.cluster import ROOT, Cluster, child_env, live_children
+from tests.cluster import ROOT, child_env, leak_checked_cluster
 
 T = 20.0
 
@@ -87,14 +87,8 @@ def module_cluster(tiny_model):
     # Sender processes import torch + transformers before their first bucket
     # (tens of seconds on a loaded CI box): the engines' idle limit for an open
     # update (--prepare-ttl-s) must outlast that.
-    before = {p.pid for p in live_children()}
-    with Cluster(2, backend="torch", model=tiny_model, engine_args=["--prepare-ttl-s", "300"]) as cl:
-        cl.wait_ready(2)
+    with leak_checked_cluster(2, backend="torch", model=tiny_model, engine_args=["--prepare-ttl-s", "300"]) as cl:
         yield cl
-    leaked = [p for p in live_children() if p.pid not in before]
-    for p in leaked:
-        p.kill()
-    assert not leaked, f"leaked processes: {[p.pid for p in leaked]}"
 
 
 @pytest.fixture

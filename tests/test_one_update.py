@@ -33,7 +33,7 @@ from engine_node.weight_update import WeightUpdates
 from router_node.cluster_state import ClusterWeights
 from router_node.config import RouterConfig
 from router_node.control import ClusterControl
-from tests.cluster import ROOT, Cluster, child_env, live_children, wait_until
+from tests.cluster import ROOT, Cluster, child_env, leak_checked_cluster, wait_until
 from tests.scripted_backend import ScriptedBackend
 
 # ---------------------------------------------------------------- state machine (no I/O)
@@ -294,20 +294,14 @@ def _weights(tiny_model: str, seed: int, scale: float = 0.01) -> list[tuple[str,
 
 @pytest.fixture(scope="module")
 def cl(tiny_model):
-    before = {p.pid for p in live_children()}
-    with Cluster(
+    with leak_checked_cluster(
         2,
         backend="torch",
         model=tiny_model,
         engine_args=["--prepare-ttl-s", str(TTL)],
         router_args=["--weight-txn-timeout-s", str(TXN_S)],
     ) as c:
-        c.wait_ready(2)
         yield c
-    leaked = [p for p in live_children() if p.pid not in before]
-    for p in leaked:
-        p.kill()
-    assert not leaked, f"leaked processes: {[p.pid for p in leaked]}"
 
 
 def _version(c) -> int:

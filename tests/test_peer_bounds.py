@@ -22,7 +22,7 @@ from bus import protocol as P
 from bus.codec import Codec
 from bus.errors import BadRequest, LimitExceeded
 from bus.frames import pack_tokens
-from tests.cluster import Cluster, live_children, wait_until
+from tests.cluster import leak_checked_cluster, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,20 +33,14 @@ SESSIONS = 4  # --max-sessions-per-client
 
 @pytest.fixture(scope="module")
 def module_cluster(tiny_model):
-    before = {p.pid for p in live_children()}
     router_args = [
         "--client-hwm", str(HWM), "--max-inflight-per-client", str(INFLIGHT),
         "--max-sessions-per-client", str(SESSIONS),
     ]  # fmt: skip
-    with Cluster(
+    with leak_checked_cluster(
         2, backend="torch", model=tiny_model, router_args=router_args, backend_options={"max_model_len": 2048}
     ) as cl:
-        cl.wait_ready(2)
         yield cl
-    leaked = [p for p in live_children() if p.pid not in before]
-    for p in leaked:
-        p.kill()
-    assert not leaked, f"leaked processes: {[p.pid for p in leaked]}"
 
 
 def _raw_socket(cl, rcvhwm: int = 1000) -> zmq.Socket:

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from tests.cluster import Cluster, Streams, live_children, wait_until
+from tests.cluster import Streams, leak_checked_cluster, wait_until
 
 PROMPT = [11, 12, 13, 14]
 UNSEEDED = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
@@ -59,14 +59,8 @@ def module_cluster(tiny_model):
     """Two torch engines shared by the tests below that leave both healthy and
     in sync (they restart an engine and bring it back; each reads the version
     it starts from)."""
-    before = {p.pid for p in live_children()}
-    with Cluster(2, backend="torch", model=tiny_model) as cl:
-        cl.wait_ready(2)
+    with leak_checked_cluster(2, backend="torch", model=tiny_model) as cl:
         yield cl
-    leaked = [p for p in live_children() if p.pid not in before]
-    for p in leaked:
-        p.kill()
-    assert not leaked, f"leaked processes: {[p.pid for p in leaked]}"
 
 
 @pytest.mark.timeout(240)
