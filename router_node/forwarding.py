@@ -66,14 +66,13 @@ class Forwarder:
         self._run: dict[type, Callable[[Any], None]] = {
             SendToEngine: self._send_to_engine,
             SendToClient: self._send_to_client,
-            RelayToClient: self._relay_to_client,
             FailRequest: self._fail_request,
         }
 
     def execute(self, actions: list[Action]) -> None:
         run = self._run
         for a in actions:
-            if type(a) is RelayToClient:  # the commonest action (a streamed chunk): no table call
+            if type(a) is RelayToClient:  # the commonest action (a streamed chunk): run here, not via the table
                 if self.outbox.by_peer:
                     self.flush()  # what was batched before goes first
                 self.front.send_frames([a.client, *a.frames])
@@ -163,11 +162,6 @@ class Forwarder:
 
     def _send_to_client(self, a: SendToClient) -> None:
         self.outbox.add(a.client, a.chunk, a.buffers)
-
-    def _relay_to_client(self, a: RelayToClient) -> None:  # (execute runs these inline)
-        if self.outbox.by_peer:
-            self.flush()  # what was batched before goes first
-        self.front.send_frames([a.client, *a.frames])
 
     def _fail_request(self, a: FailRequest) -> None:
         self.front.fail(a.client, a.request_id, a.code, a.message, a.field)

@@ -261,15 +261,10 @@ class Router:
                 events = self.poller.poll(0)
             if not events:
                 events = self.poller.poll(50)
-        clock = self.clock
-        # LoopClock.observe at two points of every turn, its common case (no
-        # more than threshold_s since the last point: nothing to credit)
-        # inlined: this runs twice per message.
-        now = time.monotonic()
-        if clock.last is None or now - clock.last > clock.threshold_s:
-            self._own_lag(now)  # before any heartbeat is read or judged
-        else:
-            clock.last = now
+        observe = self.clock.observe  # twice per turn (per message): one call when nothing stalled
+        away = observe(time.monotonic())
+        if away:
+            self._stalled(away)  # before any heartbeat is read or judged
         for sock, _ in events:
             ep = self._endpoints.get(sock)
             if ep is not None:
@@ -277,21 +272,19 @@ class Router:
                     self._gen += 1
                 ep.drain()
         now = time.monotonic()
-        if clock.last is None or now - clock.last > clock.threshold_s:
-            self._own_lag(now)
-        else:
-            clock.last = now
+        away = observe(now)
+        if away:
+            self._stalled(away)
         if now - self._last_tick >= 0.05:
             self._last_tick = now
             self._tick(now)
 
-    def _own_lag(self, now: float) -> None:
-        away = self.clock.observe(now)
-        if away:
-            self.counters["head_stalls"] += 1
-            credit_stall(self.engines.values(), away)
-            self.leases.credit(away)
-            log.warning("head_stalled", seconds=round(away, 3), note="credited to every engine and lease")
+    def _stalled(self, away: float) -> None:
+        """The head's own loop was away `away` s past the threshold (LoopClock)."""
+        self.counters["head_stalls"] += 1
+        credit_stall(self.engines.values(), away)
+        self.leases.credit(away)
+        log.warning("head_stalled", seconds=round(away, 3), note="credited to every engine and lease")
 
     def _shutdown(self) -> None:
         # Every accepted request gets its one error: nobody waits on a dead head.

@@ -143,9 +143,9 @@ def cpu_zero_copy(monkeypatch, tmp_path):
 
     monkeypatch.setattr(cuda_ipc, "plan_zero_copy", plan)
     monkeypatch.setattr(cuda_ipc, "share_in_place", share)
-    one_trip.LAYOUTS.held.clear()
+    one_trip.CACHES.clear()
     yield tmp_path
-    one_trip.LAYOUTS.held.clear()
+    one_trip.CACHES.clear()
 
 
 def _params(tiny_model, seed: int) -> dict[str, torch.Tensor]:

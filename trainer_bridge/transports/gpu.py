@@ -166,7 +166,7 @@ class GpuSender:
         handles, args = link.part(metas, sizes, tensors)
         layout = one_trip.layout_id(metas, sizes, handles) if zero_copy else ""
         try:
-            if one_trip.LAYOUTS.holds(upd.targets, layout):
+            if one_trip.layouts(upd.client).holds(upd.targets, layout):
                 done = await self._one_trip(upd, layout, args, check)
                 if done is not None:
                     return done
@@ -185,10 +185,10 @@ class GpuSender:
                 await upd.abort()
                 refuse_nonfinite(bad)
             res = await upd.commit()
-            one_trip.LAYOUTS.committed(upd.targets, layout, upd.engines, res)
+            one_trip.layouts(upd.client).committed(upd.targets, layout, upd.engines, res)
             return res
         except BaseException:
-            one_trip.LAYOUTS.forget(upd.targets)  # the engines' layouts are not known any more
+            one_trip.layouts(upd.client).forget(upd.targets)  # the engines' layouts are not known any more
             raise
         finally:
             self.release()  # cuda_ipc: only now, after the commit (or abort) is acked
@@ -256,7 +256,7 @@ class GpuKind:
         named = list(named)
         # A zero-copy layout the engines hold: their views from that update
         # (dtype casts), no health read; else the healthy and stale engines now.
-        cached = one_trip.LAYOUTS.engines_for(upd.targets) if options.get("zero_copy") else None
+        cached = one_trip.layouts(upd.client).engines_for(upd.targets) if options.get("zero_copy") else None
         if cached:
             upd.engines = cached
         else:

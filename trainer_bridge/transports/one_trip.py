@@ -7,9 +7,9 @@ while they stay where they are, its metas, sizes and handles are the same
 bytes every update. Their digest is the LAYOUT id. The first update (or any
 after the layout changed) goes the two-round-trip way with its handles and
 `layout=L`; engines that commit it keep L and say so
-(`WeightsCommitted.layout`). `LAYOUTS` remembers, per target set, the layout
-every engine confirmed (and the engines, so no health read is needed next
-time). The next update with the same id is ONE op:
+(`WeightsCommitted.layout`). `layouts(client)` remembers, per head
+connection and target set, the layout every engine confirmed (and the
+engines, so no health read is needed next time). The next update with the same id is ONE op:
 
     BeginWeightUpdate(update_id, "cuda_ipc", [], [], layout=L, commit=True)
       → the head checks every target holds L, decides the version, publishes
@@ -28,6 +28,7 @@ write at once.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from typing import Any
 
 import msgspec
@@ -83,7 +84,17 @@ class LayoutCache:
         self.held.pop(_key(targets), None)
 
 
-LAYOUTS = LayoutCache()  # one per trainer process
+# One cache per client (head connection): two clients of one process may talk
+# to two clusters whose engines share ids ("e0") but hold nothing of the
+# other's; a cache per process would hand one cluster's engines to the other.
+CACHES: weakref.WeakKeyDictionary[Any, LayoutCache] = weakref.WeakKeyDictionary()
+
+
+def layouts(client: Any) -> LayoutCache:
+    cache = CACHES.get(client)
+    if cache is None:
+        cache = CACHES[client] = LayoutCache()
+    return cache
 
 
 class Refused(Exception):
@@ -111,15 +122,15 @@ async def send(upd: Any, layout: str, args: Any) -> dict[str, P.WeightsCommitted
         res = await reply
     except (BadRequest, ControlError) as e:
         if nothing_committed(e):
-            LAYOUTS.forget(upd.targets)
+            layouts(upd.client).forget(upd.targets)
             upd.state = "aborted"
             raise Refused(str(e)) from e
         if not isinstance(e, ControlError) or not e.results:
-            LAYOUTS.forget(upd.targets)
+            layouts(upd.client).forget(upd.targets)
             raise
         # Committed on some engines; these failed or missed it and are stale now.
         log.warning("weight_one_trip_missed", update_id=upd.update_id, failed=sorted(e.errors), missing=e.missing)
-        LAYOUTS.forget(upd.targets)
+        layouts(upd.client).forget(upd.targets)
         res = dict(e.results)
     upd.state = "committed"
     upd.results = P.expect(res, P.WeightsCommitted, "finish_weights")
