@@ -350,8 +350,7 @@ class EngineNode:
         # backend, i.e. after the step, not when this turn began.
         now = _clock()
         self.loop_stats["step_s"] += now - t
-        self.core.set_time(now, time.time())
-        self.core.on_step(outs)
+        self.core.on_step(outs, now, time.time())
         if outs and self._resume_watch and self.timings.resume.armed:
             take = getattr(self.backend, "take_output_trace", None)
             self.timings.resumed(time.perf_counter(), self.backend.num_running(), take() if take is not None else None)

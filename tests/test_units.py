@@ -73,22 +73,36 @@ def test_every_message_round_trips():
         (["gen", "r", [1, "hot"]], "params.temperature"),
         (["gen", "r", [1, 1.0, 1.0, 0, "seed"]], "params.seed"),
         (["gen", "r", [1], "two"], "num_samples"),
-        (["nope", "r"], "<tag>"),
     ],
 )
 def test_validation_errors_name_the_field(body, field):
     with pytest.raises(BadRequest) as e:
-        Codec().decode([b"G", msgspec.msgpack.encode(body)])
+        Codec().decode([msgspec.msgpack.encode(body)])
     assert e.value.field == field
 
 
-def test_unknown_kind_and_garbage_are_protocol_errors():
+@pytest.mark.parametrize(
+    "frames,field",
+    [
+        ([msgspec.msgpack.encode(["nope", "r"])], "kind"),  # a tag no message has
+        ([msgspec.msgpack.encode(["ping"])], "kind"),  # a control op's tag is no message's
+        ([msgspec.msgpack.encode([None, "r"])], "kind"),
+        ([b"\xc1"], "body"),
+        ([b"\x90"], "body"),  # an empty array
+        ([b"G", msgspec.msgpack.encode(["gen", "r"])], "body"),  # protocol 9's kind frame first
+        ([], "frames"),
+    ],
+)
+def test_unknown_kind_and_garbage_are_protocol_errors(frames, field):
     with pytest.raises(ProtocolError) as e:
-        Codec().decode([b"\x00", b"\x90"])
-    assert e.value.field == "kind"
-    with pytest.raises(ProtocolError) as e:
-        Codec().decode([b"G", b"\xc1"])
-    assert e.value.field == "body"
+        Codec().decode(frames)
+    assert e.value.field == field
+
+
+def test_one_frame_less_than_protocol_9():
+    """The kind is the body's tag: a chunk is [body, token frame], no kind frame."""
+    frames = Codec().encode(P.Chunk("r", 1), [b"\x01\x00\x00\x00"])
+    assert len(frames) == 2 and msgspec.msgpack.decode(frames[0])[0] == P.KIND_OF[P.Chunk] == "chunk"
 
 
 _dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8])
