@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -268,29 +268,41 @@ class Outbox:
         self.by_peer.setdefault(peer, []).append((chunk, buffers))
 
     def messages(self) -> list[tuple[bytes, Any, list[Any]]]:
-        """[(peer, msg, buffers)], one per peer, and empty the box (a list, not
-        a generator: it runs once per chunk in the engine node's busy loop)."""
+        """[(peer, msg, buffers)], one per peer, and empty the box."""
         box, self.by_peer = self.by_peer, {}
-        out: list[tuple[bytes, Any, list[Any]]] = []
+        return [(peer, *_one_message(items)) for peer, items in box.items()]
+
+    def flush(self, send: Callable[[bytes, Any, list[Any]], Any]) -> None:
+        """`send(peer, msg, buffers)` each peer's message and empty the box:
+        what `messages()` returns, without building it (the engine node's busy
+        loop runs this once per chunk; a lone chunk goes out as it is)."""
+        box, self.by_peer = self.by_peer, {}
         for peer, items in box.items():
             if len(items) == 1:
                 chunk, bufs = items[0]
-                out.append((peer, chunk, bufs))
-            elif all(bs for _, bs in items):
-                # Packed: one token frame for the whole batch (b"".join takes
-                # bytes, zmq Frames and memoryview slices alike).
-                toks = b"".join([bs[0] for _, bs in items])
-                rest = [b for _, bs in items for b in bs[1:]]
-                batch = P.ChunkBatch(
-                    [c for c, _ in items],
-                    [len(bs) - 1 for _, bs in items],
-                    [token_count(bs[0]) for _, bs in items],
-                )
-                out.append((peer, batch, [toks, *rest]))
-            else:  # a chunk without a token frame: the unpacked layout
-                bufs = [b for _, bs in items for b in bs]
-                out.append((peer, P.ChunkBatch([c for c, _ in items], [len(bs) for _, bs in items]), bufs))
-        return out
+                send(peer, chunk, bufs)
+            else:
+                send(peer, *_one_message(items))
+
+
+def _one_message(items: list[tuple[Any, list[Any]]]) -> tuple[Any, list[Any]]:
+    """One peer's chunks as one message: a Chunk alone, else a ChunkBatch."""
+    if len(items) == 1:
+        return items[0]
+    if all(bs for _, bs in items):
+        # Packed: one token frame for the whole batch (b"".join takes
+        # bytes, zmq Frames and memoryview slices alike).
+        toks = b"".join([bs[0] for _, bs in items])
+        rest = [b for _, bs in items for b in bs[1:]]
+        batch = P.ChunkBatch(
+            [c for c, _ in items],
+            [len(bs) - 1 for _, bs in items],
+            [token_count(bs[0]) for _, bs in items],
+        )
+        return batch, [toks, *rest]
+    # a chunk without a token frame: the unpacked layout
+    bufs = [b for _, bs in items for b in bs]
+    return P.ChunkBatch([c for c, _ in items], [len(bs) for _, bs in items]), bufs
 
 
 def _raw(body: Any) -> Any:

@@ -30,7 +30,7 @@ Hazards this module owns:
   what it had), and every later chunk carries the count;
 - chunks produced before an Error or an ack go out before it (`_flush_chunks`);
   while `actions` is empty the outbox holds everything to do, so the shell may
-  send `outbox.messages()` itself (the per-chunk turn) instead of take_actions;
+  send the outbox itself (`outbox.flush`, the per-chunk turn) instead of take_actions;
 - chunk timestamps and deadlines use the times given by the last clock event.
 """
 

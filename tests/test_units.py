@@ -236,6 +236,26 @@ def test_outbox_batches_per_peer_and_split_chunks_restores_buffers():
     assert [(ch.request_id, t) for ch, t, _ in split_packed(batch, bufs)] == [("e", []), ("f", [3])]
 
 
+def test_outbox_flush_sends_what_messages_returns():
+    """flush (the engine's per-chunk path) sends exactly messages()'s list, in order."""
+    from bus.codec import Outbox
+
+    def fill(box: Outbox) -> None:
+        box.add(b"p1", P.Chunk("a"), [pack_tokens([1, 2])])
+        box.add(b"p2", P.Chunk("x"), [pack_tokens([9]), pack_logprobs([-0.5])])
+        box.add(b"p1", P.Chunk("b", finish_reason="stop"), [pack_tokens([3])])
+        box.add(b"p3", P.Chunk("e"), [])
+        box.add(b"p3", P.Chunk("f"), [pack_tokens([4])])
+
+    a, b = Outbox(), Outbox()
+    fill(a)
+    fill(b)
+    sent: list[tuple[bytes, object, list[bytes]]] = []
+    a.flush(lambda peer, msg, bufs: sent.append((peer, msg, bufs)))
+    assert not a.by_peer and sent == b.messages()
+    a.flush(lambda *m: pytest.fail("an empty box sends nothing"))
+
+
 @pytest.mark.parametrize(
     ("batch", "nframes", "field"),
     [
