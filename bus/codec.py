@@ -136,7 +136,7 @@ class Codec:
         # (msgspec encoders reuse an internal buffer).
         self.encoder = msgspec.msgpack.Encoder()
         self._dec: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(
-            typing.Union[P.MESSAGE_TYPES]  # type: ignore[valid-type]  # noqa: UP007 (a runtime tuple)
+            typing.Union[P.MESSAGE_TYPES]  # noqa: UP007 (a runtime tuple of types)
         )
 
     def encode(self, msg: Any, buffers: Sequence[Any] = ()) -> list[Any]:

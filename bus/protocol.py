@@ -533,7 +533,7 @@ class WeightBucketAck(_Msg, tag="wbucket_ack"):
 # Every message type: its kind on the wire is its tag, the body's first item
 # (protocol 10; before, a one-byte frame ahead of the body said the same).
 # Tags are never reused.
-MESSAGE_TYPES: tuple[type, ...] = (
+MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     Generate,
     Cancel,
     Chunk,
@@ -556,7 +556,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     HeadPong,
     Rejoin,
 )
-KIND_OF: dict[type, str] = {t: t.__struct_config__.tag for t in MESSAGE_TYPES}
+KIND_OF: dict[type, str] = {t: str(t.__struct_config__.tag) for t in MESSAGE_TYPES}
 TYPE_OF: dict[str, type] = {v: k for k, v in KIND_OF.items()}
 assert len(TYPE_OF) == len(KIND_OF), "duplicate message tag"
 
