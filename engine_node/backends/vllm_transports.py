@@ -6,7 +6,8 @@ receivers, looked up in VLLM_RECEIVERS by engine_node/backends/vllm_weight_ops.p
 - cuda_ipc: the handles are kept, not opened: the commit maps, validates and
   writes in ONE worker call (a bad handle fails the commit before any
   parameter is written). The trainer keeps its buckets until the commit (or
-  abort) is acked.
+  abort) is acked. A zero-copy update (keep_maps) whose metas and handles the
+  workers already keep sends only its token (vllm_weight_reuse.KeptIpc).
 - nccl: the workers receive the broadcast inside the receive (their group
   joined on first use); the commit writes what they hold.
 - vllm_nccl: the same, but the group and the broadcast are the trainer's own
