@@ -546,12 +546,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=3, help="measured steps per config (one more first, apart)")
     ap.add_argument("--gap-s", type=float, default=0.5)
-    ap.add_argument(
-        "--backend-options",
-        type=json.loads,
-        default={},
-        help=f"JSON for the vllm backend, over the defaults {json.dumps(DEFAULT_BACKEND_OPTIONS)}",
-    )
+    ap.add_argument("--backend-options", type=json.loads, default={}, help="JSON over DEFAULT_BACKEND_OPTIONS")
     ap.add_argument("--stream-load-child", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
