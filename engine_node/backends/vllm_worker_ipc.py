@@ -1,6 +1,9 @@
 """cuda_ipc inside every vLLM worker: map the trainer's buckets by CUDA IPC
 handle (validated before anything is written), write, drop the maps; the
-trainer's zero-copy mode keeps its maps across updates (keep_maps)."""
+trainer's zero-copy mode keeps its maps across updates (keep_maps), and the
+whole layout (metas, sizes, handles) under a token, so that the next update
+with the same layout names only the token (rollout_bus_apply_kept;
+engine_node/backends/vllm_weight_reuse.py is the backend's side)."""
 
 from __future__ import annotations
 
