@@ -54,6 +54,7 @@ from typing import Any
 
 from bench import harness as H
 from bench.gpu import common as G
+from bench.gpu import trainer_timing
 from bench.gpu import weight_update as W
 
 NAME = "gpu_rl_step"
@@ -303,6 +304,7 @@ def phase_rb(spec: dict[str, Any]) -> dict[str, Any]:
         spec["_partial"].update(out)
         client = Client(cl.address, timeout_s=spec["request_timeout_s"], control_timeout_s=spec["control_timeout_s"])
         W.instrument()
+        trainer_timing.instrument()  # trainer.prep_s / share_s / layout_s / op_s of the zero-copy path
         transport = "zmq" if cpu else "cuda_ipc"
         try:
             for cfg in spec["configs"]:
