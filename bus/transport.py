@@ -80,6 +80,12 @@ class NcclArgs(_Args, tag="nccl"):
     rank_offset: _Rank | None = None
     # A multi-sender part: this sender rank's own group (one communicator per rank).
     sender_group: bool = False
+    # A token fresh per update: each engine worker adds 1 to the trainer store's
+    # key "rollout_bus/in/<token>" as it enters the receive, BEFORE it joins
+    # the group or the broadcast. The trainer broadcasts only once every worker
+    # checked in, so an op refused anywhere never leaves it blocked in NCCL.
+    # "" (old trainers): no check-in.
+    check_in: _GroupId = ""
 
 
 class VllmNcclArgs(_Args, tag="vllm_nccl"):

@@ -21,13 +21,17 @@ def device_of(tensors: list[Any], device: Any) -> Any:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def pack_fast(index: int, metas: list[Any], sizes: list[int], tensors: list[Any], device: Any) -> Any:
+def pack_fast(index: int, metas: list[Any], sizes: list[int], tensors: list[Any], device: Any, out: Any = None) -> Any:
     """bus.tensors.pack_bucket's bytes (the same layout), with the per-tensor
     copies launched as ONE torch._foreach_copy_ per dtype instead of a Python
-    loop of copy_ (~300 launches for a 0.5B model)."""
+    loop of copy_ (~300 launches for a 0.5B model). `out`: a uint8 buffer of
+    at least the bucket's size to pack into (its first sizes[index] bytes)."""
     import torch
 
-    buf = torch.empty(sizes[index], dtype=torch.uint8, device=device)
+    if out is None:
+        buf = torch.empty(sizes[index], dtype=torch.uint8, device=device)
+    else:
+        buf = out[: sizes[index]]
     groups: dict[Any, tuple[list[Any], list[Any]]] = {}
     typed: dict[Any, Any] = {}  # dtype -> the whole bucket viewed as it (buckets are 256-byte aligned)
     for m, t in zip(metas, tensors, strict=True):
@@ -60,3 +64,25 @@ def record_written(named: list[tuple[str, Any]]) -> Any:
     ev = torch.cuda.Event()
     ev.record(torch.cuda.current_stream(dev))
     return ev
+
+
+def direct_source(index: int, metas: list[Any], sizes: list[int], tensors: list[Any], device: Any) -> Any:
+    """The bucket's bytes as a view of the trainer's own tensor when the bucket
+    is that one tensor, whole, contiguous and on `device` (a large parameter:
+    an embedding or lm_head has a bucket of its own): broadcast from its
+    storage, nothing packed. None: the bucket must be packed."""
+    import torch
+
+    found = None
+    for m, t in zip(metas, tensors, strict=True):
+        if m.bucket != index:
+            continue
+        if found is not None:
+            return None  # two tensors share the bucket
+        found = (m, t)
+    if found is None:
+        return None
+    m, t = found
+    if m.offset != 0 or m.nbytes != sizes[index] or t.device != torch.device(device) or not t.is_contiguous():
+        return None
+    return t.detach().reshape(-1).view(torch.uint8)
