@@ -42,6 +42,9 @@ class _NcclOverTorch:
         self._up = None
         if transport != "nccl":
             return self._inner.begin_weight_update(update_id, transport, tensors, args)
+        if not tensors:  # warm_up_nccl's empty update: only the group is joined (in the receive)
+            self._up = {"metas": [], "sizes": [], "args": dict(args)}
+            return BackendOp.done("begin_weight_update", {"tensors": 0})
         op = self._inner.begin_weight_update(update_id, "zmq", tensors, args)
         if op.future.done() and op.future.exception() is None:
             self._up = {"metas": list(tensors), "sizes": list(args.get("bucket_sizes") or []), "args": dict(args)}
@@ -113,7 +116,9 @@ class _NcclOverTorch:
         return self._inner.commit_weight_update()
 
     def abort_weight_update(self) -> Any:
-        self._up = None
+        up, self._up = self._up, None
+        if up is not None and not up["metas"]:
+            return BackendOp.done("abort_weight_update", {"had_update": True})
         return self._inner.abort_weight_update()
 
     def __getattr__(self, name: str) -> Any:

@@ -170,7 +170,8 @@ class GpuSender:
         )  # fmt: skip
         handles, args = link.part(metas, sizes, tensors)
         t3 = time.perf_counter()
-        layout = one_trip.layout_id(metas, sizes, handles) if zero_copy or _one_trips(self.link_type) else ""
+        steady = (zero_copy or _one_trips(self.link_type)) and self.options.get("one_trip", True)
+        layout = one_trip.layout_id(metas, sizes, handles) if steady else ""  # one_trip=False: always two trips
         LAST_PUSH.clear()
         LAST_PUSH.update(
             cast_s=round(t1 - t0, 6),
