@@ -680,7 +680,7 @@ def phase_nccl(spec: dict[str, Any]) -> dict[str, Any]:
         from tests.nccl_backend import gloo_connect
         from trainer_bridge.transports.nccl import NcclSender
 
-        NcclSender.connect = gloo_connect  # type: ignore[method-assign]
+        NcclSender.connect = gloo_connect  # type: ignore[method-assign,assignment]
         out["raw_broadcast"] = {"skipped": "--cpu dry run"}
         _run_under_load(spec, None, "cpu", "nccl", out, floor=False)
         return out
