@@ -1,5 +1,14 @@
-"""The one-trip weight update, engine side: the zero-copy layout an engine
-keeps, and the op that receives, validates, prepares and commits in one go.
+"""The one-trip weight update, engine side: the layout an engine keeps (a
+zero-copy cuda_ipc one, or an nccl plan), and the op that receives,
+validates, prepares and commits in one go.
+
+nccl: the trainer's plan (metas, sizes) repeats while its parameters keep
+their names, shapes and dtypes; the engine keeps the begin that brought it
+(its workers keep the staging buffers of those sizes), and a one-trip op
+carries only the layout id and its own transport args (a fresh check-in
+token, the group). The receive waits for the broadcast, so the commit is
+chained behind it in the same op (`_chained`): a receive that fails aborts
+the update and nothing is written (old weights, old version).
 
 The trainer's zero-copy cuda_ipc updates (trainer_bridge/transports/cuda_ipc.py)
 name its own parameters, so their metas, sizes and handles repeat every
@@ -18,9 +27,11 @@ Hazards this module owns:
   the trainer changes the layout id whenever its storages or plan change;
 - a layout it does not hold is refused BEFORE anything is opened (field
   "layout"): the trainer then sends the update with its handles;
-- the receive must finish inside the op (the vLLM backend's cuda_ipc begin and
-  receive do: they only keep the handles); a backend whose receive runs on
-  is refused, nothing written.
+- cuda_ipc: the receive must finish inside the op (the vLLM backend's cuda_ipc
+  begin and receive do: they only keep the handles); a backend whose receive
+  runs on is refused, nothing written. nccl: the commit starts only once the
+  receive's op completed, on the loop thread (engine_node/control.py runs a
+  Pending whose `then` returns the next Pending).
 
 Ownership: the node's loop thread (through engine_node/weight_update.py).
 """

@@ -1,6 +1,6 @@
 """The nccl transport, trainer side (trainer on another GPU / node; trainer = rank 0).
 
-Two round trips per update (see trainer_bridge/transports/gpu.py):
+The first update of a plan: two round trips (see trainer_bridge/transports/gpu.py):
     s = NcclSender(world_size=1 + sum(engine.tp for engine in engines), host=<trainer ip>)
                                                           # keep it for the trainer's lifetime
     metas, sizes, tensors = s.plan(named_tensors)
@@ -9,9 +9,18 @@ Two round trips per update (see trainer_bridge/transports/gpu.py):
         WITHOUT waiting for its acks: begin + receive + prepare in one op (the
         engines block in the receive until every bucket has arrived; the first
         time they also join the NCCL group; the ack is the engine's vote)
-    s.send(metas, sizes, tensors)                         # connect() on first use, broadcast each bucket
+    s.send(metas, sizes, tensors, check_in, stop)         # once every engine worker checked in:
+                                                          # connect() on first use, broadcast each bucket
     gather the begin's acks
     cmd FinishWeightUpdate(update_id)                     # the head commits
+  Every later update with the same plan (the layout every engine kept): ONE op,
+  BeginWeightUpdate("nccl", [], [], layout=L, commit=True) published, the same
+  broadcast, its acks are the commits (trainer_bridge/transports/one_trip.py);
+  refused (a sleep, a re-join): the two round trips again, by themselves.
+  Check-in (NcclArgs.check_in, trainer_bridge/transports/nccl_broadcast.py):
+  each engine worker adds itself under a fresh token in the sender's store
+  before anything collective and waits for the sender's go; an op refused
+  anywhere before the receive ends with nothing broadcast and the group intact.
   (A separate ReceiveWeights after the begin acked works too — warm_up_nccl
   does that — but costs a third round trip.)
   transport_args (bus.transport.NcclArgs): host, port (the sender's TCPStore),
