@@ -54,10 +54,12 @@ from typing import Any
 
 from bench import harness as H
 from bench.gpu import common as G
+from bench.gpu import trainer_timing
 from bench.gpu import weight_update as W
 
 NAME = "gpu_rl_step"
 TARGETS = {"e2e_x_floor": 2.0, "wake_s": 1.0, "trainer_vs_other": 1.2, "abort_all_streams_ms": 200.0}
+DEFAULT_BACKEND_OPTIONS: dict[str, Any] = {"resume_ramp_tokens": "auto"}  # --backend-options overrides
 DEFAULT_CONFIGS = (
     "abort:packed:other,abort:zero_copy:other,keep:zero_copy:other,abort:zero_copy:trainer,keep:zero_copy:trainer,"
     "pipe-abort:zero_copy:other,pipe-keep:zero_copy:other,pipe-abort:zero_copy_unchecked:other"
@@ -282,7 +284,9 @@ def phase_rb(spec: dict[str, Any]) -> dict[str, Any]:
     eng: dict[str, Any] = {}
     if not cpu:
         eng = {"gpu_memory_utilization": spec["gpu_memory_utilization"], "max_model_len": spec["max_model_len"]}
-        eng["backend_options"] = dict(spec.get("backend_options") or {})
+        # The resume ramp on "auto", as the earlier 7B runs set it explicitly:
+        # without it resume -> first token read 80-124 ms instead of ~20-30.
+        eng["backend_options"] = {**DEFAULT_BACKEND_OPTIONS, **(spec.get("backend_options") or {})}
     with G.RbCluster(
         spec["model"],
         "torch" if cpu else "vllm",
@@ -300,6 +304,7 @@ def phase_rb(spec: dict[str, Any]) -> dict[str, Any]:
         spec["_partial"].update(out)
         client = Client(cl.address, timeout_s=spec["request_timeout_s"], control_timeout_s=spec["control_timeout_s"])
         W.instrument()
+        trainer_timing.instrument()  # trainer.prep_s / share_s / layout_s / op_s of the zero-copy path
         transport = "zmq" if cpu else "cuda_ipc"
         try:
             for cfg in spec["configs"]:
@@ -543,7 +548,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=3, help="measured steps per config (one more first, apart)")
     ap.add_argument("--gap-s", type=float, default=0.5)
-    ap.add_argument("--backend-options", type=json.loads, default={}, help="JSON for the vllm backend")
+    ap.add_argument("--backend-options", type=json.loads, default={}, help="JSON over DEFAULT_BACKEND_OPTIONS")
     ap.add_argument("--stream-load-child", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 

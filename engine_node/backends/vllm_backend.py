@@ -51,6 +51,7 @@ from typing import Any
 import structlog
 
 from engine_node.backend import BackendError, BackendInfo, BackendOp
+from engine_node.backends import vllm_weight_reuse as R
 from engine_node.backends import vllm_weights as W
 from engine_node.backends.vllm_data_path import VllmDataPath
 from engine_node.backends.vllm_engine_core import CoreLink, _settle, load_vllm_api
@@ -186,6 +187,11 @@ class VllmBackend(VllmDataPath, VllmSleepAndLora, VllmWeightOps):
         # on the new weights and must not share blocks cached before it.
         self._weights_epoch = 0
         self._ckpt_shapes: dict[str, list[int]] | None = None
+        # What repeats in an RL loop's updates (vllm_weight_ops): the last
+        # validated tensor list, and the zero-copy IPC layout the workers keep.
+        self._valid: R.Validated | None = None
+        self._ipc_kept: R.KeptIpc | None = None
+        self._ipc_seq = 0
         self._closed = False
 
     def _start_engine(

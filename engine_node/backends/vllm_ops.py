@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 
 from engine_node.backend import BackendError, BackendOp, BackendTimeout
+from engine_node.backends import vllm_weight_reuse as R
 from engine_node.backends import vllm_weights as W
 from engine_node.backends.vllm_engine_core import CoreLink, _settle
 from engine_node.backends.vllm_lora import LoraTable
@@ -65,6 +66,9 @@ class VllmOps:
     _loras: LoraTable
     _weights_epoch: int
     _ckpt_shapes: dict[str, list[int]] | None
+    _valid: R.Validated | None
+    _ipc_kept: R.KeptIpc | None
+    _ipc_seq: int
     _tmp: str
 
     def _op(

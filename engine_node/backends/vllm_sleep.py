@@ -35,6 +35,7 @@ class VllmSleepAndLora(VllmOps):
         # Kept zero-copy IPC maps pin the trainer's memory: a colocated trainer
         # takes the GPU while the engine sleeps, so they go first.
         self._link.utility("collective_rpc", "rollout_bus_drop_maps", None, (), None)
+        self._ipc_kept = None  # (vllm_weight_reuse) the workers keep no layout now
         before = self._link.utility("collective_rpc", "rollout_bus_info", None, (), None)
         slept = self._link.utility("sleep", level, "abort")
         self._ops.append((op, self.sleep_timeout_s))

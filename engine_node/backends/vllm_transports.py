@@ -6,7 +6,8 @@ receivers, looked up in VLLM_RECEIVERS by engine_node/backends/vllm_weight_ops.p
 - cuda_ipc: the handles are kept, not opened: the commit maps, validates and
   writes in ONE worker call (a bad handle fails the commit before any
   parameter is written). The trainer keeps its buckets until the commit (or
-  abort) is acked.
+  abort) is acked. A zero-copy update (keep_maps) whose metas and handles the
+  workers already keep sends only its token (vllm_weight_reuse.KeptIpc).
 - nccl: the workers receive the broadcast inside the receive (their group
   joined on first use); the commit writes what they hold.
 - vllm_nccl: the same, but the group and the broadcast are the trainer's own
@@ -24,6 +25,7 @@ from typing import Any, ClassVar
 
 from bus.transport import Transport
 from engine_node.backend import BackendError, BackendOp
+from engine_node.backends import vllm_weight_reuse as R
 from engine_node.backends import vllm_weights as W
 
 
@@ -66,6 +68,9 @@ class ZmqVllm:
         # The workers never saw a begin for zmq: begin + commit go together.
         return None, up.stage.spec()
 
+    def committed(self, be: Any, up: W.WeightUpdate, workers: list[dict[str, Any]]) -> None:
+        """The commit succeeded: nothing to keep (see CudaIpcVllm)."""
+
     def commit_calls(self, be: Any, up: W.WeightUpdate, shm: Any, opts: dict[str, Any]) -> list[Any]:
         return [
             be._rpc("rollout_bus_begin", up.uid, up.metas, up.sizes, timeout=be.weight_timeout_s),
@@ -80,6 +85,9 @@ class _GpuVllm:
         # needs them (nccl: the receive; cuda_ipc: the commit), so an update
         # costs one worker round trip (cuda_ipc) or two (nccl).
         return BackendOp.done("begin_weight_update", {"tensors": len(up.metas), "bytes": sum(up.sizes)})
+
+    def committed(self, be: Any, up: W.WeightUpdate, workers: list[dict[str, Any]]) -> None:
+        """The commit succeeded: nothing to keep (see CudaIpcVllm)."""
 
     def ready(self, up: W.WeightUpdate) -> tuple[BackendError | None, Any]:
         if not up.received:
@@ -107,10 +115,27 @@ class CudaIpcVllm(_GpuVllm):
         return BackendOp.done(part.what, {"bytes": sum(part.sizes), "deferred": True})
 
     def commit_calls(self, be: Any, up: W.WeightUpdate, shm: Any, opts: dict[str, Any]) -> list[Any]:
-        # the whole update in one worker call
+        # The whole update in one worker call. The trainer's zero-copy mode
+        # (keep_maps) sends the same metas and handles every update: once the
+        # workers keep them, only their token goes (vllm_weight_reuse.KeptIpc).
+        kept, be._ipc_kept = be._ipc_kept, None  # claimed again only by this commit's success
+        if opts.get("keep_maps"):
+            if kept is not None and kept.serves(up.metas, up.sizes, up.handles):
+                up.keeps = kept
+                return [be._rpc("rollout_bus_apply_kept", up.uid, kept.token, opts, timeout=be.weight_timeout_s)]
+            be._ipc_seq += 1
+            up.keeps = R.KeptIpc(f"{up.uid}.{be._ipc_seq}", up.metas, list(up.sizes), list(up.handles))
+            opts = {**opts, "kept_token": up.keeps.token}
         return [
             be._rpc("rollout_bus_apply_ipc", up.uid, up.metas, up.sizes, up.handles, opts, timeout=be.weight_timeout_s)
         ]
+
+    def committed(self, be: Any, up: W.WeightUpdate, workers: list[dict[str, Any]]) -> None:
+        """The commit succeeded (vLLM's output thread): the layout is kept only
+        if EVERY worker says it keeps it under the token."""
+        k = up.keeps
+        if k is not None and workers and all(w.get("kept_token") == k.token for w in workers):
+            be._ipc_kept = k
 
 
 class NcclVllm(_GpuVllm):

@@ -10,6 +10,7 @@ from typing import Any
 
 from bus.transport import Transport
 from engine_node.backend import BackendError, BackendOp
+from engine_node.backends import vllm_weight_reuse as R
 from engine_node.backends import vllm_weights as W
 from engine_node.backends.vllm_ops import VllmOps
 from engine_node.backends.vllm_transports import VLLM_RECEIVERS
@@ -53,16 +54,33 @@ class VllmWeightOps(VllmOps):
             )
         if self._update is not None:  # a new begin replaces an unfinished update
             self.abort_weight_update()
-        metas = [W.meta_list(t) for t in tensors]
-        sizes = [int(s) for s in (args.get("bucket_sizes") or W.derive_sizes(metas))]
+        checked = self._validated(tensors, args.get("bucket_sizes"))
+        if isinstance(checked, BackendError):
+            return BackendOp.failed("begin_weight_update", checked)
+        up = W.WeightUpdate(update_id, transport, checked[0], checked[1], dict(args))
+        return receiver.begin(self, up)  # engine_node/backends/vllm_transports.py
+
+    def _validated(self, tensors: list[Any], given: Any) -> tuple[list[list[Any]], list[int]] | BackendError:
+        """(metas, sizes) of a begin, validated against the checkpoint; the
+        very tensor list validated last is not checked again
+        (vllm_weight_reuse.Validated: the one-trip op hands the same objects)."""
         if self._ckpt_shapes is None:
             self._ckpt_shapes = W.checkpoint_shapes(self.model)
+        sizes = [int(s) for s in given] if given else None
+        last = self._valid
+        if last is not None and sizes is not None and last.serves(tensors, sizes, self._ckpt_shapes):
+            # fresh outer lists: a multi-sender update appends its parts to up.metas
+            return list(last.metas), sizes
+        metas = [W.meta_list(t) for t in tensors]
+        if sizes is None:
+            sizes = W.derive_sizes(metas)
         tied = bool(getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False))
         bad = W.validate(metas, sizes, self._ckpt_shapes, tied, self.model)
         if bad is not None:
-            return BackendOp.failed("begin_weight_update", BackendError(bad[1], field=bad[0]))
-        up = W.WeightUpdate(update_id, transport, metas, sizes, dict(args))
-        return receiver.begin(self, up)  # engine_node/backends/vllm_transports.py
+            return BackendError(bad[1], field=bad[0])
+        if tensors:
+            self._valid = R.Validated(list(tensors), list(sizes), self._ckpt_shapes, list(metas))
+        return metas, sizes
 
     def _require(self, transport: str | None = None) -> W.WeightUpdate:
         up = self._update
@@ -157,6 +175,7 @@ class VllmWeightOps(VllmOps):
         def result(rs: list[Any]) -> dict[str, Any]:
             dt = time.perf_counter() - t0
             w = rs[-1][0] if rs[-1] else {}
+            receiver.committed(self, up, rs[-1] or [])
             timing = {k: w[k] for k in _WORKER_TIMING if k in w}  # the node's CommitTiming.worker
             return {
                 "backend_seconds": round(dt, 4),

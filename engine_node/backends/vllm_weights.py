@@ -200,6 +200,7 @@ class WeightUpdate:
     received: bool = False  # cuda_ipc / nccl
     handles: list[Any] = dataclasses.field(default_factory=list)  # cuda_ipc: opened by the commit's worker call
     workers_know: bool = False  # a worker call about this update was sent (nccl receive): abort must tell them
+    keeps: Any = None  # cuda_ipc keep_maps: the vllm_weight_reuse.KeptIpc its commit asks the workers to keep
 
     def close(self) -> None:
         if self.stage is not None:

@@ -116,6 +116,7 @@ class WorkerApply:
             st = {
                 **_fresh_state(),
                 **{"nccl": None, "nccl_key": None, "plans": {}, "staging": None, "validated": None, "kept": None},
+                "ipc_kept": None,  # vllm_worker_ipc: (token, metas, sizes, handles) of the kept maps
             }
             self.__dict__["_rollout_bus_state"] = st
         return st

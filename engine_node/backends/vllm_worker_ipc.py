@@ -1,6 +1,9 @@
 """cuda_ipc inside every vLLM worker: map the trainer's buckets by CUDA IPC
 handle (validated before anything is written), write, drop the maps; the
-trainer's zero-copy mode keeps its maps across updates (keep_maps)."""
+trainer's zero-copy mode keeps its maps across updates (keep_maps), and the
+whole layout (metas, sizes, handles) under a token, so that the next update
+with the same layout names only the token (rollout_bus_apply_kept;
+engine_node/backends/vllm_weight_reuse.py is the backend's side)."""
 
 from __future__ import annotations
 
@@ -107,29 +110,67 @@ class IpcReceive(WorkerApply):
     def rollout_bus_apply_ipc(
         self, uid: str, metas: list[Any], sizes: list[int], handles: list[Any], opts: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        """cuda_ipc in one call: begin + map + validate + write + unmap."""
+        """cuda_ipc in one call: begin + map + validate + write + unmap.
+        opts["kept_token"] (with keep_maps): keep this layout under that token
+        for rollout_bus_apply_kept."""
         t0 = time.perf_counter()
         self.rollout_bus_begin(uid, metas, sizes)
         st = self._rb()
+        st["ipc_kept"] = None  # replaced below only if this update keeps its maps
+        return self._rb_apply_ipc(st, handles, opts or {}, t0, (st["metas"], st["sizes"], list(handles)))
+
+    def rollout_bus_apply_kept(self, uid: str, token: str, opts: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The same update as the kept one (same metas, sizes and handles, i.e.
+        the trainer's same parameters), named by its token: the node sends no
+        metas and no handles (vllm_weight_reuse.KeptIpc). A token this worker
+        does not hold (its maps were dropped: sleep, a failed update) is
+        refused before anything is written."""
+        t0 = time.perf_counter()
+        st = self._rb()
+        held = st.get("ipc_kept")
+        if held is None or held[0] != token:
+            raise RuntimeError(
+                f"worker {getattr(self, 'rank', '?')}: cuda_ipc layout {token!r} is not kept here "
+                f"(holds {held[0] if held else None!r}); send the update with its handles (field layout)"
+            )
+        _, metas, sizes, handles = held
+        st.update(_fresh_state())
+        st.update(uid=uid, metas=metas, sizes=sizes)
+        return self._rb_apply_ipc(st, handles, {**(opts or {}), "keep_maps": True, "kept_token": token}, t0, None)
+
+    def _rb_apply_ipc(
+        self, st: dict[str, Any], handles: list[Any], opts: dict[str, Any], t0: float, keeps: tuple[Any, ...] | None
+    ) -> dict[str, Any]:
+        """Map (or reuse the kept maps), validate, write, drop the views.
+        `keeps`: (metas, sizes, handles) to keep under opts["kept_token"] when
+        the maps are kept (None: they are the kept ones already)."""
         dev = self._rb_device()
-        keep = bool((opts or {}).get("keep_maps"))
+        keep = bool(opts.get("keep_maps"))
+        token = opts.get("kept_token") if keep else None
         try:
             with _on(dev):
                 copied = self._rb_open_ipc(st, handles, keep_maps=keep)
                 t1 = time.perf_counter()
                 r = self._rb_apply(st, opts)
         except BaseException:
-            st["maps"], st["kept"] = {}, None  # a failed update keeps nothing of the trainer's
+            # a failed update keeps nothing of the trainer's
+            st["maps"], st["kept"], st["ipc_kept"] = {}, None, None
             raise
         finally:
             # drop the views: the trainer may free its buffers after the ack
             # (kept maps stay in st["maps"]; _fresh_state does not name them)
             st.update(_fresh_state())
+        if token and not copied and keeps is not None:
+            st["ipc_kept"] = (token, *keeps)
+        elif not token or copied:
+            st["ipc_kept"] = None
+        held = st.get("ipc_kept")
         return {
             **r,
             "open_s": round(t1 - t0, 4),
             "copied": copied,
             "maps_kept": len(st.get("maps") or {}),
+            "kept_token": held[0] if held else None,
             "seconds": time.perf_counter() - t0,
         }
 
@@ -138,5 +179,5 @@ class IpcReceive(WorkerApply):
         trainer's freed memory is really free for it while the engine sleeps."""
         st = self._rb()
         n = len(st.get("maps") or {})
-        st["maps"], st["kept"] = {}, None  # the kept views pin the maps too
+        st["maps"], st["kept"], st["ipc_kept"] = {}, None, None  # the kept views pin the maps too
         return n

@@ -39,6 +39,7 @@ write at once.
 from __future__ import annotations
 
 import hashlib
+import operator
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -53,14 +54,33 @@ from bus.transport import Transport
 log = structlog.get_logger("trainer_bridge.transports.one_trip")
 
 
+# The last digest and the very objects it was made of: the zero-copy plan and
+# handle caches (cuda_ipc.py) hand the same TensorMeta and handle objects
+# every update while nothing moved, so an identity pass (no encode, no hash of
+# ~135 KB at 7B) finds it again. Hazard: a meta mutated in place would be
+# missed; nothing mutates them (the plan cache hands them out read-only).
+_LAST_LAYOUT: list[Any] = [(), (), (), ""]
+
+
 def layout_id(metas: list[Any], sizes: list[int], handles: list[Any]) -> str:
     """The digest of a zero-copy layout: same tensors, same storages → same id
     (the transport args are not part of it: each op carries its own)."""
+    m0, s0, h0, got = _LAST_LAYOUT
+    if (
+        got
+        and len(metas) == len(m0)
+        and len(handles) == len(h0)
+        and all(map(operator.is_, metas, m0))
+        and all(map(operator.is_, handles, h0))
+        and list(sizes) == s0
+    ):
+        return got
     h = hashlib.blake2b(digest_size=12)
     h.update(msgspec.msgpack.encode([metas, sizes]))
     for x in handles:
         h.update(x if isinstance(x, bytes) else msgspec.msgpack.encode(x))
-    return h.hexdigest()
+    _LAST_LAYOUT[:] = [tuple(metas), list(sizes), tuple(handles), h.hexdigest()]
+    return _LAST_LAYOUT[3]
 
 
 def _key(targets: list[str] | None) -> Any:
