@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bus.errors import ControlError
+from bus.errors import BadRequest, ControlError
 from tests.cluster import Streams, wait_until
 from tests.nccl_backend import gloo_connect
 from tests.test_control_plane import _reference
@@ -116,8 +116,14 @@ def test_a_refused_update_never_blocks_the_trainer_and_a_broken_broadcast_keeps_
     assert len(gloo_nccl._NCCL_SENDERS) == 1, "nothing was sent: the group is kept"
     assert _paths(_update(c, params, **small)) == {"two_trip"}, "a failed update: the trainer forgot the layout"
     assert _paths(_update(c, params, **small)) == {"one_trip"}
+    nan = dict(params)
+    nan[next(iter(nan))] = torch.full_like(next(iter(nan.values())), float("nan"))
+    with pytest.raises(BadRequest, match="NaN or inf") as e:
+        _update(c, nan, **small)  # refused before anything is published
+    assert e.value.field == "tensors" and c.health()["weight_version"] == 3
+    assert _paths(_update(c, params, **small)) == {"one_trip"}, "nothing was sent: the layout is still held"
     ref_before, _ = _reference(_step(params, tiny_model, 7), [5, 6, 7], 6)
-    _update(c, params, **small)  # version 4: the weights the failed update must leave
+    _update(c, params, **small)  # version 5: the weights the failed update must leave
     good_run = nccl_broadcast.Broadcast.run
 
     def broken(self, comm):  # the first bucket goes, then the trainer's side breaks
@@ -131,12 +137,12 @@ def test_a_refused_update_never_blocks_the_trainer_and_a_broken_broadcast_keeps_
         _update(c, params, **small)  # returns once the engine's receive failed (its group timed out)
     assert not gloo_nccl._NCCL_SENDERS, "a broken group is never reused"
     h = c.health()
-    assert h["weight_version"] == 4 and not h["stale"] and h["weight_update"] is None
+    assert h["weight_version"] == 5 and not h["stale"] and h["weight_update"] is None
     out = c.generate([5, 6, 7], {**GREEDY, "max_tokens": 6})
-    assert out.token_ids == ref_before and set(out.token_versions) == {4}, "the old weights stay"
+    assert out.token_ids == ref_before and set(out.token_versions) == {5}, "the old weights stay"
     monkeypatch.setattr(nccl_broadcast.Broadcast, "run", good_run)
     res = _update(c, params, **small)  # a new group; the layout was forgotten: two round trips, then one
-    assert _paths(res) == {"two_trip"} and {r.weight_version for r in res.values()} == {5}
+    assert _paths(res) == {"two_trip"} and {r.weight_version for r in res.values()} == {6}
     assert _paths(_update(c, params, **small)) == {"one_trip"}
 
 

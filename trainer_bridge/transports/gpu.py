@@ -158,10 +158,8 @@ class GpuSender:
         # commit (nothing is written on the engines before it).
         written = record_written(cast_named)
         t1 = time.perf_counter()
+        # Launched now, on the GPU while the plan below runs on the CPU.
         check = start_nonfinite_check(cast_named) if self.check_finite else None
-        if check is not None and not self.link_type.check_after_begin:
-            refuse_nonfinite(check())
-            check = None
         t2 = time.perf_counter()
         metas, sizes, tensors, zero_copy = self.link_type.plan(cast_named, named, self.options, self.bucket_bytes)
         link = self._link = self.link_type(
@@ -172,12 +170,17 @@ class GpuSender:
         t3 = time.perf_counter()
         steady = (zero_copy or _one_trips(self.link_type)) and self.options.get("one_trip", True)
         layout = one_trip.layout_id(metas, sizes, handles) if steady else ""  # one_trip=False: always two trips
+        t4 = time.perf_counter()
+        if check is not None and not self.link_type.check_after_begin:
+            refuse_nonfinite(check())  # before anything is published (nccl: the engines would commit what is sent)
+            check = None
         LAST_PUSH.clear()
         LAST_PUSH.update(
             cast_s=round(t1 - t0, 6),
-            check_s=round(t2 - t1, 6),
+            check_launch_s=round(t2 - t1, 6),
             plan_s=round(t3 - t2, 6),
-            layout_s=round(time.perf_counter() - t3, 6),
+            layout_s=round(t4 - t3, 6),
+            check_wait_s=round(time.perf_counter() - t4, 6),
         )
         try:
             if one_trip.layouts(upd.client).holds(upd.targets, layout):

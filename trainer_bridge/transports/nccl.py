@@ -303,8 +303,8 @@ class NcclLink:
     and the broadcast runs while the engines wait inside it."""
 
     transport: ClassVar[Transport] = Transport.NCCL
-    # The broadcast queues behind the NaN/inf check on the same stream anyway:
-    # refuse before a group is even made.
+    # The engines commit what is broadcast (one-trip): the NaN/inf check is
+    # waited for before anything is published (it runs while the plan is made).
     check_after_begin: ClassVar[bool] = False
     keeps_buffers: ClassVar[bool] = False
     # Steady state in ONE op (trainer_bridge/transports/one_trip.py): the
