@@ -188,6 +188,7 @@ class GpuSender:
                 if done is not None:
                     return done
                 check = None  # checked already
+                link = self._link or link  # nccl: the renewed engines' group
             begin = P.BeginWeightUpdate(
                 upd.update_id, self.transport, metas, sizes, target=upd.target, transport_args=args,
                 prepare=True, handles=handles, check_finite=upd.check_finite, layout=layout,
@@ -225,7 +226,13 @@ class GpuSender:
             log.info("weight_one_trip_fallback", update_id=upd.update_id, why=str(e)[:300])
             await upd.renew(f"one-trip refused: {e}")  # a new id, a health read (and a re-pause)
             if _one_trips(self.link_type):
-                _, args = link.part(*link_payload(link))
+                # nothing was broadcast; a fresh check-in token, and the group of
+                # the engines just read (another engine set: another group)
+                payload = link_payload(link)
+                self._link = new = self.link_type(
+                    upd.engines, self.options, part=False, rank=self.options.get("sender_rank"), tensors=payload[2]
+                )
+                _, args = new.part(*payload)
             return None, args
 
     def release(self) -> None:
