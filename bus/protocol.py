@@ -133,7 +133,8 @@ from bus.wire import Version as Version
 # 10: the nccl one-trip (a one-trip begin over "nccl": the engines keep the
 # layout's metas and staging) and NcclArgs.check_in (each engine worker checks
 # in at the trainer's store before it joins the broadcast; the trainer
-# broadcasts only once all did, so a refused op never leaves it blocked).
+# broadcasts only once all did, so a refused op never leaves it blocked), and
+# NcclArgs.verdict (the trainer's NaN/inf check rides beside the broadcast).
 PROTOCOL_VERSION = 10
 
 # ---------------------------------------------------------------- data plane

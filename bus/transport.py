@@ -86,6 +86,11 @@ class NcclArgs(_Args, tag="nccl"):
     # checked in, so an op refused anywhere never leaves it blocked in NCCL.
     # "" (old trainers): no check-in.
     check_in: _GroupId = ""
+    # With check_in: the trainer's NaN/inf check runs on its GPU beside the
+    # broadcast, and its verdict is put under "rollout_bus/ok/<token>" (b"ok", or
+    # the first bad tensor's name). Each worker reads it after its last bucket
+    # and refuses the update (nothing written) unless it is b"ok".
+    verdict: bool = False
 
 
 class VllmNcclArgs(_Args, tag="vllm_nccl"):

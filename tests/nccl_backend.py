@@ -82,6 +82,11 @@ class _NcclOverTorch:
             self._staging = (key, [torch.empty(n, dtype=torch.uint8) for n in key])
         for buf in self._staging[1]:
             pg.broadcast(buf, 0).wait()
+        token = a.get("check_in")
+        if a.get("verdict") and token:  # the vLLM worker's _rb_verdict
+            got = bytes(store.get(f"rollout_bus/ok/{token}"))
+            if got != b"ok":
+                raise ValueError(f"tensor {got.decode()!r} has NaN or inf values (the trainer's check)")
         return self._staging[1]
 
     def _group(self, a: dict[str, Any]) -> tuple[Any, Any]:

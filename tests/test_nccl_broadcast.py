@@ -18,7 +18,7 @@ from bus import protocol as P
 from bus.errors import ControlError
 from bus.tensors import pack_bucket, plan_buckets
 from trainer_bridge.transports import nccl
-from trainer_bridge.transports.nccl_broadcast import NotCheckedIn, check_in_key, go_key, wait_check_in
+from trainer_bridge.transports.nccl_broadcast import NotCheckedIn, check_in_key, go_key, verdict_key, wait_check_in
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,7 +77,14 @@ def test_every_bucket_goes_out_as_the_zmq_layout_packs_it(sender) -> None:
         assert torch.equal(a[m.offset : m.offset + m.nbytes], b[m.offset : m.offset + m.nbytes]), m.name
     assert sender.last_send_info == {"buckets": len(sizes), "direct_buckets": 2}
     assert bytes(sender.store.get(go_key("t1"))) == b"1"
-    assert r["bytes"] == sum(sizes) and {"check_in_s", "pack_launch_s", "send_s"} <= set(r)
+    assert r["bytes"] == sum(sizes) and {"check_in_s", "pack_launch_s", "verdict_s", "send_s"} <= set(r)
+    # the NaN/inf check beside the broadcast: its verdict goes to the workers through the store
+    _workers(sender, "t4", 2)
+    sender.send(metas, sizes, tensors, "t4", None, lambda: "l3.w")
+    assert sender.last_verdict == "l3.w" and bytes(sender.store.get(verdict_key("t4"))) == b"l3.w"
+    _workers(sender, "t5", 2)
+    sender.send(metas, sizes, tensors, "t5", None, lambda: None)
+    assert sender.last_verdict is None and bytes(sender.store.get(verdict_key("t5"))) == b"ok"
 
 
 def test_the_trainer_waits_for_every_worker_and_tells_them_to_stop_when_the_op_failed(sender) -> None:

@@ -119,9 +119,12 @@ def test_a_refused_update_never_blocks_the_trainer_and_a_broken_broadcast_keeps_
     nan = dict(params)
     nan[next(iter(nan))] = torch.full_like(next(iter(nan.values())), float("nan"))
     with pytest.raises(BadRequest, match="NaN or inf") as e:
-        _update(c, nan, **small)  # refused before anything is published
-    assert e.value.field == "tensors" and c.health()["weight_version"] == 3
-    assert _paths(_update(c, params, **small)) == {"one_trip"}, "nothing was sent: the layout is still held"
+        _update(c, nan, **small)  # the check rides beside the broadcast: the engine refuses, nothing written
+    assert e.value.field == "tensors" and repr(next(iter(nan))) in str(e.value)
+    h = c.health()
+    assert h["weight_version"] == 3 and not h["stale"] and h["weight_update"] is None
+    assert len(gloo_nccl._NCCL_SENDERS) == 1, "the broadcast itself went fine: the group is kept"
+    assert _paths(_update(c, params, **small)) == {"two_trip"}, "the failed one-trip op dropped the layout"
     ref_before, _ = _reference(_step(params, tiny_model, 7), [5, 6, 7], 6)
     _update(c, params, **small)  # version 5: the weights the failed update must leave
     good_run = nccl_broadcast.Broadcast.run

@@ -1235,6 +1235,13 @@ def test_nccl_worker_checks_in_and_a_cancelled_or_failed_receive_leaves_nothing_
             w.rollout_bus_recv_nccl("u3", {**args, "check_in": "broken"}, metas, sizes)
         with pytest.raises(RuntimeError, match="no weight update 'u3' begun"):
             w.rollout_bus_commit("u3")
+        comm.buckets = [bucket]  # every byte arrives, but the trainer's check found a NaN beside it
+        store.set("rollout_bus/go/nan", b"1")
+        store.set("rollout_bus/ok/nan", b"w.b")
+        with pytest.raises(ValueError, match="'w.b' has NaN or inf"):
+            w.rollout_bus_recv_nccl("u4", {**args, "check_in": "nan", "verdict": True}, metas, sizes)
+        with pytest.raises(RuntimeError, match="no weight update 'u4' begun"):
+            w.rollout_bus_commit("u4")
         assert torch.equal(w.weights["w.b"], torch.full((8,), 3.0)), "the old weights stay"
     finally:
         WN.NcclReceive._rb_nccl = orig

@@ -62,6 +62,7 @@ class NcclReceive(WorkerApply):
                 comm.broadcast(buf, src=0)
                 st["buckets"][i] = buf
             _sync(dev)
+        self._rb_verdict(args)
         t3 = time.perf_counter()
         # The staging outlives the update: the plan's views cut from it are kept
         # for the next update of this layout (vllm_worker_reuse), until nccl_close.
@@ -85,6 +86,21 @@ class NcclReceive(WorkerApply):
             raise RuntimeError(
                 "nccl: the trainer will not broadcast this update (the op failed on another engine "
                 "or at the head before every worker entered its receive); nothing was written"
+            )
+
+    def _rb_verdict(self, a: dict[str, Any]) -> None:
+        """NcclArgs.verdict: the trainer's NaN/inf check ran beside the
+        broadcast; its answer is in the store. Anything but b"ok" refuses the
+        update here, before the vote (the receive fails: nothing written)."""
+        token = a.get("check_in")
+        if not (a.get("verdict") and token):
+            return
+        got = bytes(self._rb_store(a).get(f"rollout_bus/ok/{token}"))
+        if got != b"ok":
+            name = got.decode(errors="replace")
+            raise ValueError(
+                f"tensor {name!r} has NaN or inf values (the trainer's check beside the broadcast): "
+                "nothing written (update_weights(check_finite=False) skips this check)"
             )
 
     def _rb_store(self, a: dict[str, Any]) -> Any:

@@ -40,7 +40,7 @@ from bus.errors import BadRequest
 from bus.tensors import first_nonfinite, plan_buckets, start_nonfinite_check
 from bus.transport import Transport, TransportArgs
 from trainer_bridge.transports import one_trip
-from trainer_bridge.transports.packing import record_written
+from trainer_bridge.transports.packing import check_beside, record_written
 
 log = structlog.get_logger("trainer_bridge.transports.gpu")
 
@@ -158,14 +158,20 @@ class GpuSender:
         # commit (nothing is written on the engines before it).
         written = record_written(cast_named)
         t1 = time.perf_counter()
-        # Launched now, on the GPU while the plan below runs on the CPU.
-        check = start_nonfinite_check(cast_named) if self.check_finite else None
+        # Launched now, on the GPU while the plan below runs on the CPU. nccl:
+        # on a stream of its own, waited for beside the broadcast (in band).
+        in_band = self.check_finite and getattr(self.link_type, "check_in_band", False)
+        check = None
+        if self.check_finite:
+            check = check_beside(cast_named) if in_band else start_nonfinite_check(cast_named)
         t2 = time.perf_counter()
         metas, sizes, tensors, zero_copy = self.link_type.plan(cast_named, named, self.options, self.bucket_bytes)
         link = self._link = self.link_type(
             self.engines, self.options, part=False, rank=self.options.get("sender_rank"), tensors=tensors,
             zero_copy=zero_copy, written=written,
         )  # fmt: skip
+        if in_band:
+            link.check, check = check, None  # type: ignore[attr-defined]
         handles, args = link.part(metas, sizes, tensors)
         t3 = time.perf_counter()
         steady = (zero_copy or _one_trips(self.link_type)) and self.options.get("one_trip", True)
@@ -195,8 +201,9 @@ class GpuSender:
             )  # fmt: skip
             try:
                 await link.deliver(upd.open(begin=begin), upd.timeout_s)
-            except BaseException:
+            except BaseException as e:
                 await upd.abort()
+                _refuse_in_band(link, e)
                 raise
             bad = check() if check is not None else None
             if bad is not None:
@@ -223,6 +230,7 @@ class GpuSender:
         try:
             return await one_trip.send(upd, layout, args, self.transport, link.deliver), args
         except one_trip.Refused as e:
+            _refuse_in_band(link, e)  # the engines refused what the trainer's own check found
             log.info("weight_one_trip_fallback", update_id=upd.update_id, why=str(e)[:300])
             await upd.renew(f"one-trip refused: {e}")  # a new id, a health read (and a re-pause)
             if _one_trips(self.link_type):
@@ -232,6 +240,7 @@ class GpuSender:
                 self._link = new = self.link_type(
                     upd.engines, self.options, part=False, rank=self.options.get("sender_rank"), tensors=payload[2]
                 )
+                new.check = getattr(link, "check", None)  # type: ignore[attr-defined]
                 _, args = new.part(*payload)
             return None, args
 
@@ -277,6 +286,17 @@ def _one_trips(link: type[GpuLink]) -> bool:
     """A link whose every one-sender update may go one-trip (nccl); cuda_ipc
     does only with zero_copy (its plan says so)."""
     return bool(getattr(link, "one_trip", False))
+
+
+def _refuse_in_band(link: Any, e: BaseException) -> None:
+    """The in-band NaN/inf check found a bad tensor (the engines refused the
+    update for it): the typed refusal naming it, not the engines' errors."""
+    bad = getattr(link, "bad", None)
+    if bad is not None:
+        try:
+            refuse_nonfinite(bad)
+        except BadRequest as refusal:
+            raise refusal from e
 
 
 def link_payload(link: Any) -> tuple[list[Any], list[int], list[Any]]:

@@ -110,6 +110,7 @@ class NcclSender:
         self.connect_timing: dict[str, float] = {}
         self.last_send_timing: dict[str, float] = {}
         self.last_send_info: dict[str, int] = {}
+        self.last_verdict: str | None = None  # the in-band NaN/inf check's bad tensor (NcclArgs.verdict)
         self._pack_stream: Any = None
         self._pack_bufs: list[Any] = []
 
@@ -178,13 +179,14 @@ class NcclSender:
         tensors: list[Any],
         check_in: str = "",
         stop: threading.Event | None = None,
+        verdict: Any = None,
     ) -> dict[str, Any]:
         """Broadcast one update (trainer_bridge/transports/nccl_broadcast.py):
         with `check_in`, only once every engine worker entered its receive
         (NotCheckedIn when `stop` is set first: nothing was sent, the group
         is intact)."""
         t0 = time.perf_counter()
-        timing = send_update(self, metas, sizes, tensors, check_in, stop)
+        timing = send_update(self, metas, sizes, tensors, check_in, stop, verdict)
         self.last_send_seconds = time.perf_counter() - t0
         nbytes = int(sum(sizes))
         self.last_send_timing = timing
@@ -303,9 +305,10 @@ class NcclLink:
     and the broadcast runs while the engines wait inside it."""
 
     transport: ClassVar[Transport] = Transport.NCCL
-    # The engines commit what is broadcast (one-trip): the NaN/inf check is
-    # waited for before anything is published (it runs while the plan is made).
+    # The NaN/inf check rides beside the broadcast (NcclArgs.verdict): the
+    # engines refuse the update after their last bucket unless it said ok.
     check_after_begin: ClassVar[bool] = False
+    check_in_band: ClassVar[bool] = True
     keeps_buffers: ClassVar[bool] = False
     # Steady state in ONE op (trainer_bridge/transports/one_trip.py): the
     # layout is the plan's metas and sizes; the engines keep them and their staging.
@@ -328,6 +331,8 @@ class NcclLink:
         self.key, self.sender = nccl_sender(engines, options, tensors, rank)
         self._payload: tuple[list[Any], list[int], list[Any]] = ([], [], [])
         self._check_in = ""
+        self.check: Any = None  # the in-band NaN/inf check (gpu.py sets it before part())
+        self.bad: str | None = None  # what it found, once the broadcast ran
 
     @staticmethod
     def plan(
@@ -340,7 +345,7 @@ class NcclLink:
         self._payload = (metas, sizes, tensors)
         self._check_in = uuid.uuid4().hex  # fresh per op: see NcclArgs.check_in
         args = self.sender.args(weight_check=bool(self.options.get("weight_check")), sender_group=self.is_part)
-        return [], msgspec.structs.replace(args, check_in=self._check_in)
+        return [], msgspec.structs.replace(args, check_in=self._check_in, verdict=self.check is not None)
 
     async def deliver(self, op: Awaitable[Any], timeout_s: float) -> Any:
         """Publish `op` (the awaitable that sends it and gathers its acks),
@@ -354,12 +359,15 @@ class NcclLink:
         acks = asyncio.ensure_future(op)
         stop = threading.Event()
         await asyncio.sleep(0)  # the op is on the wire before the first broadcast
-        send = asyncio.ensure_future(asyncio.to_thread(self.sender.send, *self._payload, self._check_in, stop))
+        send = asyncio.ensure_future(
+            asyncio.to_thread(self.sender.send, *self._payload, self._check_in, stop, self.check)
+        )
         try:
             await asyncio.wait({acks, send}, return_when=asyncio.FIRST_COMPLETED)
             if not send.done():
                 stop.set()  # the op is over without the broadcast: do not start it
             await send
+            self.bad = self.sender.last_verdict
         except NotCheckedIn:
             return await acks  # raises the op's error (nothing was sent: the group is fine)
         except BaseException:

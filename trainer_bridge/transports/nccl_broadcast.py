@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from trainer_bridge.transports.packing import direct_source, pack_fast
@@ -45,6 +46,11 @@ class NotCheckedIn(Exception):
 
 def check_in_key(token: str) -> str:
     return f"rollout_bus/in/{token}"
+
+
+def verdict_key(token: str) -> str:
+    """b"ok", or the name of the first tensor with a NaN / inf (NcclArgs.verdict)."""
+    return f"rollout_bus/ok/{token}"
 
 
 def go_key(token: str) -> str:
@@ -157,12 +163,17 @@ def send_update(
     tensors: list[Any],
     check_in: str = "",
     stop: threading.Event | None = None,
+    verdict: Callable[[], str | None] | None = None,
 ) -> dict[str, float]:
-    """The whole broadcast of one update (see the module doc); where its time went."""
+    """The whole broadcast of one update (see the module doc); where its time
+    went. `verdict` (with `check_in`): the NaN/inf check running beside the
+    broadcast; waited for once every broadcast is launched, and put in the
+    store for the engine workers (`sender.last_verdict`: the bad tensor's name)."""
     import torch
 
     t0 = time.perf_counter()
     dev = sender.device
+    sender.last_verdict = None
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         b = Broadcast(sender, metas, sizes, tensors)
         b.launch_pack(0)
@@ -172,13 +183,24 @@ def send_update(
         if check_in:
             waited = wait_check_in(sender.store, check_in, sender.world_size - 1, stop, sender.timeout_s)
         t2 = time.perf_counter()
-        sender.connect()
-        t3 = time.perf_counter()
-        b.run(sender.comm)
-        t4 = time.perf_counter()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-    t5 = time.perf_counter()
+        told = verdict is None or not check_in
+        try:
+            sender.connect()
+            t3 = time.perf_counter()
+            b.run(sender.comm)
+            t4 = time.perf_counter()
+            if not told:
+                assert verdict is not None
+                bad = sender.last_verdict = verdict()
+                sender.store.set(verdict_key(check_in), b"ok" if bad is None else bad.encode())
+                told = True
+            t5 = time.perf_counter()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        finally:
+            if not told:  # the workers must not wait for a verdict that never comes
+                sender.store.set(verdict_key(check_in), b"<the trainer's send failed>")
+    t6 = time.perf_counter()
     sender.last_send_info = {"buckets": len(sizes), "direct_buckets": sum(d is not None for d in b.direct)}
     return {
         "prepare_s": round(t1 - t0, 4),  # plan + the first two packs launched
@@ -186,6 +208,7 @@ def send_update(
         "connect_s": round(t3 - t2, 4),
         "launch_s": round(t4 - t3, 4),  # broadcasts + the other packs launched
         "pack_launch_s": round(b.pack_s, 4),
-        "sync_s": round(t5 - t4, 4),
-        "send_s": round(t5 - t2, 4),  # from the last check-in to every byte sent
+        "verdict_s": round(t5 - t4, 4),  # the NaN/inf check's wait (it ran beside the broadcast)
+        "sync_s": round(t6 - t5, 4),
+        "send_s": round(t6 - t2, 4),  # from the last check-in to every byte sent
     }

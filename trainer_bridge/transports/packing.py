@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bus.tensors import start_nonfinite_check
+
 
 def device_of(tensors: list[Any], device: Any) -> Any:
     import torch
@@ -64,6 +66,33 @@ def record_written(named: list[tuple[str, Any]]) -> Any:
     ev = torch.cuda.Event()
     ev.record(torch.cuda.current_stream(dev))
     return ev
+
+
+_CHECK_STREAMS: dict[Any, Any] = {}
+
+
+def check_beside(named: list[tuple[str, Any]]) -> Any:
+    """bus.tensors.start_nonfinite_check, launched on a stream of its own
+    (ordered after the trainer's writes), so its sums run on the GPU beside
+    the packs and broadcasts instead of ahead of them. The returned function
+    waits for it (the nccl sender's in-band verdict)."""
+    import torch
+
+    dev = next((t.device for _, t in named if getattr(t, "is_cuda", False)), None)
+    if dev is None:
+        return start_nonfinite_check(named)
+    stream = _CHECK_STREAMS.get(dev)
+    if stream is None:
+        stream = _CHECK_STREAMS[dev] = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        result = start_nonfinite_check(named)
+
+    def wait() -> str | None:
+        stream.synchronize()  # the sums are done before any other stream reads them
+        return result()
+
+    return wait
 
 
 def direct_source(index: int, metas: list[Any], sizes: list[int], tensors: list[Any], device: Any) -> Any:
