@@ -80,10 +80,10 @@ def test_every_bucket_goes_out_as_the_zmq_layout_packs_it(sender) -> None:
     assert r["bytes"] == sum(sizes) and {"check_in_s", "pack_launch_s", "verdict_s", "send_s"} <= set(r)
     # the NaN/inf check beside the broadcast: its verdict goes to the workers through the store
     _workers(sender, "t4", 2)
-    sender.send(metas, sizes, tensors, "t4", None, lambda: "l3.w")
+    sender.send(metas, sizes, tensors, "t4", None, lambda: lambda: "l3.w")
     assert sender.last_verdict == "l3.w" and bytes(sender.store.get(verdict_key("t4"))) == b"l3.w"
     _workers(sender, "t5", 2)
-    sender.send(metas, sizes, tensors, "t5", None, lambda: None)
+    sender.send(metas, sizes, tensors, "t5", None, lambda: lambda: None)
     assert sender.last_verdict is None and bytes(sender.store.get(verdict_key("t5"))) == b"ok"
 
 

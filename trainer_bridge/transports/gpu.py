@@ -29,6 +29,7 @@ implements `GpuLink`; `GpuKind(link)` is its entry in the SENDERS table.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Iterable
 from typing import Any, ClassVar, Protocol
@@ -159,11 +160,11 @@ class GpuSender:
         written = record_written(cast_named)
         t1 = time.perf_counter()
         # Launched now, on the GPU while the plan below runs on the CPU. nccl:
-        # on a stream of its own, waited for beside the broadcast (in band).
+        # on a stream of its own, waited for beside the broadcast (in band,
+        # NcclArgs.verdict).
+        # nccl (in band): launched by the send thread once the op is out.
         in_band = self.check_finite and getattr(self.link_type, "check_in_band", False)
-        check = None
-        if self.check_finite:
-            check = check_beside(cast_named) if in_band else start_nonfinite_check(cast_named)
+        check = start_nonfinite_check(cast_named) if self.check_finite and not in_band else None
         t2 = time.perf_counter()
         metas, sizes, tensors, zero_copy = self.link_type.plan(cast_named, named, self.options, self.bucket_bytes)
         link = self._link = self.link_type(
@@ -171,7 +172,7 @@ class GpuSender:
             zero_copy=zero_copy, written=written,
         )  # fmt: skip
         if in_band:
-            link.check, check = check, None  # type: ignore[attr-defined]
+            link.check = functools.partial(check_beside, cast_named)  # type: ignore[attr-defined]
         handles, args = link.part(metas, sizes, tensors)
         t3 = time.perf_counter()
         steady = (zero_copy or _one_trips(self.link_type)) and self.options.get("one_trip", True)

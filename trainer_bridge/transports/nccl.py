@@ -179,14 +179,14 @@ class NcclSender:
         tensors: list[Any],
         check_in: str = "",
         stop: threading.Event | None = None,
-        verdict: Any = None,
+        check: Any = None,
     ) -> dict[str, Any]:
         """Broadcast one update (trainer_bridge/transports/nccl_broadcast.py):
         with `check_in`, only once every engine worker entered its receive
         (NotCheckedIn when `stop` is set first: nothing was sent, the group
         is intact)."""
         t0 = time.perf_counter()
-        timing = send_update(self, metas, sizes, tensors, check_in, stop, verdict)
+        timing = send_update(self, metas, sizes, tensors, check_in, stop, check)
         self.last_send_seconds = time.perf_counter() - t0
         nbytes = int(sum(sizes))
         self.last_send_timing = timing
@@ -331,7 +331,7 @@ class NcclLink:
         self.key, self.sender = nccl_sender(engines, options, tensors, rank)
         self._payload: tuple[list[Any], list[int], list[Any]] = ([], [], [])
         self._check_in = ""
-        self.check: Any = None  # the in-band NaN/inf check (gpu.py sets it before part())
+        self.check: Any = None  # launches the in-band NaN/inf check (gpu.py sets it before part())
         self.bad: str | None = None  # what it found, once the broadcast ran
 
     @staticmethod

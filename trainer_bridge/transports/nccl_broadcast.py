@@ -163,12 +163,14 @@ def send_update(
     tensors: list[Any],
     check_in: str = "",
     stop: threading.Event | None = None,
-    verdict: Callable[[], str | None] | None = None,
+    check: Callable[[], Callable[[], str | None]] | None = None,
 ) -> dict[str, float]:
     """The whole broadcast of one update (see the module doc); where its time
-    went. `verdict` (with `check_in`): the NaN/inf check running beside the
-    broadcast; waited for once every broadcast is launched, and put in the
-    store for the engine workers (`sender.last_verdict`: the bad tensor's name)."""
+    went. `check` (with `check_in`): launches the NaN/inf check (here, after
+    the op is out: its ~339 launches at 7B are not on the way to the
+    engines) on a stream beside the broadcast; its result is waited for once
+    every broadcast is launched, and put in the store for the engine workers
+    (`sender.last_verdict`: the bad tensor's name)."""
     import torch
 
     t0 = time.perf_counter()
@@ -178,6 +180,7 @@ def send_update(
         b = Broadcast(sender, metas, sizes, tensors)
         b.launch_pack(0)
         b.launch_pack(1)
+        verdict = check() if check is not None and check_in else None
         t1 = time.perf_counter()
         waited = 0.0
         if check_in:
@@ -203,7 +206,7 @@ def send_update(
     t6 = time.perf_counter()
     sender.last_send_info = {"buckets": len(sizes), "direct_buckets": sum(d is not None for d in b.direct)}
     return {
-        "prepare_s": round(t1 - t0, 4),  # plan + the first two packs launched
+        "prepare_s": round(t1 - t0, 4),  # the first two packs and the NaN/inf check launched
         "check_in_s": round(waited, 4),
         "connect_s": round(t3 - t2, 4),
         "launch_s": round(t4 - t3, 4),  # broadcasts + the other packs launched
