@@ -263,6 +263,14 @@ def test_openai_shaped_chat_completion_and_completion(engine, loop):
     with pytest.raises(BadRequest) as e:
         run(loop, engine.completion({"json": {"prompt": long + [5] * 6}}))
     assert e.value.field == "prompt"
+    # the same for chat: its templated prompt (max_model_len - prompt ids), as vLLM's server
+    words = ["one"]
+    while len(engine._text.chat([{"role": "user", "content": " ".join(words)}])) < limit - 6:
+        words.append("one")
+    msgs = [{"role": "user", "content": " ".join(words)}]
+    left = limit - len(engine._text.chat(msgs))
+    r = run(loop, engine.chat_completion({"json": {"messages": msgs, "ignore_eos": True}}))
+    assert 0 < left <= 6 and len(r["choices"][0]["token_ids"]) == left and r["choices"][0]["finish_reason"] == "length"
     run(loop, engine.finish_session("chat-1"))
 
 
