@@ -274,13 +274,20 @@ def test_skyrl_default_nccl_backend_on_cpu_is_a_typed_error(torch_cluster, tok):
     async def scenario():
         engine = await RolloutBusEngine.connect(torch_cluster.frontend, num_engines=2, tokenizer=tok)
         try:
-            await engine.init_weight_update_communicator(info)
+            # SkyRL's Worker.init_weight_sync_state, rank 0 (its worker module needs
+            # jaxtyping and ray, so its two calls are made here in its order): the
+            # sender is made in a thread while the engine sets up its receivers.
+            await asyncio.gather(
+                asyncio.to_thread(strategy.create_sender, init_info=info, inference_client=engine),
+                engine.init_weight_update_communicator(info),
+            )
         finally:
             await engine.aclose()
 
-    with pytest.raises(Unsupported) as e:
+    with pytest.raises(Unsupported) as e:  # not torch's "Found no NVIDIA driver"
         run(scenario())
     assert e.value.field == "weight_sync_backend" and "no CUDA device" in str(e.value)
+    assert "weight_sync_backend to anything but 'nccl'" in str(e.value)
 
 
 def test_skyrl_broadcast_strategy_with_torch_engines_is_a_typed_error(torch_cluster, tok, monkeypatch):
