@@ -155,6 +155,10 @@ def test_generate_token_ids(engine, loop):
     tok = engine._text.tokenizer
     assert out["responses"] == [tok.decode(r, skip_special_tokens=True) for r in out["response_ids"]]
     assert out["prompt_logprobs"] is None
+    raw = run(
+        loop, engine.generate({"prompt_token_ids": prompts, "sampling_params": params(skip_special_tokens=False)})
+    )
+    assert raw["responses"] == [tok.decode(r, skip_special_tokens=False) for r in raw["response_ids"]]
     n2 = run(loop, engine.generate({"prompt_token_ids": prompts, "sampling_params": params(n=2, logprobs=None)}))
     assert len(n2["response_ids"]) == 4 and n2["response_logprobs"] is None  # n samples per prompt, prompt-major
     with pytest.raises(BadRequest) as e:  # refused by the engine, naming the field
