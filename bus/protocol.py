@@ -130,7 +130,12 @@ from bus.wire import Version as Version
 # 9: the one-trip weight update (BeginWeightUpdate.layout/commit/version,
 # WeightsCommitted.layout/detail): a steady-state zero-copy cuda_ipc update
 # names a layout the engines already hold and commits in the same op.
-PROTOCOL_VERSION = 9
+# 10: the nccl one-trip (a one-trip begin over "nccl": the engines keep the
+# layout's metas and staging) and NcclArgs.check_in (each engine worker checks
+# in at the trainer's store before it joins the broadcast; the trainer
+# broadcasts only once all did, so a refused op never leaves it blocked), and
+# NcclArgs.verdict (the trainer's NaN/inf check rides beside the broadcast).
+PROTOCOL_VERSION = 10
 
 # ---------------------------------------------------------------- data plane
 
