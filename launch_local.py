@@ -82,6 +82,8 @@ def run_local(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
         if sup.state is not State.RUNNING:
             return sup.exit_code
         print_table(client.engines(), head.front, backend, curve_dir=curve_dir, client_key=a.client_key)
+        if (note := token.note()) is not None:
+            print(note, flush=True)
         if a.demo:
             run_demo(client)
         if a.once:

@@ -25,6 +25,7 @@ class JoinToken:
 
     def __init__(self, a: argparse.Namespace, run_dir: str) -> None:
         self.published: str | None = None
+        self._front = ""
         self._token = ""
         try:
             if a.join:
@@ -49,16 +50,22 @@ class JoinToken:
         return ["--token-file", self.path] if self.path else []
 
     def publish(self, front: str) -> None:
-        """Head: the copy clients on this host find by address; one line says where."""
+        """Head: the copy clients on this host find by address (`note` says where)."""
         path = token_path_for(front)
         if not self._token or path is None:
             return
         self.published = write_token(path, self._token)
+        self._front = front
         atexit.register(self.unpublish)
-        print(
-            f"join token: {self.path} (published for {front} at {self.published}: clients on this host find it; "
-            f"engines on other nodes: launch.py --join {front} --token-file <a copy>)",
-            flush=True,
+
+    def note(self) -> str | None:
+        """The line that says where the published token is (None: none published).
+        Printed after the engine table: the table and the address come first (issue 23)."""
+        if not self.published:
+            return None
+        return (
+            f"join token: {self.path} (published for {self._front} at {self.published}: clients on this host "
+            f"find it; engines on other nodes: launch.py --join {self._front} --token-file <a copy>)"
         )
 
     def unpublish(self) -> None:

@@ -127,7 +127,7 @@ class Codec:
 
     The body's tag (its first msgpack item) names the message type: one
     msgspec Decoder over the union of every message reads any body (protocol
-    10; a kind frame before the body said the same thing, one frame more per
+    11; a kind frame before the body said the same thing, one frame more per
     message on every hop)."""
 
     def __init__(self) -> None:

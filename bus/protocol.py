@@ -132,9 +132,14 @@ from bus.wire import Version as Version
 # 9: the one-trip weight update (BeginWeightUpdate.layout/commit/version,
 # WeightsCommitted.layout/detail): a steady-state zero-copy cuda_ipc update
 # names a layout the engines already hold and commits in the same op.
-# 10: no kind frame: a message is [body, *buffers], the body's tag (its first
+# 10: the nccl one-trip (a one-trip begin over "nccl": the engines keep the
+# layout's metas and staging) and NcclArgs.check_in (each engine worker checks
+# in at the trainer's store before it joins the broadcast; the trainer
+# broadcasts only once all did, so a refused op never leaves it blocked), and
+# NcclArgs.verdict (the trainer's NaN/inf check rides beside the broadcast).
+# 11: no kind frame: a message is [body, *buffers], the body's tag (its first
 # msgpack item) names the type (one frame less per message on every hop).
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 # ---------------------------------------------------------------- data plane
 
@@ -531,7 +536,7 @@ class WeightBucketAck(_Msg, tag="wbucket_ack"):
 # ------------------------------------------------------------ kind table
 
 # Every message type: its kind on the wire is its tag, the body's first item
-# (protocol 10; before, a one-byte frame ahead of the body said the same).
+# (protocol 11; before, a one-byte frame ahead of the body said the same).
 # Tags are never reused.
 MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     Generate,

@@ -80,6 +80,17 @@ class NcclArgs(_Args, tag="nccl"):
     rank_offset: _Rank | None = None
     # A multi-sender part: this sender rank's own group (one communicator per rank).
     sender_group: bool = False
+    # A token fresh per update: each engine worker adds 1 to the trainer store's
+    # key "rollout_bus/in/<token>" as it enters the receive, BEFORE it joins
+    # the group or the broadcast. The trainer broadcasts only once every worker
+    # checked in, so an op refused anywhere never leaves it blocked in NCCL.
+    # "" (old trainers): no check-in.
+    check_in: _GroupId = ""
+    # With check_in: the trainer's NaN/inf check runs on its GPU beside the
+    # broadcast, and its verdict is put under "rollout_bus/ok/<token>" (b"ok", or
+    # the first bad tensor's name). Each worker reads it after its last bucket
+    # and refuses the update (nothing written) unless it is b"ok".
+    verdict: bool = False
 
 
 class VllmNcclArgs(_Args, tag="vllm_nccl"):

@@ -4,7 +4,9 @@ never blocking the loop.
 A handler returns an `OpOutcome` (engine_node/actions.py): its op's typed
 result (a `P.*Result`: ack now), `DEFERRED` (a core acks it later with a
 SendAck action: pause(wait), a prepare waiting for senders) or a `Pending` (a
-BackendOp still running). While an
+BackendOp still running; its `then` may return another Pending: the same op
+goes on with a second backend call, started on the loop thread, and is acked
+when that one is done — the nccl one-trip's commit behind its receive). While an
 op runs the runner is *busy*: later state-changing commands queue behind it;
 read-only ops (Ping, Stats, IsPaused) are answered at once. The op's future
 gets a done-callback that writes one byte to the wake pipe, whose read end the
@@ -158,6 +160,13 @@ class ControlRunner:
         except BaseException as e:
             self._rollback(pending, e)
             self._failed(cmd, e)
+            return
+        if isinstance(result, Pending):  # a continuation: the same op goes on (one_trip.py: commit after receive)
+            if result.op.future.done():
+                self._complete(cmd, result)
+                return
+            self.busy = (cmd, result)
+            result.op.future.add_done_callback(self._wake)
             return
         self.ack(SendAck.done(cmd.seq, result))
 

@@ -1,5 +1,14 @@
-"""The one-trip weight update, engine side: the zero-copy layout an engine
-keeps, and the op that receives, validates, prepares and commits in one go.
+"""The one-trip weight update, engine side: the layout an engine keeps (a
+zero-copy cuda_ipc one, or an nccl plan), and the op that receives,
+validates, prepares and commits in one go.
+
+nccl: the trainer's plan (metas, sizes) repeats while its parameters keep
+their names, shapes and dtypes; the engine keeps the begin that brought it
+(its workers keep the staging buffers of those sizes), and a one-trip op
+carries only the layout id and its own transport args (a fresh check-in
+token, the group). The receive waits for the broadcast, so the commit is
+chained behind it in the same op (`_chained`): a receive that fails aborts
+the update and nothing is written (old weights, old version).
 
 The trainer's zero-copy cuda_ipc updates (trainer_bridge/transports/cuda_ipc.py)
 name its own parameters, so their metas, sizes and handles repeat every
@@ -18,9 +27,11 @@ Hazards this module owns:
   the trainer changes the layout id whenever its storages or plan change;
 - a layout it does not hold is refused BEFORE anything is opened (field
   "layout"): the trainer then sends the update with its handles;
-- the receive must finish inside the op (the vLLM backend's cuda_ipc begin and
-  receive do: they only keep the handles); a backend whose receive runs on
-  is refused, nothing written.
+- cuda_ipc: the receive must finish inside the op (the vLLM backend's cuda_ipc
+  begin and receive do: they only keep the handles); a backend whose receive
+  runs on is refused, nothing written. nccl: the commit starts only once the
+  receive's op completed, on the loop thread (engine_node/control.py runs a
+  Pending whose `then` returns the next Pending).
 
 Ownership: the node's loop thread (through engine_node/weight_update.py).
 """
@@ -34,7 +45,7 @@ import msgspec
 
 from bus import protocol as P
 from bus.errors import BackendRefused
-from bus.transport import CudaIpcArgs, Transport
+from bus.transport import CudaIpcArgs, NcclArgs, Transport
 from engine_node.actions import OpOutcome, Pending
 from engine_node.backend import BackendError
 
@@ -59,15 +70,7 @@ class KeptLayout:
         """An update committed: keep its layout if it carries one (a one-sender
         zero-copy cuda_ipc update with its handles), else hold none. Returns
         the layout held now ("" none)."""
-        args = begin.transport_args
-        keeps = (
-            bool(begin.layout)
-            and begin.transport == Transport.CUDA_IPC
-            and bool(begin.handles)
-            and isinstance(args, CudaIpcArgs)
-            and args.keep_maps
-        )
-        self.held = Held(begin, sleeps) if keeps else None
+        self.held = Held(begin, sleeps) if _keeps(begin) else None
         return self.layout
 
     def drop(self) -> None:
@@ -93,7 +96,14 @@ class KeptLayout:
                 field="layout",
             )
         assert h is not None
-        args = op.transport_args if isinstance(op.transport_args, CudaIpcArgs) else h.begin.transport_args
+        if op.transport != h.begin.transport:
+            raise BackendRefused(
+                f"weight update {op.update_id!r}: {engine_id} holds layout {op.layout!r} over "
+                f"{h.begin.transport!s}, not {op.transport!s}; send the update with its plan",
+                field="layout",
+            )
+        same = type(op.transport_args) is type(h.begin.transport_args)
+        args = op.transport_args if same else h.begin.transport_args
         return msgspec.structs.replace(
             h.begin,
             update_id=op.update_id,
@@ -105,22 +115,44 @@ class KeptLayout:
         )
 
 
+def _keeps(begin: P.BeginWeightUpdate) -> bool:
+    """Whether a committed update leaves its layout kept: a one-sender model
+    update naming a layout, zero-copy cuda_ipc (handles, kept maps) or nccl
+    (the plan; the workers keep their staging)."""
+    if not begin.layout or begin.streamed or begin.senders != 1 or begin.target != "model":
+        return False
+    args = begin.transport_args
+    if begin.transport == Transport.CUDA_IPC:
+        return bool(begin.handles) and isinstance(args, CudaIpcArgs) and args.keep_maps
+    return begin.transport == Transport.NCCL and isinstance(args, NcclArgs) and bool(begin.tensors)
+
+
 def one_trip(txn: Any, op: P.BeginWeightUpdate, seq: int) -> OpOutcome:
     """begin + receive + prepare + commit of a one-trip update, in one op
-    (`txn`: engine_node.weight_update.WeightUpdates)."""
+    (`txn`: engine_node.weight_update.WeightUpdates). cuda_ipc: the begin's
+    receive finishes at once (the handles are only kept). nccl: the receive
+    waits for the broadcast; the commit is chained behind it (a Pending whose
+    `then` returns the commit's Pending: engine_node/control.py runs it on
+    the loop thread), so a receive that fails commits nothing."""
     full = txn.layouts.take(op, txn.core.gate.sleeps, txn.engine_id)
     t0 = txn.core.now
     try:
-        _run_now(txn.begin(full, seq), op.update_id)  # the vote, taken at once
+        first = txn.begin(full, seq)
+        if op.transport == Transport.NCCL and isinstance(first, Pending):
+            return _chained(txn, op, seq, first, t0)
+        _run_now(first, op.update_id)  # the vote, taken at once
     except BaseException:
         txn.layouts.drop()  # whatever failed, the next update brings its handles
         raise
-    prepare_s = txn.core.now - t0
+    return _commit(txn, op, seq, txn.core.now - t0, {})
+
+
+def _commit(txn: Any, op: P.BeginWeightUpdate, seq: int, prepare_s: float, received: dict[str, Any]) -> Pending:
     pending = txn.commit(P.FinishWeightUpdate(op.update_id, version=op.version), seq)
 
     def then(res: dict[str, Any]) -> P.WeightsCommitted:
         out = pending.then(res)
-        out.detail = {**out.detail, "path": "one_trip", "prepare_s": round(prepare_s, 6)}
+        out.detail = {**out.detail, "path": "one_trip", "prepare_s": round(prepare_s, 6), **received}
         return out
 
     def failed(e: BaseException) -> None:
@@ -129,6 +161,28 @@ def one_trip(txn: Any, op: P.BeginWeightUpdate, seq: int) -> OpOutcome:
             pending.on_error(e)
 
     return Pending(pending.op, then, failed)
+
+
+def _chained(txn: Any, op: P.BeginWeightUpdate, seq: int, first: Pending, t0: float) -> Pending:
+    """The receive (begin + receive + prepare), then the commit behind it."""
+
+    def then(res: dict[str, Any]) -> Pending:
+        try:
+            prepared = first.then(res)  # the vote: PREPARED (validated, every bucket in)
+        except BaseException:
+            txn.layouts.drop()
+            raise
+        detail = getattr(prepared, "detail", None) or {}
+        receive = (detail.get("receive") or {}) if isinstance(detail, dict) else {}
+        txn.timings.receive(op.update_id, op.transport, txn.core.now - t0, receive)
+        return _commit(txn, op, seq, txn.core.now - t0, {"receive_s": round(txn.core.now - t0, 6)})
+
+    def failed(e: BaseException) -> None:
+        txn.layouts.drop()
+        if first.on_error is not None:
+            first.on_error(e)  # the update is aborted: old weights, old version
+
+    return Pending(first.op, then, failed)
 
 
 def _run_now(res: OpOutcome, update_id: str) -> None:

@@ -4,7 +4,8 @@ fan-outs in, a target list or a typed refusal out); router_node/control.py
 publishes.
 
 The one-trip update (`BeginWeightUpdate(commit=True, layout=L)`, no handles)
-is the steady state of the trainer's zero-copy cuda_ipc updates: every target
+is the steady state of the trainer's zero-copy cuda_ipc updates and of its
+nccl updates (the engines receive the broadcast inside the op): every target
 engine committed an earlier update that carried layout L with its handles
 and keeps it (engine_node/one_trip.py `KeptLayout`). The head lets one out only
 when its own record says every target holds L; then it decides the version
@@ -45,6 +46,10 @@ from router_node.registry import EngineState
 # is what a pause sent just before the update leaves them in).
 _TAKES_PART = frozenset({EngineState.HEALTHY, EngineState.STALE, EngineState.CONVERGING})
 
+# The transports whose engines keep a layout (cuda_ipc: the trainer's zero-copy
+# handles; nccl: the plan's metas and the workers' staging).
+ONE_TRIP_TRANSPORTS = frozenset({Transport.CUDA_IPC, Transport.NCCL})
+
 # Ops after whose fan-out a target's kept layout is gone.
 _FORGETS: tuple[type, ...] = (P.Sleep,)
 
@@ -79,8 +84,8 @@ def check_shape(op: P.BeginWeightUpdate) -> None:
     why = ""
     if not op.layout:
         why = "names no layout"
-    elif op.transport != Transport.CUDA_IPC:
-        why = f"is over {op.transport!s}, not cuda_ipc"
+    elif op.transport not in ONE_TRIP_TRANSPORTS:
+        why = f"is over {op.transport!s}, not cuda_ipc or nccl"
     elif op.handles or op.tensors or op.bucket_sizes:
         why = "carries handles or tensors (the layout brings them)"
     elif op.senders != 1 or op.streamed or op.target != "model":

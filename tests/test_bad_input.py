@@ -50,7 +50,7 @@ CASES = {
     "unknown kind": ([msgspec.msgpack.encode(["no-such-kind", "r"])], "protocol", "kind"),
     "kind not a string": ([msgspec.msgpack.encode([7, "r"])], "protocol", "kind"),
     "body not a message": ([b"G"], "protocol", "body"),
-    "protocol 9 layout (kind frame)": ([b"G", gen("r-old"), GOOD_PROMPT], "protocol", "body"),
+    "protocol 10 layout (kind frame)": ([b"G", gen("r-old"), GOOD_PROMPT], "protocol", "body"),
     "wrong field type": (
         [msgspec.msgpack.encode(["gen", "r-type", [-1.5, "hot"]]), GOOD_PROMPT],
         "bad_request",

@@ -139,3 +139,46 @@ def test_a_cores_late_ack_is_one_shape_cached_for_republication() -> None:
         assert SendAck.done(9).result == P.Done() and SendAck.done(9).ok  # nothing to report: Done
     finally:
         rig.r.close()
+
+
+def test_a_pending_whose_then_returns_a_pending_goes_on_as_the_same_op() -> None:
+    """engine_node/one_trip.py's nccl commit behind its receive: the second
+    call starts on the loop thread when the first is done; the op is acked
+    once, after the second; later ops wait behind both; a failing second
+    stage rolls back through ITS on_error."""
+    rig = Rig()
+    second = BackendOp.pending("commit", 30.0, "weight_timeout_s")
+    rolled: list[str] = []
+
+    def first_then(res):
+        rig.ran.append("then1")
+        return Pending(second, lambda r: {"committed": r["v"]}, lambda e: rolled.append("second"))
+
+    first = BackendOp.pending("receive", 30.0, "weight_timeout_s")
+    rig.r.handlers[P.Sleep] = lambda op, seq: Pending(first, first_then, lambda e: rolled.append("first"))
+    try:
+        rig.cmd(1, P.Sleep(level=1))
+        rig.cmd(2, P.Resume())
+        first.future.set_result({})
+        assert rig.woke()
+        rig.r.on_wake()
+        assert rig.ran == ["then1"] and rig.acks == [] and rig.r.busy_name == "sleep", "still the same op"
+        second.future.set_result({"v": 3})
+        assert rig.woke()
+        rig.r.on_wake()
+        assert [a.seq for a in rig.acks] == [1, 2] and rig.acks[0].result == {"committed": 3}
+        third = BackendOp.pending("commit", 30.0, "weight_timeout_s")
+        second_fail = BackendOp.pending("receive", 30.0, "weight_timeout_s")
+        rig.r.handlers[P.Sleep] = lambda op, seq: Pending(
+            second_fail, lambda r: Pending(third, lambda x: x, lambda e: rolled.append("third"))
+        )
+        rig.cmd(3, P.Sleep(level=1))
+        second_fail.future.set_result({})
+        assert rig.woke()
+        rig.r.on_wake()
+        third.future.set_exception(BackendError("write failed"))
+        assert rig.woke()
+        rig.r.on_wake()
+        assert not rig.acks[-1].ok and "write failed" in rig.acks[-1].failure.message and rolled == ["third"]
+    finally:
+        rig.r.close()

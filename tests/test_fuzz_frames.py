@@ -138,10 +138,10 @@ ANY = st.recursive(
 # would (correctly) stop the cluster serving, and the round-trip check after
 # each batch would read that as a wedge.
 SAFE_OPS = (P.Ping, P.IsPaused, P.Stats, P.ResetPrefixCache, P.AbortWeightUpdate, P.UnloadLora, P.FinishWeightUpdate)
-# Tags a wrong_tag mutation writes: no message has them (protocol 10: the tag is
+# Tags a wrong_tag mutation writes: no message has them (protocol 11: the tag is
 # the kind, so another message's tag would make another, valid, message).
 NOT_A_KIND = sorted({t.__struct_config__.tag for t in SAFE_OPS} - set(P.TYPE_OF)) + ["", "\x00", "gen" * 50]
-# Protocol 9's kind frames: sent ahead of the body, they are the body now.
+# Protocol 10's kind frames: sent ahead of the body, they are the body now.
 OLD_KINDS = [b"G", b"C", b"\x00", b"?", b"GG", b""]
 
 
@@ -327,7 +327,7 @@ def frame(draw: st.DrawFn, socket: str) -> Frame:
         body = pack(tree)
     if mutation == "truncate":
         body = body[: draw(st.integers(0, len(body) - 1))]
-    if mutation == "unknown_kind":  # a kind frame ahead of the body (protocol 9's layout)
+    if mutation == "unknown_kind":  # a kind frame ahead of the body (protocol 10's layout)
         frames = [old_kind, body, *buffers]
     elif mutation == "one_frame":  # a kind frame alone
         frames = [old_kind]

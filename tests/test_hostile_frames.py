@@ -56,7 +56,7 @@ HEAD_EVENT_FRAMES = {
     "random bytes": [os.urandom(64)],
     "unknown kind": [_ENC(["no-such-kind", "e0"])],
     "empty array": [b"\x90"],
-    "protocol 9 layout (kind frame)": [b"H", _ENC(["heartbeat", "e0", "inc"])],
+    "protocol 10 layout (kind frame)": [b"H", _ENC(["heartbeat", "e0", "inc"])],
 }
 
 

@@ -28,13 +28,22 @@ class ScriptedNcclGroup:
         self.fail = fail
         self.sent = threading.Event()
         self.closed = False
+        self.last_verdict: str | None = None  # the in-band NaN/inf check's finding (none here)
         self.begin_seen_before_send: bool | None = None
         self.head: ScriptedHead | None = None
 
     def args(self, *, weight_check: bool = False, sender_group: bool = False) -> NcclArgs:
         return NcclArgs(host="127.0.0.1", port=1, world_size=2, group_id="g", sender_group=sender_group)
 
-    def send(self, metas: list[Any], sizes: list[int], tensors: list[Any]) -> dict[str, Any]:
+    def send(
+        self,
+        metas: list[Any],
+        sizes: list[int],
+        tensors: list[Any],
+        check_in: str = "",
+        stop: Any = None,
+        verdict: Any = None,
+    ) -> dict[str, Any]:
         assert self.head is not None
         self.begin_seen_before_send = any(isinstance(op, P.BeginWeightUpdate) for op in self.head.ops)
         if self.fail:

@@ -155,6 +155,10 @@ def test_generate_token_ids(engine, loop):
     tok = engine._text.tokenizer
     assert out["responses"] == [tok.decode(r, skip_special_tokens=True) for r in out["response_ids"]]
     assert out["prompt_logprobs"] is None
+    raw = run(
+        loop, engine.generate({"prompt_token_ids": prompts, "sampling_params": params(skip_special_tokens=False)})
+    )
+    assert raw["responses"] == [tok.decode(r, skip_special_tokens=False) for r in raw["response_ids"]]
     n2 = run(loop, engine.generate({"prompt_token_ids": prompts, "sampling_params": params(n=2, logprobs=None)}))
     assert len(n2["response_ids"]) == 4 and n2["response_logprobs"] is None  # n samples per prompt, prompt-major
     with pytest.raises(BadRequest) as e:  # refused by the engine, naming the field
@@ -263,6 +267,14 @@ def test_openai_shaped_chat_completion_and_completion(engine, loop):
     with pytest.raises(BadRequest) as e:
         run(loop, engine.completion({"json": {"prompt": long + [5] * 6}}))
     assert e.value.field == "prompt"
+    # the same for chat: its templated prompt (max_model_len - prompt ids), as vLLM's server
+    words = ["one"]
+    while len(engine._text.chat([{"role": "user", "content": " ".join(words)}])) < limit - 6:
+        words.append("one")
+    msgs = [{"role": "user", "content": " ".join(words)}]
+    left = limit - len(engine._text.chat(msgs))
+    r = run(loop, engine.chat_completion({"json": {"messages": msgs, "ignore_eos": True}}))
+    assert 0 < left <= 6 and len(r["choices"][0]["token_ids"]) == left and r["choices"][0]["finish_reason"] == "length"
     run(loop, engine.finish_session("chat-1"))
 
 
@@ -277,6 +289,28 @@ def test_topology_and_identity(engine, loop, tiny_model):
         engine.get_endpoint_url()
     assert e.value.field == "endpoint_url"
     assert RolloutBusEngine(engine.client, endpoint_url="http://proxy:8000").get_endpoint_url() == "http://proxy:8000"
+
+
+def test_model_means_the_base_model_unless_it_names_a_loaded_lora(engine, loop, tiny_model, tmp_path):
+    """Issue 23: SkyRL passes its policy's path as `model=` on every call; it
+    became a LoRA name and every request failed. Any name but a loaded
+    adapter's is the base model; SkyRL's LoraLoadRequest loads one, and its
+    name then routes to it."""
+    from types import SimpleNamespace
+
+    from engine_node.tiny_model import make_random_lora
+
+    path = make_random_lora(tiny_model, str(tmp_path / "adapter"), seed=1)
+    batch = {"prompt_token_ids": [[11, 12, 13]], "sampling_params": params(temperature=0.0, max_tokens=12)}
+    base = run(loop, engine.generate(batch))["response_ids"]
+    assert run(loop, engine.generate(batch, model="Qwen/Qwen2.5-0.5B-Instruct"))["response_ids"] == base
+    run(loop, engine.update_named_weights(SimpleNamespace(lora_name="skyrl-lora", lora_path=path)))
+    try:
+        assert run(loop, engine.generate(batch, model="skyrl-lora"))["response_ids"] != base  # the adapter's tokens
+        assert run(loop, engine.generate(batch, model="Qwen/Qwen2.5-0.5B-Instruct"))["response_ids"] == base
+    finally:
+        run(loop, engine.client.unload_lora("skyrl-lora"))
+        run(loop, engine.refresh())
 
 
 def test_sleep_wake_reset_and_pause_resume(engine, loop):
@@ -407,6 +441,7 @@ def test_cancelling_the_awaiting_tasks_cancels_the_requests_on_the_engines(engin
     engines go idle instead of generating on to max_tokens for nobody."""
     import time
 
+    from bus import protocol as P
     from trainer_bridge.session import AsyncSession
 
     client = engine.client
@@ -422,8 +457,11 @@ def test_cancelling_the_awaiting_tasks_cancels_the_requests_on_the_engines(engin
         async for _ in client.stream([7, 8, 9], long):
             pass
 
-    async def running() -> int:
-        return sum(e["running"] for e in (await client.health())["engines"].values())
+    async def running() -> int:  # each engine's own count now (Stats: a fresh heartbeat), not the head's lagging view
+        return sum(r["running"] + r["waiting"] for r in (await client.control(P.Stats())).values())
+
+    async def tokens_out() -> int:
+        return sum(r["tokens_out"] for r in (await client.control(P.Stats())).values())
 
     sessions_before = run(loop, client.stats())["sessions"]
 
@@ -446,14 +484,14 @@ def test_cancelling_the_awaiting_tasks_cancels_the_requests_on_the_engines(engin
         await asyncio.gather(*tasks, return_exceptions=True)
         while await running():
             assert time.monotonic() - t0 < 5.0, "engines still generating 5 s after the cancel"
-            await asyncio.sleep(0.05)
         idle = time.monotonic() - t0
-        out0 = sum(e["tokens_out"] for e in (await client.health())["engines"].values())
+        out0 = await tokens_out()
         await asyncio.sleep(1.0)
-        return idle, out0, sum(e["tokens_out"] for e in (await client.health())["engines"].values())
+        return idle, out0, await tokens_out()
 
     idle, out0, out1 = run(loop, scenario())
-    print(f"engines idle {idle:.2f} s after the cancel")  # heartbeats every 0.5 s
+    print(f"engines idle {idle:.2f} s after the cancel")
+    assert idle < 0.5  # issue 23's target
     assert out1 == out0
     assert run(loop, client.stats())["sessions"] == sessions_before  # the sessions' `async with` released them
 

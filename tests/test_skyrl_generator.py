@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import sys
 import time
 import typing
@@ -39,6 +40,7 @@ if sys.version_info < (3, 12):
 try:
     import skyrl_gym
     from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_sampling_params_for_backend
+    from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
     from skyrl.backends.skyrl_train.weight_sync import WeightChunk, get_transfer_strategy_cls
     from skyrl.tinker import types as tinker
     from skyrl.train.config import GeneratorConfig, InferenceEngineConfig, SamplingParams, SkyRLGymConfig
@@ -47,6 +49,7 @@ try:
 except Exception as e:
     pytest.skip(f"skyrl / skyrl_gym not importable ({type(e).__name__}: {e})", allow_module_level=True)
 
+from bus import protocol as P
 from bus.errors import Unsupported
 from tests.test_skyrl_adapter import CHAT_TEMPLATE
 from trainer_bridge import AsyncClient
@@ -115,6 +118,7 @@ def test_skyrl_gym_generator_runs_multi_turn_over_rollout_bus(torch_cluster, tok
         # SkyRL's config names the policy by its own path: that is the base model.
         engine = await RolloutBusEngine.connect(client, num_engines=2, tokenizer=tok)
         released: list[tuple[str, int]] = []  # (session id, live sessions at release time)
+        salts: list[str | None] = []  # the cache_salt of every request the adapter sent
         finish = engine.finish_session
 
         async def recording_finish(session_id):
@@ -122,6 +126,13 @@ def test_skyrl_gym_generator_runs_multi_turn_over_rollout_bus(torch_cluster, tok
             await finish(session_id)
 
         engine.finish_session = recording_finish
+        generate = client.generate
+
+        async def recording_generate(ids, params=None, **kw):
+            salts.append(params.cache_salt)
+            return await generate(ids, params, **kw)
+
+        client.generate = recording_generate  # what goes on the wire
         gen = SkyRLGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), engine, tok)
         # SkyRL's defaults (min_tokens=1 included) pass as they are; use_cache_salt
         # sends a cache_salt with every request.
@@ -129,9 +140,13 @@ def test_skyrl_gym_generator_runs_multi_turn_over_rollout_bus(torch_cluster, tok
         out = await gen.generate(batch_of(cfg, 2), disable_tqdm=True)
         sessions_after = (await client.stats())["sessions"]
         await client.close()
-        return out, sessions_before, sessions_after, released
+        return out, sessions_before, sessions_after, released, salts, gen._compute_cache_salt()
 
-    out, before, after, released = run(scenario())
+    out, before, after, released, salts, salt = run(scenario())
+    # use_cache_salt: SkyRL's salt (its policy's weight version) is on every request, as
+    # vLLM's cache_salt; the vllm backend joins it with its own weight-version salt
+    # (engine_node/backends/vllm_requests.prefix_salt, tests/test_vllm_backend_cpu.py).
+    assert salt and len(salts) >= 2 and set(salts) == {salt}
     assert len({sid for sid, _ in released}) == 2 and all(live > before for _, live in released)
     assert len(out["response_ids"]) == 2 and out["rewards"] is not None
     for ids, mask, lps in zip(out["response_ids"], out["loss_masks"], out["rollout_logprobs"], strict=True):
@@ -259,13 +274,20 @@ def test_skyrl_default_nccl_backend_on_cpu_is_a_typed_error(torch_cluster, tok):
     async def scenario():
         engine = await RolloutBusEngine.connect(torch_cluster.frontend, num_engines=2, tokenizer=tok)
         try:
-            await engine.init_weight_update_communicator(info)
+            # SkyRL's Worker.init_weight_sync_state, rank 0 (its worker module needs
+            # jaxtyping and ray, so its two calls are made here in its order): the
+            # sender is made in a thread while the engine sets up its receivers.
+            await asyncio.gather(
+                asyncio.to_thread(strategy.create_sender, init_info=info, inference_client=engine),
+                engine.init_weight_update_communicator(info),
+            )
         finally:
             await engine.aclose()
 
-    with pytest.raises(Unsupported) as e:
+    with pytest.raises(Unsupported) as e:  # not torch's "Found no NVIDIA driver"
         run(scenario())
     assert e.value.field == "weight_sync_backend" and "no CUDA device" in str(e.value)
+    assert "weight_sync_backend to anything but 'nccl'" in str(e.value)
 
 
 def test_skyrl_broadcast_strategy_with_torch_engines_is_a_typed_error(torch_cluster, tok, monkeypatch):
@@ -343,11 +365,8 @@ def test_cancelled_trajectories_stop_on_the_engines(torch_cluster, tok):
         before = asyncio.all_tasks()
         task = asyncio.create_task(gen.generate(batch_of(cfg, 8, ignore_eos=True), disable_tqdm=True))
 
-        async def running() -> int:
-            return sum(e["running"] for e in (await client.health())["engines"].values())
-
         deadline = time.monotonic() + 30
-        while await running() < 8:
+        while await running(client) < 8:
             assert time.monotonic() < deadline, "the 8 trajectories never ran"
             await asyncio.sleep(0.05)
         # SkyRL gathers its agent loops with tqdm.asyncio's gather (as_completed):
@@ -361,20 +380,28 @@ def test_cancelled_trajectories_stop_on_the_engines(torch_cluster, tok):
         with pytest.raises(asyncio.CancelledError):
             await task
         await asyncio.gather(*spawned, return_exceptions=True)
-        while await running():
-            await asyncio.sleep(0.05)
+        while await running(client):
             assert time.monotonic() - t0 < 5.0, "engines still generating 5 s after the cancel"
         idle_after = time.monotonic() - t0
-        out0 = sum(e["tokens_out"] for e in (await client.health())["engines"].values())
+        out0 = await tokens_out(client)
         await asyncio.sleep(1.0)
-        out1 = sum(e["tokens_out"] for e in (await client.health())["engines"].values())
-        return idle_after, out0, out1
+        return idle_after, out0, await tokens_out(client)
 
     idle_after, out0, out1 = run(scenario(), 90)
-    # Heartbeats every 0.5 s: "running" reaches the head within 0.5 s of the
-    # engine going idle; the target (issue 23) is idle within 0.5 s.
     print(f"engines idle {idle_after:.2f} s after the cancel")
+    assert idle_after < 0.5  # issue 23's target, read from the engines themselves (running())
     assert out1 == out0  # nothing generated for anyone since
+
+
+async def running(client: AsyncClient) -> int:
+    """Sequences in the engines now: each engine's own count (a Stats op
+    answers with a fresh heartbeat), not the head's view, which lags by up
+    to a heartbeat interval (0.5 s)."""
+    return sum(r["running"] + r["waiting"] for r in (await client.control(P.Stats())).values())
+
+
+async def tokens_out(client: AsyncClient) -> int:
+    return sum(r["tokens_out"] for r in (await client.control(P.Stats())).values())
 
 
 # Last in the module: on failure the engines are woken and resumed for the next module.
@@ -390,17 +417,20 @@ def test_colocated_sleep_wake_sync_order(torch_cluster, tok, tiny_model, skyrl_r
         engine = await RolloutBusEngine.connect(client, num_engines=2, tokenizer=tok)
         try:
             v0 = (await client.health())["weight_version"]
-            await engine.sleep()
+            await engine.sleep()  # SkyRL's trainer calls it without a level: its client's default, 2
+            levels = {e["sleeping"] for e in (await client.health())["engines"].values()}
             await engine.wake_up(tags=["weights"])
             await strategy.create_sender(strategy.create_init_info(ie), engine).send_chunks(chunks)
             await engine.wake_up(tags=["kv_cache"])
             out = await engine.generate({"prompt_token_ids": [[5, 17, 42]], "sampling_params": {"max_tokens": 4}})
-            return v0, (await client.health())["weight_version"], out
+            return v0, (await client.health())["weight_version"], out, levels
         finally:
             for undo in (client.wake_up, client.resume):  # whatever happened, leave the engines serving
                 with contextlib.suppress(Exception):
                     await undo()
             await client.close()
 
-    v0, v1, out = run(scenario(), 60)
+    v0, v1, out, levels = run(scenario(), 60)
     assert v1 == v0 + 1 and len(out["response_ids"][0]) == 4
+    skyrl_default = inspect.signature(RemoteInferenceClient.sleep).parameters["level"].default
+    assert levels == {skyrl_default} == {2}

@@ -76,6 +76,8 @@ def test_backends_take_the_args_as_builtins_with_the_bucket_sizes() -> None:
         "group_id": "g",
         "weight_check": False,
         "sender_group": False,
+        "check_in": "",
+        "verdict": False,
         "bucket_sizes": [256, 512],
     }, "unset optional args (timeout_s, rank_offset) are left out: the engine's defaults apply"
     assert backend_args(None, []) == {"bucket_sizes": []}

@@ -89,7 +89,7 @@ def test_validation_errors_name_the_field(body, field):
         ([msgspec.msgpack.encode([None, "r"])], "kind"),
         ([b"\xc1"], "body"),
         ([b"\x90"], "body"),  # an empty array
-        ([b"G", msgspec.msgpack.encode(["gen", "r"])], "body"),  # protocol 9's kind frame first
+        ([b"G", msgspec.msgpack.encode(["gen", "r"])], "body"),  # protocol 10's kind frame first
         ([], "frames"),
     ],
 )

@@ -1181,3 +1181,67 @@ def test_level2_partial_update_reloads_the_rest_first(be):
     assert torch.equal(FAKE.worker.weights["w.a"], named[0][1])
     r = wait(be.wake_up(["kv_cache"]), be=be)
     assert r["reloaded_from_checkpoint"] is False and FAKE.worker.reloads == 1
+
+
+def test_nccl_worker_checks_in_and_a_cancelled_or_failed_receive_leaves_nothing_to_commit():
+    """The real worker extension (engine_node/backends/vllm_worker_nccl.py):
+    with NcclArgs.check_in it adds itself under the trainer's store key and
+    waits for the go before anything collective; told not to go (the op
+    failed elsewhere) or failing mid-broadcast, its update is dropped, so a
+    commit behind it writes nothing: the old weights stay."""
+    import socket
+    from datetime import timedelta
+
+    import torch
+    from torch.distributed import TCPStore
+
+    from engine_node.backends import vllm_worker_nccl as WN
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    w = make_worker()
+    named = [("w.b", torch.full((8,), 3.0))]
+    tmetas, sizes, tensors = plan_buckets(named, bucket_bytes=64)
+    bucket = pack_bucket(0, tmetas, sizes, tensors)
+    metas = [[m.name, m.dtype, list(m.shape), m.bucket, m.offset, m.nbytes] for m in tmetas]  # as the backend sends
+    comm = FakeSenderComm([bucket])
+    joined: list[str] = []
+
+    def fake_nccl(self, a, make=None):
+        joined.append(a["check_in"])
+        self._rb()["nccl"] = comm
+        return {"rank": 1, "reused": False}
+
+    args = {"host": "127.0.0.1", "port": port, "world_size": 2, "group_id": "g", "timeout_s": 5.0}
+    orig = WN.NcclReceive._rb_nccl
+    WN.NcclReceive._rb_nccl = fake_nccl
+    try:
+        store.set("rollout_bus/go/ok", b"1")
+        r = w.rollout_bus_recv_nccl("u1", {**args, "check_in": "ok"}, metas, sizes)
+        assert r["bytes"] == sum(sizes) and int(store.add("rollout_bus/in/ok", 0)) == 1 and joined == ["ok"]
+        w.rollout_bus_commit("u1")
+        assert torch.equal(w.weights["w.b"], torch.full((8,), 3.0))
+        store.set("rollout_bus/go/no", b"0")  # the trainer will not broadcast: the op failed elsewhere
+        with pytest.raises(RuntimeError, match="will not broadcast"):
+            w.rollout_bus_recv_nccl("u2", {**args, "check_in": "no"}, metas, sizes)
+        assert joined == ["ok"], "nothing collective before the go"
+        with pytest.raises(RuntimeError, match="no weight update 'u2' begun"):
+            w.rollout_bus_commit("u2")
+        comm.buckets = []  # the broadcast breaks midway (nothing left to receive)
+        store.set("rollout_bus/go/broken", b"1")
+        with pytest.raises(IndexError):
+            w.rollout_bus_recv_nccl("u3", {**args, "check_in": "broken"}, metas, sizes)
+        with pytest.raises(RuntimeError, match="no weight update 'u3' begun"):
+            w.rollout_bus_commit("u3")
+        comm.buckets = [bucket]  # every byte arrives, but the trainer's check found a NaN beside it
+        store.set("rollout_bus/go/nan", b"1")
+        store.set("rollout_bus/ok/nan", b"w.b")
+        with pytest.raises(ValueError, match="'w.b' has NaN or inf"):
+            w.rollout_bus_recv_nccl("u4", {**args, "check_in": "nan", "verdict": True}, metas, sizes)
+        with pytest.raises(RuntimeError, match="no weight update 'u4' begun"):
+            w.rollout_bus_commit("u4")
+        assert torch.equal(w.weights["w.b"], torch.full((8,), 3.0)), "the old weights stay"
+    finally:
+        WN.NcclReceive._rb_nccl = orig

@@ -76,7 +76,8 @@ TRANSPORT_OF_INIT_INFO = {"BroadcastInitInfo": "vllm_nccl", "CudaIpcInitInfo": "
 
 # What each SkyRL weight_sync_backend needs; the error for a machine without it.
 _NO_CUDA = (
-    "SkyRL's weight_sync_backend='nccl' ({info}) moves CUDA tensors and this trainer has no CUDA device: "
+    "SkyRL's own weight sync ({info}: its CUDA IPC or vLLM NCCL broadcast strategy) moves CUDA tensors and "
+    "this trainer has no CUDA device: "
     "on CPU set generator.inference_engine.weight_sync_backend to anything but 'nccl' and send the weights "
     "with rollout-bus's zmq transport (trainer_bridge.skyrl_weights.get_transfer_strategy_cls in place of "
     "SkyRL's, or engine.update_named_weights(tensors))"

@@ -41,11 +41,11 @@ def instrument() -> None:
             if rec:
                 W.SENDER_LOG.append(rec)
 
-    async def timed_send(upd: Any, layout: str, args: Any) -> Any:
+    async def timed_send(upd: Any, layout: str, args: Any, *more: Any, **kw: Any) -> Any:
         t = time.perf_counter()
         _NOW["prep_s"] = t - _NOW.get("t0", t)
         try:
-            return await send(upd, layout, args)
+            return await send(upd, layout, args, *more, **kw)  # more: the transport and its delivery (nccl)
         finally:
             _NOW["op_s"] = time.perf_counter() - t
 

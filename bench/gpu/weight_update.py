@@ -214,6 +214,7 @@ def instrument() -> None:
     trainer-side senders (bench process only)."""
     from trainer_bridge.client import AsyncClient
     from trainer_bridge.transports.cuda_ipc import CudaIpcSender
+    from trainer_bridge.transports.gpu import LAST_PUSH
     from trainer_bridge.transports.nccl import NcclSender
 
     if getattr(AsyncClient._control_sent, "_bench_timed", False):
@@ -237,6 +238,16 @@ def instrument() -> None:
 
     _control_sent._bench_timed = True  # type: ignore[attr-defined]
     AsyncClient._control_sent = _control_sent  # type: ignore[method-assign]
+    health = AsyncClient.health_view
+
+    async def health_view(self: Any, *a: Any, **kw: Any) -> Any:  # the engines read before an update ("Health")
+        t0 = time.perf_counter()
+        try:
+            return await health(self, *a, **kw)
+        finally:
+            CONTROL_LOG.append((t0, "Health", time.perf_counter() - t0))
+
+    AsyncClient.health_view = health_view  # type: ignore[method-assign]
     share = CudaIpcSender.share
 
     def timed_share(self: Any, *a: Any, **kw: Any) -> Any:
@@ -249,7 +260,8 @@ def instrument() -> None:
 
     def timed_send(self: Any, *a: Any, **kw: Any) -> Any:
         r = send(self, *a, **kw)
-        SENDER_LOG.append(dict(self.last_send_timing))
+        # the trainer's own work before the op left (casts, NaN check, plan, layout id), then the send's
+        SENDER_LOG.append({**{f"push_{k}": v for k, v in LAST_PUSH.items()}, **self.last_send_timing})
         return r
 
     NcclSender.send = timed_send  # type: ignore[method-assign]
@@ -415,6 +427,11 @@ def timed_updates(
             k = kind.removesuffix("WeightUpdate").removesuffix("Weights") or kind
             ctl[k] = ctl.get(k, 0.0) + dt * 1e3
         rec["control_ms"] = {k: round(v, 2) for k, v in ctl.items()}
+        if rec.get("update_ms") is not None:
+            # the client's own time inside update_weights outside every round
+            # trip it made (casts, NaN check, plan, thread hops, the broadcast's tail)
+            inside = sum(dt for t, _, dt in CONTROL_LOG[c0:] if t1 <= t <= t2) * 1e3
+            rec["outside_control_ms"] = round(rec["update_ms"] - inside, 3)
         rec["sender"] = SENDER_LOG[s0] if len(SENDER_LOG) > s0 else {}
         try:
             t = engine.read()  # after the control timings above: this Stats op is not one of them
@@ -457,6 +474,7 @@ def breakdown(updates: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         for k, v in (u.get("control_ms") or {}).items():
             add("control." + k, v)
+        add("outside_control_ms", u.get("outside_control_ms"))
         for k, v in (u.get("sender") or {}).items():
             add("trainer." + k, v, 1e3)
         for k, v in (u.get("engine_receive") or {}).items():
@@ -566,7 +584,7 @@ def _run_under_load(
         eng["backend_options"].update(spec.get("backend_options") or {})
     with G.RbCluster(
         spec["model"],
-        "torch" if cpu else "vllm",
+        ("tests.nccl_backend:factory" if transport == "nccl" else "torch") if cpu else "vllm",
         engines=1,
         gpus=None if cpu else gpus,
         ready_timeout_s=spec["ready_timeout_s"],
@@ -594,9 +612,11 @@ def _run_under_load(
         ).start()
         instrument()
         try:
-            opts: dict[str, Any] = {"device": trainer_device} if transport != "zmq" and not cpu else {}
+            opts: dict[str, Any] = {"device": trainer_device} if transport != "zmq" else {}
             if transport == "cuda_ipc" and spec.get("zero_copy"):
                 opts["zero_copy"] = True
+            if not spec.get("one_trip", True):
+                opts["one_trip"] = False
             if transport == "nccl" and spec.get("nccl_warm_up", True):
                 # as SkyRL's init_weight_update_communicator does: the group is set up
                 # before the first update (reported apart from it)
@@ -651,6 +671,19 @@ def phase_nccl(spec: dict[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"transport": "nccl"}
     from transformers import AutoConfig  # noqa: F401 - fail early if missing
+
+    if spec["cpu"]:
+        # Dry run: the nccl path over GLOO (tests/nccl_backend.py: the engine's
+        # receive protocol on the torch backend; the trainer's group made the
+        # same way): every control op, the one-trip and the breakdown run as
+        # on the GPU machine; no raw broadcast (it needs two GPUs).
+        from tests.nccl_backend import gloo_connect
+        from trainer_bridge.transports.nccl import NcclSender
+
+        NcclSender.connect = gloo_connect  # type: ignore[method-assign,assignment]
+        out["raw_broadcast"] = {"skipped": "--cpu dry run"}
+        _run_under_load(spec, None, "cpu", "nccl", out, floor=False)
+        return out
 
     nbytes = _model_bytes(spec["model"])
     out["raw_broadcast"] = raw_broadcast(nbytes, spec)
@@ -837,7 +870,7 @@ def report(doc: dict[str, Any]) -> None:
         row("nccl phase", None, "", None, nccl.get("skipped", "not run"))
     elif not nccl.get("summary"):
         row("nccl phase", None, "", None, f"FAILED: {str(nccl.get('error'))[:150]}")
-        if nccl.get("raw_broadcast"):
+        if (nccl.get("raw_broadcast") or {}).get("whole_ms") is not None:
             row("raw NCCL broadcast, same bytes, ms", nccl["raw_broadcast"]["whole_ms"], "", None)
     else:
         s = nccl["summary"]
@@ -960,7 +993,7 @@ def plot(doc: dict[str, Any], png: Path) -> None:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = G.bench_parser(
         __doc__,
-        cpu_help="CPU dry run: torch backend + tiny model, zmq transport, 8 streams; NCCL skipped",
+        cpu_help="CPU dry run: torch backend + tiny model, zmq transport, 8 streams; --nccl: the nccl path over gloo",
         **dict(seed=0, gpu_memory_utilization=0.85, max_model_len=2048, budget_s=500.0, phase_limit_s=240.0),
         **dict(min_phase_s=60.0, ready_timeout_s=180.0, request_timeout_s=300.0, control_timeout_s=60.0),
         **dict(first_token_timeout_s=10.0, gpu_idle_timeout_s=30.0),
@@ -978,6 +1011,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="with client.paused(MODE), or pipe-MODE: update_weights(pause=MODE), pipelined",
     )
     ap.add_argument("--no-ipc", dest="ipc", action="store_false", help="skip the cuda_ipc phase")
+    ap.add_argument(
+        "--no-one-trip",
+        dest="one_trip",
+        action="store_false",
+        help="update_weights(one_trip=False): every update two round trips (the nccl steady state before the one-trip)",
+    )
     ap.add_argument(
         "--check",
         action="store_true",
@@ -1080,6 +1119,7 @@ def main(argv: list[str] | None = None) -> int:
         "log_stats": a.log_stats,
         "backend_options": a.backend_options,
         "nccl_warm_up": a.nccl_warm_up,
+        "one_trip": a.one_trip,
     }
     doc = G.result_doc(NAME, a, env, targets=TARGETS)
     path = od / f"{NAME}.json"
@@ -1090,9 +1130,7 @@ def main(argv: list[str] | None = None) -> int:
             "nccl",
             "bench.gpu.weight_update:phase_nccl",
             a.nccl,
-            "--cpu dry run"
-            if a.cpu
-            else (None if env.get("gpus", 0) >= 2 else f"needs 2 GPUs, have {env.get('gpus', 0)}"),
+            None if a.cpu or env.get("gpus", 0) >= 2 else f"needs 2 GPUs, have {env.get('gpus', 0)}",
         ),
     ]
     with H.Procs():  # SIGTERM → SystemExit: phases unwind and kill their trees

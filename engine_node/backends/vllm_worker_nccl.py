@@ -12,7 +12,7 @@ import structlog
 import torch
 
 from bus.tensors import unpack_bucket
-from engine_node.backends.vllm_worker_apply import WorkerApply, _on, _sync
+from engine_node.backends.vllm_worker_apply import WorkerApply, _fresh_state, _on, _sync
 
 log = structlog.get_logger("rollout_bus.vllm_worker")
 
@@ -38,8 +38,20 @@ class NcclReceive(WorkerApply):
         if metas is not None:  # begin folded into the receive (one call instead of two)
             self.rollout_bus_begin(uid, metas, list(sizes or []))
         st = self._rb_check(uid)
+        try:
+            return self._rb_recv_nccl(st, args)
+        except BaseException:
+            # Hazard (all-or-nothing): a receive that failed midway leaves some
+            # staging buckets new and some old. The update is dropped here, so
+            # a commit queued behind this receive (or sent by mistake) finds
+            # no update and writes nothing: the old weights stay.
+            st.update(_fresh_state())
+            raise
+
+    def _rb_recv_nccl(self, st: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
         dev = self._rb_device()
         t0 = time.perf_counter()
+        self._rb_check_in(args)  # before the join: the trainer waits for it, not for NCCL
         setup = self._rb_nccl(args)
         t1 = time.perf_counter()
         comm = st["nccl"]
@@ -50,12 +62,67 @@ class NcclReceive(WorkerApply):
                 comm.broadcast(buf, src=0)
                 st["buckets"][i] = buf
             _sync(dev)
+        self._rb_verdict(args)
         t3 = time.perf_counter()
         # The staging outlives the update: the plan's views cut from it are kept
         # for the next update of this layout (vllm_worker_reuse), until nccl_close.
         st["keep_views"] = True
         self._rb_validate(st)
         return received(st, (t0, t1, t2, t3), setup)
+
+    def _rb_check_in(self, a: dict[str, Any]) -> None:
+        """Tell the trainer this worker is in the receive (NcclArgs.check_in)
+        and wait for its go: it broadcasts only once every worker did, so an
+        op refused before the receive (by the head, a node or a backend)
+        leaves neither side blocked inside NCCL."""
+        token = a.get("check_in")
+        if not token:
+            return
+        store = self._rb_store(a)
+        store.add(f"rollout_bus/in/{token}", 1)
+        # Waits (up to the store's timeout_s) for the trainer's word: every
+        # worker of every engine checked in, or the op failed elsewhere.
+        if bytes(store.get(f"rollout_bus/go/{token}")) != b"1":
+            raise RuntimeError(
+                "nccl: the trainer will not broadcast this update (the op failed on another engine "
+                "or at the head before every worker entered its receive); nothing was written"
+            )
+
+    def _rb_verdict(self, a: dict[str, Any]) -> None:
+        """NcclArgs.verdict: the trainer's NaN/inf check ran beside the
+        broadcast; its answer is in the store. Anything but b"ok" refuses the
+        update here, before the vote (the receive fails: nothing written)."""
+        token = a.get("check_in")
+        if not (a.get("verdict") and token):
+            return
+        got = bytes(self._rb_store(a).get(f"rollout_bus/ok/{token}"))
+        if got != b"ok":
+            name = got.decode(errors="replace")
+            raise ValueError(
+                f"tensor {name!r} has NaN or inf values (the trainer's check beside the broadcast): "
+                "nothing written (update_weights(check_finite=False) skips this check)"
+            )
+
+    def _rb_store(self, a: dict[str, Any]) -> Any:
+        """A client of the trainer's TCPStore, one per group (kept: the
+        check-in of every update and the group's set-up use it)."""
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        stores: dict[str, Any] = self._rb().setdefault("stores", {})
+        key = str(a.get("group_id") or f"{a['host']}:{a['port']}")
+        store = stores.get(key)
+        if store is None:
+            store = stores[key] = TCPStore(
+                a["host"],
+                int(a["port"]),
+                is_master=False,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=float(a.get("timeout_s", 300.0))),
+                use_libuv=False,
+            )
+        return store
 
     def _rb_staging(self, st: dict[str, Any], dev: torch.device) -> list[torch.Tensor]:
         """One flat uint8 buffer per bucket of the begun update. Kept across
@@ -83,6 +150,7 @@ class NcclReceive(WorkerApply):
         st["sizes"] += [int(x) for x in sizes]
         dev = self._rb_device()
         t0 = time.perf_counter()
+        self._rb_check_in(args)
         setup = self._rb_nccl(args)
         comm = st["nccl"]
         t1 = time.perf_counter()
@@ -134,21 +202,10 @@ class NcclReceive(WorkerApply):
 
     def _rb_nccl_make(self, a: dict[str, Any]) -> tuple[Any, int]:
         """rollout-bus's own group: the trainer's TCPStore waits for no worker."""
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
-        timeout = float(a.get("timeout_s", 300.0))
-        store = TCPStore(
-            a["host"],
-            int(a["port"]),
-            is_master=False,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=timeout),
-            use_libuv=False,
-        )
+        store = self._rb_store(a)
         if a.get("rank_offset") is not None:
             rank = int(a["rank_offset"]) + int(getattr(self, "rank", 0))
         else:
@@ -161,6 +218,7 @@ class NcclReceive(WorkerApply):
         st = self._rb()
         comms = st.get("comms") or {}
         st["comms"], st["nccl"], st["nccl_key"], st["staging"] = {}, None, None, None
+        st["stores"] = {}
         st["kept"] = None  # (views of the staging)
         for comm in comms.values():
             try:

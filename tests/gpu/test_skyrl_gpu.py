@@ -11,7 +11,8 @@ trainer side), unmodified, with the trainer on GPU 0 and the engine on GPU 1
 (2 GPUs; skipped with fewer; run it in ONE pytest process that sees both,
 not under run_on_device.sh's TESTS_GPU1 split).
 
-Written, not yet run on the device machine (GPU-untested). Wheels it needs
+Both tests passed on nvidia-h200-x2 on 2026-11-27 (run 48 in RESULTS.md; Python 3.12, 2 passed in
+109 s, one pytest process seeing both GPUs). Wheels it needs
 there besides the vLLM bundle (no network on that machine; carry them in
 .device/whl, see run_on_device.sh): skyrl-0.3.0 and skyrl_gym-0.4.0 (`pip
 download --no-deps`), omegaconf 2.4.0, loguru 0.7.3 and pandas (their

@@ -375,12 +375,15 @@ def test_e2e_nccl_trainer_gpu0(model_dirs, gpus, tp):
         record_timing(f"e2e_nccl_tp{tp}_warm_up", seconds=round(time.perf_counter() - t0, 4), detail=init)
         assert init["trainer"]["comm_init_s"] >= 0 and "reused" not in init
         assert cl._call(warm_up_nccl(cl._aclient, {"device": "cuda:0"}), 120)["reused"] is True
-        times = []
+        times, paths = [], []
         for _ in range(2):  # the group is up: both updates reuse it
             t0 = time.perf_counter()
             with cl.paused("abort"):
                 r = cl.update_weights(named, transport="nccl")
             times.append(time.perf_counter() - t0)
+            paths.append({v.detail.get("path") for v in r.values()})
+        # the second update names the plan every engine kept: one op (issue 21 §4)
+        assert paths == [{"two_trip"}, {"one_trip"}], paths
         record_timing(
             f"e2e_update_nccl_tp{tp}",
             bytes=nbytes,

@@ -29,6 +29,7 @@ implements `GpuLink`; `GpuKind(link)` is its entry in the SENDERS table.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Iterable
 from typing import Any, ClassVar, Protocol
@@ -40,7 +41,7 @@ from bus.errors import BadRequest
 from bus.tensors import first_nonfinite, plan_buckets, start_nonfinite_check
 from bus.transport import Transport, TransportArgs
 from trainer_bridge.transports import one_trip
-from trainer_bridge.transports.packing import record_written
+from trainer_bridge.transports.packing import check_beside, record_written
 
 log = structlog.get_logger("trainer_bridge.transports.gpu")
 
@@ -147,38 +148,63 @@ class GpuSender:
     async def push(self, upd: Any, named: list[tuple[str, Any]]) -> dict[str, Any]:
         """The whole update from this one sender (`upd`: an unopened
         trainer_bridge.weights.WeightUpdate with its engines picked): the part
-        rides on the begin, then the commit."""
+        rides on the begin, then the commit — or, once the engines hold its
+        layout, ONE op (one_trip.py). `LAST_PUSH` says where the trainer's
+        own time went outside the round trips."""
+        t0 = time.perf_counter()
         cast_named = [(n, self.cast(t.detach())) for n, t in named]
         # The trainer's writes so far, as an event: the zero-copy share waits for
         # them, not for the NaN/inf check queued behind them, which runs on the
         # GPU while the begin makes its round trip and is waited for before the
         # commit (nothing is written on the engines before it).
         written = record_written(cast_named)
-        check = start_nonfinite_check(cast_named) if self.check_finite else None
-        if check is not None and not self.link_type.check_after_begin:
-            refuse_nonfinite(check())
-            check = None
+        t1 = time.perf_counter()
+        # Launched now, on the GPU while the plan below runs on the CPU. nccl:
+        # on a stream of its own, waited for beside the broadcast (in band,
+        # NcclArgs.verdict).
+        # nccl (in band): launched by the send thread once the op is out.
+        in_band = self.check_finite and getattr(self.link_type, "check_in_band", False)
+        check = start_nonfinite_check(cast_named) if self.check_finite and not in_band else None
+        t2 = time.perf_counter()
         metas, sizes, tensors, zero_copy = self.link_type.plan(cast_named, named, self.options, self.bucket_bytes)
         link = self._link = self.link_type(
             self.engines, self.options, part=False, rank=self.options.get("sender_rank"), tensors=tensors,
             zero_copy=zero_copy, written=written,
         )  # fmt: skip
+        if in_band:
+            link.check = functools.partial(check_beside, cast_named)  # type: ignore[attr-defined]
         handles, args = link.part(metas, sizes, tensors)
-        layout = one_trip.layout_id(metas, sizes, handles) if zero_copy else ""
+        t3 = time.perf_counter()
+        steady = (zero_copy or _one_trips(self.link_type)) and self.options.get("one_trip", True)
+        layout = one_trip.layout_id(metas, sizes, handles) if steady else ""  # one_trip=False: always two trips
+        t4 = time.perf_counter()
+        if check is not None and not self.link_type.check_after_begin:
+            refuse_nonfinite(check())  # before anything is published (nccl: the engines would commit what is sent)
+            check = None
+        LAST_PUSH.clear()
+        LAST_PUSH.update(
+            cast_s=round(t1 - t0, 6),
+            check_launch_s=round(t2 - t1, 6),
+            plan_s=round(t3 - t2, 6),
+            layout_s=round(t4 - t3, 6),
+            check_wait_s=round(time.perf_counter() - t4, 6),
+        )
         try:
             if one_trip.layouts(upd.client).holds(upd.targets, layout):
-                done = await self._one_trip(upd, layout, args, check)
+                done, args = await self._one_trip(upd, layout, args, check, link)
                 if done is not None:
                     return done
                 check = None  # checked already
+                link = self._link or link  # nccl: the renewed engines' group
             begin = P.BeginWeightUpdate(
                 upd.update_id, self.transport, metas, sizes, target=upd.target, transport_args=args,
                 prepare=True, handles=handles, check_finite=upd.check_finite, layout=layout,
             )  # fmt: skip
             try:
                 await link.deliver(upd.open(begin=begin), upd.timeout_s)
-            except BaseException:
+            except BaseException as e:
                 await upd.abort()
+                _refuse_in_band(link, e)
                 raise
             bad = check() if check is not None else None
             if bad is not None:
@@ -193,18 +219,31 @@ class GpuSender:
         finally:
             self.release()  # cuda_ipc: only now, after the commit (or abort) is acked
 
-    async def _one_trip(self, upd: Any, layout: str, args: Any, check: Any) -> dict[str, Any] | None:
-        """The one-op update (trainer_bridge/transports/one_trip.py); None when
-        it was refused before anything committed: `upd` is renewed for the
-        two-round-trip path then."""
+    async def _one_trip(
+        self, upd: Any, layout: str, args: Any, check: Any, link: GpuLink
+    ) -> tuple[dict[str, Any] | None, Any]:
+        """The one-op update (trainer_bridge/transports/one_trip.py) and the
+        args; (None, args) when it was refused before anything committed:
+        `upd` is renewed for the two-round-trip path then (nccl: nothing was
+        broadcast; the args get a fresh check-in token)."""
         if check is not None:  # the engines write at once: checked before the op leaves
             refuse_nonfinite(check())
         try:
-            return await one_trip.send(upd, layout, args)
+            return await one_trip.send(upd, layout, args, self.transport, link.deliver), args
         except one_trip.Refused as e:
+            _refuse_in_band(link, e)  # the engines refused what the trainer's own check found
             log.info("weight_one_trip_fallback", update_id=upd.update_id, why=str(e)[:300])
             await upd.renew(f"one-trip refused: {e}")  # a new id, a health read (and a re-pause)
-            return None
+            if _one_trips(self.link_type):
+                # nothing was broadcast; a fresh check-in token, and the group of
+                # the engines just read (another engine set: another group)
+                payload = link_payload(link)
+                self._link = new = self.link_type(
+                    upd.engines, self.options, part=False, rank=self.options.get("sender_rank"), tensors=payload[2]
+                )
+                new.check = getattr(link, "check", None)  # type: ignore[attr-defined]
+                _, args = new.part(*payload)
+            return None, args
 
     def release(self) -> None:
         """Free this rank's buffers (cuda_ipc: only after the commit / abort is acked)."""
@@ -239,6 +278,32 @@ class GpuSender:
             await self.wait_released()
 
 
+# Where the last one-sender push spent the trainer's own time before its
+# first op left (s): casts, the NaN/inf check, plan + link set-up, the layout id.
+LAST_PUSH: dict[str, float] = {}
+
+
+def _one_trips(link: type[GpuLink]) -> bool:
+    """A link whose every one-sender update may go one-trip (nccl); cuda_ipc
+    does only with zero_copy (its plan says so)."""
+    return bool(getattr(link, "one_trip", False))
+
+
+def _refuse_in_band(link: Any, e: BaseException) -> None:
+    """The in-band NaN/inf check found a bad tensor (the engines refused the
+    update for it): the typed refusal naming it, not the engines' errors."""
+    bad = getattr(link, "bad", None)
+    if bad is not None:
+        try:
+            refuse_nonfinite(bad)
+        except BadRequest as refusal:
+            raise refusal from e
+
+
+def link_payload(link: Any) -> tuple[list[Any], list[int], list[Any]]:
+    return link._payload
+
+
 class GpuKind:
     """The SENDERS entry of a GPU transport: its link, one send path."""
 
@@ -256,7 +321,8 @@ class GpuKind:
         named = list(named)
         # A zero-copy layout the engines hold: their views from that update
         # (dtype casts), no health read; else the healthy and stale engines now.
-        cached = one_trip.layouts(upd.client).engines_for(upd.targets) if options.get("zero_copy") else None
+        steady = options.get("zero_copy") or _one_trips(self.link)
+        cached = one_trip.layouts(upd.client).engines_for(upd.targets) if steady else None
         if cached:
             upd.engines = cached
         else:

@@ -1,6 +1,6 @@
 """The nccl transport, trainer side (trainer on another GPU / node; trainer = rank 0).
 
-Two round trips per update (see trainer_bridge/transports/gpu.py):
+The first update of a plan: two round trips (see trainer_bridge/transports/gpu.py):
     s = NcclSender(world_size=1 + sum(engine.tp for engine in engines), host=<trainer ip>)
                                                           # keep it for the trainer's lifetime
     metas, sizes, tensors = s.plan(named_tensors)
@@ -9,9 +9,18 @@ Two round trips per update (see trainer_bridge/transports/gpu.py):
         WITHOUT waiting for its acks: begin + receive + prepare in one op (the
         engines block in the receive until every bucket has arrived; the first
         time they also join the NCCL group; the ack is the engine's vote)
-    s.send(metas, sizes, tensors)                         # connect() on first use, broadcast each bucket
+    s.send(metas, sizes, tensors, check_in, stop)         # once every engine worker checked in:
+                                                          # connect() on first use, broadcast each bucket
     gather the begin's acks
     cmd FinishWeightUpdate(update_id)                     # the head commits
+  Every later update with the same plan (the layout every engine kept): ONE op,
+  BeginWeightUpdate("nccl", [], [], layout=L, commit=True) published, the same
+  broadcast, its acks are the commits (trainer_bridge/transports/one_trip.py);
+  refused (a sleep, a re-join): the two round trips again, by themselves.
+  Check-in (NcclArgs.check_in, trainer_bridge/transports/nccl_broadcast.py):
+  each engine worker adds itself under a fresh token in the sender's store
+  before anything collective and waits for the sender's go; an op refused
+  anywhere before the receive ends with nothing broadcast and the group intact.
   (A separate ReceiveWeights after the begin acked works too — warm_up_nccl
   does that — but costs a third round trip.)
   transport_args (bus.transport.NcclArgs): host, port (the sender's TCPStore),
@@ -37,12 +46,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Iterable
 from datetime import timedelta
 from typing import Any, ClassVar
 
+import msgspec
 import structlog
 
 from bus import protocol as P
@@ -50,7 +61,8 @@ from bus.errors import ControlError
 from bus.tensors import DEFAULT_BUCKET_BYTES, plan_buckets
 from bus.transport import NcclArgs, Transport, backend_args
 from trainer_bridge.transports.gpu import GpuKind
-from trainer_bridge.transports.packing import device_of, pack_fast
+from trainer_bridge.transports.nccl_broadcast import NotCheckedIn, send_update
+from trainer_bridge.transports.packing import device_of
 
 log = structlog.get_logger("trainer_bridge.transports.nccl")
 
@@ -97,6 +109,10 @@ class NcclSender:
         self.last_send_seconds = 0.0
         self.connect_timing: dict[str, float] = {}
         self.last_send_timing: dict[str, float] = {}
+        self.last_send_info: dict[str, int] = {}
+        self.last_verdict: str | None = None  # the in-band NaN/inf check's bad tensor (NcclArgs.verdict)
+        self._pack_stream: Any = None
+        self._pack_bufs: list[Any] = []
 
     def args(self, *, weight_check: bool = False, sender_group: bool = False) -> NcclArgs:
         """What the engines need to join this group (BeginWeightUpdate /
@@ -139,32 +155,46 @@ class NcclSender:
     def plan(self, named: Iterable[tuple[str, Any]]):
         return plan_buckets(list(named), self.bucket_bytes)
 
-    def send(self, metas: list[Any], sizes: list[int], tensors: list[Any]) -> dict[str, Any]:
+    def pack_stream(self) -> Any:
+        """The CUDA stream the packs run on (nccl_broadcast.py), made once."""
         import torch
 
+        if self._pack_stream is None and self.device.type == "cuda":
+            self._pack_stream = torch.cuda.Stream(self.device)
+        return self._pack_stream
+
+    def pack_buffers(self, nbytes: int) -> list[Any]:
+        """The two pack buffers, at least `nbytes` each (kept across updates:
+        the trainer's memory holds two buckets more while the sender lives)."""
+        import torch
+
+        if nbytes and (not self._pack_bufs or self._pack_bufs[0].numel() < nbytes):
+            self._pack_bufs = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        return self._pack_bufs
+
+    def send(
+        self,
+        metas: list[Any],
+        sizes: list[int],
+        tensors: list[Any],
+        check_in: str = "",
+        stop: threading.Event | None = None,
+        check: Any = None,
+    ) -> dict[str, Any]:
+        """Broadcast one update (trainer_bridge/transports/nccl_broadcast.py):
+        with `check_in`, only once every engine worker entered its receive
+        (NotCheckedIn when `stop` is set first: nothing was sent, the group
+        is intact)."""
         t0 = time.perf_counter()
-        self.connect()
-        t1 = time.perf_counter()
-        pack = 0.0
-        with torch.cuda.device(self.device):
-            for i in range(len(sizes)):
-                p0 = time.perf_counter()
-                buf = pack_fast(i, metas, sizes, tensors, self.device)
-                pack += time.perf_counter() - p0
-                self.comm.broadcast(buf, src=0)
-            torch.cuda.synchronize(self.device)
-        self.last_send_seconds = time.perf_counter() - t1
+        timing = send_update(self, metas, sizes, tensors, check_in, stop, check)
+        self.last_send_seconds = time.perf_counter() - t0
         nbytes = int(sum(sizes))
-        self.last_send_timing = {
-            "connect_s": round(t1 - t0, 4),
-            "pack_launch_s": round(pack, 4),
-            "send_s": round(self.last_send_seconds, 4),
-        }
+        self.last_send_timing = timing
         return {
             "bytes": nbytes,
             "seconds": self.last_send_seconds,
-            "GBps": nbytes / self.last_send_seconds / 1e9 if self.last_send_seconds > 0 else None,
-            **self.last_send_timing,
+            "GBps": nbytes / timing["send_s"] / 1e9 if timing["send_s"] > 0 else None,
+            **timing,
         }
 
     def close(self) -> None:
@@ -175,6 +205,7 @@ class NcclSender:
                 log.warning("nccl_destroy_failed", error=repr(e))
             self.comm = None
         self.store = None
+        self._pack_bufs = []
 
 
 # The trainer's groups, one per (engine set, device, host, sender rank), kept for later updates.
@@ -270,14 +301,18 @@ def drop_group(key: tuple[Any, ...], sender: Any) -> None:
 
 class NcclLink:
     """One sender's nccl delivery: the op carrying the part (the begin of a
-    one-sender update, or a ReceiveWeights) is published, and the broadcast
-    runs while the engines wait inside it."""
+    one-sender update, a one-trip begin, or a ReceiveWeights) is published,
+    and the broadcast runs while the engines wait inside it."""
 
     transport: ClassVar[Transport] = Transport.NCCL
-    # The broadcast queues behind the NaN/inf check on the same stream anyway:
-    # refuse before a group is even made.
+    # The NaN/inf check rides beside the broadcast (NcclArgs.verdict): the
+    # engines refuse the update after their last bucket unless it said ok.
     check_after_begin: ClassVar[bool] = False
+    check_in_band: ClassVar[bool] = True
     keeps_buffers: ClassVar[bool] = False
+    # Steady state in ONE op (trainer_bridge/transports/one_trip.py): the
+    # layout is the plan's metas and sizes; the engines keep them and their staging.
+    one_trip: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -295,6 +330,9 @@ class NcclLink:
         self.is_part = part
         self.key, self.sender = nccl_sender(engines, options, tensors, rank)
         self._payload: tuple[list[Any], list[int], list[Any]] = ([], [], [])
+        self._check_in = ""
+        self.check: Any = None  # launches the in-band NaN/inf check (gpu.py sets it before part())
+        self.bad: str | None = None  # what it found, once the broadcast ran
 
     @staticmethod
     def plan(
@@ -305,21 +343,35 @@ class NcclLink:
 
     def part(self, metas: list[Any], sizes: list[int], tensors: list[Any]) -> tuple[list[bytes], NcclArgs]:
         self._payload = (metas, sizes, tensors)
+        self._check_in = uuid.uuid4().hex  # fresh per op: see NcclArgs.check_in
         args = self.sender.args(weight_check=bool(self.options.get("weight_check")), sender_group=self.is_part)
-        return [], args
+        return [], msgspec.structs.replace(args, check_in=self._check_in, verdict=self.check is not None)
 
     async def deliver(self, op: Awaitable[Any], timeout_s: float) -> Any:
         """Publish `op` (the awaitable that sends it and gathers its acks),
-        broadcast while the engines wait in it (on a thread: NCCL calls
-        block), then return its acks.
+        broadcast once every engine worker checked in (on a thread: NCCL
+        calls block), then return its acks.
 
-        Hazard: if the broadcast fails midway the group is broken: it is
-        dropped here and the caller aborts."""
+        If the acks come back first (the op was refused before the receive),
+        nothing is broadcast and the group stays usable: their error is
+        raised. Hazard: if the broadcast fails midway the group is broken: it
+        is dropped here and the caller aborts."""
         acks = asyncio.ensure_future(op)
+        stop = threading.Event()
+        await asyncio.sleep(0)  # the op is on the wire before the first broadcast
+        send = asyncio.ensure_future(
+            asyncio.to_thread(self.sender.send, *self._payload, self._check_in, stop, self.check)
+        )
         try:
-            await asyncio.sleep(0)  # the op is on the wire before the first broadcast
-            await asyncio.to_thread(self.sender.send, *self._payload)
+            await asyncio.wait({acks, send}, return_when=asyncio.FIRST_COMPLETED)
+            if not send.done():
+                stop.set()  # the op is over without the broadcast: do not start it
+            await send
+            self.bad = self.sender.last_verdict
+        except NotCheckedIn:
+            return await acks  # raises the op's error (nothing was sent: the group is fine)
         except BaseException:
+            stop.set()
             drop_group(self.key, self.sender)
             try:
                 await asyncio.wait_for(acks, timeout_s)

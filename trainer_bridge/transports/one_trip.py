@@ -1,5 +1,16 @@
 """The one-trip update, trainer side: ONE control round trip per zero-copy
-cuda_ipc update once the engines hold the trainer's layout.
+cuda_ipc update, and per nccl update, once the engines hold the trainer's layout.
+
+nccl (trainer_bridge/transports/nccl.py): every update names the same plan
+(metas, sizes) while the trainer's parameters keep their names, shapes and
+dtypes; its digest is the layout. The engines keep the metas and their
+staging buffers under it, so the steady state is
+`BeginWeightUpdate("nccl", [], [], layout=L, commit=True, transport_args=
+NcclArgs(..., check_in=fresh))`: the head decides the version and publishes,
+each engine worker checks in and receives the broadcast into its staging,
+the engine validates and commits, ONE ack. The trainer broadcasts only once
+every worker checked in: a refused op (head or engines) leaves nothing
+half-sent, and the trainer falls back to the two round trips by itself.
 
 A zero-copy update (`update_weights(transport="cuda_ipc", zero_copy=True)`,
 trainer_bridge/transports/cuda_ipc.py) names the trainer's own parameters;
@@ -30,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import weakref
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -128,18 +140,26 @@ def nothing_committed(e: BaseException) -> bool:
     return isinstance(e, ControlError) and not e.results and not e.missing and bool(e.errors)
 
 
-async def send(upd: Any, layout: str, args: Any) -> dict[str, P.WeightsCommitted]:
+async def send(
+    upd: Any,
+    layout: str,
+    args: Any,
+    transport: Transport = Transport.CUDA_IPC,
+    deliver: Callable[[Awaitable[Any], float], Awaitable[Any]] | None = None,
+) -> dict[str, P.WeightsCommitted]:
     """The one-trip op of `upd` (a trainer_bridge.weights.WeightUpdate whose
-    engines hold `layout`); Refused when nothing committed."""
+    engines hold `layout`); Refused when nothing committed. `deliver`: the
+    link's (nccl: publish the op, broadcast once every engine worker is in
+    its receive, gather the acks); None: the op's acks are all there is."""
     begin = P.BeginWeightUpdate(
-        upd.update_id, Transport.CUDA_IPC, [], [], transport_args=args, check_finite=upd.check_finite,
+        upd.update_id, transport, [], [], transport_args=args, check_finite=upd.check_finite,
         layout=layout, commit=True, version=upd.version,
     )  # fmt: skip
     reply = upd.client._control_sent(begin, targets=upd.targets, timeout_s=upd.timeout_s)
     if upd.pipeline is not None:
         upd.pipeline.resume()  # right behind the update: the head and engines keep the order
     try:
-        res = await reply
+        res = await (reply if deliver is None else deliver(reply, upd.timeout_s))
     except (BadRequest, ControlError) as e:
         if nothing_committed(e):
             layouts(upd.client).forget(upd.targets)
@@ -152,6 +172,9 @@ async def send(upd: Any, layout: str, args: Any) -> dict[str, P.WeightsCommitted
         log.warning("weight_one_trip_missed", update_id=upd.update_id, failed=sorted(e.errors), missing=e.missing)
         layouts(upd.client).forget(upd.targets)
         res = dict(e.results)
+    except BaseException:
+        layouts(upd.client).forget(upd.targets)
+        raise
     upd.state = "committed"
     upd.results = P.expect(res, P.WeightsCommitted, "finish_weights")
     return upd.results

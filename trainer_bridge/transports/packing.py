@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bus.tensors import start_nonfinite_check
+
 
 def device_of(tensors: list[Any], device: Any) -> Any:
     import torch
@@ -21,13 +23,17 @@ def device_of(tensors: list[Any], device: Any) -> Any:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def pack_fast(index: int, metas: list[Any], sizes: list[int], tensors: list[Any], device: Any) -> Any:
+def pack_fast(index: int, metas: list[Any], sizes: list[int], tensors: list[Any], device: Any, out: Any = None) -> Any:
     """bus.tensors.pack_bucket's bytes (the same layout), with the per-tensor
     copies launched as ONE torch._foreach_copy_ per dtype instead of a Python
-    loop of copy_ (~300 launches for a 0.5B model)."""
+    loop of copy_ (~300 launches for a 0.5B model). `out`: a uint8 buffer of
+    at least the bucket's size to pack into (its first sizes[index] bytes)."""
     import torch
 
-    buf = torch.empty(sizes[index], dtype=torch.uint8, device=device)
+    if out is None:
+        buf = torch.empty(sizes[index], dtype=torch.uint8, device=device)
+    else:
+        buf = out[: sizes[index]]
     groups: dict[Any, tuple[list[Any], list[Any]]] = {}
     typed: dict[Any, Any] = {}  # dtype -> the whole bucket viewed as it (buckets are 256-byte aligned)
     for m, t in zip(metas, tensors, strict=True):
@@ -60,3 +66,52 @@ def record_written(named: list[tuple[str, Any]]) -> Any:
     ev = torch.cuda.Event()
     ev.record(torch.cuda.current_stream(dev))
     return ev
+
+
+_CHECK_STREAMS: dict[Any, Any] = {}
+
+
+def check_beside(named: list[tuple[str, Any]]) -> Any:
+    """bus.tensors.start_nonfinite_check, launched on a stream of its own
+    (ordered after the trainer's writes), so its sums run on the GPU beside
+    the packs and broadcasts instead of ahead of them. The returned function
+    waits for it (the nccl sender's in-band verdict)."""
+    import torch
+
+    dev = next((t.device for _, t in named if getattr(t, "is_cuda", False)), None)
+    if dev is None:
+        return start_nonfinite_check(named)
+    stream = _CHECK_STREAMS.get(dev)
+    if stream is None:
+        stream = _CHECK_STREAMS[dev] = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        result = start_nonfinite_check(named)
+
+    def wait() -> str | None:
+        stream.synchronize()  # the sums are done before any other stream reads them
+        return result()
+
+    return wait
+
+
+def direct_source(index: int, metas: list[Any], sizes: list[int], tensors: list[Any], device: Any) -> Any:
+    """The bucket's bytes as a view of the trainer's own tensor when the bucket
+    is that one tensor, whole, contiguous and on `device` (a large parameter:
+    an embedding or lm_head has a bucket of its own): broadcast from its
+    storage, nothing packed. None: the bucket must be packed."""
+    import torch
+
+    found = None
+    for m, t in zip(metas, tensors, strict=True):
+        if m.bucket != index:
+            continue
+        if found is not None:
+            return None  # two tensors share the bucket
+        found = (m, t)
+    if found is None:
+        return None
+    m, t = found
+    if m.offset != 0 or m.nbytes != sizes[index] or t.device != torch.device(device) or not t.is_contiguous():
+        return None
+    return t.detach().reshape(-1).view(torch.uint8)
