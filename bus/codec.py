@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -123,16 +123,21 @@ def encode_failed(msg: Any, e: BaseException) -> EncodeFailed:
 
 
 class Codec:
-    """Encode/decode `[kind][body][buffers…]` (routing ids handled by the caller)."""
+    """Encode/decode `[body][buffers…]` (routing ids handled by the caller).
+
+    The body's tag (its first msgpack item) names the message type: one
+    msgspec Decoder over the union of every message reads any body (protocol
+    11; a kind frame before the body said the same thing, one frame more per
+    message on every hop)."""
 
     def __init__(self) -> None:
         # `encoder` is public for the hot send path (bus/endpoint.py), which
-        # builds `[peer, kind, body, *buffers]` in one list; the same thread
-        # owns it (msgspec encoders reuse an internal buffer).
+        # builds `[peer, body, *buffers]` itself; the same thread owns it
+        # (msgspec encoders reuse an internal buffer).
         self.encoder = msgspec.msgpack.Encoder()
-        self._dec: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
-            kind: msgspec.msgpack.Decoder(t) for kind, t in P.TYPE_OF.items()
-        }
+        self._dec: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(
+            typing.Union[P.MESSAGE_TYPES]  # noqa: UP007 (a runtime tuple of types)
+        )
 
     def encode(self, msg: Any, buffers: Sequence[Any] = ()) -> list[Any]:
         """Raises EncodeFailed (typed, naming the message) instead of msgspec's
@@ -143,39 +148,44 @@ class Codec:
             body = self.encoder.encode(msg)
         except ENCODE_ERRORS as e:
             raise encode_failed(msg, e) from None
-        return [P.KIND_OF[type(msg)], body, *buffers]
+        return [body, *buffers]
 
     def decode(self, frames: Sequence[Any]) -> tuple[Any, list[Any]]:
-        """Decode `[kind, body, *buffers]`. Raises ProtocolError (unknown kind,
-        missing body) or BadRequest naming the offending field."""
-        if len(frames) < 2:
-            raise ProtocolError(f"expected [kind, body, …], got {len(frames)} frame(s)", field="frames")
-        kind = bytes(frames[0])
-        dec = self._dec.get(kind)
-        if dec is None:
-            raise ProtocolError(f"unknown message kind {kind!r}", field="kind")
-        cls = P.TYPE_OF[kind]
+        """Decode `[body, *buffers]`. Raises ProtocolError (no body, a body that
+        is not a message, an unknown kind) or BadRequest naming the offending field."""
+        if not frames:
+            raise ProtocolError("expected [body, …], got no frame", field="frames")
         try:
-            msg = dec.decode(frames[1])
+            msg = self._dec.decode(frames[0])
         except msgspec.ValidationError as e:
-            text = str(e)
-            # "... - at `$[2][0]`", or for a dict key "... - at `key` in `$[2][1]`"
-            key = " - at `key` in `$" in text
-            at = text.rsplit(" - at `key` in `$" if key else " - at `$", 1)
-            field = _field_path(cls, at[1], _raw(frames[1])) if len(at) == 2 else None
-            if key and field is not None:
-                field += "[<key>]"
-            raise BadRequest(
-                f"invalid {cls.__name__}: {truncate(at[0])}", field=field, request_id=request_id_of(frames)
-            ) from None
+            raise _invalid(e, frames) from None
         except msgspec.DecodeError as e:
-            raise ProtocolError(f"undecodable {cls.__name__} body: {e}", field="body") from None
+            raise ProtocolError(f"undecodable message body: {e}", field="body") from None
         except (UnicodeDecodeError, RecursionError, MemoryError, ValueError, TypeError, OverflowError) as e:
             # Hostile bodies reach these, not ValidationError: a string that is
             # not UTF-8, thousands of nested arrays inside an `Any` field. The
             # decoder must be total: every frame becomes a message or a typed error.
-            raise ProtocolError(f"undecodable {cls.__name__} body: {type(e).__name__}", field="body") from None
-        return msg, list(frames[2:])
+            raise ProtocolError(f"undecodable message body: {type(e).__name__}", field="body") from None
+        return msg, list(frames[1:])
+
+
+def _invalid(e: msgspec.ValidationError, frames: Sequence[Any]) -> ProtocolError | BadRequest:
+    """The typed error of a body msgspec refused: not a message array or an
+    unknown kind (ProtocolError), else a BadRequest naming the field."""
+    raw = _raw(frames[0])
+    if not isinstance(raw, list) or not raw:
+        return ProtocolError("the body is not a message (a msgpack array that starts with its kind)", field="body")
+    cls = P.TYPE_OF.get(raw[0]) if isinstance(raw[0], str) else None
+    if cls is None:
+        return ProtocolError(f"unknown message kind {truncate(repr(raw[0]))}", field="kind")
+    text = str(e)
+    # "... - at `$[2][0]`", or for a dict key "... - at `key` in `$[2][1]`"
+    key = " - at `key` in `$" in text
+    at = text.rsplit(" - at `key` in `$" if key else " - at `$", 1)
+    field = _field_path(cls, at[1], raw) if len(at) == 2 else None
+    if key and field is not None:
+        field += "[<key>]"
+    return BadRequest(f"invalid {cls.__name__}: {truncate(at[0])}", field=field, request_id=request_id_of(frames))
 
 
 def _check_batch(msg: P.ChunkBatch, buffers: list[Any]) -> None:
@@ -258,29 +268,41 @@ class Outbox:
         self.by_peer.setdefault(peer, []).append((chunk, buffers))
 
     def messages(self) -> list[tuple[bytes, Any, list[Any]]]:
-        """[(peer, msg, buffers)], one per peer, and empty the box (a list, not
-        a generator: it runs once per chunk in the engine node's busy loop)."""
+        """[(peer, msg, buffers)], one per peer, and empty the box."""
         box, self.by_peer = self.by_peer, {}
-        out: list[tuple[bytes, Any, list[Any]]] = []
+        return [(peer, *_one_message(items)) for peer, items in box.items()]
+
+    def flush(self, send: Callable[[bytes, Any, list[Any]], Any]) -> None:
+        """`send(peer, msg, buffers)` each peer's message and empty the box:
+        what `messages()` returns, without building it (the engine node's busy
+        loop runs this once per chunk; a lone chunk goes out as it is)."""
+        box, self.by_peer = self.by_peer, {}
         for peer, items in box.items():
             if len(items) == 1:
                 chunk, bufs = items[0]
-                out.append((peer, chunk, bufs))
-            elif all(bs for _, bs in items):
-                # Packed: one token frame for the whole batch (b"".join takes
-                # bytes, zmq Frames and memoryview slices alike).
-                toks = b"".join([bs[0] for _, bs in items])
-                rest = [b for _, bs in items for b in bs[1:]]
-                batch = P.ChunkBatch(
-                    [c for c, _ in items],
-                    [len(bs) - 1 for _, bs in items],
-                    [token_count(bs[0]) for _, bs in items],
-                )
-                out.append((peer, batch, [toks, *rest]))
-            else:  # a chunk without a token frame: the unpacked layout
-                bufs = [b for _, bs in items for b in bs]
-                out.append((peer, P.ChunkBatch([c for c, _ in items], [len(bs) for _, bs in items]), bufs))
-        return out
+                send(peer, chunk, bufs)
+            else:
+                send(peer, *_one_message(items))
+
+
+def _one_message(items: list[tuple[Any, list[Any]]]) -> tuple[Any, list[Any]]:
+    """One peer's chunks as one message: a Chunk alone, else a ChunkBatch."""
+    if len(items) == 1:
+        return items[0]
+    if all(bs for _, bs in items):
+        # Packed: one token frame for the whole batch (b"".join takes
+        # bytes, zmq Frames and memoryview slices alike).
+        toks = b"".join([bs[0] for _, bs in items])
+        rest = [b for _, bs in items for b in bs[1:]]
+        batch = P.ChunkBatch(
+            [c for c, _ in items],
+            [len(bs) - 1 for _, bs in items],
+            [token_count(bs[0]) for _, bs in items],
+        )
+        return batch, [toks, *rest]
+    # a chunk without a token frame: the unpacked layout
+    bufs = [b for _, bs in items for b in bs]
+    return P.ChunkBatch([c for c, _ in items], [len(bs) for _, bs in items]), bufs
 
 
 def _raw(body: Any) -> Any:
@@ -298,11 +320,11 @@ def _raw(body: Any) -> Any:
 
 
 def request_id_of(frames: Sequence[Any]) -> str:
-    """Best effort: the request id of an undecodable request, for the error
+    """Best effort: the request id of an undecodable request (`[body, …]`), for the error
     reply. An id longer than the protocol allows is not echoed (a 32 MB id
     would come back in a 32 MB reply): "" instead."""
     try:
-        raw = msgspec.msgpack.decode(frames[1])
+        raw = msgspec.msgpack.decode(frames[0])
         if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], str) and len(raw[1]) <= P.MAX_ID_CHARS:
             return raw[1]
     # Hostile bodies: msgspec's decode errors, a missing frame, a frame that is

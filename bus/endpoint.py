@@ -47,7 +47,6 @@ _zmq_poll = zmq.zmq_poll
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
-_KIND_OF = P.KIND_OF
 # A frame at least this big goes out zero-copy when it is immutable (bytes,
 # or a received zmq.Frame); smaller ones are copied (cheaper than a Frame).
 # Hazard: only immutable buffers: libzmq reads a zero-copy frame later, on its
@@ -212,22 +211,27 @@ class Endpoint:
     def send(self, peer: bytes, msg: Any, buffers: Sequence[Any] = ()) -> bool:
         """Encode and send `msg` (+ its raw frames) to `peer`; False when the
         peer is gone or (with `on_peer_full`) over its high-water mark."""
-        # Hot path (every chunk an engine sends): the codec's encoder, the
-        # frame list and send_multipart's loop inlined here, in one call.
+        # Hot path (every chunk an engine sends): the codec's encoder and
+        # send_multipart's loop inlined here, in one call; a routed message
+        # with one small buffer (a chunk and its token frame) is unrolled.
         try:
             body = self._encode(msg)
         except ENCODE_ERRORS as e:
             return self._unencodable(peer, msg, encode_failed(msg, e))
-        kind = _KIND_OF[type(msg)]
-        frames = [peer, kind, body, *buffers] if self.routed else [kind, body, *buffers]
         sock, flags = self.sock, self._flags
         more = flags | _SNDMORE
-        last = len(frames) - 1
         try:
+            if self.routed and len(buffers) == 1 and type(buffers[0]) is bytes and len(buffers[0]) < ZERO_COPY_MIN:
+                _raw_send(sock, peer, more, True, False)
+                _raw_send(sock, body, more, True, False)
+                _raw_send(sock, buffers[0], flags, True, False)
+                return True
+            frames = [peer, body, *buffers] if self.routed else [body, *buffers]
+            last = len(frames) - 1
             for i, f in enumerate(frames):
                 _raw_send(sock, f, more if i < last else flags, type(f) is not bytes or len(f) < ZERO_COPY_MIN, False)
         except zmq.ZMQError as e:
-            return self._not_sent(frames, e)
+            return self._not_sent(peer, e)
         return True
 
     def _unencodable(self, peer: bytes, msg: Any, e: EncodeFailed) -> bool:
@@ -245,21 +249,21 @@ class Endpoint:
         try:
             send_multipart(self.sock, frames, self._flags)
         except zmq.ZMQError as e:
-            return self._not_sent(frames, e)
+            return self._not_sent(bytes(frames[0]) if self.routed else b"", e)
         return True
 
-    def _not_sent(self, frames: list[Any], e: zmq.ZMQError) -> bool:
+    def _not_sent(self, peer: bytes, e: zmq.ZMQError) -> bool:
         """A send failed: a peer over its HWM (with `on_peer_full`) or gone
         (ROUTER_MANDATORY) is reported and False returned; anything else raises."""
         if isinstance(e, zmq.Again):
             full = self.on_peer_full
             if full is None:
                 raise e
-            full(bytes(frames[0]) if self.routed else b"")
+            full(peer if self.routed else b"")
             return False
         if e.errno != zmq.EHOSTUNREACH:
             raise e
-        self.on_peer_gone(bytes(frames[0]))
+        self.on_peer_gone(peer)
         return False
 
     def fail(self, peer: bytes, rid: str, code: ErrorCode, message: str, field: str | None) -> None:
@@ -278,4 +282,4 @@ class Endpoint:
 
 
 def _rid_of(body: Sequence[Any]) -> str:
-    return request_id_of([bytes(f) for f in body[:2]]) if len(body) >= 2 else ""
+    return request_id_of([bytes(body[0])]) if body else ""

@@ -3,11 +3,13 @@
 Every message is a ``msgspec.Struct`` (tagged, array-like, defaults omitted).
 On the wire a message is the multipart frame list::
 
-    [routing ids…][kind: 1 byte][msgpack body][raw buffers…]
+    [routing ids…][msgpack body][raw buffers…]
 
-The kind byte names the Struct (``KIND_OF``/``TYPE_OF``); large payloads
-(prompt token ids as int32, logprobs as float32, weight buckets) travel as raw
-frames after the body, never inside it.
+The body is the Struct as a msgpack array whose first item is its tag (the
+message's kind: ``KIND_OF``/``TYPE_OF``), so one decoder over the union of
+every message type reads any body (bus/codec.py); large payloads (prompt token
+ids as int32, logprobs as float32, weight buckets) travel as raw frames after
+the body, never inside it.
 
 Compatibility rule: add fields only at the END of a Struct, always with a
 default. Removing or reordering fields is a protocol-version bump.
@@ -135,7 +137,9 @@ from bus.wire import Version as Version
 # in at the trainer's store before it joins the broadcast; the trainer
 # broadcasts only once all did, so a refused op never leaves it blocked), and
 # NcclArgs.verdict (the trainer's NaN/inf check rides beside the broadcast).
-PROTOCOL_VERSION = 10
+# 11: no kind frame: a message is [body, *buffers], the body's tag (its first
+# msgpack item) names the type (one frame less per message on every hop).
+PROTOCOL_VERSION = 11
 
 # ---------------------------------------------------------------- data plane
 
@@ -531,31 +535,34 @@ class WeightBucketAck(_Msg, tag="wbucket_ack"):
 
 # ------------------------------------------------------------ kind table
 
-# One byte per message type. Never reuse a code.
-KIND_OF: dict[type, bytes] = {
-    Generate: b"G",
-    Cancel: b"X",
-    Chunk: b"C",
-    ChunkBatch: b"B",
-    Error: b"E",
-    Command: b"M",
-    Ack: b"A",
-    Control: b"K",
-    ControlReply: b"k",
-    Query: b"Q",
-    QueryReply: b"q",
-    EndSession: b"S",
-    Register: b"R",
-    RegisterReply: b"r",
-    Heartbeat: b"H",
-    WeightBucket: b"W",
-    WeightBucketAck: b"w",
-    WeightSenderEnd: b"N",
-    ClientPing: b"P",
-    HeadPong: b"p",
-    Rejoin: b"J",
-}
-TYPE_OF: dict[bytes, type] = {v: k for k, v in KIND_OF.items()}
-assert len(TYPE_OF) == len(KIND_OF), "duplicate kind byte"
+# Every message type: its kind on the wire is its tag, the body's first item
+# (protocol 11; before, a one-byte frame ahead of the body said the same).
+# Tags are never reused.
+MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
+    Generate,
+    Cancel,
+    Chunk,
+    ChunkBatch,
+    Error,
+    Command,
+    Ack,
+    Control,
+    ControlReply,
+    Query,
+    QueryReply,
+    EndSession,
+    Register,
+    RegisterReply,
+    Heartbeat,
+    WeightBucket,
+    WeightBucketAck,
+    WeightSenderEnd,
+    ClientPing,
+    HeadPong,
+    Rejoin,
+)
+KIND_OF: dict[type, str] = {t: str(t.__struct_config__.tag) for t in MESSAGE_TYPES}
+TYPE_OF: dict[str, type] = {v: k for k, v in KIND_OF.items()}
+assert len(TYPE_OF) == len(KIND_OF), "duplicate message tag"
 
 OP_NAMES: dict[type, str] = {t: t.__struct_config__.tag for t in Op.__args__}

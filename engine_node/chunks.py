@@ -15,6 +15,7 @@ Hazards this module owns:
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from typing import Any
 
 from bus import frames as F
@@ -48,7 +49,7 @@ def sample_chunk(
     Hot path (once per chunk): positional arguments."""
     sent = s.sent
     p = req.msg.params
-    buffers = [pack_tokens(s.tokens[sent:])]
+    buffers = [array("i", s.tokens[sent:]).tobytes()]  # bus.frames.pack_tokens of a list, inlined (once per chunk)
     top_k = prompt_k = -1
     if F.logprobs_wanted(p.logprobs):
         buffers.append(pack_logprobs(s.logprobs[sent:]))
@@ -71,21 +72,28 @@ def sample_chunk(
         changes = []
     else:
         version, changes = chunk_versions(s.version_marks, version)
-    chunk = P.Chunk(
-        request_id=req.msg.request_id,
-        sample_index=s.index,
-        weight_version=version,
-        finish_reason=finish,
-        version_changes=changes,
-        emitted_at=wall,
-        num_prompt_tokens=len(req.base_prompt) if finish else 0,
-        engine_id=engine_id if finish else "",
-        top_logprobs=max(0, top_k),
-        prompt_logprobs=prompt_k,
-        stop_reason=s.stop_reason if finish else None,
-        text=text,
-        restarts=s.restarts,
-    )
+    # Positional (once per chunk: msgspec matches no keyword names), in
+    # P.Chunk's field order, which the wire fixes (fields are only appended).
+    if finish is None:
+        chunk = P.Chunk(
+            req.msg.request_id, s.index, version, None, changes, wall, 0, "", max(0, top_k), -1, None, None, s.restarts
+        )
+    else:
+        chunk = P.Chunk(
+            req.msg.request_id,
+            s.index,
+            version,
+            finish,
+            changes,
+            wall,
+            len(req.base_prompt),
+            engine_id,
+            max(0, top_k),
+            prompt_k,
+            s.stop_reason,
+            text,
+            s.restarts,
+        )
     s.sent = len(s.tokens)
     return chunk, buffers
 

@@ -6,7 +6,7 @@ it events and executes the typed actions it produces (engine_node/actions.py):
 events in                                   actions out (take_actions, in order)
   generate(client, msg, prompt)               SendChunks(peer, Chunk|ChunkBatch, buffers)
   cancel(client, request_id)                    — chunks coalesced per peer per turn
-  on_step(outputs) / step_failed(exc)         SendError(peer, Error)
+  on_step(outputs[, now, wall]) / step_failed SendError(peer, Error)
   peer_gone(peer)                               — the turn's chunks are flushed first
   set_time(now, wall) / tick(now, wall)       SendAck(seq, result | failure): late acks
   control ops: pause / resume / is_paused /   control results (OpOutcome): P.*Result |

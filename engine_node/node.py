@@ -85,6 +85,9 @@ class Lifecycle(enum.Enum):
     STOPPED = "stopped"
 
 
+_DRAINING, _STOPPED = Lifecycle.DRAINING, Lifecycle.STOPPED  # read once per turn: no enum attribute lookup
+
+
 class EngineNode:
     def __init__(
         self, cfg: EngineNodeConfig, backend: Backend, ctx: zmq.Context | None = None, *, incarnation: str | None = None
@@ -258,7 +261,7 @@ class EngineNode:
         rc = 0
         self._turn_end = _clock()
         try:
-            while self.lifecycle is not Lifecycle.STOPPED:
+            while self.lifecycle is not _STOPPED:
                 self._turn()
         except NodeFatal as e:
             self.log.error("engine_fatal", error=str(e))
@@ -304,7 +307,7 @@ class EngineNode:
         if events:  # before the handlers: a Generate's deadline, a control op's start count from now
             core.set_time(_clock(), time.time())
             self._read(events)
-        if self.lifecycle is Lifecycle.DRAINING:
+        if self.lifecycle is _DRAINING:
             core.accepting = False
         if events or core.admit_dirty:
             if core.admit_dirty:
@@ -350,8 +353,7 @@ class EngineNode:
         # backend, i.e. after the step, not when this turn began.
         now = _clock()
         self.loop_stats["step_s"] += now - t
-        self.core.set_time(now, time.time())
-        self.core.on_step(outs)
+        self.core.on_step(outs, now, time.time())
         if outs and self._resume_watch and self.timings.resume.armed:
             take = getattr(self.backend, "take_output_trace", None)
             self.timings.resumed(time.perf_counter(), self.backend.num_running(), take() if take is not None else None)
@@ -367,9 +369,7 @@ class EngineNode:
             # The commonest turn, once per chunk: chunks and nothing else. The
             # outbox's messages are then exactly the actions take_actions would
             # return (each wrapped in a SendChunks): sent as they are.
-            send = self.data_ep.send
-            for peer, msg, buffers in core.outbox.messages():
-                send(peer, msg, buffers)  # a gone peer: core.peer_gone
+            core.outbox.flush(self.data_ep.send)  # a gone peer: core.peer_gone
         if self.updates.actions:  # prepares that waited for their senders
             self._run_actions(self.updates.take_actions())
 

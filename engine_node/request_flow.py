@@ -30,7 +30,7 @@ Hazards this module owns:
   what it had), and every later chunk carries the count;
 - chunks produced before an Error or an ack go out before it (`_flush_chunks`);
   while `actions` is empty the outbox holds everything to do, so the shell may
-  send `outbox.messages()` itself (the per-chunk turn) instead of take_actions;
+  send the outbox itself (`outbox.flush`, the per-chunk turn) instead of take_actions;
 - chunk timestamps and deadlines use the times given by the last clock event.
 """
 
@@ -170,11 +170,15 @@ class RequestFlow:
                     transition(s, _DONE)
         self.outbox.by_peer.pop(peer, None)
 
-    def on_step(self, outs: list[StepOutput]) -> None:
-        """One backend step's outputs (hot path: O(1) per output). Only a step
-        that produced something counts: the head's stall detector reads this
-        counter, and an empty step (a backend waiting for output, or for a
-        control op that holds the model) is not progress."""
+    def on_step(self, outs: list[StepOutput], now: float | None = None, wall: float = 0.0) -> None:
+        """One backend step's outputs (hot path: O(1) per output), at the
+        clock `now` / `wall` when given (set_time folded in: one call less per
+        chunk). Only a step that produced something counts: the head's stall
+        detector reads this counter, and an empty step (a backend waiting for
+        output, or for a control op that holds the model) is not progress."""
+        if now is not None:
+            self.now = now
+            self.wall = wall
         if outs:
             self._emit(outs)
             self.steps += 1

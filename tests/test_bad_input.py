@@ -38,7 +38,7 @@ def gen(rid: str, **kw) -> bytes:
 
 
 def assert_still_serving(sock: zmq.Socket) -> None:
-    msg, bufs = ask(sock, [b"G", gen("after"), GOOD_PROMPT])
+    msg, bufs = ask(sock, [gen("after"), GOOD_PROMPT])
     assert isinstance(msg, P.Chunk), msg
     while msg.finish_reason is None:
         msg, bufs = Codec().decode(sock.recv_multipart())
@@ -46,51 +46,53 @@ def assert_still_serving(sock: zmq.Socket) -> None:
 
 
 CASES = {
-    "malformed body": ([b"G", b"\xc1\xc1 not msgpack"], "protocol", "body"),
-    "unknown kind": ([b"?", gen("r")], "protocol", "kind"),
-    "missing body": ([b"G"], "protocol", "frames"),
+    "malformed body": ([b"\xc1\xc1 not msgpack"], "protocol", "body"),
+    "unknown kind": ([msgspec.msgpack.encode(["no-such-kind", "r"])], "protocol", "kind"),
+    "kind not a string": ([msgspec.msgpack.encode([7, "r"])], "protocol", "kind"),
+    "body not a message": ([b"G"], "protocol", "body"),
+    "protocol 10 layout (kind frame)": ([b"G", gen("r-old"), GOOD_PROMPT], "protocol", "body"),
     "wrong field type": (
-        [b"G", msgspec.msgpack.encode(["gen", "r-type", [-1.5, "hot"]]), GOOD_PROMPT],
+        [msgspec.msgpack.encode(["gen", "r-type", [-1.5, "hot"]]), GOOD_PROMPT],
         "bad_request",
         "params.max_tokens",
     ),
-    "wrong request id type": ([b"G", msgspec.msgpack.encode(["gen", 17]), GOOD_PROMPT], "bad_request", "request_id"),
-    "empty prompt": ([b"G", gen("r-empty"), b""], "bad_request", "prompt_token_ids"),
-    "no prompt frame": ([b"G", gen("r-noframe")], "bad_request", "prompt_token_ids"),
-    "ragged prompt": ([b"G", gen("r-ragged"), b"\x01\x02\x03"], "bad_request", "prompt_token_ids"),
+    "wrong request id type": ([msgspec.msgpack.encode(["gen", 17]), GOOD_PROMPT], "bad_request", "request_id"),
+    "empty prompt": ([gen("r-empty"), b""], "bad_request", "prompt_token_ids"),
+    "no prompt frame": ([gen("r-noframe")], "bad_request", "prompt_token_ids"),
+    "ragged prompt": ([gen("r-ragged"), b"\x01\x02\x03"], "bad_request", "prompt_token_ids"),
     "max_tokens zero": (
-        [b"G", gen("r-max0", params=P.SamplingParams(max_tokens=0)), GOOD_PROMPT],
+        [gen("r-max0", params=P.SamplingParams(max_tokens=0)), GOOD_PROMPT],
         "bad_request",
         "params.max_tokens",
     ),
     "max_tokens negative": (
-        [b"G", gen("r-maxneg", params=P.SamplingParams(max_tokens=-3)), GOOD_PROMPT],
+        [gen("r-maxneg", params=P.SamplingParams(max_tokens=-3)), GOOD_PROMPT],
         "bad_request",
         "params.max_tokens",
     ),
     "token outside vocabulary": (
-        [b"G", gen("r-vocab"), np.asarray([5, 10**6], dtype="<i4").tobytes()],
+        [gen("r-vocab"), np.asarray([5, 10**6], dtype="<i4").tobytes()],
         "bad_request",
         "prompt_token_ids",
     ),
     "negative token": (
-        [b"G", gen("r-neg"), np.asarray([-4], dtype="<i4").tobytes()],
+        [gen("r-neg"), np.asarray([-4], dtype="<i4").tobytes()],
         "bad_request",
         "prompt_token_ids",
     ),
     "too large message": (
-        [b"G", gen("r-huge"), np.zeros(40_000, dtype="<i4").tobytes()],
+        [gen("r-huge"), np.zeros(40_000, dtype="<i4").tobytes()],
         "bad_request",
         "prompt_token_ids",
     ),
     "bad temperature": (
-        [b"G", gen("r-temp", params=P.SamplingParams(temperature=-1.0)), GOOD_PROMPT],
+        [gen("r-temp", params=P.SamplingParams(temperature=-1.0)), GOOD_PROMPT],
         "bad_request",
         "params.temperature",
     ),
-    "zero samples": ([b"G", gen("r-n0", num_samples=0), GOOD_PROMPT], "bad_request", "num_samples"),
-    "unknown lora": ([b"G", gen("r-lora", lora="nope"), GOOD_PROMPT], "bad_request", "lora"),
-    "not a request": ([b"C", msgspec.msgpack.encode(P.Chunk(request_id="x"))], "protocol", "kind"),
+    "zero samples": ([gen("r-n0", num_samples=0), GOOD_PROMPT], "bad_request", "num_samples"),
+    "unknown lora": ([gen("r-lora", lora="nope"), GOOD_PROMPT], "bad_request", "lora"),
+    "not a request": ([msgspec.msgpack.encode(P.Chunk(request_id="x"))], "protocol", "kind"),
 }
 
 
@@ -105,14 +107,14 @@ def test_bad_input_gets_a_typed_error_and_the_node_keeps_serving(raw, case):
 
 
 def test_error_carries_the_request_id(raw):
-    msg, _ = ask(raw, [b"G", gen("named-rid", params=P.SamplingParams(max_tokens=0)), GOOD_PROMPT])
+    msg, _ = ask(raw, [gen("named-rid", params=P.SamplingParams(max_tokens=0)), GOOD_PROMPT])
     assert msg.request_id == "named-rid"
 
 
 def test_duplicate_request_id_in_flight_is_refused(raw):
     p = P.SamplingParams(max_tokens=200, ignore_eos=True)
-    raw.send_multipart([b"G", gen("dup", params=p), GOOD_PROMPT])
-    raw.send_multipart([b"G", gen("dup", params=p), GOOD_PROMPT])
+    raw.send_multipart([gen("dup", params=p), GOOD_PROMPT])
+    raw.send_multipart([gen("dup", params=p), GOOD_PROMPT])
     errors, finals = [], 0
     while finals < 1:
         whole, bufs = Codec().decode(raw.recv_multipart())

@@ -166,8 +166,7 @@ def test_every_int_and_str_field_is_bounded():
 )
 def test_the_decoder_accepts_the_bound_and_refuses_one_past_it_naming_the_field(cls, path, ok, bad):
     codec = Codec()
-    kind = P.KIND_OF[cls]
-    msg, _ = codec.decode([kind, _body(ok)])
+    msg, _ = codec.decode([_body(ok)])
     assert type(msg) is cls
     again, _ = codec.decode(codec.encode(msg))  # the encoder writes what the decoder accepted
     assert again == msg
@@ -176,7 +175,7 @@ def test_the_decoder_accepts_the_bound_and_refuses_one_past_it_naming_the_field(
     except OverflowError:
         return  # one past an int64 bound: msgpack itself cannot carry it
     with pytest.raises(BadRequest) as ei:
-        codec.decode([kind, body])
+        codec.decode([body])
     assert ei.value.field == path, (ei.value.field, path, str(ei.value)[:200])
     assert len(ei.value.message) <= 2048
 
@@ -219,7 +218,7 @@ def test_whatever_the_decoder_accepts_the_encoder_writes_again(case):
     cls, raw = case
     codec = Codec()
     try:
-        msg, _ = codec.decode([P.KIND_OF[cls], _body(raw)])
+        msg, _ = codec.decode([_body(raw)])
     except BadRequest:
         return  # a cross-field rule (none today) or a union member mismatch: refused, typed
     again, _ = codec.decode(codec.encode(msg))
@@ -235,8 +234,8 @@ def test_an_unencodable_message_is_a_typed_error_not_an_overflow():
 def test_undecodable_request_ids_are_not_echoed():
     from bus.codec import request_id_of
 
-    assert request_id_of([b"G", msgspec.msgpack.encode(["gen", "x" * 300])]) == ""
-    assert request_id_of([b"G", msgspec.msgpack.encode(["gen", "abc"])]) == "abc"
+    assert request_id_of([msgspec.msgpack.encode(["gen", "x" * 300])]) == ""
+    assert request_id_of([msgspec.msgpack.encode(["gen", "abc"])]) == "abc"
 
 
 def test_truncate_keeps_echoes_under_1kb():

@@ -4,6 +4,7 @@ in one place, frame layouts and version marks."""
 
 from __future__ import annotations
 
+import msgspec
 import zmq
 
 from bus import protocol as P
@@ -47,7 +48,7 @@ def test_handler_table_typed_errors_and_flush_before_error() -> None:
     ep, client = _pair(ctx, {P.Cancel: on_cancel}, before_error=lambda: order.append("flushed"))
     try:
         client.send_multipart(codec.encode(P.Cancel("r1")))
-        client.send_multipart([b"Z", b"junk"])  # unknown kind
+        client.send_multipart([msgspec.msgpack.encode(["junk"])])  # unknown kind
         client.send_multipart(codec.encode(P.Query("r2", "health")))  # not served here
         assert ep.sock.poll(2000)
         ep.drain()

@@ -36,12 +36,11 @@ def _bad_utf8_heartbeat() -> bytes:
 
 
 HEAD_EVENT_FRAMES = {
-    "heartbeat engine_id not UTF-8": [b"H", _bad_utf8_heartbeat()],
-    "ack result without weight_version": [b"A", _raw_ack(_ENC({"epoch": 99, "loras": []}))],
-    "ack result 5000 deep": [b"A", _raw_ack(b"\x81" + _ENC("epoch") + _DEEP)],
-    "ack loras not a list": [b"A", _raw_ack(_ENC({"epoch": 99, "weight_version": "x", "loras": 3}))],
+    "heartbeat engine_id not UTF-8": [_bad_utf8_heartbeat()],
+    "ack result without weight_version": [_raw_ack(_ENC({"epoch": 99, "loras": []}))],
+    "ack result 5000 deep": [_raw_ack(b"\x81" + _ENC("epoch") + _DEEP)],
+    "ack loras not a list": [_raw_ack(_ENC({"epoch": 99, "weight_version": "x", "loras": 3}))],
     "register data_address ABORT": [
-        b"R",
         _ENC(
             P.Register(
                 engine_id="evil",
@@ -54,9 +53,10 @@ HEAD_EVENT_FRAMES = {
             )
         ),
     ],
-    "random bytes": [b"R", os.urandom(64)],
-    "unknown kind": [b"\x00", b"\x90"],
-    "one frame": [b"H"],
+    "random bytes": [os.urandom(64)],
+    "unknown kind": [_ENC(["no-such-kind", "e0"])],
+    "empty array": [b"\x90"],
+    "protocol 10 layout (kind frame)": [b"H", _ENC(["heartbeat", "e0", "inc"])],
 }
 
 
@@ -87,8 +87,7 @@ def test_head_outlives_a_hostile_event_frame(cluster, name):
         s.send_multipart(frames)
         if name.startswith("register"):
             assert s.poll(10_000), "the head must answer a bad Register with a refusal"
-            kind, body = s.recv_multipart()[:2]
-            reply = Codec().decode([kind, body])[0]
+            reply = Codec().decode(s.recv_multipart()[:1])[0]
             assert isinstance(reply, P.RegisterReply) and not reply.ok and "data_address" in (reply.error or "")
     finally:
         s.close(linger=0)
@@ -103,10 +102,9 @@ def test_engine_outlives_a_weight_bucket_with_a_non_utf8_update_id(cluster):
     try:
         s.connect(f"ipc://{cluster.dir}/e0.weights")
         body = _ENC(["wbucket", "u1", 0]).replace(b"u1", b"\xc3\x28", 1)
-        s.send_multipart([b"W", body, b"\x00" * 64])
+        s.send_multipart([body, b"\x00" * 64])
         assert s.poll(10_000), "the engine must answer a bad bucket with a typed ack"
-        kind, body = s.recv_multipart()[:2]
-        ack = Codec().decode([kind, body])[0]
+        ack = Codec().decode(s.recv_multipart()[:1])[0]
         assert isinstance(ack, P.WeightBucketAck) and not ack.ok
     finally:
         s.close(linger=0)

@@ -212,7 +212,7 @@ def test_query_answers_are_cached_under_a_flood(module_cluster):
         got = 0
         for _ in range(125):  # bursts of 32: below the head's client_hwm (64) here
             for _ in range(32):
-                s.send_multipart([b"Q", body])
+                s.send_multipart([body])
             for _ in range(32):
                 assert s.poll(20_000), f"no answer after {got}"
                 s.recv_multipart()

@@ -73,22 +73,36 @@ def test_every_message_round_trips():
         (["gen", "r", [1, "hot"]], "params.temperature"),
         (["gen", "r", [1, 1.0, 1.0, 0, "seed"]], "params.seed"),
         (["gen", "r", [1], "two"], "num_samples"),
-        (["nope", "r"], "<tag>"),
     ],
 )
 def test_validation_errors_name_the_field(body, field):
     with pytest.raises(BadRequest) as e:
-        Codec().decode([b"G", msgspec.msgpack.encode(body)])
+        Codec().decode([msgspec.msgpack.encode(body)])
     assert e.value.field == field
 
 
-def test_unknown_kind_and_garbage_are_protocol_errors():
+@pytest.mark.parametrize(
+    "frames,field",
+    [
+        ([msgspec.msgpack.encode(["nope", "r"])], "kind"),  # a tag no message has
+        ([msgspec.msgpack.encode(["ping"])], "kind"),  # a control op's tag is no message's
+        ([msgspec.msgpack.encode([None, "r"])], "kind"),
+        ([b"\xc1"], "body"),
+        ([b"\x90"], "body"),  # an empty array
+        ([b"G", msgspec.msgpack.encode(["gen", "r"])], "body"),  # protocol 10's kind frame first
+        ([], "frames"),
+    ],
+)
+def test_unknown_kind_and_garbage_are_protocol_errors(frames, field):
     with pytest.raises(ProtocolError) as e:
-        Codec().decode([b"\x00", b"\x90"])
-    assert e.value.field == "kind"
-    with pytest.raises(ProtocolError) as e:
-        Codec().decode([b"G", b"\xc1"])
-    assert e.value.field == "body"
+        Codec().decode(frames)
+    assert e.value.field == field
+
+
+def test_one_frame_less_than_protocol_9():
+    """The kind is the body's tag: a chunk is [body, token frame], no kind frame."""
+    frames = Codec().encode(P.Chunk("r", 1), [b"\x01\x00\x00\x00"])
+    assert len(frames) == 2 and msgspec.msgpack.decode(frames[0])[0] == P.KIND_OF[P.Chunk] == "chunk"
 
 
 _dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8])
@@ -220,6 +234,26 @@ def test_outbox_batches_per_peer_and_split_chunks_restores_buffers():
     [(_, batch, bufs)] = list(box.messages())
     assert batch.ntoks == [] and batch.nbufs == [0, 1]
     assert [(ch.request_id, t) for ch, t, _ in split_packed(batch, bufs)] == [("e", []), ("f", [3])]
+
+
+def test_outbox_flush_sends_what_messages_returns():
+    """flush (the engine's per-chunk path) sends exactly messages()'s list, in order."""
+    from bus.codec import Outbox
+
+    def fill(box: Outbox) -> None:
+        box.add(b"p1", P.Chunk("a"), [pack_tokens([1, 2])])
+        box.add(b"p2", P.Chunk("x"), [pack_tokens([9]), pack_logprobs([-0.5])])
+        box.add(b"p1", P.Chunk("b", finish_reason="stop"), [pack_tokens([3])])
+        box.add(b"p3", P.Chunk("e"), [])
+        box.add(b"p3", P.Chunk("f"), [pack_tokens([4])])
+
+    a, b = Outbox(), Outbox()
+    fill(a)
+    fill(b)
+    sent: list[tuple[bytes, object, list[bytes]]] = []
+    a.flush(lambda peer, msg, bufs: sent.append((peer, msg, bufs)))
+    assert not a.by_peer and sent == b.messages()
+    a.flush(lambda *m: pytest.fail("an empty box sends nothing"))
 
 
 @pytest.mark.parametrize(
