@@ -125,3 +125,15 @@ def test_deliver_broadcasts_nothing_when_the_op_fails_before_the_receive(monkeyp
     assert sender.comm.sent == [] and nccl._NCCL_SENDERS.get(("k",)) is sender, "the group is kept"
     assert bytes(sender.store.get(go_key(args.check_in))) == b"0"
     nccl._NCCL_SENDERS.clear()
+
+
+def test_a_gpu_transport_without_cuda_is_a_typed_error_naming_the_transport():
+    """CPU tensors, no device named, no CUDA in the process: Unsupported, not torch's assertion."""
+    from bus.errors import Unsupported
+    from trainer_bridge.transports.packing import device_of
+
+    if torch.cuda.is_available():
+        pytest.skip("this process has CUDA")
+    with pytest.raises(Unsupported) as e:
+        device_of([torch.zeros(2)], None)
+    assert e.value.field == "transport" and "transport='zmq'" in str(e.value)

@@ -159,14 +159,27 @@ class GpuSender:
         # commit (nothing is written on the engines before it).
         written = record_written(cast_named)
         t1 = time.perf_counter()
-        # Launched now, on the GPU while the plan below runs on the CPU. nccl:
-        # on a stream of its own, waited for beside the broadcast (in band,
-        # NcclArgs.verdict).
-        # nccl (in band): launched by the send thread once the op is out.
-        in_band = self.check_finite and getattr(self.link_type, "check_in_band", False)
+        # The NaN/inf check: launched now, on the GPU while the plan below runs
+        # on the CPU; or, nccl with CUDA tensors (in band), launched by the send
+        # thread once the op is out, on a stream of its own, waited for beside
+        # the broadcast (NcclArgs.verdict). CPU tensors with no sender device
+        # named have no GPU to go from: checked here, so a NaN is refused
+        # naming the tensor before a sender looks for a GPU.
+        in_band = (
+            self.check_finite
+            and getattr(self.link_type, "check_in_band", False)
+            and (self.options.get("device") is not None or any(t.is_cuda for _, t in cast_named))
+        )
         check = start_nonfinite_check(cast_named) if self.check_finite and not in_band else None
         t2 = time.perf_counter()
         metas, sizes, tensors, zero_copy = self.link_type.plan(cast_named, named, self.options, self.bucket_bytes)
+        tw = time.perf_counter()
+        if check is not None and not self.link_type.check_after_begin:
+            # before anything is published or a sender is made (nccl: the engines
+            # would commit what is sent)
+            refuse_nonfinite(check())
+            check = None
+        waited = time.perf_counter() - tw
         link = self._link = self.link_type(
             self.engines, self.options, part=False, rank=self.options.get("sender_rank"), tensors=tensors,
             zero_copy=zero_copy, written=written,
@@ -178,16 +191,13 @@ class GpuSender:
         steady = (zero_copy or _one_trips(self.link_type)) and self.options.get("one_trip", True)
         layout = one_trip.layout_id(metas, sizes, handles) if steady else ""  # one_trip=False: always two trips
         t4 = time.perf_counter()
-        if check is not None and not self.link_type.check_after_begin:
-            refuse_nonfinite(check())  # before anything is published (nccl: the engines would commit what is sent)
-            check = None
         LAST_PUSH.clear()
         LAST_PUSH.update(
             cast_s=round(t1 - t0, 6),
             check_launch_s=round(t2 - t1, 6),
-            plan_s=round(t3 - t2, 6),
+            plan_s=round(t3 - t2 - waited, 6),
             layout_s=round(t4 - t3, 6),
-            check_wait_s=round(time.perf_counter() - t4, 6),
+            check_wait_s=round(waited, 6),
         )
         try:
             if one_trip.layouts(upd.client).holds(upd.targets, layout):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bus.errors import Unsupported
 from bus.tensors import start_nonfinite_check
 
 
@@ -20,6 +21,12 @@ def device_of(tensors: list[Any], device: Any) -> Any:
     for t in tensors:
         if t.is_cuda:
             return t.device
+    if not torch.cuda.is_available():
+        raise Unsupported(
+            "the GPU transports send from a CUDA device and this process has none: pass CUDA tensors, "
+            "or device=..., or transport='zmq'",
+            field="transport",
+        )
     return torch.device("cuda", torch.cuda.current_device())
 
 
