@@ -145,6 +145,19 @@ class GpuSender:
         }
         return self.stats
 
+    def _check_in_band(self, cast_named: list[tuple[str, Any]]) -> bool:
+        """Where the NaN/inf check runs: launched by push() at once, on the GPU
+        while the plan runs on the CPU; or, nccl with CUDA tensors (in band),
+        launched by the send thread once the op is out, on a stream of its own,
+        waited for beside the broadcast (NcclArgs.verdict). CPU tensors with no
+        sender device named have no GPU to go from: checked in push(), so a NaN
+        is refused naming the tensor before a sender looks for a GPU."""
+        return bool(
+            self.check_finite
+            and getattr(self.link_type, "check_in_band", False)
+            and (self.options.get("device") is not None or any(t.is_cuda for _, t in cast_named))
+        )
+
     async def push(self, upd: Any, named: list[tuple[str, Any]]) -> dict[str, Any]:
         """The whole update from this one sender (`upd`: an unopened
         trainer_bridge.weights.WeightUpdate with its engines picked): the part
@@ -159,17 +172,7 @@ class GpuSender:
         # commit (nothing is written on the engines before it).
         written = record_written(cast_named)
         t1 = time.perf_counter()
-        # The NaN/inf check: launched now, on the GPU while the plan below runs
-        # on the CPU; or, nccl with CUDA tensors (in band), launched by the send
-        # thread once the op is out, on a stream of its own, waited for beside
-        # the broadcast (NcclArgs.verdict). CPU tensors with no sender device
-        # named have no GPU to go from: checked here, so a NaN is refused
-        # naming the tensor before a sender looks for a GPU.
-        in_band = (
-            self.check_finite
-            and getattr(self.link_type, "check_in_band", False)
-            and (self.options.get("device") is not None or any(t.is_cuda for _, t in cast_named))
-        )
+        in_band = self._check_in_band(cast_named)
         check = start_nonfinite_check(cast_named) if self.check_finite and not in_band else None
         t2 = time.perf_counter()
         metas, sizes, tensors, zero_copy = self.link_type.plan(cast_named, named, self.options, self.bucket_bytes)
