@@ -56,3 +56,14 @@ def no_leaked_processes(request):
             except psutil.NoSuchProcess:
                 pass
         pytest.fail(f"leaked processes: {[(p.pid, ' '.join(p.cmdline()[:4])) for p in leaked]}")
+
+
+@pytest.fixture
+def vbe(tmp_path, monkeypatch):
+    """The vLLM backend on the fake CPU engine core with the vLLM-shaped model
+    (tests/test_vllm_weight_plan_cpu.py `vllm_like_backend`), closed after."""
+    from tests.test_vllm_weight_plan_cpu import vllm_like_backend
+
+    b = vllm_like_backend(tmp_path, monkeypatch)
+    yield b
+    b.close()

@@ -168,27 +168,40 @@ def _update(c, params, **kw):
     return c.update_weights(list(params.items()), transport="cuda_ipc", zero_copy=True, timeout_s=T, **kw)
 
 
-def test_one_trip_steady_state_and_every_fallback(cluster_factory, tiny_model, cpu_zero_copy):
-    cl = cluster_factory(2, backend="tests.ipc_backend:factory", model=tiny_model)
-    cl.wait_ready(2)
-    c = cl.client()
+def steady_state(c, params, tiny_model, update, each=lambda res: None) -> set[str]:
+    """The first update goes two round trips and leaves one layout on every
+    engine; the next two are one op each, same layout, version +1, both
+    engines greedy-equal to the reference on the new weights. Returns the
+    layout (any transport: `update(c, params)` sends one)."""
     p = [21, 22, 23, 24]
-    params = _params(tiny_model, 1)
-    res = _update(c, params)  # the first: with its handles, two round trips
+    res = update(c, params)  # the first: the plan / handles in the begin, two round trips
     assert _paths(res) == {"two_trip"} and {r.weight_version for r in res.values()} == {1}
     layout = {r.layout for r in res.values()}
     assert len(layout) == 1 and "" not in layout
     for k, seed in enumerate((2, 3), start=2):  # the steady state: one op
         new = _step(params, tiny_model, seed)
-        res = _update(c, params)
+        res = update(c, params)
         assert _paths(res) == {"one_trip"}, res
         assert {r.weight_version for r in res.values()} == {k} and c.health()["weight_version"] == k
         assert {r.layout for r in res.values()} == layout
-        assert all(r.detail["worker"]["maps_kept"] == len(params) for r in res.values())
+        each(res)
         ref, _ = _reference(new, p, 8)
         for _ in range(2):  # both engines
             out = c.generate(p, {**GREEDY, "max_tokens": 8})
             assert out.token_ids == ref and set(out.token_versions) == {k}
+    return layout
+
+
+def test_one_trip_steady_state_and_every_fallback(cluster_factory, tiny_model, cpu_zero_copy):
+    cl = cluster_factory(2, backend="tests.ipc_backend:factory", model=tiny_model)
+    cl.wait_ready(2)
+    c = cl.client()
+    params = _params(tiny_model, 1)
+
+    def maps_kept(res) -> None:
+        assert all(r.detail["worker"]["maps_kept"] == len(params) for r in res.values())
+
+    layout = steady_state(c, params, tiny_model, _update, maps_kept)
     # A sleep drops the kept maps: the head refuses the one-trip op, the trainer
     # falls back by itself (a fresh update id), then the steady state again.
     c.sleep(1)
@@ -245,6 +258,13 @@ def test_pipelined_pause_update_resume_loses_no_stream(cluster_factory, tiny_mod
     cl = cluster_factory(2, backend="tests.ipc_backend:factory", model=tiny_model)
     cl.wait_ready(2)
     c = cl.client()
+    pipelined_updates_lose_no_stream(c, tiny_model, lambda c, params: _update(c, params, pause=mode))
+
+
+def pipelined_updates_lose_no_stream(c, tiny_model, update) -> None:
+    """Three pipelined updates (`update(c, params)` pauses, sends, resumes in
+    one call) under 6 streams: two round trips, then one op each; every
+    stream ends at full length, its tokens' versions in order."""
     params = _params(tiny_model, 1)
     n, max_tokens = 6, 120
     s = Streams(c, [[30 + i, 31, 32] for i in range(n)], {**GREEDY, "max_tokens": max_tokens})
@@ -252,8 +272,7 @@ def test_pipelined_pause_update_resume_loses_no_stream(cluster_factory, tiny_mod
     paths = []
     for seed in (2, 3, 4):
         _step(params, tiny_model, seed)
-        res = _update(c, params, pause=mode)
-        paths.append(_paths(res))
+        paths.append(_paths(update(c, params)))
     assert paths == [{"two_trip"}, {"one_trip"}, {"one_trip"}]
     assert not c.is_paused(), "the resume went out"
     s.join(180)

@@ -17,10 +17,9 @@ import pytest
 import torch
 
 from bus.errors import BadRequest, ControlError
-from tests.cluster import Streams, wait_until
 from tests.nccl_backend import gloo_connect
 from tests.test_control_plane import _reference
-from tests.test_one_trip import GREEDY, T, _params, _paths, _step
+from tests.test_one_trip import GREEDY, T, _params, _paths, _step, pipelined_updates_lose_no_stream, steady_state
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -55,29 +54,15 @@ def _cluster(cluster_factory, tiny_model, n=2):
 
 def test_nccl_one_trip_steady_state_and_the_sleep_fallback(cluster_factory, tiny_model, gloo_nccl):
     cl, c = _cluster(cluster_factory, tiny_model)
-    p = [21, 22, 23, 24]
     params = _params(tiny_model, 1)
-    res = _update(c, params)  # the first: the plan in the begin, two round trips
-    assert _paths(res) == {"two_trip"} and {r.weight_version for r in res.values()} == {1}
-    layout = {r.layout for r in res.values()}
-    assert len(layout) == 1 and "" not in layout
-    for k, seed in enumerate((2, 3), start=2):  # the steady state: one op
-        new = _step(params, tiny_model, seed)
-        res = _update(c, params)
-        assert _paths(res) == {"one_trip"}, res
-        assert {r.weight_version for r in res.values()} == {k} and c.health()["weight_version"] == k
-        assert {r.layout for r in res.values()} == layout
-        ref, _ = _reference(new, p, 8)
-        for _ in range(2):  # both engines
-            out = c.generate(p, {**GREEDY, "max_tokens": 8})
-            assert out.token_ids == ref and set(out.token_versions) == {k}
+    layout = steady_state(c, params, tiny_model, _update)
     assert len(gloo_nccl._NCCL_SENDERS) == 1, "one group for every update"
     # A sleep drops the layout at the head: the one-trip op is refused there,
     # NOTHING is broadcast (no engine checked in), the trainer falls back by
     # itself on the same group, then the steady state again.
     c.sleep(1)
     c.wake_up()
-    new = _step(params, tiny_model, 4)
+    _step(params, tiny_model, 4)
     res = _update(c, params)
     assert _paths(res) == {"two_trip"} and {r.weight_version for r in res.values()} == {4}
     _step(params, tiny_model, 5)
@@ -153,20 +138,4 @@ def test_pipelined_nccl_updates_lose_no_stream_and_stamp_every_token(cluster_fac
     """pause("keep") (the KV stays; abort's re-prefill is tests/test_one_trip.py's, the same pipeline)."""
     mode = "keep"
     cl, c = _cluster(cluster_factory, tiny_model)
-    params = _params(tiny_model, 1)
-    n, max_tokens = 6, 120
-    s = Streams(c, [[30 + i, 31, 32] for i in range(n)], {**GREEDY, "max_tokens": max_tokens})
-    wait_until(lambda: min(s.counts()) >= 2, 60, "every stream to start")
-    paths = []
-    for seed in (2, 3, 4):
-        _step(params, tiny_model, seed)
-        paths.append(_paths(_update(c, params, pause=mode)))
-    assert paths == [{"two_trip"}, {"one_trip"}, {"one_trip"}]
-    assert not c.is_paused(), "the resume went out"
-    s.join(180)
-    assert s.errors == [None] * n
-    for i in range(n):
-        kept, versions, _ = s.kept(i)
-        assert len(kept) == max_tokens, f"stream {i} lost or truncated"
-        assert versions == sorted(versions) and set(versions) <= {0, 1, 2, 3}, f"stream {i}: {versions}"
-    assert c.health()["weight_version"] == 3
+    pipelined_updates_lose_no_stream(c, tiny_model, lambda c, params: _update(c, params, pause=mode))

@@ -17,17 +17,9 @@ from bus.tensors import dtype_name
 from engine_node.backend import BackendError
 from engine_node.backends import vllm_weights as W
 from tests.test_vllm_backend_cpu import wait
-from tests.test_vllm_weight_plan_cpu import vllm_like_backend
 from tests.vllm_like import checkpoint, same_bits, snapshot
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def vbe(tmp_path, monkeypatch):
-    b = vllm_like_backend(tmp_path, monkeypatch)
-    yield b
-    b.close()
 
 
 class Trainer:

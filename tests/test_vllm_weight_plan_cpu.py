@@ -124,13 +124,6 @@ def test_still_valid_and_plannable():
 # communicator is a stand-in that "broadcasts" from a list of buckets.
 
 
-@pytest.fixture
-def vbe(tmp_path, monkeypatch):
-    b = vllm_like_backend(tmp_path, monkeypatch)
-    yield b
-    b.close()
-
-
 def vllm_like_backend(tmp_path, monkeypatch):
     """The vLLM backend on the fake engine core, its worker's model VllmLikeModel
     (tests/test_vllm_worker_reuse_cpu.py's fixture too); the caller closes it."""

@@ -13,17 +13,10 @@ import torch
 from bus.tensors import pack_bucket, plan_buckets
 from engine_node.backends.vllm_weight_plan import Replay, WeightPlan
 from engine_node.backends.vllm_worker_reuse import Kept, Layout
-from tests.test_vllm_weight_plan_cpu import _zero_copy_update, vllm_like_backend
+from tests.test_vllm_weight_plan_cpu import _zero_copy_update
 from tests.vllm_like import VllmLikeModel, checkpoint, same_bits, snapshot
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def vbe(tmp_path, monkeypatch):
-    b = vllm_like_backend(tmp_path, monkeypatch)
-    yield b
-    b.close()
 
 
 def _metas():
