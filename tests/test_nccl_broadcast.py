@@ -18,7 +18,14 @@ from bus import protocol as P
 from bus.errors import ControlError
 from bus.tensors import pack_bucket, plan_buckets
 from trainer_bridge.transports import nccl
-from trainer_bridge.transports.nccl_broadcast import NotCheckedIn, check_in_key, go_key, verdict_key, wait_check_in
+from trainer_bridge.transports.nccl_broadcast import (
+    NotCheckedIn,
+    check_in_key,
+    forget_token,
+    go_key,
+    verdict_key,
+    wait_check_in,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,6 +85,10 @@ def test_every_bucket_goes_out_as_the_zmq_layout_packs_it(sender) -> None:
     assert sender.last_send_info == {"buckets": len(sizes), "direct_buckets": 2}
     assert bytes(sender.store.get(go_key("t1"))) == b"1"
     assert r["bytes"] == sum(sizes) and {"check_in_s", "pack_launch_s", "verdict_s", "send_s"} <= set(r)
+    # once every engine acked the op, its keys leave the store (nccl.NcclLink.deliver)
+    forget_token(sender.store, "t1")
+    assert not sender.store.check([check_in_key("t1")]) and not sender.store.check([go_key("t1")])
+    forget_token(sender.store, "t1")  # twice, or keys never set: nothing to do
     # the NaN/inf check beside the broadcast: its verdict goes to the workers through the store
     _workers(sender, "t4", 2)
     sender.send(metas, sizes, tensors, "t4", None, lambda: lambda: "l3.w")

@@ -1243,5 +1243,10 @@ def test_nccl_worker_checks_in_and_a_cancelled_or_failed_receive_leaves_nothing_
         with pytest.raises(RuntimeError, match="no weight update 'u4' begun"):
             w.rollout_bus_commit("u4")
         assert torch.equal(w.weights["w.b"], torch.full((8,), 3.0)), "the old weights stay"
+        # The trainer's go never comes: the wait ends at the store's deadline, naming the knob.
+        short = {**args, "group_id": "g-short", "timeout_s": 0.3, "check_in": "never"}
+        with pytest.raises(TimeoutError, match=r"nccl_timeout_s=0\.3"):
+            w.rollout_bus_recv_nccl("u5", short, metas, sizes)
+        assert joined == ["ok", "broken", "nan"], "nothing collective without the go"
     finally:
         WN.NcclReceive._rb_nccl = orig

@@ -82,7 +82,7 @@ class NcclReceive(WorkerApply):
         store.add(f"rollout_bus/in/{token}", 1)
         # Waits (up to the store's timeout_s) for the trainer's word: every
         # worker of every engine checked in, or the op failed elsewhere.
-        if bytes(store.get(f"rollout_bus/go/{token}")) != b"1":
+        if _store_get(store, f"rollout_bus/go/{token}", a, "the trainer's go") != b"1":
             raise RuntimeError(
                 "nccl: the trainer will not broadcast this update (the op failed on another engine "
                 "or at the head before every worker entered its receive); nothing was written"
@@ -95,7 +95,7 @@ class NcclReceive(WorkerApply):
         token = a.get("check_in")
         if not (a.get("verdict") and token):
             return
-        got = bytes(self._rb_store(a).get(f"rollout_bus/ok/{token}"))
+        got = _store_get(self._rb_store(a), f"rollout_bus/ok/{token}", a, "the trainer's NaN/inf verdict")
         if got != b"ok":
             name = got.decode(errors="replace")
             raise ValueError(
@@ -225,3 +225,15 @@ class NcclReceive(WorkerApply):
                 comm.destroy()
             except Exception as e:  # a broken group is dropped all the same
                 log.warning("nccl_destroy_failed", error=repr(e))
+
+
+def _store_get(store: Any, key: str, a: dict[str, Any], what: str) -> bytes:
+    """The trainer's word under `key`, waited for up to the store's timeout;
+    past it a TimeoutError naming the knob (torch's own says only the key)."""
+    try:
+        return bytes(store.get(key))
+    except RuntimeError as e:  # torch.distributed.DistStoreError: the wait timed out, or the trainer is gone
+        raise TimeoutError(
+            f"nccl: no {what} within nccl_timeout_s={a.get('timeout_s')} (the trainer's send never came, "
+            f"or its store is gone): {e}; nothing was written"
+        ) from e

@@ -61,7 +61,7 @@ from bus.errors import ControlError
 from bus.tensors import DEFAULT_BUCKET_BYTES, plan_buckets
 from bus.transport import NcclArgs, Transport, backend_args
 from trainer_bridge.transports.gpu import GpuKind
-from trainer_bridge.transports.nccl_broadcast import NotCheckedIn, send_update
+from trainer_bridge.transports.nccl_broadcast import NotCheckedIn, forget_token, send_update
 from trainer_bridge.transports.packing import device_of
 
 log = structlog.get_logger("trainer_bridge.transports.nccl")
@@ -378,7 +378,10 @@ class NcclLink:
             except BaseException as e:  # the broadcast's error is the one to raise
                 log.warning("nccl_acks_after_broken_broadcast", error=repr(e))
             raise
-        return await acks
+        res = await acks
+        if self._check_in and getattr(self.sender, "store", None) is not None:
+            forget_token(self.sender.store, self._check_in)
+        return res
 
     def release(self) -> None:
         """Nothing to free: the group is kept for later updates."""

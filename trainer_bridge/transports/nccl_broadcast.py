@@ -35,9 +35,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import structlog
+
 from trainer_bridge.transports.packing import direct_source, pack_fast
 
 CHECK_IN_POLL_S = 0.0002
+
+log = structlog.get_logger("trainer_bridge.transports.nccl_broadcast")
 
 
 class NotCheckedIn(Exception):
@@ -56,6 +60,18 @@ def verdict_key(token: str) -> str:
 def go_key(token: str) -> str:
     """b"1": broadcast; b"0": the trainer will not (the op failed elsewhere)."""
     return f"rollout_bus/go/{token}"
+
+
+def forget_token(store: Any, token: str) -> None:
+    """Delete one op's keys from the sender's store once every engine has
+    acked it (every worker read its go and verdict): a long run would
+    otherwise keep three keys per update for the sender's life. Never before
+    the acks: a worker still waiting for its go would wait out its timeout."""
+    for key in (check_in_key(token), go_key(token), verdict_key(token)):
+        try:
+            store.delete_key(key)
+        except RuntimeError as e:  # the store is gone (sender closed): nothing left to free
+            log.debug("nccl_store_key_not_deleted", key=key, error=repr(e))
 
 
 def wait_check_in(store: Any, token: str, workers: int, stop: threading.Event | None, timeout_s: float) -> float:
