@@ -39,7 +39,7 @@ from bus.protocol import TensorMeta
 from bus.tensors import DEFAULT_BUCKET_BYTES, dtype_name, plan_buckets
 from bus.transport import CudaIpcArgs, Transport
 from trainer_bridge.transports.gpu import GpuKind
-from trainer_bridge.transports.packing import device_of, pack_fast
+from trainer_bridge.transports.packing import by_bucket, device_of, pack_fast
 
 log = structlog.get_logger("trainer_bridge.transports.cuda_ipc")
 
@@ -70,7 +70,7 @@ class CudaIpcSender:
         self.release()
         dev = device_of(tensors, self.device)
         t0 = time.perf_counter()
-        bufs = [pack_fast(i, metas, sizes, tensors, dev) for i in range(len(sizes))]
+        bufs = [pack_fast(i, ms, sizes, ts, dev) for i, (ms, ts) in enumerate(by_bucket(metas, tensors, len(sizes)))]
         torch.cuda.synchronize(dev)
         self.last_pack_seconds = time.perf_counter() - t0
         uid = str(torch.cuda.get_device_properties(dev).uuid)

@@ -37,7 +37,7 @@ from typing import Any
 
 import structlog
 
-from trainer_bridge.transports.packing import direct_source, pack_fast
+from trainer_bridge.transports.packing import by_bucket, direct_source, pack_fast
 
 CHECK_IN_POLL_S = 0.0002
 
@@ -137,9 +137,10 @@ class Broadcast:
 
     def __init__(self, sender: Any, metas: list[Any], sizes: list[int], tensors: list[Any]) -> None:
         self.s = sender
-        self.metas, self.sizes, self.tensors = metas, sizes, tensors
+        self.sizes = sizes
         dev = sender.device
-        self.direct = [direct_source(i, metas, sizes, tensors, dev) for i in range(len(sizes))]
+        self.parts = by_bucket(metas, tensors, len(sizes))
+        self.direct = [direct_source(ms, ts, sizes[i], dev) for i, (ms, ts) in enumerate(self.parts)]
         self.st = Streams(dev, sender.pack_stream())
         self.bufs = sender.pack_buffers(max([n for n, d in zip(sizes, self.direct, strict=True) if d is None] or [0]))
         self.packed: list[Any] = [None] * len(sizes)
@@ -153,7 +154,8 @@ class Broadcast:
         slot = i % 2
         self.st.wait(self.st.pack, self.freed[slot])
         with self.st.on_pack():
-            pack_fast(i, self.metas, self.sizes, self.tensors, self.s.device, out=self.bufs[slot])
+            ms, ts = self.parts[i]
+            pack_fast(i, ms, self.sizes, ts, self.s.device, out=self.bufs[slot])
             self.packed[i] = self.st.record(self.st.pack)
         self.pack_s += time.perf_counter() - t0
 
