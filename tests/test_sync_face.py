@@ -136,3 +136,58 @@ def test_an_iterator_is_lazy_and_an_early_stop_closes_the_async_one(face):
         time.sleep(0.01)
     assert face._aclient.closed_streams == 1
     assert list(face.count(3)) == [0, 1, 2]
+
+
+class _KeptLink:
+    """A GPU link whose buffers must outlive the coordinator's commit round (cuda_ipc)."""
+
+    keeps_buffers = True
+    transport = "cuda_ipc"
+
+    def __init__(self) -> None:
+        self.released = False
+
+    def release(self) -> None:
+        self.released = True
+
+
+class _HeadWithAnOpenUpdate:
+    """The one query a sender's exit makes: the head's decisions, open until `closed`."""
+
+    timeout_s = control_timeout_s = 5.0
+
+    def __init__(self, update_id: str) -> None:
+        self.update_id, self.queries, self.closed = update_id, 0, False
+
+    async def _query(self, kind: str, view: type) -> object:
+        from bus.views import DecisionsView
+
+        self.queries += 1
+        if self.queries >= 3:  # the coordinator's commit round ends meanwhile
+            self.closed = True
+        return DecisionsView(decisions={} if self.closed else {self.update_id: "commit"})
+
+    async def close(self) -> None:
+        return None
+
+
+def test_sync_weight_sender_keeps_kept_buffers_until_the_commit_round_is_over():
+    # Leaving `with client.weight_sender(...)` over cuda_ipc must wait for the
+    # coordinator's commit round before freeing the rank's buckets; freed early,
+    # the engines' commit fails with "CUDA error: invalid resource handle"
+    # (tests/gpu/test_vllm_multi_sender.py[cuda_ipc], run 52).
+    from trainer_bridge.sync_client import SyncWeightSender
+    from trainer_bridge.transports.gpu import GpuSender
+
+    head = _HeadWithAnOpenUpdate("u1")
+    sender = GpuSender(
+        type(_KeptLink()), head, "u1", 1, [], bucket_bytes=1 << 20, timeout_s=5.0, cast=lambda t: t, options={}
+    )
+    link = sender._link = _KeptLink()
+    face = B.BlockingFace(head, "test-sync-sender")
+    try:
+        with SyncWeightSender(face, sender):
+            pass
+        assert link.released and head.closed and head.queries >= 3
+    finally:
+        face._finalizer()

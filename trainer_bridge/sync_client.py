@@ -35,8 +35,13 @@ class SyncWeightSender:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if getattr(self._sender, "_ipc", None) is not None:
-            self.wait_released()
+        # The sender's own exit decides what leaving means (cuda_ipc: keep the
+        # buckets until the coordinator's commit round is over). Probing for a
+        # transport attribute here once went stale (`_ipc` was renamed) and let
+        # a rank free its buckets before the commit: "invalid resource handle".
+        aexit = getattr(self._sender, "__aexit__", None)
+        if aexit is not None:
+            self._client._call(aexit(*exc))
 
 
 class SyncWeightUpdate:
