@@ -138,6 +138,26 @@ def start_vllm_router(
     return f"http://{H.LOOPBACK}:{port}", p
 
 
+def try_vllm_routers(
+    procs: H.Procs, worker_urls: list[str], policies: list[str], *, tag: str = "vllm_router"
+) -> tuple[dict[str, tuple[str, Any]], str | None]:
+    """One vllm-router per policy, or none and why: not on PATH, or a launcher
+    that does not start (a wheel without its Python deps, a binary that does not
+    load). The router benches then run without its rows and record the reason."""
+    why = vllm_router_missing()
+    if why:
+        return {}, why
+    started: dict[str, tuple[str, Any]] = {}
+    try:
+        for policy in policies:
+            started[policy] = start_vllm_router(procs, worker_urls, policy, tag=tag)
+    except (RuntimeError, TimeoutError, OSError) as e:
+        for _, p in started.values():
+            procs.stop(p)
+        return {}, f"vllm-router did not start, its rows are left out: {e}"
+    return started, None
+
+
 async def wait_ready(session: Any, url: str, deadline_s: float = 30.0) -> None:
     """Until one completion through `url` succeeds (the router has its workers)."""
     end = time.monotonic() + deadline_s

@@ -16,6 +16,13 @@ repetition so machine noise hits them alike):
     rb direct/router (raw) the same two paths driven by bench.rb_side.RawDriver,
                            a lean benchmark-owned zmq client, to separate the
                            router's cost from trainer_bridge's per-chunk cost
+    rb router spin N (raw) ``--spin-us N [M ...]`` only: RawDriver → one more head
+                           per value, started with ``--busy-poll-us N`` (spins on
+                           a non-blocking poll while requests are in flight), in
+                           front of K engines of its own; paired against
+                           ``rb direct (raw)`` (the engines are alike: the engine
+                           node has no busy-poll knob) and against
+                           ``rb router (raw)``; its CPU% shows what spinning costs
 
 Both servers return max_tokens deterministic tokens at once; streaming
 sends one message per token on both sides (null ``tokens_per_step=1``, one
@@ -25,12 +32,18 @@ C worker tasks over N requests; every response is fully parsed. Overheads are
 paired ratios router/direct within each repetition, medians reported.
 
 Run: ``python -m bench.router_overhead`` (``--quick`` for a reduced set).
+``--max-seconds`` bounds the measuring: when it passes, the case running keeps
+its complete repetitions, later cases are listed as skipped, and the JSON is
+written all the same. ``--no-plot`` / ``--plot-from JSON`` draw the PNG apart.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from bench import harness as H
@@ -41,6 +54,7 @@ from engine_node.backends.null_backend import NULL_BACKEND
 HTTP_DIRECT, VR_CH, VR_P2 = "http direct", "vllm-router c_hash", "vllm-router p2"
 RB_DIRECT, RB_ROUTER, RB_SESSION = "rb direct", "rb router", "rb router+session"
 RAW_DIRECT, RAW_ROUTER = "rb direct (raw)", "rb router (raw)"
+SPIN_PREFIX = "rb router spin "
 DIRECT_OF = {
     VR_CH: HTTP_DIRECT,
     VR_P2: HTTP_DIRECT,
@@ -49,9 +63,48 @@ DIRECT_OF = {
     RAW_ROUTER: RAW_DIRECT,
 }
 ORDER = [HTTP_DIRECT, VR_CH, VR_P2, RB_DIRECT, RB_ROUTER, RB_SESSION, RAW_DIRECT, RAW_ROUTER]
+# rollout-bus setup / vllm-router setup, paired per repetition
+VS_VLLM_ROUTER = ((RB_ROUTER, VR_P2), (RB_SESSION, VR_CH), (RAW_ROUTER, VR_P2))
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+def spin_setup(us: int) -> str:
+    """The setup of a head started with --busy-poll-us `us`, driven by RawDriver."""
+    return f"{SPIN_PREFIX}{us}us (raw)"
+
+
+def direct_of(name: str) -> str | None:
+    """The direct twin a router setup is paired with (None: a direct setup)."""
+    return DIRECT_OF.get(name) or (RAW_DIRECT if name.startswith(SPIN_PREFIX) else None)
+
+
+def order_of(names: Any) -> list[str]:
+    """Table/plot order: ORDER, then the spinning heads by spin."""
+    spins = sorted(
+        (n for n in names if n.startswith(SPIN_PREFIX)), key=lambda n: int(n[len(SPIN_PREFIX) :].split("us", 1)[0])
+    )
+    return [n for n in ORDER if n in names] + spins
+
+
+async def interleaved_within(
+    setups: dict[str, Callable[[], Awaitable[H.RunResult]]], *, reps: int, deadline: H.Deadline
+) -> tuple[dict[str, list[H.RunResult]], bool]:
+    """H.interleaved, but a passed deadline keeps what was measured: every
+    setup's first min(reps done) repetitions (complete rounds only, so paired
+    ratios stay paired). Returns (runs, truncated); runs is {} when not one
+    round finished."""
+    got: dict[str, list[H.RunResult]] = {name: [] for name in setups}
+    try:
+        runs = await H.interleaved(
+            setups, reps=reps, warmup=1, deadline=deadline, on_run=lambda name, _rep, r: got[name].append(r)
+        )
+        return runs, False
+    except H.DeadlineExceeded:
+        done = min(len(rs) for rs in got.values())
+        return ({name: rs[:done] for name, rs in got.items()} if done else {}), True
+
+
+async def run(args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
+    """{case: summary}, and why vllm-router's rows are missing (None: they ran)."""
     deadline = H.Deadline(args.max_seconds, "router_overhead")
     prompt = PS.prompt_ids(args.prompt_len)
     cases = [(1, False)] + ([(args.stream_tokens, True)] if args.stream_tokens else [])
@@ -59,32 +112,47 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     with H.Procs() as procs:
         # -- HTTP side
         peers = PS.start_http_peers(procs, args.engines, tokens_per_event=1)
-        missing = PS.vllm_router_missing()
-        if missing:
-            print(f"  skipping the vllm-router setups: {missing}", flush=True)
-        vr = (
-            {}
-            if missing
-            else {
-                VR_CH: PS.start_vllm_router(procs, peers, "consistent_hash"),
-                VR_P2: PS.start_vllm_router(procs, peers, "power_of_two"),
-            }
-        )
+        started, why = PS.try_vllm_routers(procs, peers, ["consistent_hash", "power_of_two"])
+        if why:
+            print(f"  skipping the vllm-router setups: {why}", flush=True)
+        vr = {VR_CH: started["consistent_hash"], VR_P2: started["power_of_two"]} if started else {}
         # -- rollout-bus side
-        cl = RB.start_cluster(procs, args.engines, backend=NULL_BACKEND, backend_options={"tokens_per_step": 1})
+        null_opts = {"tokens_per_step": 1}
+        cl = RB.start_cluster(procs, args.engines, backend=NULL_BACKEND, backend_options=null_opts)
+        # A spinning head gets engines of its own: an engine registers with one head.
+        spins = {
+            spin_setup(us): RB.start_cluster(
+                procs,
+                args.engines,
+                backend=NULL_BACKEND,
+                backend_options=null_opts,
+                tag=f"rbspin{us}",
+                router_args=["--busy-poll-us", str(us)],
+            )
+            for us in args.spin_us
+            if us > 0
+        }
         rb_router = RB.make_client(cl.frontend)
         rb_direct = RB.make_client(next(iter(cl.engines.values())))
         raw_router = RB.RawDriver(cl.frontend)
         raw_direct = RB.RawDriver(next(iter(cl.engines.values())))
+        raw_spins = {name: RB.RawDriver(scl.frontend) for name, scl in spins.items()}
         sess = PS.make_session(max(args.concurrency) + 8)
         cpu_pids = {
             **{name: [v[1].pid] for name, v in vr.items()},
             RB_ROUTER: [cl.router_pid],
             RB_SESSION: [cl.router_pid],
             RAW_ROUTER: [cl.router_pid],
+            **{name: [scl.router_pid] for name, scl in spins.items()},
         }
         try:
             await RB.wait_healthy(rb_router, args.engines, 120, procs)
+            for scl in spins.values():
+                spin_client = RB.make_client(scl.frontend)
+                try:
+                    await RB.wait_healthy(spin_client, args.engines, 120, procs)
+                finally:
+                    await spin_client.close()
             await PS.wait_ready(sess, peers[0])
             for name in vr:
                 await PS.wait_ready(sess, vr[name][0])
@@ -92,6 +160,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for c in args.concurrency:
                     n = PS.n_for(c, args.requests)
                     key = f"max_tokens={max_tokens}{' stream' if stream else ''} c={c}"
+                    if deadline.remaining() <= 0:
+                        results[key] = skipped_case(max_tokens=max_tokens, stream=stream, concurrency=c, n=n)
+                        print(f"  skipped {key}: --max-seconds passed", flush=True)
+                        continue
 
                     # The loop's values are bound as defaults: a setup never sees a later iteration's.
                     def http(url: str, sessions: int, n: int = n, c: int = c, mt: int = max_tokens, st: bool = stream):
@@ -114,23 +186,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         RB_SESSION: rbl(rb_router, c),
                         RAW_DIRECT: raw(raw_direct, 0),
                         RAW_ROUTER: raw(raw_router, 0),
+                        **{name: raw(drv, 0) for name, drv in raw_spins.items()},
                     }
-                    for name in (VR_CH, VR_P2):
-                        if name not in vr:
-                            setups.pop(name)
-                    if args.no_raw:
-                        setups.pop(RAW_DIRECT), setups.pop(RAW_ROUTER)
+                    drop = [name for name in (VR_CH, VR_P2) if name not in vr]
+                    drop += [RAW_DIRECT, RAW_ROUTER, *raw_spins] if args.no_raw else []
+                    for name in drop:
+                        setups.pop(name)
                     setups = {k: H.with_cpu(cpu_pids.get(k, []), fn) for k, fn in setups.items()}
-                    runs = await H.interleaved(setups, reps=args.reps, warmup=1, deadline=deadline)
-                    results[key] = summarize_case(runs, max_tokens=max_tokens, stream=stream, concurrency=c, n=n)
-                    print(f"  done {key} ({deadline.remaining():.0f}s left)", flush=True)
+                    runs, cut = await interleaved_within(setups, reps=args.reps, deadline=deadline)
+                    meta = {"max_tokens": max_tokens, "stream": stream, "concurrency": c, "n": n}
+                    results[key] = summarize_case(runs, **meta, truncated=cut) if runs else skipped_case(**meta)
+                    print(
+                        f"  done {key}{' (cut by --max-seconds)' if cut else ''} ({deadline.remaining():.0f}s left)",
+                        flush=True,
+                    )
         finally:
             await sess.close()
-            await rb_router.close()
-            await rb_direct.close()
-            await raw_router.close()
-            await raw_direct.close()
-    return results
+            for client in (rb_router, rb_direct, raw_router, raw_direct, *raw_spins.values()):
+                await client.close()
+    return results, why
+
+
+def skipped_case(**meta: Any) -> dict[str, Any]:
+    """A case --max-seconds left no time for: in the JSON as skipped, no rows."""
+    return {**meta, "skipped": "--max-seconds passed", "setups": {}, "overhead_vs_own_direct": {}}
 
 
 def summarize_case(runs: dict[str, list[H.RunResult]], **meta: Any) -> dict[str, Any]:
@@ -140,8 +219,9 @@ def summarize_case(runs: dict[str, list[H.RunResult]], **meta: Any) -> dict[str,
     p50 = {k: [r.summary()["p50_ms"] for r in rs] for k, rs in runs.items()}
     p99 = {k: [r.summary()["p99_ms"] for r in rs] for k, rs in runs.items()}
     rps = {k: [r.rps for r in rs] for k, rs in runs.items()}
-    for name, direct in DIRECT_OF.items():
-        if name in runs and direct in runs:
+    for name in runs:
+        direct = direct_of(name)
+        if direct is not None and direct in runs:
             out["overhead_vs_own_direct"][name] = {
                 "p50": H.paired_ratios(p50[name], p50[direct]),
                 "p99": H.paired_ratios(p99[name], p99[direct]),
@@ -149,21 +229,28 @@ def summarize_case(runs: dict[str, list[H.RunResult]], **meta: Any) -> dict[str,
                 # added latency in ms (router p50 - direct p50), per repetition
                 "p50_added_ms": H.spread([a - b for a, b in zip(p50[name], p50[direct], strict=True)]),
             }
-    for rb, vrn in ((RB_ROUTER, VR_P2), (RB_SESSION, VR_CH), (RAW_ROUTER, VR_P2)):
+    spins = [n for n in runs if n.startswith(SPIN_PREFIX)]
+    for rb, vrn in (*VS_VLLM_ROUTER, *((n, VR_P2) for n in spins)):
         if rb in runs and vrn in runs:
             out["rb_vs_vllm_router"][f"{rb} / {vrn}"] = {
                 "p50": H.paired_ratios(p50[rb], p50[vrn]),
                 "req_per_s": H.paired_ratios(rps[rb], rps[vrn]),
             }
+    if RAW_ROUTER in runs:
+        out["spin_vs_plain_head"] = {
+            n: {
+                "p50": H.paired_ratios(p50[n], p50[RAW_ROUTER]),
+                "req_per_s": H.paired_ratios(rps[n], rps[RAW_ROUTER]),
+            }
+            for n in spins
+        }
     return out
 
 
 def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for key, r in results.items():
-        for name in ORDER:
-            if name not in r["setups"]:
-                continue
+        for name in order_of(r["setups"]):
             sm = r["setups"][name]["summary"]
             ov = r["overhead_vs_own_direct"].get(name)
             cpu = sm.get("cpu_pct")
@@ -191,9 +278,10 @@ def plot(results: dict[str, Any], name: str, title: str) -> None:
         if not sub:
             continue
         label = f"max_tokens={sub[0]['max_tokens']}{' stream' if stream else ''}"
+        names = order_of({n for v in sub for n in v["setups"]})
         for metric, ylabel, logy in (("p50_ms", "p50 latency (ms)", True), ("req_per_s", "requests/s", False)):
             series: dict[str, Any] = {}
-            for setup in ORDER:
+            for setup in names:
                 pts = [(v["concurrency"], v["setups"][setup]["summary"][metric]) for v in sub if setup in v["setups"]]
                 if pts:
                     series[setup] = (
@@ -213,7 +301,7 @@ def plot(results: dict[str, Any], name: str, title: str) -> None:
                 }
             )
         series = {}
-        for setup in DIRECT_OF:
+        for setup in (n for n in names if direct_of(n)):
             pts = [
                 (v["concurrency"], v["overhead_vs_own_direct"][setup]["p50"])
                 for v in sub
@@ -245,6 +333,51 @@ def plot(results: dict[str, Any], name: str, title: str) -> None:
     )
 
 
+def target_lines(results: dict[str, Any]) -> list[str]:
+    """Issue 24 §1's targets read off a run: the head's added p50 at c=1
+    (max_tokens 1; target <= 0.100 ms) and streamed req/s against vllm-router's
+    best policy (target >= 1.0x at c=1, lead kept at c >= 64)."""
+    lines = []
+    for key, r in results.items():
+        setups = r.get("setups", {})
+        if not setups:
+            continue
+        rps = {name: s["summary"]["req_per_s"]["median"] for name, s in setups.items()}
+        if r["max_tokens"] == 1 and r["concurrency"] == 1:
+            added = {
+                name: ov["p50_added_ms"]["median"]
+                for name, ov in r["overhead_vs_own_direct"].items()
+                if name in (RAW_ROUTER, RB_ROUTER, VR_CH, VR_P2) or name.startswith(SPIN_PREFIX)
+            }
+            lines.append(f"{key}: p50 added over direct, ms (target <= 0.100): " + fmt_map(added, 3))
+        if r["stream"]:
+            best_vr = max((rps[n], n) for n in (VR_CH, VR_P2) if n in rps) if VR_CH in rps or VR_P2 in rps else None
+            ours = {
+                n: rps[n]
+                for n in order_of(rps)
+                if n in (RAW_ROUTER, RB_ROUTER, RB_SESSION) or n.startswith(SPIN_PREFIX)
+            }
+            if best_vr:
+                ratios = {n: v / best_vr[0] for n, v in ours.items()}
+                lines.append(f"{key}: req/s / {best_vr[1]} ({best_vr[0]:,.0f}; target >= 1.0): " + fmt_map(ratios, 2))
+            else:
+                lines.append(f"{key}: req/s (no vllm-router rows): " + fmt_map(ours, 0))
+    return lines
+
+
+def fmt_map(d: dict[str, float], nd: int) -> str:
+    return ", ".join(f"{k} {H.fmt(v, nd)}" for k, v in d.items())
+
+
+def title_of(cfg: dict[str, Any]) -> str:
+    us = [u for u in cfg.get("spin_us") or [] if u > 0]
+    spin = f", spinning heads --busy-poll-us {'/'.join(map(str, us))}" if us else ""
+    return (
+        f"Router overhead, {cfg['engines']} engines per router, prompt {cfg['prompt_len']} tokens{spin} "
+        f"({cfg['reps']} reps, median [min-max])"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", type=int, default=2, help="engines behind each router (K)")
@@ -253,23 +386,41 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--stream-tokens", type=int, default=64, help="0: skip the streaming case")
     ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--max-seconds", type=float, default=900)
+    ap.add_argument("--max-seconds", type=float, default=900, help="measuring stops here; what was measured is written")
     ap.add_argument("--quick", action="store_true", help="c=1,64; 200 requests; 2 reps")
     ap.add_argument("--name", default="router_overhead")
     ap.add_argument("--no-raw", action="store_true", help="skip the RawDriver setups")
+    ap.add_argument(
+        "--spin-us",
+        type=int,
+        nargs="*",
+        default=[],
+        help="per value N > 0: add 'rb router spin Nus (raw)', one more head started with --busy-poll-us N "
+        "(with K engines of its own)",
+    )
+    ap.add_argument("--no-plot", action="store_true", help="write no PNG (--plot-from draws it later)")
+    ap.add_argument("--plot-from", type=Path, help="only draw the PNG (and print the table) from this JSON")
     args = ap.parse_args(argv)
     if args.quick:
         args.concurrency, args.requests, args.reps = [1, 64], 200, 2
         args.max_seconds = min(args.max_seconds, 150)
+    if args.plot_from:
+        doc = json.loads(args.plot_from.read_text())
+        H.print_table(table_rows(doc["results"]), title=title_of(doc["config"]))
+        print("\n".join(target_lines(doc["results"])))
+        plot(doc["results"], args.name, title_of(doc["config"]))
+        return
 
     async def go() -> int:
         t0 = time.monotonic()
-        res = await run(args)
-        title = (
-            f"Router overhead, {args.engines} engines per router, prompt {args.prompt_len} tokens "
-            f"({args.reps} reps, median [min-max])"
-        )
+        res, vr_skipped = await run(args)
+        title = title_of(vars(args))
         H.print_table(table_rows(res), title=title)
+        print("issue 24 §1 (medians over repetitions):\n  " + "\n  ".join(target_lines(res)), flush=True)
+        skipped = [k for k, v in res.items() if v.get("skipped")]
+        cut = [k for k, v in res.items() if v.get("truncated")]
+        if skipped or cut:
+            print(f"--max-seconds {args.max_seconds:g} passed: cut short {cut}, skipped {skipped}", flush=True)
         print(
             "drivers: HTTP side = aiohttp ClientSession (keep-alive pool); rollout-bus side = "
             "trainer_bridge.AsyncClient, and (raw) = bench RawDriver (plain zmq DEALER + add_reader); "
@@ -281,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
                 "config": vars(args),
                 "elapsed_s": time.monotonic() - t0,
                 "results": res,
-                "vllm_router_skipped": PS.vllm_router_missing(),  # None: its rows ran
+                "vllm_router_skipped": vr_skipped,  # None: its rows ran
                 "drivers": {
                     "http": "aiohttp.ClientSession, TCPConnector keep-alive pool, one process",
                     "rollout_bus": "trainer_bridge.AsyncClient (zmq DEALER), one process",
@@ -289,7 +440,8 @@ def main(argv: list[str] | None = None) -> None:
                 },
             },
         )
-        plot(res, args.name, title)
+        if not args.no_plot:
+            plot(res, args.name, title)
         return 0
 
     H.run_main(go)

@@ -19,25 +19,34 @@ Setups, interleaved in each repetition:
                                  ``emitted_at``; aiohttp client
 
 Run: ``python -m bench.stream_latency`` (``--quick``: fewer repetitions).
+``--max-seconds`` bounds the measuring: the case running when it passes keeps
+its complete repetitions, later ones are listed as skipped, and the JSON is
+written all the same. ``--no-plot`` / ``--plot-from JSON`` draw the PNG apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from bench import harness as H
 from bench import peer_side as PS
 from bench import rb_side as RB
+from bench.router_overhead import interleaved_within
 from engine_node.backends.null_backend import NULL_BACKEND
 
 ORDER = ["rb router", "rb direct", "rb router (raw)", "rb direct (raw)", "vllm-router p2", "http direct"]
 
 
-async def run_delay(args: argparse.Namespace, delay_ms: float, deadline: H.Deadline) -> dict[str, Any]:
+async def run_delay(
+    args: argparse.Namespace, delay_ms: float, deadline: H.Deadline
+) -> tuple[dict[str, Any], str | None]:
+    """{case: summary} for one step delay, and why vllm-router's rows are missing (None: they ran)."""
     prompt = PS.prompt_ids(args.prompt_len)
     out: dict[str, Any] = {}
     with H.Procs() as procs:
@@ -48,10 +57,10 @@ async def run_delay(args: argparse.Namespace, delay_ms: float, deadline: H.Deadl
             tag=f"peer_d{delay_ms:g}_",
             extra=["--step-delay-ms", str(delay_ms)],
         )
-        missing = PS.vllm_router_missing()
-        if missing:
-            print(f"  skipping vllm-router p2: {missing}", flush=True)
-        vr_url = "" if missing else PS.start_vllm_router(procs, peers, "power_of_two", tag=f"vr_d{delay_ms:g}")[0]
+        started, why = PS.try_vllm_routers(procs, peers, ["power_of_two"], tag=f"vr_d{delay_ms:g}")
+        if why:
+            print(f"  skipping vllm-router p2: {why}", flush=True)
+        vr_url = started["power_of_two"][0] if started else ""
         cl = RB.start_cluster(
             procs,
             args.engines,
@@ -71,6 +80,11 @@ async def run_delay(args: argparse.Namespace, delay_ms: float, deadline: H.Deadl
                     await PS.wait_ready(sess, u)
             for c in args.streams:
                 n = max(c, args.min_streams)
+                key = f"delay={delay_ms:g}ms streams={c}"
+                if deadline.remaining() <= 0:
+                    out[key] = {"streams": c, "n": n, "step_delay_ms": delay_ms, "skipped": "--max-seconds passed"}
+                    print(f"  skipped {key}: --max-seconds passed", flush=True)
+                    continue
                 spec = RB.RbLoad(n, c, args.max_tokens, True, prompt, record_stream_lag=True)
                 hspec = lambda url, n=n, c=c: PS.HttpLoad(
                     url, n, c, args.max_tokens, True, prompt, record_stream_lag=True
@@ -85,8 +99,10 @@ async def run_delay(args: argparse.Namespace, delay_ms: float, deadline: H.Deadl
                 }
                 if not vr_url:
                     setups.pop("vllm-router p2")
-                runs = await H.interleaved(setups, reps=args.reps, warmup=1, deadline=deadline)
+                runs, cut = await interleaved_within(setups, reps=args.reps, deadline=deadline)
                 case: dict[str, Any] = {"streams": c, "n": n, "step_delay_ms": delay_ms, "setups": {}}
+                if cut:
+                    case["truncated" if runs else "skipped"] = "--max-seconds passed"
                 for name, rs in runs.items():
                     per_rep = []
                     for r in rs:
@@ -106,15 +122,78 @@ async def run_delay(args: argparse.Namespace, delay_ms: float, deadline: H.Deadl
                         "errors": sum(p["errors"] for p in per_rep),
                         "runs": per_rep,
                     }
-                out[f"delay={delay_ms:g}ms streams={c}"] = case
-                print(f"  done delay={delay_ms:g}ms streams={c} ({deadline.remaining():.0f}s left)", flush=True)
+                out[key] = case
+                print(
+                    f"  done {key}{' (cut by --max-seconds)' if cut else ''} ({deadline.remaining():.0f}s left)",
+                    flush=True,
+                )
         finally:
             await sess.close()
             await rb_router.close()
             await rb_direct.close()
             await raw_router.close()
             await raw_direct.close()
-    return out
+    return out, why
+
+
+def title_of(cfg: dict[str, Any]) -> str:
+    return (
+        f"Token streaming latency: engine emit -> client receive, {cfg['max_tokens']} tokens per stream, "
+        f"1 token per chunk, {cfg['engines']} null engines ({cfg['reps']} reps, median [min-max])"
+    )
+
+
+def table_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for key, case in res.items():
+        for name in ORDER:
+            s = case.get("setups", {}).get(name)
+            if s:
+                rows.append(
+                    {
+                        "case": key,
+                        "setup": name,
+                        "lag p50 ms": H.fmt_spread(s["lag_p50_ms"], 3),
+                        "lag p99 ms": H.fmt_spread(s["lag_p99_ms"], 3),
+                        "stream p50 ms": H.fmt(s["stream_p50_ms"]["median"]),
+                        "err": str(s["errors"]),
+                    }
+                )
+    return rows
+
+
+def plot(res: dict[str, Any], title: str) -> None:
+    groups = [g for g, case in res.items() if case.get("setups")]
+    panels = []
+    for metric, label in (("lag_p50_ms", "p50 lag (ms)"), ("lag_p99_ms", "p99 lag (ms)")):
+        series = {
+            n: [res[g]["setups"][n][metric]["median"] for g in groups]
+            for n in ORDER
+            if all(n in res[g]["setups"] for g in groups)
+        }
+        errs = {
+            n: (
+                [res[g]["setups"][n][metric]["min"] for g in groups],
+                [res[g]["setups"][n][metric]["max"] for g in groups],
+            )
+            for n in series
+        }
+        panels.append(
+            {
+                "title": label,
+                "ylabel": "ms",
+                "groups": [g.replace(" ", "\n") for g in groups],
+                "series": series,
+                "errs": errs,
+                "logy": True,
+            }
+        )
+    H.plot_bar_panels(
+        "stream_latency",
+        panels,
+        suptitle=title,
+        note="lag = client time.time() - emitted_at stamped by the engine (same machine clock)",
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,71 +205,49 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step-delay-ms", type=float, nargs="+", default=[5.0, 0.0])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--max-seconds", type=float, default=600)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--max-seconds", type=float, default=600, help="measuring stops here; what was measured is written")
+    ap.add_argument("--quick", action="store_true", help="2 reps, 5 ms steps only, 4 streams at least")
+    ap.add_argument("--no-plot", action="store_true", help="write no PNG (--plot-from draws it later)")
+    ap.add_argument("--plot-from", type=Path, help="only draw the PNG (and print the table) from this JSON")
     args = ap.parse_args(argv)
     if args.quick:
         args.reps, args.step_delay_ms, args.min_streams = 2, [5.0], 4
         args.max_seconds = min(args.max_seconds, 120)
+    if args.plot_from:
+        doc = json.loads(args.plot_from.read_text())
+        H.print_table(table_rows(doc["results"]), title=title_of(doc["config"]))
+        plot(doc["results"], title_of(doc["config"]))
+        return
 
     async def go() -> int:
         t0 = time.monotonic()
         deadline = H.Deadline(args.max_seconds, "stream_latency")
         res: dict[str, Any] = {}
+        vr_skipped: str | None = None
         for d in args.step_delay_ms:
-            res.update(await run_delay(args, d, deadline))
-        rows = []
-        for key, case in res.items():
-            for name in ORDER:
-                s = case["setups"].get(name)
-                if s:
-                    rows.append(
-                        {
-                            "case": key,
-                            "setup": name,
-                            "lag p50 ms": H.fmt_spread(s["lag_p50_ms"], 3),
-                            "lag p99 ms": H.fmt_spread(s["lag_p99_ms"], 3),
-                            "stream p50 ms": H.fmt(s["stream_p50_ms"]["median"]),
-                            "err": str(s["errors"]),
-                        }
-                    )
-        title = (
-            f"Token streaming latency: engine emit -> client receive, {args.max_tokens} tokens per stream, "
-            f"1 token per chunk, {args.engines} null engines ({args.reps} reps, median [min-max])"
-        )
-        H.print_table(rows, title=title)
-        H.write_json("stream_latency", {"config": vars(args), "elapsed_s": time.monotonic() - t0, "results": res})
-        groups = list(res)
-        panels = []
-        for metric, label in (("lag_p50_ms", "p50 lag (ms)"), ("lag_p99_ms", "p99 lag (ms)")):
-            series = {
-                n: [res[g]["setups"][n][metric]["median"] for g in groups]
-                for n in ORDER
-                if all(n in res[g]["setups"] for g in groups)
-            }
-            errs = {
-                n: (
-                    [res[g]["setups"][n][metric]["min"] for g in groups],
-                    [res[g]["setups"][n][metric]["max"] for g in groups],
-                )
-                for n in series
-            }
-            panels.append(
-                {
-                    "title": label,
-                    "ylabel": "ms",
-                    "groups": [g.replace(" ", "\n") for g in groups],
-                    "series": series,
-                    "errs": errs,
-                    "logy": True,
-                }
-            )
-        H.plot_bar_panels(
+            if deadline.remaining() > 0:
+                got, why = await run_delay(args, d, deadline)
+                res.update(got)
+                vr_skipped = vr_skipped or why
+            else:  # no clusters started for a delay with no time left
+                for c in args.streams:
+                    res[f"delay={d:g}ms streams={c}"] = {"streams": c, "step_delay_ms": d, "skipped": "--max-seconds"}
+        title = title_of(vars(args))
+        H.print_table(table_rows(res), title=title)
+        short = [k for k, v in res.items() if v.get("skipped") or v.get("truncated")]
+        if short:
+            print(f"--max-seconds {args.max_seconds:g} passed: cut short or skipped {short}", flush=True)
+        H.write_json(
             "stream_latency",
-            panels,
-            suptitle=title,
-            note="lag = client time.time() - emitted_at stamped by the engine (same machine clock)",
+            {
+                "config": vars(args),
+                "elapsed_s": time.monotonic() - t0,
+                "results": res,
+                "vllm_router_skipped": vr_skipped,  # None: its rows ran
+            },
         )
+        if not args.no_plot:
+            plot(res, title)
         return 0
 
     H.run_main(go)

@@ -1,0 +1,78 @@
+#!/bin/bash
+# Issue 24 §1's router benches on the device host, beside a GPU bench: bench.router_overhead
+# (max_tokens 1 and 64 streamed tokens at c=1/64/256; rollout-bus head, the same head spinning
+# with --busy-poll-us, vllm-router consistent_hash and power_of_two, each against its own direct
+# twin) and bench.stream_latency (emit -> client lag, 1 and 256 streams), one after the other,
+# pinned with taskset to CORES (default 16-31: the GPU bench keeps 0-15).
+#
+# Assumes (another kit sets these up; nothing here installs anything):
+#   - the `vllm-router` launcher on PATH, its Python package and deps (orjson, setproctitle)
+#     importable by the launcher's python. Missing or not starting: a clear line, and both benches
+#     run without the vllm-router rows (their JSON says why in `vllm_router_skipped`).
+#   - python3 with msgspec, pyzmq, aiohttp, psutil, structlog, numpy (the image, or /tmp/site on
+#     PYTHONPATH: kept, and /tmp/site added when it exists and is not there yet).
+# Env: OUT (default /tmp/out) -> results in $OUT/router/ only: router.txt (this script's output, the
+#      tables included), router_overhead.json, stream_latency.json; PNG=1 adds the two PNGs (else draw
+#      them later: python -m bench.router_overhead --plot-from router_overhead.json, same for
+#      stream_latency); logs.tgz only when a bench failed.  At most 6 files.
+#      CORES (taskset list, default 16-31; CORES= runs unpinned), SPIN_US (the spinning head's
+#      --busy-poll-us, default 200; 0: no spin arm), RO_SECONDS / SL_SECONDS (each bench's
+#      --max-seconds: measuring stops there, what was measured is written; default 230 / 70),
+#      RO_ARGS / SL_ARGS (replace the size flags, e.g. for a dry run), PYTHON (default python3).
+# Wall: ~330 s on a fast 16-core host (router_overhead ~250 s incl. start-up, stream_latency ~50 s);
+# never more than RO_SECONDS + SL_SECONDS + ~60 s (start-up, tear-down, JSON) + the kill margins.
+cd "$(dirname "$0")/.." || exit 1   # the repository root
+T0=$(date +%s)
+OUT=${OUT:-/tmp/out}
+R=$OUT/router
+mkdir -p "$R"
+exec > >(tee -a "$R/router.txt") 2>&1
+PY=${PYTHON:-python3}
+CORES=${CORES-16-31}
+SPIN_US=${SPIN_US:-200}
+RO_SECONDS=${RO_SECONDS:-230}
+SL_SECONDS=${SL_SECONDS:-70}
+RO_ARGS=${RO_ARGS:-"--concurrency 1 64 256 --requests 400 --reps 3 --stream-tokens 64"}
+SL_ARGS=${SL_ARGS:-"--streams 1 256 --step-delay-ms 5 --min-streams 4 --max-tokens 32 --reps 3"}
+PLOT=--no-plot; [ "${PNG:-0}" = 1 ] && PLOT=
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 ROLLOUT_BUS_BENCH_OUT=$R
+[ -d /tmp/site ] && case ":$PYTHONPATH:" in *:/tmp/site:*) ;; *) export PYTHONPATH=$PYTHONPATH:/tmp/site ;; esac
+BENCH_LOGS=${TMPDIR:-/tmp}/rollout-bus-bench   # bench.procs: every child's log, /<bench pid>/<name>.log
+
+echo "== router benches: $(date -u +%FT%TZ), $(nproc) CPUs visible, cores ${CORES:-all}, $($PY -V 2>&1), git $(git rev-parse --short HEAD 2>/dev/null)"
+$PY -c "import msgspec, zmq, aiohttp, psutil, structlog, numpy" || {
+  echo "router benches NOT RUN: $PY lacks one of msgspec, pyzmq, aiohttp, psutil, structlog, numpy (PYTHONPATH=$PYTHONPATH)"
+  exit 2
+}
+if ! command -v vllm-router >/dev/null; then
+  echo "vllm-router NOT on PATH: the vllm-router rows are left out (the benches' JSON says why)"
+elif ! VR_ERR=$(timeout 30 vllm-router --help 2>&1 >/dev/null); then
+  echo "vllm-router on PATH ($(command -v vllm-router)) but its launcher fails; the benches try it and leave its rows out if it does not start:"
+  echo "$VR_ERR" | tail -5
+else
+  echo "vllm-router: $(command -v vllm-router)"
+fi
+PIN=()
+if [ -n "$CORES" ]; then
+  if taskset -c "$CORES" true 2>/dev/null; then PIN=(taskset -c "$CORES"); else echo "taskset -c $CORES failed: running unpinned"; fi
+fi
+
+FAILED=0
+bench() {  # name, --max-seconds, args...: bounded by `timeout` as well (a hung tear-down ends too)
+  local name=$1 secs=$2; shift 2
+  echo "== $name (--max-seconds $secs) $*"
+  local t=$(date +%s)
+  timeout -k 10 $(( ${secs%.*} + 90 )) "${PIN[@]}" $PY -m bench.$name --max-seconds "$secs" $PLOT "$@"
+  local rc=$?
+  echo "$name rc=$rc after $(( $(date +%s) - t ))s"
+  [ $rc = 0 ] || FAILED=1
+}
+SPIN=(); [ "$SPIN_US" -gt 0 ] && SPIN=(--spin-us "$SPIN_US")
+bench router_overhead "$RO_SECONDS" $RO_ARGS "${SPIN[@]}"
+bench stream_latency "$SL_SECONDS" $SL_ARGS
+
+if [ $FAILED = 1 ] && [ -d "$BENCH_LOGS" ]; then
+  tar -czf "$R/logs.tgz" -C "$BENCH_LOGS" . 2>/dev/null && echo "a bench failed: its processes' logs in $R/logs.tgz"
+fi
+echo "== router benches done after $(( $(date +%s) - T0 ))s; in $R: $(ls "$R" | tr '\n' ' ')"
+exit $FAILED
