@@ -148,13 +148,16 @@ def try_vllm_routers(
     if why:
         return {}, why
     started: dict[str, tuple[str, Any]] = {}
+    before = len(procs.procs)
     try:
         for policy in policies:
             started[policy] = start_vllm_router(procs, worker_urls, policy, tag=tag)
     except (RuntimeError, TimeoutError, OSError) as e:
-        for _, p in started.values():
+        # Every router this call started leaves the Procs, the one that failed included:
+        # a dead child in it would fail the bench's start-up check (rb_side.wait_healthy).
+        for _, p in list(procs.procs[before:]):
             procs.stop(p)
-        return {}, f"vllm-router did not start, its rows are left out: {e}"
+        return {}, f"its rows are left out: {e}"
     return started, None
 
 

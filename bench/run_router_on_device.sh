@@ -15,9 +15,10 @@
 #      tables included), router_overhead.json, stream_latency.json; PNG=1 adds the two PNGs (else draw
 #      them later: python -m bench.router_overhead --plot-from router_overhead.json, same for
 #      stream_latency); logs.tgz only when a bench failed.  At most 6 files.
-#      CORES (taskset list, default 16-31; CORES= runs unpinned), SPIN_US (the spinning head's
-#      --busy-poll-us, default 200; 0: no spin arm), RO_SECONDS / SL_SECONDS (each bench's
-#      --max-seconds: measuring stops there, what was measured is written; default 230 / 70),
+#      CORES (taskset list, default 16-31; CORES= runs unpinned), SPIN_US (one spinning head per
+#      value, started with --busy-poll-us N: default "50 200"; 0: no spin arm), RO_SECONDS /
+#      SL_SECONDS (each bench's --max-seconds: measuring stops there, the case running keeps its
+#      complete repetitions, later ones are skipped, the JSON is written; default 230 / 80),
 #      RO_ARGS / SL_ARGS (replace the size flags, e.g. for a dry run), PYTHON (default python3).
 # Wall: ~330 s on a fast 16-core host (router_overhead ~250 s incl. start-up, stream_latency ~50 s);
 # never more than RO_SECONDS + SL_SECONDS + ~60 s (start-up, tear-down, JSON) + the kill margins.
@@ -29,11 +30,11 @@ mkdir -p "$R"
 exec > >(tee -a "$R/router.txt") 2>&1
 PY=${PYTHON:-python3}
 CORES=${CORES-16-31}
-SPIN_US=${SPIN_US:-200}
+SPIN_US=${SPIN_US:-50 200}
 RO_SECONDS=${RO_SECONDS:-230}
-SL_SECONDS=${SL_SECONDS:-70}
-RO_ARGS=${RO_ARGS:-"--concurrency 1 64 256 --requests 400 --reps 3 --stream-tokens 64"}
-SL_ARGS=${SL_ARGS:-"--streams 1 256 --step-delay-ms 5 --min-streams 4 --max-tokens 32 --reps 3"}
+SL_SECONDS=${SL_SECONDS:-80}
+RO_ARGS=${RO_ARGS:-"--concurrency 1 64 256 --requests 400 --reps 5 --stream-tokens 64"}
+SL_ARGS=${SL_ARGS:-"--streams 1 256 --step-delay-ms 5 --min-streams 8 --max-tokens 32 --reps 4"}
 PLOT=--no-plot; [ "${PNG:-0}" = 1 ] && PLOT=
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 ROLLOUT_BUS_BENCH_OUT=$R
 [ -d /tmp/site ] && case ":$PYTHONPATH:" in *:/tmp/site:*) ;; *) export PYTHONPATH=$PYTHONPATH:/tmp/site ;; esac
@@ -67,8 +68,7 @@ bench() {  # name, --max-seconds, args...: bounded by `timeout` as well (a hung 
   echo "$name rc=$rc after $(( $(date +%s) - t ))s"
   [ $rc = 0 ] || FAILED=1
 }
-SPIN=(); [ "$SPIN_US" -gt 0 ] && SPIN=(--spin-us "$SPIN_US")
-bench router_overhead "$RO_SECONDS" $RO_ARGS "${SPIN[@]}"
+bench router_overhead "$RO_SECONDS" $RO_ARGS --spin-us $SPIN_US
 bench stream_latency "$SL_SECONDS" $SL_ARGS
 
 if [ $FAILED = 1 ] && [ -d "$BENCH_LOGS" ]; then
