@@ -14,20 +14,26 @@
 # Env: OUT (default /tmp/out) -> results in $OUT/router/ only: router.txt (this script's output, the
 #      tables included), router_overhead.json, stream_latency.json; PNG=1 adds the two PNGs (else draw
 #      them later: python -m bench.router_overhead --plot-from router_overhead.json, same for
-#      stream_latency); logs.tgz only when a bench failed.  At most 6 files.
+#      stream_latency); logs.tgz only when a bench failed.  At most 6 files; PACK=1: all of them
+#      in ONE file, $OUT/router.tgz, instead (the device returns 8 files at most, a GPU bench's
+#      included).
 #      CORES (taskset list, default 16-31; CORES= runs unpinned), SPIN_US (one spinning head per
 #      value, started with --busy-poll-us N: default "50 200"; 0: no spin arm), RO_SECONDS /
 #      SL_SECONDS (each bench's --max-seconds: measuring stops there, the case running keeps its
 #      complete repetitions, later ones are skipped, the JSON is written; default 230 / 80),
 #      RO_ARGS / SL_ARGS (replace the size flags, e.g. for a dry run), PYTHON (default python3).
-# Wall: ~330 s on a fast 16-core host (router_overhead ~250 s incl. start-up, stream_latency ~50 s);
-# never more than RO_SECONDS + SL_SECONDS + ~60 s (start-up, tear-down, JSON) + the kill margins.
+# Wall: 235 s on the 2-core VM (router_overhead 178 s, stream_latency 52 s: paced by its 5 ms steps),
+# 200-250 s expected on a 16-core host (the c=1 cases, most of the time, run about as fast there);
+# never more than RO_SECONDS + SL_SECONDS + ~30 s (start-up, tear-down, JSON), unless a bench hangs
+# (then `timeout` ends it 90 s past its --max-seconds).
 cd "$(dirname "$0")/.." || exit 1   # the repository root
 T0=$(date +%s)
 OUT=${OUT:-/tmp/out}
 R=$OUT/router
 mkdir -p "$R"
+exec 3>&1 4>&2   # the caller's stdout/stderr, back once the tee below is closed
 exec > >(tee -a "$R/router.txt") 2>&1
+TEE=$!
 PY=${PYTHON:-python3}
 CORES=${CORES-16-31}
 SPIN_US=${SPIN_US:-50 200}
@@ -75,4 +81,9 @@ if [ $FAILED = 1 ] && [ -d "$BENCH_LOGS" ]; then
   tar -czf "$R/logs.tgz" -C "$BENCH_LOGS" . 2>/dev/null && echo "a bench failed: its processes' logs in $R/logs.tgz"
 fi
 echo "== router benches done after $(( $(date +%s) - T0 ))s; in $R: $(ls "$R" | tr '\n' ' ')"
+exec 1>&3 2>&4   # router.txt complete: the tee reads to its end and exits
+wait $TEE 2>/dev/null || sleep 1
+if [ "${PACK:-0}" = 1 ]; then
+  tar -czf "$OUT/router.tgz" -C "$OUT" router && rm -rf "$R" && echo "packed into $OUT/router.tgz: $(tar -tzf "$OUT/router.tgz" | tr '\n' ' ')"
+fi
 exit $FAILED
