@@ -22,8 +22,9 @@
 #      SL_SECONDS (each bench's --max-seconds: measuring stops there, the case running keeps its
 #      complete repetitions, later ones are skipped, the JSON is written; default 230 / 80),
 #      RO_ARGS / SL_ARGS (replace the size flags, e.g. for a dry run), PYTHON (default python3).
-# Wall: 235 s on the 2-core VM (router_overhead 178 s, stream_latency 52 s: paced by its 5 ms steps),
-# 200-250 s expected on a 16-core host (the c=1 cases, most of the time, run about as fast there);
+# Wall: 246 s on the 2-core VM with router_overhead at --reps 5 (194 s; stream_latency 51 s, paced by
+# its 5 ms steps), so ~215 s at the --reps 4 below; 180-230 s expected on a 16-core host (the c=1
+# cases, most of the time, run about as fast there);
 # never more than RO_SECONDS + SL_SECONDS + ~30 s (start-up, tear-down, JSON), unless a bench hangs
 # (then `timeout` ends it 90 s past its --max-seconds).
 cd "$(dirname "$0")/.." || exit 1   # the repository root
@@ -39,7 +40,7 @@ CORES=${CORES-16-31}
 SPIN_US=${SPIN_US:-50 200}
 RO_SECONDS=${RO_SECONDS:-230}
 SL_SECONDS=${SL_SECONDS:-80}
-RO_ARGS=${RO_ARGS:-"--concurrency 1 64 256 --requests 400 --reps 5 --stream-tokens 64"}
+RO_ARGS=${RO_ARGS:-"--concurrency 1 64 256 --requests 400 --reps 4 --stream-tokens 64"}
 SL_ARGS=${SL_ARGS:-"--streams 1 256 --step-delay-ms 5 --min-streams 8 --max-tokens 32 --reps 4"}
 PLOT=--no-plot; [ "${PNG:-0}" = 1 ] && PLOT=
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 ROLLOUT_BUS_BENCH_OUT=$R
