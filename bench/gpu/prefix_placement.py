@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import random
 import sys
 import time
@@ -363,6 +364,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help=f"vllm-router arms, all in front of one pair of vLLM servers ({', '.join(VR.POLICIES)}); "
         "empty: none. Without vllm-router (or vLLM, on a GPU) they are rows with the reason",
     )
+    ap.add_argument(
+        "--engine-args",
+        default='{"max_num_seqs": 1024, "max_num_batched_tokens": 8192}',
+        help="JSON: vLLM engine arguments of EVERY engine (rollout-bus backend options, api_server flags), so no "
+        "arm runs on other scheduler defaults (these are the api_server's own on an H100/H200)",
+    )
     ap.add_argument("--gpus", default="0,1", help="the two GPUs (one engine of every arm on each); '0,0': one GPU")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=64)
@@ -410,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         "log_dir": str(log_dir),
         "policies": [p for p in a.policies.split(",") if p],
         "vllm_router": vr_pols,
+        "engine": json.loads(a.engine_args),
     }
     doc = G.result_doc(NAME, a, G.probe_env(), policies={}, vllm_router_env=VR.env_note())
     budget = G.Budget(a.budget_s)

@@ -35,6 +35,7 @@ from typing import Any
 from bench import harness as H
 from bench import peer_side as PS
 from bench.gpu import common as G
+from bench.gpu import paths as GP
 
 POLICIES = ("cache_aware", "consistent_hash", "power_of_two", "round_robin", "random")
 COUNTERS = {
@@ -66,11 +67,10 @@ def missing(cpu: bool) -> str | None:
 
 
 def server_argv(spec: dict[str, Any], port: int) -> list[str]:
-    return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec["model"],
-        "--host", H.LOOPBACK, "--port", str(port), "--disable-uvicorn-access-log",
-        "--gpu-memory-utilization", str(spec["gpu_fraction"]), "--max-model-len", str(spec["max_model_len"]),
-    ]  # fmt: skip
+    """bench/gpu/paths.py's api_server command line (--disable-uvicorn-access-log),
+    with the same engine arguments the rollout-bus engines get."""
+    engine = {"gpu_memory_utilization": spec["gpu_fraction"], "max_model_len": spec["max_model_len"]}
+    return GP.server_argv({"model": spec["model"], "engine": {**engine, **spec.get("engine", {})}}, port)
 
 
 def peer_argv(port: int) -> list[str]:
