@@ -348,7 +348,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = G.bench_parser(
         __doc__,
         cpu_help="dry run: torch backend, tiny model, a reduced workload",
-        **dict(seed=0, gpu_fraction=0.25, max_model_len=2048, ready_timeout_s=300.0, request_timeout_s=300.0),
+        **dict(seed=0, gpu_fraction=None, max_model_len=2048, ready_timeout_s=300.0, request_timeout_s=300.0),
         **dict(budget_s=300.0, min_phase_s=60.0),
     )
     ap.add_argument(
@@ -370,7 +370,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="JSON: vLLM engine arguments of EVERY engine (rollout-bus backend options, api_server flags), so no "
         "arm runs on other scheduler defaults (these are the api_server's own on an H100/H200)",
     )
-    ap.add_argument("--gpus", default="0,1", help="the two GPUs (one engine of every arm on each); '0,0': one GPU")
+    ap.add_argument(
+        "--gpus",
+        default=None,
+        help="the two GPUs, one engine of every arm on each (default 0,1; 0,0 on a one-GPU machine; "
+        "--gpu-fraction defaults to 0.25 on two GPUs, 0.12 on one)",
+    )
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=8)
@@ -390,7 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     null = a.cpu and a.cpu_backend != "torch"
     model = (a.model or "null") if null else G.model_of(a)
     log_dir = G.log_dir_of(a, od, NAME)
-    gpus = (a.gpus.split(",") * 2)[:2]
+    env = G.probe_env()
+    gpus = ((a.gpus or ("0,1" if env.get("gpus", 0) >= 2 or a.cpu else "0")).split(",") * 2)[:2]
+    if a.gpu_fraction is None:  # three engines per GPU (two rollout-bus clusters, one api_server), six on one
+        a.gpu_fraction = 0.25 if gpus[0] != gpus[1] else 0.12
     vr_pols = [p for p in a.vllm_router.split(",") if p]
     VR.check_policies(vr_pols)
     spec = {
@@ -419,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         "vllm_router": vr_pols,
         "engine": json.loads(a.engine_args),
     }
-    doc = G.result_doc(NAME, a, G.probe_env(), policies={}, vllm_router_env=VR.env_note())
+    doc = G.result_doc(NAME, a, env, policies={}, vllm_router_env=VR.env_note())
     budget = G.Budget(a.budget_s)
     why = VR.missing(a.cpu) if vr_pols else None
     if why:  # the rows stay, with the reason (as the CPU router benches record vllm_router_skipped)
