@@ -184,12 +184,13 @@ def test_gpu_first_step_plots_a_recorded_run(tmp_path):
 
 
 def test_gpu_prefix_placement_dry_run(tmp_path):
-    """Both policies through launch.py with two model-less engines: every
+    """Both policies through launch.py with two model-less engines (`--gpus 0,0`:
+    the second engine joins once the first is up, the one-GPU path): every
     request answered, and prefix placement keeps each prompt's samples on one
     engine (the vLLM hit rate is n/a without vLLM; the ideal-cache estimate is not)."""
     doc = _run(
         "bench.gpu.prefix_placement", str(tmp_path), "--cpu-backend", "null",
-        "--prompts", "4", "--samples", "3", "--vllm-router", "",
+        "--prompts", "4", "--samples", "3", "--vllm-router", "", "--gpus", "0,0",
     )  # fmt: skip
     table = doc["summary"]
     assert set(table) == {"least_loaded", "prefix"}
@@ -200,19 +201,23 @@ def test_gpu_prefix_placement_dry_run(tmp_path):
         assert rep["prefix_cache_hit_rate"] is None and 0 < rep["ideal_cache_hit_rate"] <= 1
     assert table["prefix"]["split_prompts"] == 0
     assert doc["policies"]["prefix"]["head_stats"]["placed"] >= 12
+    assert len(doc["policies"]["prefix"]["launch_argv"]) == 2  # head + engine, then the joined engine
 
 
 @pytest.mark.skipif(shutil.which("vllm-router") is None, reason="vllm-router is not on PATH (pip install vllm-router)")
 def test_gpu_prefix_placement_vllm_router_arm_dry_run(tmp_path):
     """The vllm-router arm's plumbing with no model: the real router (cache_aware,
     power_of_two) in front of two `bench.http_peer --prefix-cache` servers, token-id
-    prompts, hit rates scraped from their /metrics, reps in rotated order."""
+    prompts, hit rates scraped from their /metrics; beside a rollout-bus arm
+    (`launch.py --engines 2`), every arm alive, reps in rotated order."""
     doc = _run(
-        "bench.gpu.prefix_placement", str(tmp_path), "--cpu-backend", "null", "--policies", "",
+        "bench.gpu.prefix_placement", str(tmp_path), "--cpu-backend", "null", "--policies", "prefix",
         "--vllm-router", "cache_aware,power_of_two", "--prompts", "4", "--samples", "3", "--reps", "2",
     )  # fmt: skip
     table = doc["summary"]
-    assert set(table) == {"vllm-router:cache_aware", "vllm-router:power_of_two"}
+    assert set(table) == {"prefix", "vllm-router:cache_aware", "vllm-router:power_of_two"}
+    assert len(doc["policies"]["prefix"]["launch_argv"]) == 1 and table["prefix"]["reps"] == 2
+    del table["prefix"]
     for arm, row in table.items():
         assert row["ok"] and row["reps"] == 2 and row["errors"] == 0, (arm, row)
         for rep in doc["policies"][arm]["reps"]:
@@ -221,7 +226,8 @@ def test_gpu_prefix_placement_vllm_router_arm_dry_run(tmp_path):
             # the servers' counters (an unbounded cache) agree with the estimate from the placements
             assert rep["prefix_cache_hit_rate"] == rep["ideal_cache_hit_rate"] > 0
     assert table["vllm-router:cache_aware"]["split_prompts"] == 0
-    assert doc["phase"]["order"] == [list(table), list(table)[::-1]]
+    arms = ["prefix", "vllm-router:cache_aware", "vllm-router:power_of_two"]
+    assert doc["phase"]["order"] == [arms, arms[1:] + arms[:1]]
 
 
 def test_gpu_prefix_placement_without_vllm_router_records_why(tmp_path):

@@ -136,10 +136,13 @@ async def _all(spec: dict[str, Any]) -> dict[str, Any]:
                 G.checkpoint(spec)
             if vr_pols:
                 await _start_vr(procs, session, spec, vr_pols, out, arms)
-            for k, arm in enumerate(arms.values()):
+            for k, (name, arm) in enumerate(arms.items()):
                 warm = workload({**spec, "workload": {**spec["workload"], "prompts": 2, "samples": 2}},
                                 spec["vocab"], salt=999, arm=k)  # fmt: skip
-                await arm.send(warm, {**_params(spec), "max_tokens": 4})
+                res = await arm.send(warm, {**_params(spec), "max_tokens": 4})
+                bad = [repr(r)[:200] for r in res if isinstance(r, BaseException)]
+                if bad:  # recorded; the reps say whether the arm recovered
+                    out["arms"][name]["warmup_errors"] = bad
             await _reps(spec, arms, out, end)
         finally:
             for arm in arms.values():
@@ -190,6 +193,7 @@ async def _start_vr(
         urls, starts = await VR.start_servers(procs, session, spec)
         routers = VR.start_routers(procs, urls, pols)
     except Exception as e:  # every vllm-router row says why; the rollout-bus arms still run
+        procs.kill_all()  # the servers that did start hold GPU memory
         for n in names:
             out["arms"][n]["error"] = f"start: {type(e).__name__}: {e}"[:2000]
         return

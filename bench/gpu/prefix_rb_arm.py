@@ -31,18 +31,23 @@ def start(stack: contextlib.ExitStack, spec: dict[str, Any], pol: str, rec: dict
             ready_timeout_s=spec["ready_timeout_s"], log_dir=Path(spec["log_dir"]), extra_args=extra,
         )  # fmt: skip
 
-    together = cpu or gpus[0] != gpus[1]
-    cl = stack.enter_context(cluster(2 if together else 1, ",".join(gpus) if together else gpus[0], ["--policy", pol]))
-    starts = [cl.wait_ready()[0]]
-    argv = [cl.argv[1:]]
-    if not together:
-        joined = stack.enter_context(
-            cluster(1, gpus[1], ["--join", cl.address, "--engine-id-prefix", "b", "--advertise-host", H.LOOPBACK])
+    together = gpus[0] != gpus[1]  # --cpu: engines on no GPU; --gpus 0,0 still takes the --join path
+    # a cluster that fails to start is ended here, not at the phase's end: its engines hold GPU memory
+    with contextlib.ExitStack() as mine:
+        cl = mine.enter_context(
+            cluster(2 if together else 1, ",".join(gpus) if together else gpus[0], ["--policy", pol])
         )
-        cl.engines = 2
-        starts.append(cl.wait_ready()[0])
-        argv.append(joined.argv[1:])
-    _, engines = cl.wait_ready()
+        starts = [cl.wait_ready()[0]]
+        argv = [cl.argv[1:]]
+        if not together:
+            joined = mine.enter_context(
+                cluster(1, gpus[1], ["--join", cl.address, "--engine-id-prefix", "b", "--advertise-host", H.LOOPBACK])
+            )
+            cl.engines = 2
+            starts.append(cl.wait_ready()[0])
+            argv.append(joined.argv[1:])
+        _, engines = cl.wait_ready()
+        stack.push(mine.pop_all())  # started: the phase's stack ends it
     rec.update(engine_start_s=[round(s, 1) for s in starts], launch_argv=argv,
                engines=[e.get("engine_id") for e in engines])  # fmt: skip
     return RbArm(cl.address, spec["request_timeout_s"])
