@@ -302,6 +302,8 @@ def report(doc: dict[str, Any]) -> str:
             f"{pol:<28} {r['tokens_per_s'] or 0:>10.0f} {pct(r['prefix_cache_hit_rate']):>16} "
             f"{pct(r['ideal_cache_hit_rate']):>16} {split:>14} {r['errors']:>7}  {r['per_engine']}"
         )
+    if w.get("cpu") and any(p.startswith("vllm-router") for p in table):
+        lines.append("(--cpu: the vllm-router rows' 'vLLM prefix hit' is bench.http_peer's unbounded-cache count)")
     if doc.get("vllm_router_skipped"):
         lines.append(f"vllm-router arms skipped: {doc['vllm_router_skipped']}")
     text = "\n".join(lines)
