@@ -8,7 +8,13 @@ Events the way vLLM does (one ``data: {json}`` event per token — or per
 ``--tokens-per-event`` tokens — then ``data: [DONE]``), each event written to
 the socket separately, as a real server flushes each decode step.
 ``/health``, ``/v1/models``, ``/get_model_info``, ``/get_server_info``,
-``/metrics`` answer what vllm-router probes.
+``/metrics`` answer what vllm-router probes. With ``--prefix-cache`` it also
+counts what an unbounded prefix cache of 16-id blocks would hit (token-id
+prompts) and ``/metrics`` reports it under vLLM's names
+(``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``,
+``vllm:request_success_total``), so a bench that scrapes vLLM servers can be
+dry-run against it (bench/gpu/prefix_vllm_router.py); off by default: it
+costs a hash per block per request.
 
 Why a raw asyncio HTTP/1.1 server (keep-alive, Content-Length and chunked
 bodies, chunked SSE responses) rather than FastAPI/uvicorn as vLLM uses: it is
@@ -44,9 +50,17 @@ class Peer:
     """State shared by every connection of one server process."""
 
     def __init__(
-        self, model: str, vocab: int, tokens_per_event: int, port: int, log_requests: bool, step_delay_s: float = 0.0
+        self,
+        model: str,
+        vocab: int,
+        tokens_per_event: int,
+        port: int,
+        log_requests: bool,
+        step_delay_s: float = 0.0,
+        prefix_cache: bool = False,
     ) -> None:
         self.step_delay_s = step_delay_s
+        self.cache: PrefixCounter | None = PrefixCounter() if prefix_cache else None
         self.paused = False
         self.model = model
         self.vocab = vocab
@@ -96,7 +110,10 @@ class Peer:
         if path == "/get_server_info":
             return w.json(200, {"model_path": self.model, "port": self.port, "max_total_num_tokens": 1 << 20})
         if path == "/metrics":
-            return w.raw(200, f"bench_http_peer_requests_total {self.requests}\n".encode(), b"text/plain")
+            text = f"bench_http_peer_requests_total {self.requests}\n"
+            if self.cache is not None:
+                text += self.cache.metrics()
+            return w.raw(200, text.encode(), b"text/plain")
         if path == "/version":
             return w.json(200, {"version": "bench-http-peer"})
         return w.json(404, {"error": {"message": f"no route {path}"}})
@@ -113,6 +130,8 @@ class Peer:
             elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
                 last = prompt[-1]
                 n_prompt = len(prompt)
+                if self.cache is not None:
+                    self.cache.add(prompt)
             else:
                 raise ValueError("prompt must be a non-empty list of token ids or a string")
             max_tokens = int(req.get("max_tokens") or 16)
@@ -224,6 +243,38 @@ class Peer:
             )
         w.sse(b"[DONE]")
         w.end_chunked()
+
+
+class PrefixCounter:
+    """What an unbounded prefix cache of BLOCK-id blocks would hit: a prompt's
+    full blocks are looked up in order (block i's key covers blocks 0..i) and
+    count as hits until the first miss, as vLLM's prefix cache counts them."""
+
+    BLOCK = 16
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.queries = self.hits = self.requests = 0
+
+    def add(self, prompt: list[int]) -> None:
+        self.requests += 1
+        self.queries += len(prompt)
+        key = 0
+        matched = True
+        for i in range(0, len(prompt) - self.BLOCK + 1, self.BLOCK):
+            key = hash((key, tuple(prompt[i : i + self.BLOCK])))
+            if matched and key in self.seen:
+                self.hits += self.BLOCK
+            else:
+                matched = False
+                self.seen.add(key)
+
+    def metrics(self) -> str:
+        return (
+            f"vllm:prefix_cache_queries_total {self.queries}\n"
+            f"vllm:prefix_cache_hits_total {self.hits}\n"
+            f"vllm:request_success_total {self.requests}\n"
+        )
 
 
 class _Writer:
@@ -428,6 +479,11 @@ def main(argv: list[str] | None = None) -> int:
         help="streaming: wait this long before each event (an engine's decode step time)",
     )
     ap.add_argument("--log-requests", action="store_true")
+    ap.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="count an unbounded prefix cache's hits; /metrics reports them under vLLM's names",
+    )
     a = ap.parse_args(argv)
     try:
         import setproctitle
@@ -435,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         setproctitle.setproctitle(f"bench.http_peer:{a.port}")
     except Exception:
         pass
-    peer = Peer(a.model, a.vocab, a.tokens_per_event, a.port, a.log_requests, a.step_delay_ms / 1e3)
+    peer = Peer(a.model, a.vocab, a.tokens_per_event, a.port, a.log_requests, a.step_delay_ms / 1e3, a.prefix_cache)
     fn = serve_raw if a.impl == "raw" else serve_aiohttp
     asyncio.run(fn(peer, a.host, a.port))
     return 0

@@ -5,6 +5,7 @@ real (torch backend, tiny model); the vLLM paths are skipped with a reason."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +17,11 @@ from tests.cluster import ROOT, child_env
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 
-def _run(module: str, out: str, *args: str) -> dict:
+def _run(module: str, out: str, *args: str, **env: str) -> dict:
     p = subprocess.run(
         [sys.executable, "-m", module, "--cpu", "--out-dir", out, *args],
         cwd=ROOT,
-        env=child_env(ROLLOUT_BUS_LOG_LEVEL="WARNING"),
+        env=child_env(ROLLOUT_BUS_LOG_LEVEL="WARNING", **env),
         capture_output=True,
         text=True,
         timeout=80,
@@ -183,12 +184,13 @@ def test_gpu_first_step_plots_a_recorded_run(tmp_path):
 
 
 def test_gpu_prefix_placement_dry_run(tmp_path):
-    """Both policies through launch.py with two model-less engines: every
+    """Both policies through launch.py with two model-less engines (`--gpus 0,0`:
+    the second engine joins once the first is up, the one-GPU path): every
     request answered, and prefix placement keeps each prompt's samples on one
     engine (the vLLM hit rate is n/a without vLLM; the ideal-cache estimate is not)."""
     doc = _run(
         "bench.gpu.prefix_placement", str(tmp_path), "--cpu-backend", "null",
-        "--prompts", "4", "--samples", "3",
+        "--prompts", "4", "--samples", "3", "--vllm-router", "", "--gpus", "0,0",
     )  # fmt: skip
     table = doc["summary"]
     assert set(table) == {"least_loaded", "prefix"}
@@ -199,6 +201,66 @@ def test_gpu_prefix_placement_dry_run(tmp_path):
         assert rep["prefix_cache_hit_rate"] is None and 0 < rep["ideal_cache_hit_rate"] <= 1
     assert table["prefix"]["split_prompts"] == 0
     assert doc["policies"]["prefix"]["head_stats"]["placed"] >= 12
+    assert len(doc["policies"]["prefix"]["launch_argv"]) == 2  # head + engine, then the joined engine
+
+
+@pytest.mark.skipif(shutil.which("vllm-router") is None, reason="vllm-router is not on PATH (pip install vllm-router)")
+def test_gpu_prefix_placement_vllm_router_arm_dry_run(tmp_path):
+    """The vllm-router arm's plumbing with no model: the real router (cache_aware,
+    power_of_two) in front of two `bench.http_peer --prefix-cache` servers, token-id
+    prompts, hit rates scraped from their /metrics; beside a rollout-bus arm
+    (`launch.py --engines 2`), every arm alive, reps in rotated order."""
+    doc = _run(
+        "bench.gpu.prefix_placement", str(tmp_path), "--cpu-backend", "null", "--policies", "prefix",
+        "--vllm-router", "cache_aware,power_of_two", "--prompts", "4", "--samples", "3", "--reps", "2",
+    )  # fmt: skip
+    table = doc["summary"]
+    assert set(table) == {"prefix", "vllm-router:cache_aware", "vllm-router:power_of_two"}
+    assert len(doc["policies"]["prefix"]["launch_argv"]) == 1 and table["prefix"]["reps"] == 2
+    del table["prefix"]
+    for arm, row in table.items():
+        assert row["ok"] and row["reps"] == 2 and row["errors"] == 0, (arm, row)
+        for rep in doc["policies"][arm]["reps"]:
+            assert rep["tokens"] == rep["expected_tokens"] == 4 * 3 * 2
+            assert sum(rep["per_engine"].values()) == 12
+            # the servers' counters (an unbounded cache) agree with the estimate from the placements
+            assert rep["prefix_cache_hit_rate"] == rep["ideal_cache_hit_rate"] > 0
+    assert table["vllm-router:cache_aware"]["split_prompts"] == 0
+    arms = ["prefix", "vllm-router:cache_aware", "vllm-router:power_of_two"]
+    assert doc["phase"]["order"] == [arms, arms[1:] + arms[:1]]
+
+
+def test_gpu_prefix_placement_without_vllm_router_records_why(tmp_path):
+    """No vllm-router on PATH: its rows say why, the run does not fail."""
+    doc = _run(
+        "bench.gpu.prefix_placement", str(tmp_path), "--cpu-backend", "null", "--policies", "",
+        "--vllm-router", "cache_aware", PATH="/usr/bin:/bin",
+    )  # fmt: skip
+    assert "vllm-router is not on PATH" in doc["vllm_router_skipped"]
+    row = doc["policies"]["vllm-router:cache_aware"]
+    assert not row["ok"] and row["error"].startswith("skipped: vllm-router is not on PATH")
+
+
+def test_vllm_metrics_and_the_peers_prefix_counter():
+    """The Prometheus parsing of the vLLM counters (labels summed), and
+    http_peer's unbounded-cache count (hits stop at the first missed block)."""
+    from bench.gpu.prefix_vllm_router import parse_counters
+    from bench.http_peer import PrefixCounter
+
+    text = (
+        "# HELP vllm:prefix_cache_hits_total x\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 32.0\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 16.0\n'
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0\n'
+        'vllm:request_success_total{finished_reason="length",model_name="m"} 7.0\n'
+        "vllm:prefix_cache_hits_created 1.7e9\n"
+    )
+    assert parse_counters(text) == {"prefix_cache_queries": 100.0, "prefix_cache_hits": 48.0, "requests": 7.0}
+    c = PrefixCounter()
+    a = list(range(48))
+    c.add(a)
+    c.add(a[:32] + [999] * 16 + a[:16])  # two blocks shared, then a miss: the later equal block is no hit
+    assert (c.queries, c.hits, c.requests) == (112, 32, 2)
 
 
 def test_gpu_rl_step_dry_run(tmp_path):

@@ -1,40 +1,62 @@
-"""Prefix-aware placement on a GRPO-shaped workload: `--policy prefix` vs
-`least_loaded`, two engines on one GPU (issue 24 §2).
+"""Prefix-aware placement on a GRPO-shaped workload, side by side (issue 24 §2):
+rollout-bus `--policy least_loaded` and `--policy prefix` against vllm-router
+(`cache_aware`, its prefix-aware policy; `consistent_hash`, `power_of_two` as
+references), two vLLM engines per arm, one on each of two GPUs.
 
 The workload: P prompts (default 64) × S samples (default 8), every sample
 sent as its OWN request (as a trainer that does not use n > 1 sends them),
 all at once; every prompt = one long shared system prompt (default 1000
-token ids) + a question of its own (32-128 ids). Per policy, a fresh cluster
-(`launch.py --engines 1 --gpus 0 --gpu-memory-utilization F --policy X`, then
-a second `launch.py --join` engine on the same GPU once the first is up; both
-start with a cold prefix cache) serves a small warm-up batch with
-another system prompt, then the workload, R times (--reps).
+token ids) + a question of its own (32-128 ids), 128 new tokens, ignore_eos.
 
-Reported per policy and rep: tokens/s (generated tokens / wall of the
-batch), vLLM's prefix-cache hit rate (prompt tokens found cached / looked up,
-summed over both engines from the backend's `prefix_cache_hits` /
-`prefix_cache_queries` counters: `log_stats` is turned on for this), the
-placement itself (requests per engine; prompts whose samples landed on more
-than one engine) and an "ideal-cache" hit rate computed from the placements
+The arms (all alive at once, in ONE phase):
+- rollout-bus, one cluster per `--policies` entry: `launch.py --engines 2
+  --gpus 0,1 --gpu-memory-utilization F --policy X` (both engines start at
+  once, one per GPU; with `--gpus 0,0` the second joins with `--join` once the
+  first is up), `AsyncClient.generate` per request;
+- vllm-router, one process per `--vllm-router` policy, all in front of the
+  SAME two vLLM OpenAI api_servers (one per GPU, started at once), aiohttp
+  `/v1/completions` with token-id prompts (bench/gpu/prefix_vllm_router.py).
+Start-ups run one arm after another (each takes both GPUs at once: never two
+vLLM start-ups on one GPU together), then each arm serves a warm-up batch.
+Rep r then runs every arm once, in an order rotated by r; every (rep, arm)
+has its own system prompt, so nothing is cached from before.
+
+Why interleaved rather than a fresh cluster per arm in turn: the device VMs'
+pace drifts by up to ±20 % from minute to minute (tests/gpu/RESULTS.md runs
+17-21), and sequential arms would compare different minutes; the router
+references cost only a router process each here (they share the servers),
+where a fresh cluster per arm costs a start-up round (~40-90 s) each. The
+cost: three engines per GPU (`--gpu-fraction` 0.25 each) and three start-up
+rounds before the first rep, about as long as sequential arms would take.
+
+Reported per arm and rep: tokens/s (generated tokens / wall of the batch),
+vLLM's prefix-cache hit rate (prompt tokens found cached / looked up, summed
+over both engines: rollout-bus from the backend's `prefix_cache_hits` /
+`prefix_cache_queries` stats counters, `log_stats` on; vllm-router from the
+servers' `/metrics` `vllm:prefix_cache_hits_total` / `..._queries_total`,
+before and after), requests per engine, prompts whose samples landed on more
+than one engine and an "ideal-cache" hit rate computed from the placements
 alone (blocks of 16 ids a request shares with an earlier request on the same
-engine, as an unbounded prefix cache would hit): the one number the CPU dry
-run can show, since the torch backend has no prefix cache.
+engine, as an unbounded prefix cache would hit); the last two need to know
+each request's engine, which vLLM's server does not say (n/a there). The
+CPU dry run (`--cpu`; torch or null engines, `bench.http_peer --prefix-cache`
+servers behind the real vllm-router) exercises all of it but the numbers.
 
-vllm-router is NOT in this run: it needs two more vLLM OpenAI servers on the
-GPU and the vllm-router wheel, which the device image does not carry
-(bench/README.md).
+    python -m bench.gpu.prefix_placement --model /tmp/q05 --out-dir $OUT    # GPU (bench/gpu/run_prefix_on_device.sh)
+    python -m bench.gpu.prefix_placement --cpu --out-dir /tmp/pp            # dry run (torch backend, tiny model)
+    python -m bench.gpu.prefix_placement --cpu --cpu-backend null --vllm-router cache_aware  # plumbing only (CI)
 
-    python -m bench.gpu.prefix_placement --model /tmp/q05 --out-dir $OUT   # GPU
-    python -m bench.gpu.prefix_placement --cpu --out-dir /tmp/pp           # dry run (torch backend, tiny model)
-    python -m bench.gpu.prefix_placement --cpu --cpu-backend null  # placement only (CI)
-
-Writes gpu_prefix_placement.{json,txt,png} in --out-dir.
+`--budget-s` bounds the whole run (start-ups included): a rep is not started
+when the last one would not fit. Writes gpu_prefix_placement.{json,txt,png}
+in --out-dir.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import random
 import sys
 import time
@@ -43,6 +65,8 @@ from typing import Any
 
 from bench import harness as H
 from bench.gpu import common as G
+from bench.gpu import prefix_rb_arm as RB
+from bench.gpu import prefix_vllm_router as VR
 
 NAME = "gpu_prefix_placement"
 BLOCK = 16  # ids per block of the ideal-cache estimate (vLLM's default block size)
@@ -51,16 +75,17 @@ BLOCK = 16  # ids per block of the ideal-cache estimate (vLLM's default block si
 # ---------------------------------------------------------------- workload
 
 
-def workload(spec: dict[str, Any], vocab: int, salt: int) -> list[tuple[int, list[int]]]:
-    """[(prompt index, token ids)] in send order: prompt-major, each sample alone."""
+def workload(spec: dict[str, Any], vocab: int, salt: int, arm: int = 0) -> list[tuple[int, list[int]]]:
+    """[(prompt index, token ids)] in send order: prompt-major, each sample alone.
+    The shape (question lengths) follows `salt`; the ids follow `salt` and
+    `arm`, so every arm of one rep gets its own system prompt of the same shape."""
     w = spec["workload"]
-    rng = random.Random(w["seed"] * 1000 + salt)
+    shape = random.Random(w["seed"] * 1000 + salt)
+    rng = random.Random((w["seed"] * 1000 + salt) * 64 + arm)
     lo = 10  # clear of special ids at the bottom of the vocabulary
     system = [rng.randrange(lo, vocab) for _ in range(w["system_tokens"])]
-    prompts = [
-        system + [rng.randrange(lo, vocab) for _ in range(rng.randint(w["question_min"], w["question_max"]))]
-        for _ in range(w["prompts"])
-    ]
+    lens = [shape.randint(w["question_min"], w["question_max"]) for _ in range(w["prompts"])]
+    prompts = [system + [rng.randrange(lo, vocab) for _ in range(n)] for n in lens]
     return [(i, p) for i, p in enumerate(prompts) for _ in range(w["samples"])]
 
 
@@ -86,72 +111,95 @@ def ideal_cache_hits(placed: list[tuple[str, list[int]]]) -> tuple[int, int]:
 # ---------------------------------------------------------------- the phase (child process)
 
 
-def phase_policy(spec: dict[str, Any]) -> dict[str, Any]:
-    cpu = bool(spec.get("cpu"))
-    out: dict[str, Any] = {"policy": spec["policy"], "reps": []}
+def phase_all(spec: dict[str, Any]) -> dict[str, Any]:
+    return asyncio.run(_all(spec))
+
+
+async def _all(spec: dict[str, Any]) -> dict[str, Any]:
+    """Start every arm (rollout-bus clusters first, one after another, then the
+    vLLM servers and the routers), warm each up, then the reps: rep r runs every
+    arm once, in an order rotated by r."""
+    end = time.monotonic() + spec["limit_s"]
+    out: dict[str, Any] = {"arms": {}, "order": []}
     spec["_partial"].update(out)
-    options: dict[str, Any] = {} if cpu else {"log_stats": True, **spec.get("engine", {})}
-
-    def cluster(extra: list[str]) -> G.RbCluster:
-        return G.RbCluster(
-            spec["model"],
-            spec["cpu_backend"] if cpu else "vllm",
-            engines=1,
-            gpus=None if cpu else "0",
-            gpu_memory_utilization=None if cpu else spec["gpu_fraction"],
-            max_model_len=None if cpu else spec["max_model_len"],
-            backend_options=options,
-            ready_timeout_s=spec["ready_timeout_s"],
-            log_dir=Path(spec["log_dir"]),
-            extra_args=extra,
-        )
-
-    # The second engine joins once the first is up: two vLLM engines profiling
-    # the one GPU's memory at the same time can fail each other's start.
-    with cluster(["--policy", spec["policy"]]) as cl:
-        first_s, _ = cl.wait_ready()
-        with cluster(["--join", cl.address, "--engine-id-prefix", "b", "--advertise-host", H.LOOPBACK]) as joined:
-            cl.engines = 2
-            second_s, engines = cl.wait_ready()
-            out["engine_start_s"] = [round(first_s, 1), round(second_s, 1)]
-            out["engines"] = [e.get("engine_id") for e in engines]
-            out["launch_argv"] = [cl.argv[1:], joined.argv[1:]]
-            asyncio.run(_run(spec, cl.address, out))
+    arms: dict[str, Any] = {}
+    vr_pols = spec["vllm_router"]
+    with H.Procs(log_dir=Path(spec["log_dir"])) as procs, contextlib.ExitStack() as stack:
+        session = VR.make_session() if vr_pols else None
+        try:
+            for pol in spec["policies"]:
+                rec = out["arms"].setdefault(pol, {"reps": []})
+                try:
+                    arms[pol] = RB.start(stack, spec, pol, rec)
+                except Exception as e:  # a failed arm is a row with its error; the others still run
+                    rec["error"] = f"start: {type(e).__name__}: {e}"[:2000]
+                G.checkpoint(spec)
+            if vr_pols:
+                await _start_vr(procs, session, spec, vr_pols, out, arms)
+            for k, (name, arm) in enumerate(arms.items()):
+                warm = workload({**spec, "workload": {**spec["workload"], "prompts": 2, "samples": 2}},
+                                spec["vocab"], salt=999, arm=k)  # fmt: skip
+                res = await arm.send(warm, {**_params(spec), "max_tokens": 4})
+                bad = [repr(r)[:200] for r in res if isinstance(r, BaseException)]
+                if bad:  # recorded; the reps say whether the arm recovered
+                    out["arms"][name]["warmup_errors"] = bad
+            await _reps(spec, arms, out, end)
+        finally:
+            for arm in arms.values():
+                await arm.close()
+            if session is not None:
+                await session.close()
     return out
 
 
-async def _run(spec: dict[str, Any], address: str, out: dict[str, Any]) -> None:
-    from trainer_bridge import AsyncClient
+def _params(spec: dict[str, Any]) -> dict[str, Any]:
+    return {"max_tokens": spec["max_tokens"], "temperature": spec["temperature"], "ignore_eos": True}
 
-    vocab = spec["vocab"]
-    params = {
-        "max_tokens": spec["max_tokens"],
-        "temperature": spec["temperature"],
-        "ignore_eos": True,
-    }
-    ac = AsyncClient(address, timeout_s=spec["request_timeout_s"], control_timeout_s=60)
-    try:
-        warm = workload({**spec, "workload": {**spec["workload"], "prompts": 2, "samples": 2}}, vocab, salt=999)
-        await asyncio.gather(*(ac.generate(p, {**params, "max_tokens": 4}) for _, p in warm))
-        for rep in range(spec["reps"]):
-            reqs = workload(spec, vocab, salt=rep)  # a new system prompt per rep: no carry-over between reps
-            before = await _engine_counters(ac)
+
+async def _reps(spec: dict[str, Any], arms: dict[str, Any], out: dict[str, Any], end: float) -> None:
+    names = list(arms)
+    rep_s = 0.0
+    for rep in range(spec["reps"]):
+        if rep and time.monotonic() + 1.3 * rep_s > end:
+            out["stopped"] = f"rep {rep} skipped: the last took {rep_s:.0f}s, {end - time.monotonic():.0f}s left"
+            break
+        t_rep = time.monotonic()
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        out["order"].append(order)
+        for name in order:
+            # every (rep, arm) has its own system prompt: no arm hits a cache another arm filled
+            reqs = workload(spec, spec["vocab"], salt=rep, arm=names.index(name))
+            arm = arms[name]
+            before = await arm.counters()
             t0 = time.perf_counter()
-            results = await asyncio.gather(*(ac.generate(p, params) for _, p in reqs), return_exceptions=True)
+            results = await arm.send(reqs, _params(spec))
             wall = time.perf_counter() - t0
-            after = await _engine_counters(ac)
-            out["reps"].append(_summarize(rep, reqs, results, wall, before, after, spec))
-            out["head_stats"] = (await ac.stats()).get("prefix")
+            after = await arm.counters()
+            out["arms"][name]["reps"].append(_summarize(rep, reqs, results, wall, before, after, spec))
+            extra = await arm.extra()
+            if extra:
+                out["arms"][name].update(extra)
             G.checkpoint(spec)
-    finally:
-        await ac.close()
+        rep_s = time.monotonic() - t_rep
 
 
-async def _engine_counters(ac: Any) -> dict[str, dict[str, Any]]:
-    from bus import protocol as P
-
-    res = await ac.control(P.Stats(), strict=False, timeout_s=30)
-    return {eid: dict(r.detail or {}) for eid, r in res.items()}
+async def _start_vr(
+    procs: H.Procs, session: Any, spec: dict[str, Any], pols: list[str], out: dict[str, Any], arms: dict[str, Any]
+) -> None:
+    names = [f"vllm-router:{p}" for p in pols]
+    for n in names:
+        out["arms"].setdefault(n, {"reps": []})
+    try:
+        urls, starts = await VR.start_servers(procs, session, spec)
+        routers = VR.start_routers(procs, urls, pols)
+    except Exception as e:  # every vllm-router row says why; the rollout-bus arms still run
+        procs.kill_all()  # the servers that did start hold GPU memory
+        for n in names:
+            out["arms"][n]["error"] = f"start: {type(e).__name__}: {e}"[:2000]
+        return
+    for pol, n in zip(pols, names, strict=True):
+        out["arms"][n].update(server_start_s=starts, servers=urls, router=routers[pol])
+        arms[n] = VR.VrArm(session, routers[pol], urls, spec["model"], spec["request_timeout_s"])
 
 
 def _summarize(
@@ -163,23 +211,29 @@ def _summarize(
     after: dict[str, dict[str, Any]],
     spec: dict[str, Any],
 ) -> dict[str, Any]:
+    """One arm's rep. `results`: per request (engine or None, generated tokens)
+    or the exception; `before`/`after`: per engine, the prefix-cache counters
+    (and, from vLLM servers, requests)."""
     errors = [r for r in results if isinstance(r, BaseException)]
-    ok = [(i, p, r) for (i, p), r in zip(reqs, results, strict=True) if not isinstance(r, BaseException)]
-    tokens = sum(len(r.token_ids) for _, _, r in ok)
+    ok = [(i, p, r[0], r[1]) for (i, p), r in zip(reqs, results, strict=True) if not isinstance(r, BaseException)]
+    tokens = sum(n for *_, n in ok)
+    known = bool(ok) and all(e is not None for _, _, e, _ in ok)  # vLLM servers' ids do not name the server
     per_engine: dict[str, int] = {}
     homes: dict[int, set[str]] = {}
-    for i, _, r in ok:
-        per_engine[r.engine_id] = per_engine.get(r.engine_id, 0) + 1
-        homes.setdefault(i, set()).add(r.engine_id)
-    ideal_hit, ideal_total = ideal_cache_hits([(r.engine_id, p) for _, p, r in ok])
+    for i, _, e, _ in ok if known else ():
+        per_engine[e] = per_engine.get(e, 0) + 1
+        homes.setdefault(i, set()).add(e)
     q = h = 0
     have_counters = False
     for eid, a in after.items():
         b = before.get(eid, {})
         if "prefix_cache_queries" in a:
             have_counters = True
-            q += a["prefix_cache_queries"] - b.get("prefix_cache_queries", 0)
-            h += a.get("prefix_cache_hits", 0) - b.get("prefix_cache_hits", 0)
+            q += int(a["prefix_cache_queries"] - b.get("prefix_cache_queries", 0))
+            h += int(a.get("prefix_cache_hits", 0) - b.get("prefix_cache_hits", 0))
+        if not known and "requests" in a:
+            per_engine[eid] = int(a["requests"] - b.get("requests", 0))
+    ideal = ideal_cache_hits([(e, p) for _, p, e, _ in ok]) if known else (0, 0)
     return {
         "rep": rep,
         "requests": len(reqs),
@@ -190,8 +244,8 @@ def _summarize(
         "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 1) if wall > 0 else None,
         "per_engine": dict(sorted(per_engine.items())),
-        "split_prompts": sum(1 for s in homes.values() if len(s) > 1),
-        "ideal_cache_hit_rate": round(ideal_hit / ideal_total, 4) if ideal_total else None,
+        "split_prompts": sum(1 for s in homes.values() if len(s) > 1) if known else None,
+        "ideal_cache_hit_rate": round(ideal[0] / ideal[1], 4) if ideal[1] else None,
         "prefix_cache_hit_rate": round(h / q, 4) if have_counters and q else None,
         "prefix_cache_queries": q if have_counters else None,
         "prefix_cache_hits": h if have_counters else None,
@@ -230,22 +284,28 @@ def report(doc: dict[str, Any]) -> str:
     w = doc["config"]
     lines = [
         f"{NAME}: {w['prompts']} prompts x {w['samples']} samples (separate requests), shared system prompt "
-        f"{w['system_tokens']} ids, {w['max_tokens']} new tokens; {doc.get('gpu')} {doc.get('date')}",
-        f"{'policy':<14} {'tokens/s':>10} {'vLLM prefix hit':>16} {'ideal-cache hit':>16} {'split prompts':>14} "
+        f"{w['system_tokens']} ids, {w['max_tokens']} new tokens, arms interleaved over {w['reps']} reps; "
+        f"{doc.get('gpu')} {doc.get('date')}",
+        f"{'arm':<28} {'tokens/s':>10} {'vLLM prefix hit':>16} {'ideal-cache hit':>16} {'split prompts':>14} "
         f"{'errors':>7}  requests per engine",
     ]
+
+    def pct(v: Any) -> str:
+        return "n/a" if v is None else f"{100 * v:.1f}%"
+
     for pol, r in table.items():
         if not r["reps"]:
-            lines.append(f"{pol:<14} FAILED: {str(r.get('error'))[:200]}")
+            lines.append(f"{pol:<28} FAILED: {str(r.get('error'))[:200]}")
             continue
-
-        def pct(v: Any) -> str:
-            return "n/a" if v is None else f"{100 * v:.1f}%"
-
+        split = "n/a" if r["split_prompts"] is None else str(r["split_prompts"])
         lines.append(
-            f"{pol:<14} {r['tokens_per_s'] or 0:>10.0f} {pct(r['prefix_cache_hit_rate']):>16} "
-            f"{pct(r['ideal_cache_hit_rate']):>16} {r['split_prompts']:>14} {r['errors']:>7}  {r['per_engine']}"
+            f"{pol:<28} {r['tokens_per_s'] or 0:>10.0f} {pct(r['prefix_cache_hit_rate']):>16} "
+            f"{pct(r['ideal_cache_hit_rate']):>16} {split:>14} {r['errors']:>7}  {r['per_engine']}"
         )
+    if w.get("cpu") and any(p.startswith("vllm-router") for p in table):
+        lines.append("(--cpu: the vllm-router rows' 'vLLM prefix hit' is bench.http_peer's unbounded-cache count)")
+    if doc.get("vllm_router_skipped"):
+        lines.append(f"vllm-router arms skipped: {doc['vllm_router_skipped']}")
     text = "\n".join(lines)
     print(text, flush=True)
     return text
@@ -294,15 +354,34 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = G.bench_parser(
         __doc__,
         cpu_help="dry run: torch backend, tiny model, a reduced workload",
-        **dict(seed=0, gpu_fraction=0.4, max_model_len=2048, ready_timeout_s=300.0, request_timeout_s=300.0),
-        **dict(budget_s=540.0, min_phase_s=60.0),
+        **dict(seed=0, gpu_fraction=None, max_model_len=2048, ready_timeout_s=300.0, request_timeout_s=300.0),
+        **dict(budget_s=300.0, min_phase_s=60.0),
     )
     ap.add_argument(
         "--cpu-backend",
         default="torch",
         help="--cpu: torch (tiny model) or null (no model: placement only, fast)",
     )
-    ap.add_argument("--policies", default="least_loaded,prefix")
+    ap.add_argument("--policies", default="least_loaded,prefix", help="rollout-bus --policy arms (one cluster each)")
+    ap.add_argument(
+        "--vllm-router",
+        default="cache_aware,consistent_hash,power_of_two",
+        metavar="POLICY[,POLICY]",
+        help=f"vllm-router arms, all in front of one pair of vLLM servers ({', '.join(VR.POLICIES)}); "
+        "empty: none. Without vllm-router (or vLLM, on a GPU) they are rows with the reason",
+    )
+    ap.add_argument(
+        "--engine-args",
+        default='{"max_num_seqs": 1024, "max_num_batched_tokens": 8192}',
+        help="JSON: vLLM engine arguments of EVERY engine (rollout-bus backend options, api_server flags), so no "
+        "arm runs on other scheduler defaults (these are the api_server's own on an H100/H200)",
+    )
+    ap.add_argument(
+        "--gpus",
+        default=None,
+        help="the two GPUs, one engine of every arm on each (default 0,1; 0,0 on a one-GPU machine; "
+        "--gpu-fraction defaults to 0.25 on two GPUs, 0.12 on one)",
+    )
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=8)
@@ -322,10 +401,17 @@ def main(argv: list[str] | None = None) -> int:
     null = a.cpu and a.cpu_backend != "torch"
     model = (a.model or "null") if null else G.model_of(a)
     log_dir = G.log_dir_of(a, od, NAME)
+    env = G.probe_env()
+    gpus = ((a.gpus or ("0,1" if env.get("gpus", 0) >= 2 or a.cpu else "0")).split(",") * 2)[:2]
+    if a.gpu_fraction is None:  # three engines per GPU (two rollout-bus clusters, one api_server), six on one
+        a.gpu_fraction = 0.25 if gpus[0] != gpus[1] else 0.12
+    vr_pols = [p for p in a.vllm_router.split(",") if p]
+    VR.check_policies(vr_pols)
     spec = {
         "model": model,
         "cpu": a.cpu,
         "cpu_backend": a.cpu_backend,
+        "gpus": gpus,
         "vocab": 32000 if null else G.model_vocab(model),
         "workload": {
             "prompts": a.prompts,
@@ -343,34 +429,36 @@ def main(argv: list[str] | None = None) -> int:
         "ready_timeout_s": a.ready_timeout_s,
         "request_timeout_s": a.request_timeout_s,
         "log_dir": str(log_dir),
+        "policies": [p for p in a.policies.split(",") if p],
+        "vllm_router": vr_pols,
+        "engine": json.loads(a.engine_args),
     }
-    env = G.probe_env()
-    doc = G.result_doc(NAME, a, env, policies={})
+    doc = G.result_doc(NAME, a, env, policies={}, vllm_router_env=VR.env_note())
     budget = G.Budget(a.budget_s)
-    policies = [p for p in a.policies.split(",") if p]
-    for pol in policies:
-        left = budget.left()
-        if left < a.min_phase_s:
-            doc["policies"][pol] = {"ok": False, "error": f"skipped: {left:.0f}s of --budget-s left", "reps": []}
-            continue
-        # each policy takes its share of what is left (engine starts included)
-        share = left / (len(policies) - policies.index(pol))
-        res = G.run_phase(f"{NAME}_{pol}", "bench.gpu.prefix_placement:phase_policy", {**spec, "policy": pol},
-                          share, log_dir)  # fmt: skip
-        doc["policies"][pol] = {k: v for k, v in res.items() if k != "traceback"}
-        if not res.get("ok"):
-            doc["policies"][pol]["traceback"] = res.get("traceback")
-        summarize(doc)
-        G.write_doc(od / f"{NAME}.json", doc)
-        if not a.cpu:
-            G.wait_gpu_idle(60)
+    why = VR.missing(a.cpu) if vr_pols else None
+    if why:  # the rows stay, with the reason (as the CPU router benches record vllm_router_skipped)
+        doc["vllm_router_skipped"] = why
+        spec["vllm_router"] = []
+    # every arm in ONE phase: all alive at once, reps interleaved (the module docstring says why)
+    spec["limit_s"] = budget.left() - 15  # the phase's own deadline for starting another rep
+    res = G.run_phase(NAME, "bench.gpu.prefix_placement:phase_all", spec, budget.left(), log_dir)
+    arms = res.get("arms") or {}
+    for pol in [*spec["policies"], *(f"vllm-router:{p}" for p in vr_pols)]:
+        rec = arms.get(pol) or {"reps": []}
+        err = rec.get("error") or (f"skipped: {why}" if why and pol.startswith("vllm-router") else None)
+        if not rec["reps"] and not err:
+            err = res.get("error") or "no rep finished"
+        doc["policies"][pol] = {**rec, "ok": bool(rec["reps"]) and not rec.get("error"), "error": err}
+    doc["phase"] = {k: v for k, v in res.items() if k != "arms"}
     summarize(doc)
     doc["wall_s"] = round(budget.elapsed(), 1)
     G.write_doc(od / f"{NAME}.json", doc)
     text = report(doc)
     (od / f"{NAME}.txt").write_text(text + "\n")
     plot(doc, od / f"{NAME}.png")
-    return 0 if all(r.get("ok") for r in doc["policies"].values()) else 1
+    return (
+        0 if all(r.get("ok") for r in doc["policies"].values() if not str(r.get("error")).startswith("skipped")) else 1
+    )
 
 
 if __name__ == "__main__":
