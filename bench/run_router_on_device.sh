@@ -7,10 +7,14 @@
 #
 # Assumes (another kit sets these up; nothing here installs anything):
 #   - the `vllm-router` launcher on PATH, its Python package and deps (orjson, setproctitle)
-#     importable by the launcher's python. Missing or not starting: a clear line, and both benches
+#     importable by the launcher's python: bench/gpu/run_prefix_on_device.sh unpacks
+#     bench/gpu/make_router_kit.sh's kit into $SITE (/tmp/site) with the launcher in $SITE/bin
+#     (added to PATH here when it exists). Missing or not starting: a clear line, and both benches
 #     run without the vllm-router rows (their JSON says why in `vllm_router_skipped`).
-#   - python3 with msgspec, pyzmq, aiohttp, psutil, structlog, numpy (the image, or /tmp/site on
-#     PYTHONPATH: kept, and /tmp/site added when it exists and is not there yet).
+#   - python3 with msgspec, pyzmq, aiohttp, psutil, structlog, numpy (the image, or $SITE on
+#     PYTHONPATH: kept, and $SITE added when it exists and is not there yet).
+#   Started beside the script that unpacks the kit: WAIT_FOR=/tmp/site/.prefix-unpacked waits (at most
+#   WAIT_S, default 240 s) until that file exists before anything else.
 # Env: OUT (default /tmp/out) -> results in $OUT/router/ only: router.txt (this script's output, the
 #      tables included), router_overhead.json, stream_latency.json; PNG=1 adds the two PNGs (else draw
 #      them later: python -m bench.router_overhead --plot-from router_overhead.json, same for
@@ -36,6 +40,13 @@ exec 3>&1 4>&2   # the caller's stdout/stderr, back once the tee below is closed
 exec > >(tee -a "$R/router.txt") 2>&1
 TEE=$!
 PY=${PYTHON:-python3}
+SITE=${SITE:-/tmp/site}
+if [ -n "$WAIT_FOR" ]; then
+  W0=$(date +%s)
+  while [ ! -e "$WAIT_FOR" ] && [ $(( $(date +%s) - W0 )) -lt "${WAIT_S:-240}" ]; do sleep 2; done
+  [ -e "$WAIT_FOR" ] && echo "waited $(( $(date +%s) - W0 ))s for $WAIT_FOR" \
+    || echo "$WAIT_FOR still missing after ${WAIT_S:-240}s: going on without it"
+fi
 CORES=${CORES-16-31}
 SPIN_US=${SPIN_US:-50 200}
 RO_SECONDS=${RO_SECONDS:-230}
@@ -44,7 +55,10 @@ RO_ARGS=${RO_ARGS:-"--concurrency 1 64 256 --requests 400 --reps 4 --stream-toke
 SL_ARGS=${SL_ARGS:-"--streams 1 256 --step-delay-ms 5 --min-streams 8 --max-tokens 32 --reps 4"}
 PLOT=--no-plot; [ "${PNG:-0}" = 1 ] && PLOT=
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 ROLLOUT_BUS_BENCH_OUT=$R
-[ -d /tmp/site ] && case ":$PYTHONPATH:" in *:/tmp/site:*) ;; *) export PYTHONPATH=$PYTHONPATH:/tmp/site ;; esac
+if [ -d "$SITE" ]; then
+  case ":$PYTHONPATH:" in *":$SITE:"*) ;; *) export PYTHONPATH=$PYTHONPATH:$SITE ;; esac
+  [ -d "$SITE/bin" ] && export PATH=$SITE/bin:$PATH
+fi
 BENCH_LOGS=${TMPDIR:-/tmp}/rollout-bus-bench   # bench.procs: every child's log, /<bench pid>/<name>.log
 
 echo "== router benches: $(date -u +%FT%TZ), $(nproc) CPUs visible, cores ${CORES:-all}, $($PY -V 2>&1), git $(git rev-parse --short HEAD 2>/dev/null)"
