@@ -58,6 +58,7 @@ import asyncio
 import contextlib
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -256,8 +257,10 @@ def _summarize(
 
 
 def _median(xs: list[float]) -> float | None:
-    xs = sorted(x for x in xs if x is not None)
-    return xs[len(xs) // 2] if xs else None
+    # statistics.median: with an even count (2 reps) the mean of the middle two,
+    # not the upper one (which reported the better rep as the median)
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
 
 
 def summarize(doc: dict[str, Any]) -> dict[str, Any]:
@@ -297,7 +300,7 @@ def report(doc: dict[str, Any]) -> str:
         if not r["reps"]:
             lines.append(f"{pol:<28} FAILED: {str(r.get('error'))[:200]}")
             continue
-        split = "n/a" if r["split_prompts"] is None else str(r["split_prompts"])
+        split = "n/a" if r["split_prompts"] is None else f"{r['split_prompts']:g}"
         lines.append(
             f"{pol:<28} {r['tokens_per_s'] or 0:>10.0f} {pct(r['prefix_cache_hit_rate']):>16} "
             f"{pct(r['ideal_cache_hit_rate']):>16} {split:>14} {r['errors']:>7}  {r['per_engine']}"
