@@ -1,0 +1,45 @@
+"""bench/zmq_floor.py: a real echo server and a real zmq.proxy process, a short
+run; the JSON holds every rep's paired figures and the bench leaves no process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bus.proctree import terminate_tree
+from tests.cluster import ROOT, child_env
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+def test_zmq_floor_measures_direct_and_through_a_c_forwarder(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "bench.zmq_floor", "--n", "200", "--reps", "2", "--no-plot"]
+    p = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=child_env(ROLLOUT_BUS_BENCH_OUT=str(tmp_path)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = p.communicate(timeout=45)
+    finally:
+        terminate_tree(p, 3.0)
+    assert p.returncode == 0, out[-3000:]
+    doc = json.loads((tmp_path / "zmq_floor.json").read_text())
+    assert [r["rep"] for r in doc["reps"]] == [0, 1]
+    for r in doc["reps"]:
+        assert 0 < r["direct_p50_us"] <= r["direct_p99_us"] and 0 < r["proxy_p50_us"] <= r["proxy_p99_us"]
+        assert r["added_p50_us"] == pytest.approx(r["proxy_p50_us"] - r["direct_p50_us"])
+    assert "added by a C forwarder" in out
+    line = next(x for x in out.splitlines() if x.startswith("processes: "))
+    pids = [int(w.rstrip(",")) for w in line.split() if w.rstrip(",").isdigit()]
+    assert len(pids) == 2
+    assert not [q for q in pids if psutil.pid_exists(q) and psutil.Process(q).status() != psutil.STATUS_ZOMBIE], line
