@@ -276,13 +276,21 @@ class Outbox:
         """`send(peer, msg, buffers)` each peer's message and empty the box:
         what `messages()` returns, without building it (the engine node's busy
         loop runs this once per chunk; a lone chunk goes out as it is)."""
-        box, self.by_peer = self.by_peer, {}
-        for peer, items in box.items():
+        box = self.by_peer
+        if len(box) == 1:
+            # One peer (the common turn): popped, so the box is empty (and
+            # kept: no new dict per chunk) before `send` runs; a send that
+            # reports the peer gone may pop it again.
+            peer, items = box.popitem()
             if len(items) == 1:
                 chunk, bufs = items[0]
                 send(peer, chunk, bufs)
             else:
                 send(peer, *_one_message(items))
+            return
+        self.by_peer = {}
+        for peer, items in box.items():
+            send(peer, *_one_message(items))
 
 
 def _one_message(items: list[tuple[Any, list[Any]]]) -> tuple[Any, list[Any]]:

@@ -167,6 +167,7 @@ class Endpoint:
         self.on_peer_full = on_peer_full
         self.max_batch = max_batch  # messages per drain (fairness between sockets)
         self._flags = _NOBLOCK if on_peer_full is not None else 0  # a plain int: no IntFlag arithmetic per frame
+        self._more = self._flags | _SNDMORE
         self._encode = codec.encoder.encode
         # The frames of the message being handled (without the routing frame):
         # valid only during the handler call (zero-copy forwarding).
@@ -218,14 +219,15 @@ class Endpoint:
             body = self._encode(msg)
         except ENCODE_ERRORS as e:
             return self._unencodable(peer, msg, encode_failed(msg, e))
-        sock, flags = self.sock, self._flags
-        more = flags | _SNDMORE
+        sock, flags, more = self.sock, self._flags, self._more
         try:
-            if self.routed and len(buffers) == 1 and type(buffers[0]) is bytes and len(buffers[0]) < ZERO_COPY_MIN:
-                _raw_send(sock, peer, more, True, False)
-                _raw_send(sock, body, more, True, False)
-                _raw_send(sock, buffers[0], flags, True, False)
-                return True
+            if self.routed and len(buffers) == 1:
+                b = buffers[0]
+                if type(b) is bytes and len(b) < ZERO_COPY_MIN:
+                    _raw_send(sock, peer, more, True, False)
+                    _raw_send(sock, body, more, True, False)
+                    _raw_send(sock, b, flags, True, False)
+                    return True
             frames = [peer, body, *buffers] if self.routed else [body, *buffers]
             last = len(frames) - 1
             for i, f in enumerate(frames):

@@ -15,6 +15,7 @@ Hazards this module owns:
 from __future__ import annotations
 
 import dataclasses
+import struct
 from array import array
 from typing import Any
 
@@ -22,6 +23,12 @@ from bus import frames as F
 from bus import protocol as P
 from bus.frames import chunk_versions, pack_logprobs, pack_tokens
 from engine_node.requests import NodeRequest, Sample
+
+# One token id as bus.frames.pack_tokens packs it (array("i"): a native int32):
+# a step of one token per sample is the common chunk, and the Struct costs
+# about a third of building an array. An id it cannot pack goes through the
+# array after all, so a bad id raises what it always did.
+_pack_one = struct.Struct("i").pack
 
 
 def natural_finish(req: NodeRequest, s: Sample, eos: frozenset[int]) -> str | None:
@@ -49,14 +56,21 @@ def sample_chunk(
     Hot path (once per chunk): positional arguments."""
     sent = s.sent
     p = req.msg.params
-    buffers = [array("i", s.tokens[sent:]).tobytes()]  # bus.frames.pack_tokens of a list, inlined (once per chunk)
+    tokens = s.tokens
+    n = len(tokens)
+    try:  # bus.frames.pack_tokens of a list, inlined (once per chunk)
+        tok = _pack_one(tokens[sent]) if n == sent + 1 else array("i", tokens[sent:]).tobytes()
+    except struct.error:
+        tok = array("i", tokens[sent:]).tobytes()
+    buffers = [tok]
     top_k = prompt_k = -1
-    if F.logprobs_wanted(p.logprobs):
+    lp = p.logprobs
+    if lp is not None and lp is not False:  # bus.frames.logprobs_wanted, inlined
         buffers.append(pack_logprobs(s.logprobs[sent:]))
-        top_k = F.top_k_of(p.logprobs)
+        top_k = F.top_k_of(lp)
         if top_k > 0:
-            buffers.append(pack_tokens(s.top_ids[sent * top_k : len(s.tokens) * top_k]))
-            buffers.append(pack_logprobs(s.top_logprobs[sent * top_k : len(s.tokens) * top_k]))
+            buffers.append(pack_tokens(s.top_ids[sent * top_k : n * top_k]))
+            buffers.append(pack_logprobs(s.top_logprobs[sent * top_k : n * top_k]))
     text = None
     if finish is not None:
         pl = s.prompt_logprobs
@@ -72,11 +86,13 @@ def sample_chunk(
         changes = []
     else:
         version, changes = chunk_versions(s.version_marks, version)
+    if top_k < 0:  # max(0, top_k) without the builtin's call (once per chunk)
+        top_k = 0
     # Positional (once per chunk: msgspec matches no keyword names), in
     # P.Chunk's field order, which the wire fixes (fields are only appended).
     if finish is None:
         chunk = P.Chunk(
-            req.msg.request_id, s.index, version, None, changes, wall, 0, "", max(0, top_k), -1, None, None, s.restarts
+            req.msg.request_id, s.index, version, None, changes, wall, 0, "", top_k, -1, None, None, s.restarts
         )
     else:
         chunk = P.Chunk(
@@ -88,13 +104,13 @@ def sample_chunk(
             wall,
             len(req.base_prompt),
             engine_id,
-            max(0, top_k),
+            top_k,
             prompt_k,
             s.stop_reason,
             text,
             s.restarts,
         )
-    s.sent = len(s.tokens)
+    s.sent = n
     return chunk, buffers
 
 

@@ -31,9 +31,7 @@ import enum
 import gc
 import os
 import signal
-import socket
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -42,13 +40,13 @@ import zmq
 
 from bus import auth
 from bus import protocol as P
-from bus.auth import Gatekeeper, KeyDir, KeyFileError, read_token
+from bus.auth import KeyFileError, read_token
 from bus.codec import Codec
 from bus.endpoint import Endpoint, open_socket
 from bus.errors import BadRequest, ErrorCode
 from bus.profiler import start_from_env
 from bus.runtime import become_child_process
-from bus.sockets import CurveKeys, bound_address
+from bus.sockets import bound_address
 from bus.validate import check_generate, prompt_from_frames
 from engine_node.actions import OpOutcome, Pending, SendAck, SendChunks, SendError
 from engine_node.backend import Backend, load_backend
@@ -57,6 +55,7 @@ from engine_node.control import ControlRunner
 from engine_node.core import RequestCore
 from engine_node.head_link import HeadLink, NodeFatal
 from engine_node.heartbeat import Heartbeats, HeartbeatSource
+from engine_node.node_setup import SEEDED_BACKENDS, advertised, new_incarnation, open_data_socket, security
 from engine_node.peer_keys import Handler, keyed
 from engine_node.seeding import backend_seed, derive_seed
 from engine_node.timings import TimingLog
@@ -103,7 +102,7 @@ class EngineNode:
         self._own_ctx = ctx is None
         self.codec = Codec()
         self.log = log.bind(engine_id=self.engine_id)
-        self.gate, self._curve = _security(self.ctx, cfg)
+        self.gate, self._curve = security(self.ctx, cfg)
         seed = derive_seed(cfg.seed, cfg.engine_id, self.incarnation)
         self.core = RequestCore(backend, self.info, self.engine_id, seed)
         self.timings = TimingLog()  # weight receive/commit, resume -> first output (Stats)
@@ -171,7 +170,7 @@ class EngineNode:
 
     def _open_data_plane(self) -> None:
         cfg = self.cfg
-        self.data = _open_data_socket(self.ctx, cfg.data_address, self._curve)
+        self.data = open_data_socket(self.ctx, cfg.data_address, self._curve)
         self.data_address = advertised(bound_address(self.data), cfg.advertise_host)
         # One Endpoint per socket: decode → handler table → typed reply. Gone
         # peers are per socket: a client that left the data socket drops its
@@ -199,6 +198,7 @@ class EngineNode:
             SendError: self._send_error,
             SendAck: self.control.ack,
         }
+        self._send_data = self.data_ep.send  # bound once: the per-chunk flush sends through it
         self._endpoints = {ep.sock: ep for ep in (self.data_ep, self.weights.ep, self.head.sub_ep, self.head.events_ep)}
         self._fd_handlers: dict[Any, Callable[[], None]] = {self.control.wake_fd: self._on_control_wake}
         if self.head.monitor is not None:
@@ -271,13 +271,13 @@ class EngineNode:
         return rc
 
     def _turn(self) -> None:
-        # Hot path (once per chunk while busy): three clock reads. A turn
-        # starts when the last one ended (`_turn_end`); the clock after the
-        # step is the step's end, the chunks' emitted_at and the tick's `now`.
-        # loop_stats: poll_s = the full poll (the busy turn's data-socket check
-        # counts with what follows it), read_s = reading and admitting, step_s
-        # = the backend's step, flush_s = the core's handling of the outputs,
-        # the tick and sending what the cores asked for.
+        # Hot path (once per chunk while busy): three clock reads and no call
+        # of this class's own methods. A turn starts when the last one ended
+        # (`_turn_end`); the clock after the step is the step's end, the
+        # chunks' emitted_at and the tick's `now`. loop_stats: poll_s = the
+        # full poll (the busy turn's data-socket check counts with what follows
+        # it), read_s = reading and admitting, step_s = the backend's step,
+        # flush_s = the core's handling of the outputs, the tick and sending.
         core = self.core
         backend = self.backend
         ls = self.loop_stats
@@ -310,25 +310,49 @@ class EngineNode:
         if self.lifecycle is _DRAINING:
             core.accepting = False
         if events or core.admit_dirty:
-            if core.admit_dirty:
-                core.admit()
-                if self.timings.resume.armed:
-                    self.timings.resume.admitted(time.perf_counter())
-            t2 = _clock()
-            ls["read_s"] += t2 - t1
+            t1 = self._admit(t1)
             busy = backend.has_work()
-        else:  # nothing read or admitted: the backend's work is as it was
-            t2 = t1
         # `now` is read AFTER the step: with a time from before it, a turn
         # whose step was long skipped the tick, and the heartbeat showed that
         # step's progress only after the next one (the head's stall clock saw
         # an engine with 1 s steps stuck for 2 s).
-        now = self._step(t2) if busy else _clock()
+        if not busy:
+            now = _clock()
+        else:
+            try:
+                outs = backend.step()
+            except Exception as e:  # the backend broke: fail what runs, keep serving
+                self.log.exception("step_failed")
+                core.step_failed(e)
+                outs = []
+                now = _clock()
+            else:
+                # Chunks carry emitted_at = when their tokens came out of the
+                # backend, i.e. after the step, not when this turn began.
+                now = _clock()
+                ls["step_s"] += now - t1
+                core.on_step(outs, now, time.time())
+            if outs and self._resume_watch:
+                self._resume_output()
         if now - self.heartbeats.snapshot_at > _TICK_S:
             self._tick(now)
-        self._flush()
+        if core.actions or self.updates.actions:
+            self._flush()
+        elif core.outbox.by_peer:  # the commonest turn, once per chunk: chunks and nothing else (_flush)
+            core.outbox.flush(self._send_data)  # a gone peer: core.peer_gone
         end = self._turn_end = _clock()
         ls["flush_s"] += end - now
+
+    def _admit(self, t1: float) -> float:
+        """Admit what is pending (a turn that read or freed something); returns the clock after."""
+        core = self.core
+        if core.admit_dirty:
+            core.admit()
+            if self.timings.resume.armed:
+                self.timings.resume.admitted(time.perf_counter())
+        t2 = _clock()
+        self.loop_stats["read_s"] += t2 - t1
+        return t2
 
     def _read(self, events: Any) -> None:
         for sock, _ in events:
@@ -341,24 +365,12 @@ class EngineNode:
                 self._fd_handlers[sock]()
             # the backend's wake fd needs no read here: step() drains it
 
-    def _step(self, t: float) -> float:
-        """One backend step (`t`: when it began); returns the clock after it."""
-        try:
-            outs = self.backend.step()
-        except Exception as e:  # the backend broke: fail what runs, keep serving
-            self.log.exception("step_failed")
-            self.core.step_failed(e)
-            return _clock()
-        # Chunks carry emitted_at = when their tokens came out of the
-        # backend, i.e. after the step, not when this turn began.
-        now = _clock()
-        self.loop_stats["step_s"] += now - t
-        self.core.on_step(outs, now, time.time())
-        if outs and self._resume_watch and self.timings.resume.armed:
+    def _resume_output(self) -> None:
+        """A step's outputs while the resume clock may be armed: a resume's first output (Stats)."""
+        if self.timings.resume.armed:
             take = getattr(self.backend, "take_output_trace", None)
             self.timings.resumed(time.perf_counter(), self.backend.num_running(), take() if take is not None else None)
-            self._resume_watch = self.timings.resume.armed
-        return now
+        self._resume_watch = self.timings.resume.armed
 
     def _flush(self) -> None:
         """Execute what the cores asked for, in order (actions.py)."""
@@ -366,10 +378,9 @@ class EngineNode:
         if core.actions:
             self._run_actions(core.take_actions())
         elif core.outbox.by_peer:
-            # The commonest turn, once per chunk: chunks and nothing else. The
-            # outbox's messages are then exactly the actions take_actions would
-            # return (each wrapped in a SendChunks): sent as they are.
-            core.outbox.flush(self.data_ep.send)  # a gone peer: core.peer_gone
+            # The outbox's messages are then exactly the actions take_actions
+            # would return (each wrapped in a SendChunks): sent as they are.
+            core.outbox.flush(self._send_data)  # a gone peer: core.peer_gone
         if self.updates.actions:  # prepares that waited for their senders
             self._run_actions(self.updates.take_actions())
 
@@ -530,49 +541,6 @@ class EngineNode:
             heartbeat=self.heartbeats.make(),
             detail={**self.backend.stats(), "loop": dict(self.loop_stats), "timings": self.timings.to_builtins()},
         )
-
-
-def _security(ctx: zmq.Context, cfg: EngineNodeConfig) -> tuple[Gatekeeper | None, CurveKeys | None]:
-    """Security on (curve_dir): this node holds the cluster's engine
-    credential; its data and weight sockets take only the head and allowed
-    clients (ZAP domain "peers", checked by this context's Gatekeeper, started
-    before the sockets bind)."""
-    if not cfg.curve_dir:
-        return None, None
-    keys = KeyDir(cfg.curve_dir)
-    return Gatekeeper(ctx, keys, (auth.PEERS,)).start(), keys.engine()
-
-
-def _open_data_socket(ctx: zmq.Context, address: str, curve: CurveKeys | None) -> zmq.Socket:
-    sock = open_socket(ctx, zmq.ROUTER, bind=address, curve=curve, zap_domain=auth.PEERS)
-    # The head connects here with a fixed identity (RegisterReply.data_peer:
-    # acks follow the chunks on this connection). When the head replaces its
-    # connection (this engine re-registered, or the head restarted) the old
-    # one may still be open on our side: without handover the new one, with
-    # the same identity, is refused and every send to the head queues on a
-    # dead pipe (a generate after an engine restart hung, test_auth).
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    return sock
-
-
-def advertised(endpoint: str, advertise_host: str | None) -> str:
-    """The address peers are told: `advertise_host` when set, this host's name
-    for a wildcard bind."""
-    if not endpoint.startswith("tcp://"):
-        return endpoint
-    host, port = endpoint[len("tcp://") :].rsplit(":", 1)
-    if advertise_host:
-        return f"tcp://{advertise_host}:{port}"
-    if host in ("0.0.0.0", "*", "[::]"):
-        return f"tcp://{socket.gethostname()}:{port}"
-    return endpoint
-
-
-SEEDED_BACKENDS = ("torch", "vllm")  # backends whose `seed` option run_engine_node derives
-
-
-def new_incarnation() -> str:
-    return uuid.uuid4().hex[:12]
 
 
 def run_engine_node(argv: list[str] | None = None) -> int:
