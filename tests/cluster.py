@@ -155,6 +155,26 @@ class Cluster:
         self.close()
 
 
+def run_module(argv: list[str], timeout_s: float, **env: str) -> tuple[int, str]:
+    """Run `python -m ...` (argv after the interpreter) from the repository root in
+    its own session; (returncode, output). On overrun or any error its whole tree
+    goes: what a bench starts (clusters, trainers, servers) are its descendants."""
+    p = subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=ROOT,
+        env=child_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = p.communicate(timeout=timeout_s)
+    finally:
+        terminate_tree(p, 3.0)
+    return p.returncode, out
+
+
 def free_port() -> int:
     import socket
 

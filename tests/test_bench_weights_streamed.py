@@ -5,37 +5,22 @@ committed on both engines and measured its memory."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from bus.proctree import terminate_tree
-from tests.cluster import ROOT, child_env
+from tests.cluster import run_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def test_weights_streamed_dry_run(tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "bench.weights_streamed", "--gb", "0.02", "--reps", "1", "--bucket-mb", "4"]
+    argv = ["-m", "bench.weights_streamed", "--gb", "0.02", "--reps", "1", "--bucket-mb", "4"]
     argv += ["--out-dir", str(tmp_path), "--no-plot", "--trainer-timeout-s", "60", "--timeout-s", "30"]
-    p = subprocess.Popen(
-        argv,
-        cwd=ROOT,
-        env=child_env(ROLLOUT_BUS_LOG_LEVEL="WARNING"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = p.communicate(timeout=100)
-    finally:
-        # On overrun (or any error) the bench's whole tree goes: head, engines
-        # and trainers run in their own sessions but are its descendants.
-        terminate_tree(p, 3.0)
-    assert p.returncode == 0, out[-4000:]
+    # On overrun (or any error) the bench's whole tree goes: head, engines and
+    # trainers run in their own sessions but are its descendants.
+    rc, out = run_module(argv, 100, ROLLOUT_BUS_LOG_LEVEL="WARNING")
+    assert rc == 0, out[-4000:]
     doc = json.loads((tmp_path / "weights_streamed.json").read_text())
     assert [r["mode"] for r in doc["rows"]] == ["streamed", "streamed_mmap", "list", "old"]
     runs = doc["runs"]

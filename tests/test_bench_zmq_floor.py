@@ -4,35 +4,20 @@ run; the JSON holds every rep's paired figures and the bench leaves no process."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
-from bus.proctree import terminate_tree
-from tests.cluster import ROOT, child_env
+from tests.cluster import run_module
 
 pytestmark = [pytest.mark.timeout(60)]
 
 
 def test_zmq_floor_measures_direct_and_through_a_c_forwarder(tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "bench.zmq_floor", "--n", "200", "--reps", "2", "--no-plot"]
-    p = subprocess.Popen(
-        argv,
-        cwd=ROOT,
-        env=child_env(ROLLOUT_BUS_BENCH_OUT=str(tmp_path)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = p.communicate(timeout=45)
-    finally:
-        terminate_tree(p, 3.0)
-    assert p.returncode == 0, out[-3000:]
+    argv = ["-m", "bench.zmq_floor", "--n", "200", "--reps", "2", "--no-plot"]
+    rc, out = run_module(argv, 45, ROLLOUT_BUS_BENCH_OUT=str(tmp_path))
+    assert rc == 0, out[-3000:]
     doc = json.loads((tmp_path / "zmq_floor.json").read_text())
     assert [r["rep"] for r in doc["reps"]] == [0, 1]
     for r in doc["reps"]:

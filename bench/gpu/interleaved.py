@@ -170,7 +170,7 @@ async def _start_http(
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=spec["request_timeout_s"])
     )
     closers.append(s.close)
-    await GP._wait_http_ready(s, base, proc, spec["ready_timeout_s"], procs.log_dir / f"{name}.log")
+    await GP.wait_http_ready(s, base, proc, spec["ready_timeout_s"], procs.log_dir / f"{name}.log")
     out["starts_s"]["HTTP"] = round(time.perf_counter() - t0, 1)
 
     async def complete(p: list[int], max_tokens: int) -> int:

@@ -289,19 +289,22 @@ def phase_http(spec: dict[str, Any]) -> dict[str, Any]:
     return asyncio.run(_http(spec))
 
 
-async def _wait_http_ready(session: Any, base: str, proc: Any, timeout_s: float, log: Path) -> None:
+async def wait_http_ready(
+    session: Any, base: str, proc: Any, timeout_s: float, log: Path, what: str = "api_server"
+) -> None:
+    """Until `base`/health answers 200; the server's exit or `ready_timeout_s` ends the wait with its log's tail."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise RuntimeError(f"api_server exited rc={proc.returncode} before ready:\n{G._tail(log, 30)}")
+            raise RuntimeError(f"{what} exited rc={proc.returncode} before ready:\n{G._tail(log, 30)}")
         try:
             async with session.get(f"{base}/health") as r:
                 if r.status == 200:
                     return
-        except Exception:
+        except Exception:  # not listening yet: poll again until the deadline
             pass
         await asyncio.sleep(0.25)
-    raise TimeoutError(f"api_server not ready after ready_timeout_s={timeout_s:.0f}s:\n{G._tail(log, 30)}")
+    raise TimeoutError(f"{what} not ready after ready_timeout_s={timeout_s:.0f}s:\n{G._tail(log, 30)}")
 
 
 async def _http(spec: dict[str, Any]) -> dict[str, Any]:
@@ -319,7 +322,7 @@ async def _http(spec: dict[str, Any]) -> dict[str, Any]:
         conn = aiohttp.TCPConnector(limit=0, force_close=False)
         timeout = aiohttp.ClientTimeout(total=spec["request_timeout_s"])
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
-            await _wait_http_ready(s, base, proc, spec["ready_timeout_s"], procs.log_dir / f"{name}.log")
+            await wait_http_ready(s, base, proc, spec["ready_timeout_s"], procs.log_dir / f"{name}.log")
             out["engine_start_s"] = time.perf_counter() - t0
             out["sched"] = await _server_sched(s, base)
             spec["_partial"].update(out)

@@ -29,7 +29,6 @@ import asyncio
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from bench import harness as H
@@ -77,21 +76,6 @@ def peer_argv(port: int) -> list[str]:
     return [sys.executable, "-m", "bench.http_peer", "--port", str(port), "--prefix-cache"]
 
 
-async def _wait_ready(session: Any, base: str, proc: Any, timeout_s: float, log: Path) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server {base} exited rc={proc.returncode} before ready:\n{G._tail(log, 30)}")
-        try:
-            async with session.get(f"{base}/health") as r:
-                if r.status == 200:
-                    return
-        except Exception:  # not listening yet: poll again until the deadline
-            pass
-        await asyncio.sleep(0.25)
-    raise TimeoutError(f"server {base} not ready after ready_timeout_s={timeout_s:.0f}s:\n{G._tail(log, 30)}")
-
-
 async def start_servers(procs: H.Procs, session: Any, spec: dict[str, Any]) -> tuple[list[str], list[float]]:
     """Two servers (GPU: api_servers, one per entry of spec["gpus"]; --cpu:
     http_peers). Servers on different GPUs start at once; two on one GPU one
@@ -109,7 +93,9 @@ async def start_servers(procs: H.Procs, session: Any, spec: dict[str, Any]) -> t
         env = None if cpu else G.child_env({"CUDA_VISIBLE_DEVICES": gpus[i]})
         argv = peer_argv(ports[i]) if cpu else server_argv(spec, ports[i])
         proc = procs.start(name, argv, env=env)
-        await _wait_ready(session, urls[i], proc, spec["ready_timeout_s"], procs.log_dir / f"{name}.log")
+        await GP.wait_http_ready(
+            session, urls[i], proc, spec["ready_timeout_s"], procs.log_dir / f"{name}.log", f"server {urls[i]}"
+        )
         starts[i] = round(time.perf_counter() - t0, 1)
 
     if gpus[0] != gpus[1] or cpu:
