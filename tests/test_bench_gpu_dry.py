@@ -6,27 +6,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cluster import ROOT, child_env
+from tests.cluster import ROOT, run_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 
 def _run(module: str, out: str, *args: str, **env: str) -> dict:
-    p = subprocess.run(
-        [sys.executable, "-m", module, "--cpu", "--out-dir", out, *args],
-        cwd=ROOT,
-        env=child_env(ROLLOUT_BUS_LOG_LEVEL="WARNING", **env),
-        capture_output=True,
-        text=True,
-        timeout=80,
-    )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rc, log = run_module(["-m", module, "--cpu", "--out-dir", out, *args], 80, ROLLOUT_BUS_LOG_LEVEL="WARNING", **env)
+    assert rc == 0, log[-6000:]
     return json.loads(Path(out, "gpu_" + module.split(".")[-1] + ".json").read_text())  # bench.gpu.X writes gpu_X.json
 
 
@@ -150,15 +141,8 @@ def _checkpoint_then_hang(spec: dict) -> dict:
 
 def _bench(module: str, *args: str, timeout_s: float = 80) -> None:
     """python -m bench.<module> args..., which must exit 0."""
-    p = subprocess.run(
-        [sys.executable, "-m", f"bench.{module}", *args],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    rc, log = run_module(["-m", f"bench.{module}", *args], timeout_s)
+    assert rc == 0, log[-3000:]
 
 
 def test_gpu_plan_copy_dry_run(tmp_path):

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 
 import pytest
 
 from bench import harness as H
 from bench import router_overhead as RO
-from tests.cluster import ROOT, child_env
+from tests.cluster import run_module
 
 
 def _run(p50_ms: float, rps: float) -> H.RunResult:
@@ -66,15 +64,8 @@ def test_a_passed_deadline_keeps_complete_rounds():
 
 def _bench(tmp_path, module: str, *args: str) -> dict:
     t0 = time.monotonic()
-    p = subprocess.run(
-        [sys.executable, "-m", module, "--no-plot", *args],
-        cwd=ROOT,
-        env=child_env(ROLLOUT_BUS_BENCH_OUT=str(tmp_path)),
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rc, log = run_module(["-m", module, "--no-plot", *args], 170, ROLLOUT_BUS_BENCH_OUT=str(tmp_path))
+    assert rc == 0, log[-6000:]
     name = module.rsplit(".", 1)[1]
     assert sorted(f.name for f in tmp_path.iterdir()) == [f"{name}.json"]  # --no-plot: the JSON only
     doc = json.loads((tmp_path / f"{name}.json").read_text())

@@ -9,29 +9,20 @@ past the last 5 s: 2 x 12 s + recovery < 45 - 5 leaves the head fault 16 s."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cluster import ROOT, child_env
+from tests.cluster import run_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def test_soak_faults_dry_run(tmp_path):
     out = tmp_path / "soak_faults.json"
-    p = subprocess.run(
-        [sys.executable, "-m", "bench.soak_faults", "--minutes", "0.75", "--fault-every-s", "12", "--concurrency", "4",
-         "--out", str(out)],
-        cwd=ROOT,
-        env=child_env(ROLLOUT_BUS_LOG_LEVEL="WARNING"),
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    argv = ["-m", "bench.soak_faults", "--minutes", "0.75", "--fault-every-s", "12", "--concurrency", "4"]
+    rc, log = run_module([*argv, "--out", str(out)], 280, ROLLOUT_BUS_LOG_LEVEL="WARNING")
+    assert rc == 0, log[-6000:]
     doc = json.loads(Path(out).read_text())
     assert doc["passed"] and all(doc["criteria"].values()), doc["criteria"]
     assert doc["head_kills"] >= 1 and doc["trainer_kills"] >= 1
