@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from bus import protocol as P
+from bus.proctree import terminate_tree
 from engine_node.timings import read_timings
 from tests.cluster import ROOT, child_env
 
@@ -52,9 +52,10 @@ def _launch_until_serving(*args: str, timeout_s: float = 90) -> list[str]:
                 return lines
         raise AssertionError("launch.py never served:\n" + "\n".join(lines))
     finally:
-        p.send_signal(signal.SIGTERM)
-        p.communicate(timeout=60)
-        psutil.wait_procs(tree, timeout=10)
+        # launch.py drains its tree on SIGTERM; whatever is left after the
+        # grace (or never reached "serving", so `tree` is empty) is killed.
+        terminate_tree(p, 30.0, extra=tree)
+        p.communicate(timeout=10)
 
 
 def test_a_default_launch_prints_the_table_and_the_client_line_first(tmp_path):
