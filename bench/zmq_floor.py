@@ -7,6 +7,12 @@ prompt's msgpack body is about that size):
     direct       DEALER client -> ROUTER echo server (a Python loop)
     zmq.proxy    DEALER client -> zmq.proxy (libzmq's C loop: ROUTER front,
                  DEALER back) -> the same echo server
+    py forward   DEALER client -> the least a Python forwarder does per message
+                 (poll both sockets, recv_multipart, send_multipart; no decode)
+                 -> the same echo server
+
+`--transport ipc` runs the same over Unix-domain sockets (one host's
+processes) instead of loopback TCP.
 
 "added" is the paired difference of the two p50s within each rep. A
 forwarder pays two extra loopback traversals and libzmq's thread hand-offs
@@ -26,6 +32,7 @@ import argparse
 import multiprocessing as mp
 import queue
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -38,26 +45,60 @@ WARMUP = 200
 START_TIMEOUT_S = 10.0  # every wait below names it
 
 
-def _echo(port_out: Any) -> None:
+# "tcp", or "ipc://<folder>/<name>": set per process from its argument (spawned
+# children get it as one); the folder is measure()'s, removed when it ends
+_TRANSPORT = "tcp"
+
+
+def _bind(sock: zmq.Socket) -> str:
+    if _TRANSPORT.startswith("ipc://"):
+        sock.bind(_TRANSPORT)
+        return _TRANSPORT
+    return f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+
+def _echo(transport: str, addr_out: Any) -> None:
+    global _TRANSPORT
+    _TRANSPORT = transport
     ctx = zmq.Context()
     s = ctx.socket(zmq.ROUTER)
-    port_out.put(s.bind_to_random_port("tcp://127.0.0.1"))
+    addr_out.put(_bind(s))
     while True:
         s.send_multipart(s.recv_multipart(copy=False), copy=False)
 
 
-def _proxy(back_port: int, port_out: Any) -> None:
+def _proxy(transport: str, back_addr: str, addr_out: Any) -> None:
+    global _TRANSPORT
+    _TRANSPORT = transport
     ctx = zmq.Context()
     front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    port_out.put(front.bind_to_random_port("tcp://127.0.0.1"))
-    back.connect(f"tcp://127.0.0.1:{back_port}")
+    addr_out.put(_bind(front))
+    back.connect(back_addr)
     zmq.proxy(front, back)
 
 
-def _round_trips_us(ctx: zmq.Context, port: int, n: int) -> list[float]:
+def _py_forward(transport: str, back_addr: str, addr_out: Any) -> None:
+    global _TRANSPORT
+    _TRANSPORT = transport
+    ctx = zmq.Context()
+    front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    addr_out.put(_bind(front))
+    back.connect(back_addr)
+    poller = zmq.Poller()
+    poller.register(front, zmq.POLLIN)
+    poller.register(back, zmq.POLLIN)
+    while True:
+        for sock, _ in poller.poll():
+            if sock is front:
+                back.send_multipart(front.recv_multipart(copy=False), copy=False)
+            else:
+                front.send_multipart(back.recv_multipart(copy=False), copy=False)
+
+
+def _round_trips_us(ctx: zmq.Context, addr: str, n: int) -> list[float]:
     c = ctx.socket(zmq.DEALER)
     c.setsockopt(zmq.RCVTIMEO, int(START_TIMEOUT_S * 1000))  # a dead peer: zmq.Again, not a hang
-    c.connect(f"tcp://127.0.0.1:{port}")
+    c.connect(addr)
     payload = b"x" * PAYLOAD_BYTES
     try:
         for _ in range(WARMUP):
@@ -74,71 +115,97 @@ def _round_trips_us(ctx: zmq.Context, port: int, n: int) -> list[float]:
         c.close(linger=0)
 
 
-def _started(target: Any, *args: Any) -> tuple[Any, int]:
+def _started(target: Any, *args: Any) -> tuple[Any, str]:
     q: Any = mp.get_context("spawn").Queue()
     p = mp.get_context("spawn").Process(target=target, args=(*args, q), daemon=True)
     p.start()
     try:
-        return p, int(q.get(timeout=START_TIMEOUT_S))
+        return p, str(q.get(timeout=START_TIMEOUT_S))
     except queue.Empty:
         p.kill()
         raise TimeoutError(f"{target.__name__} did not bind within START_TIMEOUT_S={START_TIMEOUT_S}") from None
 
 
-def measure(n: int, reps: int) -> dict[str, Any]:
+def measure(n: int, reps: int, transport: str = "tcp") -> dict[str, Any]:
     procs = []
     ctx = zmq.Context()
+    folder = tempfile.TemporaryDirectory(prefix="zmqfloor-")
+
+    def where(name: str) -> str:
+        return f"ipc://{folder.name}/{name}" if transport == "ipc" else "tcp"
+
     try:
-        echo, echo_port = _started(_echo)
+        echo, echo_addr = _started(_echo, where("echo"))
         procs.append(echo)
-        proxy, proxy_port = _started(_proxy, echo_port)
+        proxy, proxy_addr = _started(_proxy, where("proxy"), echo_addr)
         procs.append(proxy)
-        print(f"processes: echo {echo.pid}, zmq.proxy {proxy.pid}", flush=True)
+        pyfwd, pyfwd_addr = _started(_py_forward, where("pyfwd"), echo_addr)
+        procs.append(pyfwd)
+        print(f"processes: echo {echo.pid}, zmq.proxy {proxy.pid}, py forward {pyfwd.pid}", flush=True)
         rows = []
         for rep in range(reps):
-            d = _round_trips_us(ctx, echo_port, n)
-            v = _round_trips_us(ctx, proxy_port, n)
+            d = _round_trips_us(ctx, echo_addr, n)
+            v = _round_trips_us(ctx, proxy_addr, n)
+            f = _round_trips_us(ctx, pyfwd_addr, n)
             row = {
                 "rep": rep,
                 "direct_p50_us": statistics.median(d),
                 "proxy_p50_us": statistics.median(v),
+                "pyfwd_p50_us": statistics.median(f),
                 "direct_p99_us": statistics.quantiles(d, n=100)[98],
                 "proxy_p99_us": statistics.quantiles(v, n=100)[98],
+                "pyfwd_p99_us": statistics.quantiles(f, n=100)[98],
             }
             row["added_p50_us"] = row["proxy_p50_us"] - row["direct_p50_us"]
+            row["pyfwd_added_p50_us"] = row["pyfwd_p50_us"] - row["direct_p50_us"]
             rows.append(row)
-        return {"n": n, "reps": rows, "added_p50_us_median": statistics.median(r["added_p50_us"] for r in rows)}
+        return {
+            "n": n,
+            "transport": transport,
+            "reps": rows,
+            "added_p50_us_median": statistics.median(r["added_p50_us"] for r in rows),
+            "pyfwd_added_p50_us_median": statistics.median(r["pyfwd_added_p50_us"] for r in rows),
+        }
     finally:
         ctx.term()
         for p in procs:
             p.kill()
             p.join(START_TIMEOUT_S)
+        folder.cleanup()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=3000, help="round trips per setup and rep")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="loopback TCP or Unix-domain sockets")
+    ap.add_argument("--name", default="zmq_floor", help="the JSON/PNG name")
     ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args(argv)
-    res = measure(a.n, a.reps)
-    print(f"zmq round trip, c=1, {PAYLOAD_BYTES} B each way, {a.n} per setup and rep (µs)")
-    print("| rep | direct p50 | zmq.proxy p50 | added p50 | direct p99 | zmq.proxy p99 |\n|---|---|---|---|---|---|")
+    res = measure(a.n, a.reps, a.transport)
+    print(f"zmq round trip over {a.transport}, c=1, {PAYLOAD_BYTES} B each way, {a.n} per setup and rep (µs)")
+    print(
+        "| rep | direct p50 | zmq.proxy p50 | added p50 | py forward p50 | added p50 | direct p99 | zmq.proxy p99 |"
+        "\n|---|---|---|---|---|---|---|---|"
+    )
     for r in res["reps"]:
         print(
             f"| {r['rep']} | {r['direct_p50_us']:.0f} | {r['proxy_p50_us']:.0f} | {r['added_p50_us']:.0f} "
+            f"| {r['pyfwd_p50_us']:.0f} | {r['pyfwd_added_p50_us']:.0f} "
             f"| {r['direct_p99_us']:.0f} | {r['proxy_p99_us']:.0f} |"
         )
     print(f"added by a C forwarder, median over reps: {res['added_p50_us_median']:.0f} µs (issue 24 §1 target: ≤ 100)")
-    report.write_json("zmq_floor", res)
+    print(f"added by the least Python forwarder, median over reps: {res['pyfwd_added_p50_us_median']:.0f} µs")
+    report.write_json(a.name, res)
     if not a.no_plot:
         reps = [f"rep {r['rep']}" for r in res["reps"]]
         plots.plot_bars(
-            "zmq_floor",
+            a.name,
             reps,
             {
                 "direct p50": [r["direct_p50_us"] for r in res["reps"]],
                 "through zmq.proxy p50": [r["proxy_p50_us"] for r in res["reps"]],
+                "through a Python forwarder p50": [r["pyfwd_p50_us"] for r in res["reps"]],
             },
             ylabel="round trip, µs",
             title="zmq round trip, c=1: direct vs a C forwarder (zmq.proxy)",

@@ -1,5 +1,6 @@
-"""bench/zmq_floor.py: a real echo server and a real zmq.proxy process, a short
-run; the JSON holds every rep's paired figures and the bench leaves no process."""
+"""bench/zmq_floor.py: a real echo server, a real zmq.proxy process and the
+least Python forwarder, a short run over TCP and over IPC; the JSON holds every
+rep's paired figures and the bench leaves no process."""
 
 from __future__ import annotations
 
@@ -14,17 +15,20 @@ from tests.cluster import run_module
 pytestmark = [pytest.mark.timeout(60)]
 
 
-def test_zmq_floor_measures_direct_and_through_a_c_forwarder(tmp_path: Path) -> None:
-    argv = ["-m", "bench.zmq_floor", "--n", "200", "--reps", "2", "--no-plot"]
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_zmq_floor_measures_direct_and_through_a_c_and_a_python_forwarder(tmp_path: Path, transport: str) -> None:
+    argv = ["-m", "bench.zmq_floor", "--n", "200", "--reps", "2", "--no-plot", "--transport", transport, "--name", "zf"]
     rc, out = run_module(argv, 45, ROLLOUT_BUS_BENCH_OUT=str(tmp_path))
     assert rc == 0, out[-3000:]
-    doc = json.loads((tmp_path / "zmq_floor.json").read_text())
-    assert [r["rep"] for r in doc["reps"]] == [0, 1]
+    doc = json.loads((tmp_path / "zf.json").read_text())
+    assert doc["transport"] == transport and [r["rep"] for r in doc["reps"]] == [0, 1]
     for r in doc["reps"]:
-        assert 0 < r["direct_p50_us"] <= r["direct_p99_us"] and 0 < r["proxy_p50_us"] <= r["proxy_p99_us"]
+        for k in ("direct", "proxy", "pyfwd"):
+            assert 0 < r[f"{k}_p50_us"] <= r[f"{k}_p99_us"], (k, r)
         assert r["added_p50_us"] == pytest.approx(r["proxy_p50_us"] - r["direct_p50_us"])
-    assert "added by a C forwarder" in out
+        assert r["pyfwd_added_p50_us"] == pytest.approx(r["pyfwd_p50_us"] - r["direct_p50_us"])
+    assert "added by a C forwarder" in out and "added by the least Python forwarder" in out
     line = next(x for x in out.splitlines() if x.startswith("processes: "))
     pids = [int(w.rstrip(",")) for w in line.split() if w.rstrip(",").isdigit()]
-    assert len(pids) == 2
+    assert len(pids) == 3
     assert not [q for q in pids if psutil.pid_exists(q) and psutil.Process(q).status() != psutil.STATUS_ZOMBIE], line
