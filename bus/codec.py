@@ -270,7 +270,7 @@ class Outbox:
     def messages(self) -> list[tuple[bytes, Any, list[Any]]]:
         """[(peer, msg, buffers)], one per peer, and empty the box."""
         box, self.by_peer = self.by_peer, {}
-        return [(peer, *_one_message(items)) for peer, items in box.items()]
+        return [(peer, *one_message(items)) for peer, items in box.items()]
 
     def flush(self, send: Callable[[bytes, Any, list[Any]], Any]) -> None:
         """`send(peer, msg, buffers)` each peer's message and empty the box:
@@ -286,14 +286,14 @@ class Outbox:
                 chunk, bufs = items[0]
                 send(peer, chunk, bufs)
             else:
-                send(peer, *_one_message(items))
+                send(peer, *one_message(items))
             return
         self.by_peer = {}
         for peer, items in box.items():
-            send(peer, *_one_message(items))
+            send(peer, *one_message(items))
 
 
-def _one_message(items: list[tuple[Any, list[Any]]]) -> tuple[Any, list[Any]]:
+def one_message(items: list[tuple[Any, list[Any]]]) -> tuple[Any, list[Any]]:
     """One peer's chunks as one message: a Chunk alone, else a ChunkBatch."""
     if len(items) == 1:
         return items[0]

@@ -151,6 +151,7 @@ class Endpoint:
         on_peer_gone: Callable[[bytes], None] = lambda peer: None,
         on_peer_full: Callable[[bytes], None] | None = None,
         max_batch: int = 512,
+        after_drain: Callable[[], None] | None = None,
     ) -> None:
         self.sock = sock
         self.codec = codec
@@ -166,6 +167,9 @@ class Endpoint:
         # and the message is dropped (the callback ends that peer's requests).
         self.on_peer_full = on_peer_full
         self.max_batch = max_batch  # messages per drain (fairness between sockets)
+        # Run once when a drain ends, however it ends (the head's engine sockets:
+        # what the drain's handlers gathered for clients goes out as one message each).
+        self.after_drain = after_drain
         self._flags = _NOBLOCK if on_peer_full is not None else 0  # a plain int: no IntFlag arithmetic per frame
         self._more = self._flags | _SNDMORE
         self._encode = codec.encoder.encode
@@ -176,6 +180,15 @@ class Endpoint:
     # ------------------------------------------------------------ receiving
 
     def drain(self) -> None:
+        if self.after_drain is None:
+            self._drain()
+            return
+        try:
+            self._drain()
+        finally:
+            self.after_drain()
+
+    def _drain(self) -> None:
         sock = self.sock
         for _ in range(self.max_batch):
             frames = recv_frames(sock)

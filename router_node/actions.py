@@ -40,10 +40,14 @@ class SendToClient:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RelayToClient:
-    """An engine's chunk message as it came (the fast path: no re-encoding)."""
+    """An engine's chunk message as it came (the fast path: no re-encoding
+    when it leaves alone); `chunk` and `buffers` are the same chunk decoded,
+    for when it leaves in one batch with others for the same client."""
 
     client: bytes
     frames: list[Any]
+    chunk: P.Chunk
+    buffers: list[Any]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -8,8 +8,14 @@ Hazards this module owns:
   peer gone (the frontend's `on_peer_gone` / `on_peer_full`) feeds the core a
   new event from inside the send: the core's state is whole before any of its
   actions runs, so that is safe;
-- chunks already batched for clients go out before an error, and before an
-  engine's frames relayed as they came (order per client).
+- chunks for clients are gathered over one drain of an engine's data socket
+  and leave when the drain ends, one message per client (a lone chunk as the
+  engine sent it, several as one ChunkBatch). Nothing waits for more: a drain
+  reads only what had already arrived, so a head that keeps up sends each
+  chunk at once, and a head that falls behind sends what piled up in one
+  message per client instead of one per chunk (what a byte stream's reads do
+  for an HTTP router). Everything else sent to a client (errors, control
+  replies) flushes the gathered chunks first (order per client).
 
 Ownership: the router loop thread.
 """
@@ -24,7 +30,7 @@ import structlog
 import zmq
 
 from bus import protocol as P
-from bus.codec import Codec, Outbox, split_chunks
+from bus.codec import Codec, one_message, split_chunks
 from bus.endpoint import Endpoint, send_multipart
 from bus.errors import RolloutBusError
 from router_node.actions import Action, FailRequest, RelayToClient, SendToClient, SendToEngine
@@ -38,6 +44,9 @@ from router_node.registry import EngineEntry
 log = structlog.get_logger("router_node")
 
 _NOBLOCK = int(zmq.NOBLOCK)  # a plain int: IntFlag arithmetic per frame otherwise (bus/endpoint.py)
+# Chunks one client's message may gather (a drain reads at most 512 engine
+# messages, each possibly a ChunkBatch): past it, that client's chunks leave at once.
+MAX_GATHERED = 1024
 
 __all__ = ["Forwarder", "Pick", "PlaceSession"]
 
@@ -61,23 +70,21 @@ class Forwarder:
             cfg, engines, sessions, pick=pick, place_session=place_session, counters=counters, prefix=prefix
         )
         self.flights = self.core.flights
-        self.outbox = Outbox()  # chunks for clients, flushed per engine message
+        # client -> [(chunk, buffers, the engine's frames or None)], in order:
+        # what this drain gathered for each client (flush sends it)
+        self.gathered: dict[bytes, list[tuple[P.Chunk, list[Any], list[Any] | None]]] = {}
         self.front: Endpoint  # set by the router once its frontend endpoint exists
         self._run: dict[type, Callable[[Any], None]] = {
             SendToEngine: self._send_to_engine,
             SendToClient: self._send_to_client,
+            RelayToClient: self._relay_to_client,
             FailRequest: self._fail_request,
         }
 
     def execute(self, actions: list[Action]) -> None:
         run = self._run
         for a in actions:
-            if type(a) is RelayToClient:  # the commonest action (a streamed chunk): run here, not via the table
-                if self.outbox.by_peer:
-                    self.flush()  # what was batched before goes first
-                self.front.send_frames([a.client, *a.frames])
-            else:
-                run[type(a)](a)
+            run[type(a)](a)
 
     # ------------------------------------------------------------ client requests
 
@@ -102,25 +109,45 @@ class Forwarder:
             self.execute(core.engine_error(eid, msg))
 
         def on_chunks(_peer: bytes, msg: Any, buffers: list[Any]) -> None:
+            # Gathered, not sent: the drain's end flushes (after_drain below).
             if type(msg) is not P.Chunk:
                 for ch, bufs in split_chunks(msg, buffers):
                     self.execute(core.chunk(eid, ch, bufs, None))
             else:  # a chunk alone: it may be relayed as it came
-                actions = core.chunk(eid, msg, buffers, endpoint().frames)
-                if len(actions) == 1 and type(a := actions[0]) is SendToClient and not self.outbox.by_peer:
-                    # One chunk for one client and nothing batched: the outbox
-                    # would send it alone, as it is; sent without it.
-                    self.front.send(a.client, a.chunk, a.buffers)
-                    return
-                self.execute(actions)
-            if self.outbox.by_peer:
-                self.flush()
+                self.execute(core.chunk(eid, msg, buffers, endpoint().frames))
 
         return {P.Error: on_error, P.Chunk: on_chunks, P.ChunkBatch: on_chunks}
 
+    def after_drain(self) -> None:
+        """An engine socket's drain ended: what it gathered for clients leaves."""
+        if self.gathered:
+            self.flush()
+
     def flush(self) -> None:
-        for client, out, bufs in self.outbox.messages():
-            self.front.send(client, out, bufs)
+        """Send every client its gathered chunks, one message each. The box is
+        emptied before any send: a send that reports its client gone runs the
+        core (and maybe this flush again) from inside it."""
+        box = self.gathered
+        if not box:
+            return
+        self.gathered = {}
+        for client, items in box.items():
+            self._send_gathered(client, items)
+
+    def _flush_client(self, client: bytes) -> None:
+        items = self.gathered.pop(client, None)
+        if items:
+            self._send_gathered(client, items)
+
+    def _send_gathered(self, client: bytes, items: list[tuple[P.Chunk, list[Any], list[Any] | None]]) -> None:
+        if len(items) == 1:
+            chunk, bufs, frames = items[0]
+            if frames is not None:
+                self.front.send_frames([client, *frames])  # as the engine sent it: no re-encoding
+            else:
+                self.front.send(client, chunk, bufs)
+            return
+        self.front.send(client, *one_message([(c, b) for c, b, _ in items]))
 
     # ------------------------------------------------------------ failover and failure
 
@@ -161,7 +188,19 @@ class Forwarder:
             self.execute(self.core.leg_unsent(msg.request_id, err))
 
     def _send_to_client(self, a: SendToClient) -> None:
-        self.outbox.add(a.client, a.chunk, a.buffers)
+        self._gather(a.client, a.chunk, a.buffers, None)
+
+    def _relay_to_client(self, a: RelayToClient) -> None:
+        self._gather(a.client, a.chunk, a.buffers, a.frames)
+
+    def _gather(self, client: bytes, chunk: P.Chunk, buffers: list[Any], frames: list[Any] | None) -> None:
+        items = self.gathered.get(client)
+        if items is None:
+            self.gathered[client] = [(chunk, buffers, frames)]
+            return
+        items.append((chunk, buffers, frames))
+        if len(items) >= MAX_GATHERED:
+            self._flush_client(client)
 
     def _fail_request(self, a: FailRequest) -> None:
         self.front.fail(a.client, a.request_id, a.code, a.message, a.field)

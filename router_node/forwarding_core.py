@@ -280,7 +280,7 @@ class ForwardingCore:
         """A streamed chunk to its client: the engine's frames untouched when
         they say what the client must see, else re-addressed."""
         if frames is not None and part.rid == fl.msg.request_id and len(part.indices) == len(fl.samples):
-            return RelayToClient(fl.client, frames)
+            return RelayToClient(fl.client, frames, ch, buffers)
         out = ch if part.rid == fl.msg.request_id else msgspec.structs.replace(ch, request_id=fl.msg.request_id)
         if final and len(part.indices) != len(fl.samples):
             if out is ch:

@@ -400,7 +400,15 @@ class Router:
         handlers = self.forwarding.engine_handlers(e, lambda: ep)
         # Acks come over the data connection too (behind the chunks produced before them).
         handlers[P.Ack] = lambda _peer, ack, buffers: self._on_data_ack(e, ack, buffers)
-        ep = Endpoint(e.sock, self.codec, handlers, name=f"engine {reg.engine_id}", routed=False, error_reply=None)
+        ep = Endpoint(
+            e.sock,
+            self.codec,
+            handlers,
+            name=f"engine {reg.engine_id}",
+            routed=False,
+            error_reply=None,
+            after_drain=self.forwarding.after_drain,  # what the drain gathered for clients leaves
+        )
         self._endpoints[e.sock] = ep
         self.poller.register(e.sock, zmq.POLLIN)
         send(ident, self.registrar.accepted())

@@ -120,6 +120,8 @@ class Sim:
             elif isinstance(a, SendToClient):
                 self.to_client(a.client, a.chunk, a.buffers)
             elif isinstance(a, RelayToClient):
+                # the shell sends the frames alone, or the chunk batched with others: both say the same
+                assert a.frames[0] == a.chunk and list(a.frames[1:]) == list(a.buffers), a
                 self.to_client(a.client, a.frames[0], a.frames[1:])
             else:
                 assert isinstance(a, FailRequest)
