@@ -200,13 +200,17 @@ def test_abort_returns_partial_tokens_and_resubmit_continues(backend):
     t0 = time.perf_counter()
     outs = backend.abort(ids)
     t_abort = time.perf_counter() - t0
-    assert backend.num_running() == 0 and not backend.has_work()
+    # Nothing runs any more; has_work() may still be True for a moment: outputs the
+    # core sent for these ids before it saw the abort are on the wire, and the next
+    # step() collects and drops them (run 56 saw that race; checked after the sleep below).
+    assert backend.num_running() == 0
     for o in outs:
         assert o.finish_reason is None
         res.setdefault(o.seq_id, {"tokens": [], "finish": None})["tokens"].extend(o.token_ids)
     assert all(res.get(s, {}).get("finish") is None for s in ids), "an aborted sequence must not finish"
     time.sleep(0.2)
     assert not backend.step(), "no output after abort"
+    assert not backend.has_work(), "the late outputs of aborted ids were collected and dropped"
     # the node's park + resubmit: prompt + tokens so far, remaining budget
     for s, rs in zip(ids, ref_ids, strict=True):
         got = res.get(s, {"tokens": []})["tokens"]
