@@ -29,11 +29,13 @@ Writes bench/results/zmq_floor.{json,png} (or $ROLLOUT_BUS_BENCH_OUT).
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import queue
 import statistics
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -174,16 +176,11 @@ def measure(n: int, reps: int, transport: str = "tcp") -> dict[str, Any]:
         folder.cleanup()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=3000, help="round trips per setup and rep")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="loopback TCP or Unix-domain sockets")
-    ap.add_argument("--name", default="zmq_floor", help="the JSON/PNG name")
-    ap.add_argument("--no-plot", action="store_true")
-    a = ap.parse_args(argv)
-    res = measure(a.n, a.reps, a.transport)
-    print(f"zmq round trip over {a.transport}, c=1, {PAYLOAD_BYTES} B each way, {a.n} per setup and rep (µs)")
+def _report(res: dict[str, Any], name: str, plot: bool) -> None:
+    """Print the table (and draw the PNG) of one result."""
+    print(
+        f"zmq round trip over {res.get('transport', 'tcp')}, c=1, {PAYLOAD_BYTES} B each way, {res['n']} per setup and rep (µs)"
+    )
     print(
         "| rep | direct p50 | zmq.proxy p50 | added p50 | py forward p50 | added p50 | direct p99 | zmq.proxy p99 |"
         "\n|---|---|---|---|---|---|---|---|"
@@ -196,20 +193,35 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"added by a C forwarder, median over reps: {res['added_p50_us_median']:.0f} µs (issue 24 §1 target: ≤ 100)")
     print(f"added by the least Python forwarder, median over reps: {res['pyfwd_added_p50_us_median']:.0f} µs")
-    report.write_json(a.name, res)
-    if not a.no_plot:
-        reps = [f"rep {r['rep']}" for r in res["reps"]]
+    if plot:
         plots.plot_bars(
-            a.name,
-            reps,
+            name,
+            [f"rep {r['rep']}" for r in res["reps"]],
             {
                 "direct p50": [r["direct_p50_us"] for r in res["reps"]],
                 "through zmq.proxy p50": [r["proxy_p50_us"] for r in res["reps"]],
                 "through a Python forwarder p50": [r["pyfwd_p50_us"] for r in res["reps"]],
             },
             ylabel="round trip, µs",
-            title="zmq round trip, c=1: direct vs a C forwarder (zmq.proxy)",
+            title=f"zmq round trip over {res.get('transport', 'tcp')}, c=1: direct vs a C and a Python forwarder",
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=3000, help="round trips per setup and rep")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="loopback TCP or Unix-domain sockets")
+    ap.add_argument("--name", default="zmq_floor", help="the JSON/PNG name")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--plot-from", type=Path, help="only print the table and draw the PNG (as --name) from this JSON")
+    a = ap.parse_args(argv)
+    if a.plot_from is not None:
+        _report(json.loads(a.plot_from.read_text()), a.name, True)
+        return 0
+    res = measure(a.n, a.reps, a.transport)
+    _report(res, a.name, not a.no_plot)
+    report.write_json(a.name, res)
     return 0
 
 

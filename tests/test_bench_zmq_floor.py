@@ -31,4 +31,13 @@ def test_zmq_floor_measures_direct_and_through_a_c_and_a_python_forwarder(tmp_pa
     line = next(x for x in out.splitlines() if x.startswith("processes: "))
     pids = [int(w.rstrip(",")) for w in line.split() if w.rstrip(",").isdigit()]
     assert len(pids) == 3
+    rc, again = run_module(
+        ["-m", "bench.zmq_floor", "--plot-from", str(tmp_path / "zf.json"), "--name", "zf2"],
+        45,
+        ROLLOUT_BUS_BENCH_OUT=str(tmp_path),
+    )
+    assert rc == 0 and (tmp_path / "zf2.png").stat().st_size > 0, again[-2000:]
+    assert [x for x in again.splitlines() if x.startswith("| 0 |")] == [
+        x for x in out.splitlines() if x.startswith("| 0 |")
+    ]
     assert not [q for q in pids if psutil.pid_exists(q) and psutil.Process(q).status() != psutil.STATUS_ZOMBIE], line
