@@ -47,45 +47,37 @@ WARMUP = 200
 START_TIMEOUT_S = 10.0  # every wait below names it
 
 
-# "tcp", or "ipc://<folder>/<name>": set per process from its argument (spawned
-# children get it as one); the folder is measure()'s, removed when it ends
-_TRANSPORT = "tcp"
-
-
-def _bind(sock: zmq.Socket) -> str:
-    if _TRANSPORT.startswith("ipc://"):
-        sock.bind(_TRANSPORT)
-        return _TRANSPORT
+def _bind(sock: zmq.Socket, where: str) -> str:
+    """`where`: "tcp" (a free loopback port) or "ipc://<folder>/<name>" (measure()'s
+    folder, removed when it ends); the address bound."""
+    if where.startswith("ipc://"):
+        sock.bind(where)
+        return where
     return f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
 
 
-def _echo(transport: str, addr_out: Any) -> None:
-    global _TRANSPORT
-    _TRANSPORT = transport
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.ROUTER)
-    addr_out.put(_bind(s))
+def _echo(where: str, addr_out: Any) -> None:
+    s = zmq.Context().socket(zmq.ROUTER)
+    addr_out.put(_bind(s, where))
     while True:
         s.send_multipart(s.recv_multipart(copy=False), copy=False)
 
 
-def _proxy(transport: str, back_addr: str, addr_out: Any) -> None:
-    global _TRANSPORT
-    _TRANSPORT = transport
+def _front_and_back(where: str, back_addr: str, addr_out: Any) -> tuple[zmq.Socket, zmq.Socket]:
+    """A forwarder's ROUTER front (bound, its address sent back) and DEALER back (connected)."""
     ctx = zmq.Context()
     front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    addr_out.put(_bind(front))
+    addr_out.put(_bind(front, where))
     back.connect(back_addr)
-    zmq.proxy(front, back)
+    return front, back
 
 
-def _py_forward(transport: str, back_addr: str, addr_out: Any) -> None:
-    global _TRANSPORT
-    _TRANSPORT = transport
-    ctx = zmq.Context()
-    front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    addr_out.put(_bind(front))
-    back.connect(back_addr)
+def _proxy(where: str, back_addr: str, addr_out: Any) -> None:
+    zmq.proxy(*_front_and_back(where, back_addr, addr_out))
+
+
+def _py_forward(where: str, back_addr: str, addr_out: Any) -> None:
+    front, back = _front_and_back(where, back_addr, addr_out)
     poller = zmq.Poller()
     poller.register(front, zmq.POLLIN)
     poller.register(back, zmq.POLLIN)
