@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 
 from bus.auth import new_token, token_path_for, write_token
+from bus.errors import RequestTimeout
 from bus.proctree import terminate_tree
 from trainer_bridge import Client
 
@@ -119,9 +120,25 @@ class Cluster:
         return c
 
     def wait_ready(self, n: int | None = None, timeout_s: float = 90) -> dict[str, Any]:
+        """Health once `n` engines (default: every engine process) are healthy.
+        Fails at once, with the exited processes' log tails, when the head or
+        so many engine processes have exited that `n` can no longer be reached
+        (an engine whose backend failed to start exits: waiting out timeout_s
+        for it cost a GPU run 240 s)."""
         n = n if n is not None else sum(1 for k in self.procs if k != "head")
         c = self.client()
-        return c.wait_ready(n, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return c.wait_ready(n, max(0.05, min(1.0, deadline - time.monotonic())))
+            except RequestTimeout as e:
+                if time.monotonic() >= deadline:
+                    raise RequestTimeout(f"within timeout_s={timeout_s}: {e.message}", field="timeout_s") from e
+            gone = {k: p.returncode for k, p in self.procs.items() if p.poll() is not None}
+            alive_engines = sum(1 for k, p in self.procs.items() if k != "head" and p.returncode is None)
+            if "head" in gone or alive_engines < n:
+                tails = "\n".join(f"--- {k} (exit {rc}):\n{self.log(k)[-3000:]}" for k, rc in gone.items())
+                raise RuntimeError(f"{n} engine(s) can no longer become ready: exited {gone}\n{tails}")
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         p = self.procs[name]
