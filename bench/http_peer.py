@@ -250,7 +250,7 @@ class PrefixCounter:
     full blocks are looked up in order (block i's key covers blocks 0..i) and
     count as hits until the first miss, as vLLM's prefix cache counts them."""
 
-    BLOCK = 16
+    BLOCK = 16  # ids per block (vLLM's default block size)
 
     def __init__(self) -> None:
         self.seen: set[int] = set()

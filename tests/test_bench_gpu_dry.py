@@ -245,6 +245,9 @@ def test_vllm_metrics_and_the_peers_prefix_counter():
     c.add(a)
     c.add(a[:32] + [999] * 16 + a[:16])  # two blocks shared, then a miss: the later equal block is no hit
     assert (c.queries, c.hits, c.requests) == (112, 32, 2)
+    from bench.gpu.prefix_placement import ideal_cache_hits  # one counter per engine
+
+    assert ideal_cache_hits([("e0", a), ("e1", a), ("e0", a[:32] + [999] * 16 + a[:16])]) == (32, 160)
 
 
 def test_gpu_rl_step_dry_run(tmp_path):

@@ -68,9 +68,9 @@ from bench import harness as H
 from bench.gpu import common as G
 from bench.gpu import prefix_rb_arm as RB
 from bench.gpu import prefix_vllm_router as VR
+from bench.http_peer import PrefixCounter
 
 NAME = "gpu_prefix_placement"
-BLOCK = 16  # ids per block of the ideal-cache estimate (vLLM's default block size)
 
 
 # ---------------------------------------------------------------- workload
@@ -92,21 +92,12 @@ def workload(spec: dict[str, Any], vocab: int, salt: int, arm: int = 0) -> list[
 
 def ideal_cache_hits(placed: list[tuple[str, list[int]]]) -> tuple[int, int]:
     """(prompt ids an unbounded per-engine prefix cache would hit, prompt ids):
-    full blocks a request shares with an earlier request on its engine."""
-    seen: dict[str, set[tuple[int, ...]]] = {}
-    hit = total = 0
+    full blocks a request shares with an earlier request on its engine (one
+    bench.http_peer.PrefixCounter per engine: the HTTP twin counts the same)."""
+    caches: dict[str, PrefixCounter] = {}
     for engine, prompt in placed:
-        blocks = seen.setdefault(engine, set())
-        total += len(prompt)
-        matched = True
-        for i in range(0, len(prompt) - BLOCK + 1, BLOCK):
-            key = tuple(prompt[: i + BLOCK])
-            if matched and key in blocks:
-                hit += BLOCK
-            else:
-                matched = False
-                blocks.add(key)
-    return hit, total
+        caches.setdefault(engine, PrefixCounter()).add(prompt)
+    return sum(c.hits for c in caches.values()), sum(c.queries for c in caches.values())
 
 
 # ---------------------------------------------------------------- the phase (child process)
