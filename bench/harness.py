@@ -22,7 +22,7 @@ Honesty rules these help to keep:
 
 from __future__ import annotations
 
-from bench.measure import CpuMeter, RunResult, interleaved, run_load, summarize_reps, with_cpu
+from bench.measure import CpuMeter, RunResult, interleaved, interleaved_within, run_load, summarize_reps, with_cpu
 from bench.plots import color_for, plot_bar_panels, plot_bars, plot_lines, png_path
 from bench.procs import (
     LOOPBACK,
@@ -39,6 +39,7 @@ from bench.report import REPO_ROOT, RESULTS_DIR, jsonable, machine_info, print_t
 from bench.stats import fmt, fmt_spread, latency_summary, median, paired_ratios, percentile, ratio, spread
 
 __all__ = [
+    "interleaved_within",
     "LOOPBACK",
     "REPO_ROOT",
     "RESULTS_DIR",

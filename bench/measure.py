@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.procs import Deadline
+from bench.procs import Deadline, DeadlineExceeded
 from bench.stats import latency_summary, percentile, spread
 
 
@@ -145,6 +145,24 @@ async def interleaved(
             if on_run:
                 on_run(name, rep, r)
     return out
+
+
+async def interleaved_within(
+    setups: dict[str, Callable[[], Awaitable[RunResult]]], *, reps: int, deadline: Deadline
+) -> tuple[dict[str, list[RunResult]], bool]:
+    """`interleaved`, but a passed deadline keeps what was measured: every
+    setup's first min(reps done) repetitions (complete rounds only, so paired
+    ratios stay paired). Returns (runs, truncated); runs is {} when not one
+    round finished."""
+    got: dict[str, list[RunResult]] = {name: [] for name in setups}
+    try:
+        runs = await interleaved(
+            setups, reps=reps, warmup=1, deadline=deadline, on_run=lambda name, _rep, r: got[name].append(r)
+        )
+        return runs, False
+    except DeadlineExceeded:
+        done = min(len(rs) for rs in got.values())
+        return ({name: rs[:done] for name, rs in got.items()} if done else {}), True
 
 
 class CpuMeter:

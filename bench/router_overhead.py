@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,24 +82,6 @@ def order_of(names: Any) -> list[str]:
         (n for n in names if n.startswith(SPIN_PREFIX)), key=lambda n: int(n[len(SPIN_PREFIX) :].split("us", 1)[0])
     )
     return [n for n in ORDER if n in names] + spins
-
-
-async def interleaved_within(
-    setups: dict[str, Callable[[], Awaitable[H.RunResult]]], *, reps: int, deadline: H.Deadline
-) -> tuple[dict[str, list[H.RunResult]], bool]:
-    """H.interleaved, but a passed deadline keeps what was measured: every
-    setup's first min(reps done) repetitions (complete rounds only, so paired
-    ratios stay paired). Returns (runs, truncated); runs is {} when not one
-    round finished."""
-    got: dict[str, list[H.RunResult]] = {name: [] for name in setups}
-    try:
-        runs = await H.interleaved(
-            setups, reps=reps, warmup=1, deadline=deadline, on_run=lambda name, _rep, r: got[name].append(r)
-        )
-        return runs, False
-    except H.DeadlineExceeded:
-        done = min(len(rs) for rs in got.values())
-        return ({name: rs[:done] for name, rs in got.items()} if done else {}), True
 
 
 async def run(args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
@@ -193,7 +174,7 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
                     for name in drop:
                         setups.pop(name)
                     setups = {k: H.with_cpu(cpu_pids.get(k, []), fn) for k, fn in setups.items()}
-                    runs, cut = await interleaved_within(setups, reps=args.reps, deadline=deadline)
+                    runs, cut = await H.interleaved_within(setups, reps=args.reps, deadline=deadline)
                     meta = {"max_tokens": max_tokens, "stream": stream, "concurrency": c, "n": n}
                     results[key] = summarize_case(runs, **meta, truncated=cut) if runs else skipped_case(**meta)
                     print(

@@ -37,7 +37,6 @@ from typing import Any
 from bench import harness as H
 from bench import peer_side as PS
 from bench import rb_side as RB
-from bench.router_overhead import interleaved_within
 from engine_node.backends.null_backend import NULL_BACKEND
 
 ORDER = ["rb router", "rb direct", "rb router (raw)", "rb direct (raw)", "vllm-router p2", "http direct"]
@@ -99,7 +98,7 @@ async def run_delay(
                 }
                 if not vr_url:
                     setups.pop("vllm-router p2")
-                runs, cut = await interleaved_within(setups, reps=args.reps, deadline=deadline)
+                runs, cut = await H.interleaved_within(setups, reps=args.reps, deadline=deadline)
                 case: dict[str, Any] = {"streams": c, "n": n, "step_delay_ms": delay_ms, "setups": {}}
                 if cut:
                     case["truncated" if runs else "skipped"] = "--max-seconds passed"

@@ -55,7 +55,7 @@ def test_a_passed_deadline_keeps_complete_rounds():
 
         # warm-up (2 runs) + round 1 (2 runs) fit in 0.25 s; round 2 is cut after one setup
         deadline = H.Deadline(0.25, "test")
-        return await RO.interleaved_within({"a": one, "b": one}, reps=5, deadline=deadline)
+        return await H.interleaved_within({"a": one, "b": one}, reps=5, deadline=deadline)
 
     runs, truncated = asyncio.run(go())
     assert truncated
