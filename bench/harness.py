@@ -35,7 +35,7 @@ from bench.procs import (
     setup_logging,
     wait_port,
 )
-from bench.report import REPO_ROOT, RESULTS_DIR, jsonable, machine_info, print_table, write_json
+from bench.report import REPO_ROOT, RESULTS_DIR, criterion, jsonable, machine_info, print_table, verdict, write_json
 from bench.stats import fmt, fmt_spread, latency_summary, median, paired_ratios, percentile, ratio, spread
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "Procs",
     "RunResult",
     "color_for",
+    "criterion",
     "fmt",
     "fmt_spread",
     "free_port",
@@ -71,6 +72,7 @@ __all__ = [
     "setup_logging",
     "spread",
     "summarize_reps",
+    "verdict",
     "wait_port",
     "with_cpu",
     "write_json",

@@ -117,3 +117,21 @@ def shown(path: Path) -> str:
     """`path` relative to the repository when inside it (bench/results/...), else
     as it is (bench.all writes under the temp dir by default)."""
     return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+# A check a run could not judge (too short to measure it) is None: never a pass.
+NOT_JUDGED = "NOT JUDGED"
+
+
+def verdict(criteria: dict[str, bool | None]) -> tuple[str, int]:
+    """(PASS | FAIL | NOT JUDGED, exit code 0 | 1 | 2): FAIL when a check failed;
+    NOT JUDGED when none failed but one could not be judged (None)."""
+    if any(v is False for v in criteria.values()):
+        return "FAIL", 1
+    if any(v is None for v in criteria.values()):
+        return NOT_JUDGED, 2
+    return "PASS", 0
+
+
+def criterion(v: bool | None) -> str:
+    return "PASS" if v else "FAIL" if v is False else NOT_JUDGED

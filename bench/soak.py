@@ -8,6 +8,13 @@ update_weights (the model's own tensors over zmq) → resume.
 
 Counted: requests and tokens per kind, errors (must be 0), hangs (an op that
 did not finish within --hang-s; must be 0), control cycles and their times.
+Every answer is checked against what was asked (bench/token_check.py: each
+request sends ignore_eos and max_tokens=N): every sample exactly N tokens,
+finish "length", a stream's chunks in order (sample index, nothing after a
+sample's final chunk, weight versions never going back); truncated, duplicated
+and out-of-order tokens are counted, and any fails the soak. With the null
+backend (`--backend null`, or a fault wrapper of it) every token is checked
+against the backend's known series as well.
 Sampled every --sample-every-s: RSS and open file descriptors of every
 process (head, engines with their children, this client). Growth compares
 the end of the run (mean of the last 3 samples) with the end of the warm-up
@@ -16,13 +23,15 @@ the end of the run (mean of the last 3 samples) with the end of the warm-up
     python -m bench.soak --minutes 30     # the issue's run
     python -m bench.soak --minutes 3      # a quick check
 
-Writes bench/results/soak.json and soak.png; exit code 1 when a criterion fails.
+Writes bench/results/soak.json and soak.png; exit code 1 when a criterion
+fails, 2 when none failed but the run was too short to judge memory growth.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import time
@@ -33,6 +42,7 @@ import psutil
 
 from bench import harness as H
 from bench import rb_side as RB
+from bench import token_check as TC
 
 GROWTH_LIMIT = 0.05
 KINDS = ("generate", "stream", "sample", "cancel")
@@ -46,33 +56,60 @@ class Stats:
         self.hangs: Counter[str] = Counter()
         self.error_samples: list[str] = []
         self.control: list[dict[str, float]] = []
+        self.check = TC.Tally()  # every answer's tokens and finish against what was asked
+        self.expect: TC.Expect | None = None  # the tokens a request must get, where the backend makes that known
 
 
 async def _one(client: Any, kind: str, rng: random.Random, vocab: int, st: Stats) -> None:
     prompt = [rng.randrange(4, vocab) for _ in range(rng.randrange(4, 24))]
-    params = {"max_tokens": rng.randrange(8, 64), "temperature": 1.0, "ignore_eos": True}
+    n = rng.randrange(8, 64)
+    params = {"max_tokens": n, "temperature": 1.0, "ignore_eos": True}
+    expected = st.expect(prompt, n) if st.expect else None
     if kind == "generate":
         r = await client.generate(prompt, params)
         st.tokens[kind] += len(r.token_ids)
+        faults = TC.classify(r.token_ids, n, r.finish_reason, expected)
+        vs = r.token_versions
+        if any(b < a for a, b in zip(vs, vs[1:], strict=False)):
+            faults.append("out_of_order")
+        st.check.add(kind, faults, f"{len(r.token_ids)}/{n} {r.finish_reason}")
     elif kind == "sample":
         r = await client.sample(prompt, 2, params)
         st.tokens[kind] += sum(len(s.tokens) for s in r.sequences)
+        faults = [] if len(r.sequences) == 2 else ["truncated" if len(r.sequences) < 2 else "duplicated"]
+        for s in r.sequences:
+            faults += TC.classify(s.tokens, n, s.stop_reason, expected)
+        st.check.add(kind, faults, f"{[len(s.tokens) for s in r.sequences]}/{n}")
     elif kind == "stream":
+        sc = TC.StreamCheck(1)
         async for ch in client.stream(prompt, params):
             st.tokens[kind] += len(ch.token_ids)
+            sc.feed(ch)
+        st.check.add(kind, sc.done(n, expected), f"{len(sc.samples[0].tokens)}/{n} {sc.samples[0].finish}")
     else:  # cancel after the first chunk: the stream must still end ("cancelled")
-        rid = f"soak-c-{time.monotonic_ns()}-{rng.randrange(1 << 30)}"
-        params["max_tokens"] = 2000
-        finish = None
-        async for ch in client.stream(prompt, params, request_id=rid):
-            st.tokens[kind] += len(ch.token_ids)
-            if ch.token_ids and finish is None:
-                finish = "asked"
-                await client.cancel(rid)
-            if ch.finish_reason:
-                finish = ch.finish_reason
-        if finish not in ("cancelled", "length"):
-            raise RuntimeError(f"cancelled stream ended with {finish!r}")
+        await _cancelled(client, prompt, params, rng, st)
+
+
+async def _cancelled(client: Any, prompt: list[int], params: dict[str, Any], rng: random.Random, st: Stats) -> None:
+    """A stream cancelled after its first chunk: it ends "cancelled" (or "length"
+    if it finished first), its chunks in order; a "length" end has all its tokens."""
+    rid = f"soak-c-{time.monotonic_ns()}-{rng.randrange(1 << 30)}"
+    n = params["max_tokens"] = 2000
+    sc = TC.StreamCheck(1)
+    asked = False
+    async for ch in client.stream(prompt, params, request_id=rid):
+        st.tokens["cancel"] += len(ch.token_ids)
+        sc.feed(ch)
+        if ch.token_ids and not asked:
+            asked = True
+            await client.cancel(rid)
+    s = sc.samples[0]
+    if s.finish not in ("cancelled", "length"):
+        raise RuntimeError(f"cancelled stream ended with {s.finish!r}")
+    faults = sc.done(n, st.expect(prompt, n) if st.expect else None) if s.finish == "length" else list(sc.faults)
+    if s.finish == "cancelled" and st.expect and s.tokens != st.expect(prompt, len(s.tokens)):
+        faults.append("wrong_tokens")
+    st.check.add("cancel", faults, f"{len(s.tokens)} {s.finish}")
 
 
 async def _worker(client: Any, end: float, seed: int, vocab: int, hang_s: float, st: Stats) -> None:
@@ -152,11 +189,12 @@ async def _sampler(pids: dict[str, int], end: float, every_s: float, samples: li
         await asyncio.sleep(max(0.0, min(every_s, end - time.monotonic())))
 
 
-def growth(samples: list, warmup_s: float) -> dict[str, dict[str, float]]:
-    """Per process: RSS and fds at the end of the warm-up and at the end, and the growth."""
+def growth(samples: list, warmup_s: float) -> dict[str, dict[str, float]] | None:
+    """Per process: RSS and fds at the end of the warm-up and at the end, and the
+    growth; None when fewer than 2 samples came after the warm-up (not judged)."""
     after = [u for t, u in samples if t >= warmup_s]
     if len(after) < 2:
-        raise ValueError(f"{len(samples)} samples: too few after the warm-up ({warmup_s:.0f}s); run longer")
+        return None
     k = max(1, min(3, len(after) // 4))
     first, last = after[:k], after[-k:]
     out = {}
@@ -172,8 +210,13 @@ def growth(samples: list, warmup_s: float) -> dict[str, dict[str, float]]:
     return out
 
 
-async def soak(a: argparse.Namespace) -> dict[str, Any]:
+def _weights(backend: str) -> tuple[str, list]:
+    """(model, the tensors each control cycle sends): the tiny model's own for
+    torch; for a model-less backend (null, a fault wrapper of it) a few tensors."""
     import torch
+
+    if backend != "torch":
+        return "null", [(f"w{i}", torch.full((256, 64), float(i))) for i in range(4)]
     from transformers import AutoModelForCausalLM
 
     from engine_node.tiny_model import ensure_tiny_model, hf_quiet
@@ -183,23 +226,33 @@ async def soak(a: argparse.Namespace) -> dict[str, Any]:
         m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     named = [(k, v.detach().clone()) for k, v in m.named_parameters()]
     del m
+    return model, named
+
+
+async def soak(a: argparse.Namespace) -> dict[str, Any]:
+    model, named = _weights(a.backend)
     st = Stats()
     samples: list = []
     with H.Procs() as procs:
-        threads = max(1, (os.cpu_count() or 1) // a.engines)
+        options = json.loads(a.backend_options)
+        if a.backend == "torch":
+            options.setdefault("threads", max(1, (os.cpu_count() or 1) // a.engines))
         cl = RB.start_cluster(
             procs,
             a.engines,
-            backend="torch",
+            backend=a.backend,
             model=model,
             tag="soak",
-            backend_options={"threads": threads},
+            backend_options=options,
             heartbeat_interval_s=a.heartbeat_interval_s,
         )
         client = RB.make_client(cl.frontend, timeout_s=a.hang_s)
         try:
             await RB.wait_healthy(client, a.engines, 300, procs)
-            vocab = min(e["vocab_size"] for e in await client.engines())
+            engines = await client.engines()
+            vocab = min(e["vocab_size"] for e in engines)
+            if all(e["backend"] == "null" for e in engines):  # its tokens are known: check each one
+                st.expect = TC.null_series(vocab)
             await client.generate([5, 6, 7], {"max_tokens": 4})
             pids = {"head": cl.router_pid, **cl.engine_pids, "client": os.getpid()}
             seconds = a.minutes * 60
@@ -234,24 +287,18 @@ def main(argv: list[str] | None = None) -> int:
         help="engines' heartbeat (the head declares an engine dead after 3 missed): raise it on an oversubscribed machine",
     )
     ap.add_argument("--hang-s", type=float, default=120.0, help="an op not done within this is a hang")
+    ap.add_argument("--no-plot", action="store_true", help="write no PNG")
+    ap.add_argument("--backend", default="torch", help="the engines' backend (`module:factory` for a fault wrapper)")
+    ap.add_argument("--backend-options", default="{}", help="JSON options for --backend")
     a = ap.parse_args(argv)
     r = asyncio.run(soak(a))
     st: Stats = r["stats"]
     g = r["growth"]
-    rows = [
-        {
-            "process": name,
-            **{k: v for k, v in row.items()},
-            "ok": max(row["rss_mib_growth"], row["fds_growth"]) < GROWTH_LIMIT,
-        }
-        for name, row in g.items()
-    ]
-    for row in rows:
-        for k in ("rss_mib_growth", "fds_growth"):
-            row[k] = f"{100 * row[k]:+.2f}%"
+    rows = growth_rows(g) if g is not None else []
     n_req = sum(v for k, v in st.requests.items() if k != "control_cycle")
     errors, hangs = sum(st.errors.values()), sum(st.hangs.values())
     ctl = st.control
+    checks = st.check.as_dict()
     summary = [
         {
             "minutes": a.minutes,
@@ -265,22 +312,43 @@ def main(argv: list[str] | None = None) -> int:
             "errors": errors,
             "hangs": hangs,
             "dead": len(r["dead"]),
+            **{f: checks[f] for f in TC.FAULTS},
         }
     ]
-    title = f"soak: {a.minutes:g} min, {a.engines} torch engines, {a.concurrency} workers, control every {a.control_every_s:g}s"
-    H.print_table(summary, title=title)
-    H.print_table(
-        rows, title=f"growth after the warm-up ({100 * a.warmup:.0f}% of the run); limit {100 * GROWTH_LIMIT:.0f}%"
+    title = (
+        f"soak: {a.minutes:g} min, {a.engines} {a.backend} engines, {a.concurrency} workers, "
+        f"control every {a.control_every_s:g}s"
     )
-    for e in st.error_samples:
+    H.print_table(summary, title=title)
+    n_samples = sum(1 for t, _ in r["samples"] if t >= a.warmup * a.minutes * 60)
+    if g is not None:
+        H.print_table(
+            rows, title=f"growth after the warm-up ({100 * a.warmup:.0f}% of the run); limit {100 * GROWTH_LIMIT:.0f}%"
+        )
+    else:
+        print(f"memory: not judged ({n_samples} samples after the warm-up < 2): run longer")
+    for e in st.error_samples + st.check.samples:
         print("error:", e)
     print(f"head counters: {r['head']}; load average now: {os.getloadavg()}")
-    ok = errors == 0 and hangs == 0 and not r["dead"] and all(row["ok"] for row in rows)
+    criteria: dict[str, bool | None] = {
+        "no_errors": errors == 0,
+        "no_hangs": hangs == 0,
+        "no_deaths": not r["dead"],
+        # every answer checked: exactly max_tokens tokens, finish "length", in order, once
+        "tokens_exact": st.check.total() == 0 and sum(st.check.checked.values()) > 0,
+        "growth_below_5pct": all(row["ok"] for row in rows) if g is not None else None,
+    }
+    word, rc = H.verdict(criteria)
+    for k, v in criteria.items():
+        print(f"criterion {k}: {H.criterion(v)}")
     H.write_json(
         "soak",
         {
             "title": title,
-            "ok": ok,
+            "ok": rc == 0,
+            "verdict": word,
+            "criteria": criteria,
+            "token_checks": checks,
             "summary": summary,
             "growth": g,
             "errors": dict(st.errors),
@@ -294,7 +362,23 @@ def main(argv: list[str] | None = None) -> int:
             "args": vars(a),
         },
     )
-    names = list(g)
+    if not a.no_plot:
+        plot(r, title, f"{n_req} requests, {errors} errors, {hangs} hangs, {st.check.total()} token faults")
+    print(word, flush=True)
+    return rc
+
+
+def growth_rows(g: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+    rows = []
+    for name, row in g.items():
+        ok = max(row["rss_mib_growth"], row["fds_growth"]) < GROWTH_LIMIT
+        shown = {k: f"{100 * v:+.2f}%" if k.endswith("_growth") else v for k, v in row.items()}
+        rows.append({"process": name, **shown, "ok": ok})
+    return rows
+
+
+def plot(r: dict[str, Any], title: str, note: str) -> None:
+    names = list(r["samples"][0][1]) if r["samples"] else []
     ts = [t for t, _ in r["samples"]]
     H.plot_lines(
         "soak",
@@ -314,10 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             },
         ],
         suptitle=title,
-        note=f"{n_req} requests, {errors} errors, {hangs} hangs; growth measured after {100 * a.warmup:.0f}% of the run",
+        note=note,
     )
-    print("PASS" if ok else "FAIL", flush=True)
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":
