@@ -26,7 +26,10 @@ within lease_s + 3 s; RSS of the engines grows < 25% warm-up → end.
     python -m bench.soak_faults --minutes 30      # the issue's run
     python -m bench.soak_faults --minutes 2 --fault-every-s 20
 
-Writes bench/results/soak_faults.json; exit code 1 when a criterion fails.
+Writes bench/results/soak_faults.json; exit code 1 when a criterion fails, 2
+when none failed but one could not be judged: memory growth needs at least 8
+RSS samples (--sample-every-s), and a shorter run says "memory: not judged"
+instead of passing it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from typing import Any
 
 import psutil
 
+from bench import report as H
 from bus.proctree import terminate_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -310,9 +314,14 @@ class Soak:
         return {"latencies": latencies, "on_dead": on_dead, "on_dead_by": on_dead_by, "unexplained": unexplained}
 
 
-def _growth(rss: list[dict[str, float]], key: str) -> float:
-    if len(rss) < 8:
-        return 0.0
+MIN_RSS_SAMPLES = 8  # fewer: the run is too short to tell growth from start-up
+
+
+def _growth(rss: list[dict[str, float]], key: str) -> float | None:
+    """Growth of `key` from the end of the warm-up (10% of the samples) to the
+    end; None (not judged) with fewer than MIN_RSS_SAMPLES samples."""
+    if len(rss) < MIN_RSS_SAMPLES:
+        return None
     warm = rss[max(1, len(rss) // 10) :][:3]
     last = rss[-3:]
     w = sum(s[key] for s in warm) / len(warm)
@@ -337,8 +346,10 @@ def report(s: Soak, a: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         "head_restarts_serve_again": bool(s.head_faults) and all(x is not None for x in serves),
         "trainer_pause_released_within_lease_plus_3s": bool(s.trainer_faults)
         and all(f.get("ok") for f in s.trainer_faults),
-        "engine_rss_growth_below_25pct": eng_growth < GROWTH_LIMIT,
+        # None: not judged (too few samples): never a pass of the check
+        "engine_rss_growth_below_25pct": None if eng_growth is None else eng_growth < GROWTH_LIMIT,
     }
+    verdict, _ = H.verdict(criteria)
     out = {
         "minutes": a.minutes,
         "fault_every_s": a.fault_every_s,
@@ -364,15 +375,24 @@ def report(s: Soak, a: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         "rss_head_max_mib": max((x["head_mib"] for x in s.rss), default=0.0),
         "rss_engines_growth": eng_growth,
         "rss": s.rss,
+        "rss_samples": len(s.rss),
+        "not_judged": [] if eng_growth is not None else [memory_not_judged(len(s.rss))],
         "criteria": criteria,
-        "passed": all(criteria.values()),
+        "verdict": verdict,
+        "passed": verdict == "PASS",
     }
     return out, out["passed"]
+
+
+def memory_not_judged(n: int) -> str:
+    return f"memory: not judged ({n} samples < {MIN_RSS_SAMPLES})"
 
 
 def print_table(r: dict[str, Any]) -> None:
     def f(x: Any) -> str:
         return "-" if x is None else f"{x:.2f}" if isinstance(x, float) else str(x)
+
+    g = r["rss_engines_growth"]
 
     rows = [
         ("requests", f(r["requests"]), ""),
@@ -391,9 +411,14 @@ def print_table(r: dict[str, Any]) -> None:
         ("unexplained errors", f(len(r["unexplained_errors"])), "must be 0"),
         ("trainer kills", f(r["trainer_kills"]), f"pause released max {f(r['pause_released_max_s'])} s"),
         ("head RSS max (MiB)", f(r["rss_head_max_mib"]), ""),
-        ("engines RSS growth", f"{r['rss_engines_growth'] * 100:.1f}%", f"limit {GROWTH_LIMIT * 100:.0f}%"),
+        (
+            "engines RSS growth",
+            memory_not_judged(r["rss_samples"]) if g is None else f"{g * 100:.1f}%",
+            f"limit {GROWTH_LIMIT * 100:.0f}%",
+        ),
     ]
-    rows += [(f"criterion {k}", "PASS" if v else "FAIL", "") for k, v in r["criteria"].items()]
+    rows += [(f"criterion {k}", H.criterion(v), "") for k, v in r["criteria"].items()]
+    rows.append(("verdict", r["verdict"], ""))
     w = max(len(x[0]) for x in rows)
     for name, val, note in rows:
         print(f"{name.ljust(w)}  {val}  {note}".rstrip())
@@ -434,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, fh, indent=1, default=str)
     print_table(result)
     print(f"\nwrote {a.out}")
-    return 0 if ok else 1
+    return H.verdict(result["criteria"])[1]
 
 
 if __name__ == "__main__":
