@@ -14,7 +14,9 @@ prompt's msgpack body is about that size):
 `--transport ipc` runs the same over Unix-domain sockets (one host's
 processes) instead of loopback TCP.
 
-"added" is the paired difference of the two p50s within each rep. A
+Each rep runs the three once, in an order rotated by the rep (after one
+warm-up round); "added" is the paired difference of the two p50s within each
+rep. A
 forwarder pays two extra loopback traversals and libzmq's thread hand-offs
 (every send wakes the sending process's I/O thread; every receive crosses
 from the I/O thread to the application thread), whatever language forwards
@@ -120,6 +122,9 @@ def _started(target: Any, *args: Any) -> tuple[Any, str]:
         raise TimeoutError(f"{target.__name__} did not bind within START_TIMEOUT_S={START_TIMEOUT_S}") from None
 
 
+ARMS = ("direct", "proxy", "pyfwd")
+
+
 def measure(n: int, reps: int, transport: str = "tcp") -> dict[str, Any]:
     procs = []
     ctx = zmq.Context()
@@ -136,13 +141,18 @@ def measure(n: int, reps: int, transport: str = "tcp") -> dict[str, Any]:
         pyfwd, pyfwd_addr = _started(_py_forward, where("pyfwd"), echo_addr)
         procs.append(pyfwd)
         print(f"processes: echo {echo.pid}, zmq.proxy {proxy.pid}, py forward {pyfwd.pid}", flush=True)
+        addrs = {"direct": echo_addr, "proxy": proxy_addr, "pyfwd": pyfwd_addr}
+        for addr in addrs.values():  # warm-up: connections, caches, the forwarders' first messages
+            _round_trips_us(ctx, addr, max(1, n // 10))
         rows = []
         for rep in range(reps):
-            d = _round_trips_us(ctx, echo_addr, n)
-            v = _round_trips_us(ctx, proxy_addr, n)
-            f = _round_trips_us(ctx, pyfwd_addr, n)
+            # The arms' order rotates per rep, so drift within a rep hits each arm in turn.
+            order = ARMS[rep % len(ARMS) :] + ARMS[: rep % len(ARMS)]
+            got = {arm: _round_trips_us(ctx, addrs[arm], n) for arm in order}
+            d, v, f = got["direct"], got["proxy"], got["pyfwd"]
             row = {
                 "rep": rep,
+                "order": list(got),
                 "direct_p50_us": statistics.median(d),
                 "proxy_p50_us": statistics.median(v),
                 "pyfwd_p50_us": statistics.median(f),

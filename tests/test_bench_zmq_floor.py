@@ -1,6 +1,7 @@
 """bench/zmq_floor.py: a real echo server, a real zmq.proxy process and the
 least Python forwarder, a short run over TCP and over IPC; the JSON holds every
-rep's paired figures and the bench leaves no process."""
+rep's paired figures and the order its arms ran in (rotated per rep), and the
+bench leaves no process."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def test_zmq_floor_measures_direct_and_through_a_c_and_a_python_forwarder(tmp_pa
     assert rc == 0, out[-3000:]
     doc = json.loads((tmp_path / "zf.json").read_text())
     assert doc["transport"] == transport and [r["rep"] for r in doc["reps"]] == [0, 1]
+    # the arms' order rotates per rep (fe0cb18: direct, proxy, py forward every rep)
+    assert [r["order"] for r in doc["reps"]] == [["direct", "proxy", "pyfwd"], ["proxy", "pyfwd", "direct"]]
     for r in doc["reps"]:
         for k in ("direct", "proxy", "pyfwd"):
             assert 0 < r[f"{k}_p50_us"] <= r[f"{k}_p99_us"], (k, r)
