@@ -16,6 +16,9 @@ repetition so machine noise hits them alike):
     rb direct/router (raw) the same two paths driven by bench.rb_side.RawDriver,
                            a lean benchmark-owned zmq client, to separate the
                            router's cost from trainer_bridge's per-chunk cost
+    http direct (lean)     the HTTP twins of the raw setups: bench.http_lean.LeanHttp
+    vllm-router … (lean)   (a raw-socket HTTP/1.1 reader that counts tokens without
+                           decoding JSON), as lean as RawDriver
     rb router spin N (raw) ``--spin-us N [M ...]`` only: RawDriver → one more head
                            per value, started with ``--busy-poll-us N`` (spins on
                            a non-blocking poll while requests are in flight), in
@@ -24,11 +27,18 @@ repetition so machine noise hits them alike):
                            node has no busy-poll knob) and against
                            ``rb router (raw)``; its CPU% shows what spinning costs
 
+Equal clients only (issue 36 row 3): a rollout-bus setup is compared with a
+vllm-router setup driven by a client of its own class: the product's
+AsyncClient with aiohttp (both full clients decoding every message), the raw
+zmq driver with the lean HTTP reader (both count tokens, decode next to
+nothing). Every row says its client (column "client"); the "x vllm-router"
+ratios and the target lines pair within a class, never across.
+
 Both servers return max_tokens deterministic tokens at once; streaming
 sends one message per token on both sides (null ``tokens_per_step=1``, one
 SSE event per token). Each side is driven by one asyncio process of its own
 natural client (aiohttp with keep-alive pool / the product's AsyncClient),
-C worker tasks over N requests; every response is fully parsed. Overheads are
+C worker tasks over N requests. Overheads are
 paired ratios router/direct within each repetition, medians reported.
 
 Run: ``python -m bench.router_overhead`` (``--quick`` for a reduced set).
@@ -46,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness as H
+from bench import http_lean as HL
 from bench import peer_side as PS
 from bench import rb_side as RB
 from engine_node.backends.null_backend import NULL_BACKEND
@@ -53,6 +64,10 @@ from engine_node.backends.null_backend import NULL_BACKEND
 HTTP_DIRECT, VR_CH, VR_P2 = "http direct", "vllm-router c_hash", "vllm-router p2"
 RB_DIRECT, RB_ROUTER, RB_SESSION = "rb direct", "rb router", "rb router+session"
 RAW_DIRECT, RAW_ROUTER = "rb direct (raw)", "rb router (raw)"
+LEAN_DIRECT, VR_CH_LEAN, VR_P2_LEAN = "http direct (lean)", "vllm-router c_hash (lean)", "vllm-router p2 (lean)"
+AIOHTTP, ASYNC_CLIENT, RAW_ZMQ, LEAN_HTTP = "aiohttp", "AsyncClient", "raw zmq", "lean http"
+# The clients compared with each other: full with full, lean with lean.
+EQUAL = {AIOHTTP: "full", ASYNC_CLIENT: "full", RAW_ZMQ: "lean", LEAN_HTTP: "lean"}
 SPIN_PREFIX = "rb router spin "
 DIRECT_OF = {
     VR_CH: HTTP_DIRECT,
@@ -60,15 +75,29 @@ DIRECT_OF = {
     RB_ROUTER: RB_DIRECT,
     RB_SESSION: RB_DIRECT,
     RAW_ROUTER: RAW_DIRECT,
+    VR_CH_LEAN: LEAN_DIRECT,
+    VR_P2_LEAN: LEAN_DIRECT,
 }
-ORDER = [HTTP_DIRECT, VR_CH, VR_P2, RB_DIRECT, RB_ROUTER, RB_SESSION, RAW_DIRECT, RAW_ROUTER]
-# rollout-bus setup / vllm-router setup, paired per repetition
-VS_VLLM_ROUTER = ((RB_ROUTER, VR_P2), (RB_SESSION, VR_CH), (RAW_ROUTER, VR_P2))
+ORDER = [
+    HTTP_DIRECT, VR_CH, VR_P2, RB_DIRECT, RB_ROUTER, RB_SESSION,
+    LEAN_DIRECT, VR_CH_LEAN, VR_P2_LEAN, RAW_DIRECT, RAW_ROUTER,
+]  # fmt: skip
+# rollout-bus setup / vllm-router setup, paired per repetition: equal clients only
+VS_VLLM_ROUTER = ((RB_ROUTER, VR_P2), (RB_SESSION, VR_CH), (RAW_ROUTER, VR_P2_LEAN), (RAW_ROUTER, VR_CH_LEAN))
 
 
 def spin_setup(us: int) -> str:
     """The setup of a head started with --busy-poll-us `us`, driven by RawDriver."""
     return f"{SPIN_PREFIX}{us}us (raw)"
+
+
+def client_of(name: str) -> str:
+    """The client a setup is driven by."""
+    if name.endswith("(lean)"):
+        return LEAN_HTTP
+    if name.endswith("(raw)"):
+        return RAW_ZMQ
+    return ASYNC_CLIENT if name.startswith("rb ") else AIOHTTP
 
 
 def direct_of(name: str) -> str | None:
@@ -119,8 +148,11 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
         raw_direct = RB.RawDriver(next(iter(cl.engines.values())))
         raw_spins = {name: RB.RawDriver(scl.frontend) for name, scl in spins.items()}
         sess = PS.make_session(max(args.concurrency) + 8)
+        lean = {LEAN_DIRECT: HL.LeanHttp(peers[0])}
+        lean |= {name + " (lean)": HL.LeanHttp(v[0]) for name, v in vr.items()}
         cpu_pids = {
             **{name: [v[1].pid] for name, v in vr.items()},
+            **{name + " (lean)": [v[1].pid] for name, v in vr.items()},
             RB_ROUTER: [cl.router_pid],
             RB_SESSION: [cl.router_pid],
             RAW_ROUTER: [cl.router_pid],
@@ -158,6 +190,12 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
                     def raw(drv: Any, sessions: int, n: int = n, c: int = c, mt: int = max_tokens, st: bool = stream):
                         return lambda: RB.raw_load(drv, RB.RbLoad(n, c, mt, st, prompt, sessions=sessions))
 
+                    def lean_http(
+                        name: str, sessions: int, n: int = n, c: int = c, mt: int = max_tokens, st: bool = stream
+                    ):
+                        spec = PS.HttpLoad("", n, c, mt, st, prompt, sessions=sessions)
+                        return lambda: HL.lean_load(lean[name], spec)
+
                     setups = {
                         HTTP_DIRECT: http(peers[0], 0),
                         VR_CH: http(vr[VR_CH][0] if vr else "", c),
@@ -165,14 +203,19 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
                         RB_DIRECT: rbl(rb_direct, 0),
                         RB_ROUTER: rbl(rb_router, 0),
                         RB_SESSION: rbl(rb_router, c),
+                        LEAN_DIRECT: lean_http(LEAN_DIRECT, 0),
+                        VR_CH_LEAN: lean_http(VR_CH_LEAN, c),
+                        VR_P2_LEAN: lean_http(VR_P2_LEAN, 0),
                         RAW_DIRECT: raw(raw_direct, 0),
                         RAW_ROUTER: raw(raw_router, 0),
                         **{name: raw(drv, 0) for name, drv in raw_spins.items()},
                     }
-                    drop = [name for name in (VR_CH, VR_P2) if name not in vr]
-                    drop += [RAW_DIRECT, RAW_ROUTER, *raw_spins] if args.no_raw else []
+                    drop = [name for name in (VR_CH, VR_P2, VR_CH_LEAN, VR_P2_LEAN) if name not in {*vr, *lean}]
+                    drop += (
+                        [LEAN_DIRECT, VR_CH_LEAN, VR_P2_LEAN, RAW_DIRECT, RAW_ROUTER, *raw_spins] if args.no_raw else []
+                    )
                     for name in drop:
-                        setups.pop(name)
+                        setups.pop(name, None)
                     setups = {k: H.with_cpu(cpu_pids.get(k, []), fn) for k, fn in setups.items()}
                     runs, cut = await H.interleaved_within(setups, reps=args.reps, deadline=deadline)
                     meta = {"max_tokens": max_tokens, "stream": stream, "concurrency": c, "n": n}
@@ -183,7 +226,7 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
                     )
         finally:
             await sess.close()
-            for client in (rb_router, rb_direct, raw_router, raw_direct, *raw_spins.values()):
+            for client in (rb_router, rb_direct, raw_router, raw_direct, *raw_spins.values(), *lean.values()):
                 await client.close()
     return results, why
 
@@ -211,7 +254,7 @@ def summarize_case(runs: dict[str, list[H.RunResult]], **meta: Any) -> dict[str,
                 "p50_added_ms": H.spread([a - b for a, b in zip(p50[name], p50[direct], strict=True)]),
             }
     spins = [n for n in runs if n.startswith(SPIN_PREFIX)]
-    for rb, vrn in (*VS_VLLM_ROUTER, *((n, VR_P2) for n in spins)):
+    for rb, vrn in (*VS_VLLM_ROUTER, *((n, VR_P2_LEAN) for n in spins), *((n, VR_CH_LEAN) for n in spins)):
         if rb in runs and vrn in runs:
             out["rb_vs_vllm_router"][f"{rb} / {vrn}"] = {
                 "p50": H.paired_ratios(p50[rb], p50[vrn]),
@@ -239,6 +282,7 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                 {
                     "case": key,
                     "setup": name,
+                    "client": client_of(name),
                     "p50 ms": H.fmt_spread(sm["p50_ms"]),
                     "p99 ms": H.fmt_spread(sm["p99_ms"]),
                     "req/s": H.fmt_spread(sm["req_per_s"], 0),
@@ -309,15 +353,17 @@ def plot(results: dict[str, Any], name: str, title: str) -> None:
         name,
         panels,
         suptitle=title,
-        note="median across repetitions, bars = min..max; each side driven by one asyncio client process "
-        "(aiohttp keep-alive / trainer_bridge.AsyncClient); same machine, same run",
+        note="median across repetitions, bars = min..max; one asyncio client process per setup: aiohttp / "
+        "AsyncClient, and (raw) zmq / (lean) HTTP; same machine, same run",
     )
 
 
 def target_lines(results: dict[str, Any]) -> list[str]:
     """Issue 24 §1's targets read off a run: the head's added p50 at c=1
     (max_tokens 1; target <= 0.100 ms) and streamed req/s against vllm-router's
-    best policy (target >= 1.0x at c=1, lead kept at c >= 64)."""
+    best policy (target >= 1.0x at c=1, lead kept at c >= 64), each rollout-bus
+    setup against vllm-router driven by an equal client (AsyncClient vs
+    aiohttp, raw zmq vs lean HTTP)."""
     lines = []
     for key, r in results.items():
         setups = r.get("setups", {})
@@ -326,23 +372,28 @@ def target_lines(results: dict[str, Any]) -> list[str]:
         rps = {name: s["summary"]["req_per_s"]["median"] for name, s in setups.items()}
         if r["max_tokens"] == 1 and r["concurrency"] == 1:
             added = {
-                name: ov["p50_added_ms"]["median"]
+                f"{name} [{client_of(name)}]": ov["p50_added_ms"]["median"]
                 for name, ov in r["overhead_vs_own_direct"].items()
-                if name in (RAW_ROUTER, RB_ROUTER, VR_CH, VR_P2) or name.startswith(SPIN_PREFIX)
+                if name != RB_SESSION
             }
             lines.append(f"{key}: p50 added over direct, ms (target <= 0.100): " + fmt_map(added, 3))
         if r["stream"]:
-            best_vr = max((rps[n], n) for n in (VR_CH, VR_P2) if n in rps) if VR_CH in rps or VR_P2 in rps else None
-            ours = {
-                n: rps[n]
-                for n in order_of(rps)
-                if n in (RAW_ROUTER, RB_ROUTER, RB_SESSION) or n.startswith(SPIN_PREFIX)
-            }
-            if best_vr:
-                ratios = {n: v / best_vr[0] for n, v in ours.items()}
-                lines.append(f"{key}: req/s / {best_vr[1]} ({best_vr[0]:,.0f}; target >= 1.0): " + fmt_map(ratios, 2))
-            else:
-                lines.append(f"{key}: req/s (no vllm-router rows): " + fmt_map(ours, 0))
+            for cls, vrs, ours in (
+                ("AsyncClient vs aiohttp", (VR_CH, VR_P2), (RB_ROUTER, RB_SESSION)),
+                ("raw zmq vs lean http", (VR_CH_LEAN, VR_P2_LEAN), (RAW_ROUTER,)),
+            ):
+                lean_class = EQUAL[client_of(ours[0])] == "lean"
+                mine = {n: rps[n] for n in order_of(rps) if n in ours or (lean_class and n.startswith(SPIN_PREFIX))}
+                best = max(((rps[n], n) for n in vrs if n in rps), default=None)
+                if not mine:
+                    continue
+                if best:
+                    ratios = {n: v / best[0] for n, v in mine.items()}
+                    lines.append(
+                        f"{key}, {cls}: req/s / {best[1]} ({best[0]:,.0f}; target >= 1.0): " + fmt_map(ratios, 2)
+                    )
+                else:
+                    lines.append(f"{key}, {cls}: req/s (no vllm-router rows): " + fmt_map(mine, 0))
     return lines
 
 
@@ -370,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-seconds", type=float, default=900, help="measuring stops here; what was measured is written")
     ap.add_argument("--quick", action="store_true", help="c=1,64; 200 requests; 2 reps")
     ap.add_argument("--name", default="router_overhead")
-    ap.add_argument("--no-raw", action="store_true", help="skip the RawDriver setups")
+    ap.add_argument("--no-raw", action="store_true", help="skip the lean drivers' setups (raw zmq and lean http)")
     ap.add_argument(
         "--spin-us",
         type=int,
@@ -403,9 +454,10 @@ def main(argv: list[str] | None = None) -> None:
         if skipped or cut:
             print(f"--max-seconds {args.max_seconds:g} passed: cut short {cut}, skipped {skipped}", flush=True)
         print(
-            "drivers: HTTP side = aiohttp ClientSession (keep-alive pool); rollout-bus side = "
-            "trainer_bridge.AsyncClient, and (raw) = bench RawDriver (plain zmq DEALER + add_reader); "
-            "one asyncio process, C tasks per setup, responses fully parsed; setups interleaved per rep"
+            "clients (column 'client'): aiohttp = aiohttp ClientSession (keep-alive pool, every SSE event "
+            "decoded); AsyncClient = trainer_bridge.AsyncClient; raw zmq = bench RawDriver (plain zmq DEALER + "
+            "add_reader); lean http = bench LeanHttp (raw socket, tokens counted, no JSON decode); one asyncio "
+            "process, C tasks per setup; setups interleaved per rep; x vllm-router ratios pair equal clients only"
         )
         H.write_json(
             args.name,
@@ -418,6 +470,9 @@ def main(argv: list[str] | None = None) -> None:
                     "http": "aiohttp.ClientSession, TCPConnector keep-alive pool, one process",
                     "rollout_bus": "trainer_bridge.AsyncClient (zmq DEALER), one process",
                     "rollout_bus_raw": "bench.rb_side.RawDriver: plain zmq DEALER read via loop.add_reader, bus.codec",
+                    "http_lean": "bench.http_lean.LeanHttp: asyncio.Protocol keep-alive pool, tokens counted by "
+                    "commas, no JSON decode (the raw driver's equal)",
+                    "equal_clients": "x vllm-router pairs: AsyncClient with aiohttp, raw zmq with lean http",
                 },
             },
         )

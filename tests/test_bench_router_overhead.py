@@ -26,7 +26,10 @@ def test_spin_setups_are_paired_and_summarized():
     spin50, spin200 = RO.spin_setup(50), RO.spin_setup(200)
     runs = {
         RO.VR_P2: [_run(0.5, 800), _run(0.6, 700)],
+        RO.VR_P2_LEAN: [_run(0.4, 1000), _run(0.5, 900)],
         RO.HTTP_DIRECT: [_run(0.3, 1000), _run(0.3, 1000)],
+        RO.LEAN_DIRECT: [_run(0.2, 1500), _run(0.2, 1500)],
+        RO.RB_ROUTER: [_run(0.7, 600), _run(0.7, 600)],
         RO.RAW_DIRECT: [_run(0.2, 2000), _run(0.2, 2000)],
         RO.RAW_ROUTER: [_run(0.6, 500), _run(0.6, 500)],
         spin200: [_run(0.3, 900), _run(0.4, 900)],
@@ -38,13 +41,27 @@ def test_spin_setups_are_paired_and_summarized():
     assert ov[spin200]["p50_added_ms"]["median"] == pytest.approx(0.15)
     assert ov[spin50]["p50"]["median"] == pytest.approx(2.5)
     assert case["spin_vs_plain_head"][spin200]["p50"]["median"] == pytest.approx(0.35 / 0.6)
-    assert f"{spin50} / {RO.VR_P2}" in case["rb_vs_vllm_router"]
+    # equal clients only (issue 36): the lean zmq driver against the lean HTTP reader, AsyncClient against aiohttp
+    pairs = set(case["rb_vs_vllm_router"])
+    assert pairs == {
+        f"{RO.RB_ROUTER} / {RO.VR_P2}",
+        f"{RO.RAW_ROUTER} / {RO.VR_P2_LEAN}",
+        f"{spin50} / {RO.VR_P2_LEAN}",
+        f"{spin200} / {RO.VR_P2_LEAN}",
+    }
+    assert case["overhead_vs_own_direct"][RO.VR_P2_LEAN]["p50"]["median"] == pytest.approx(2.25)  # / lean direct
     rows = RO.table_rows({"k": case})
-    # spinning heads after the plain ones, by spin; their CPU% shown
-    assert [r["setup"] for r in rows] == [RO.HTTP_DIRECT, RO.VR_P2, RO.RAW_DIRECT, RO.RAW_ROUTER, spin50, spin200]
+    # spinning heads after the plain ones, by spin; their CPU% shown; every row names its client
+    assert [(r["setup"], r["client"]) for r in rows] == [
+        (RO.HTTP_DIRECT, "aiohttp"), (RO.VR_P2, "aiohttp"), (RO.RB_ROUTER, "AsyncClient"),
+        (RO.LEAN_DIRECT, "lean http"), (RO.VR_P2_LEAN, "lean http"),
+        (RO.RAW_DIRECT, "raw zmq"), (RO.RAW_ROUTER, "raw zmq"), (spin50, "raw zmq"), (spin200, "raw zmq"),
+    ]  # fmt: skip
     assert rows[-1]["router CPU%"] == "50"
-    (line,) = RO.target_lines({"k": case})
-    assert f"{spin200} 1.20" in line and "vllm-router p2 (750" in line  # 900 / median(800, 700)
+    full, lean = RO.target_lines({"k": case})
+    assert "AsyncClient vs aiohttp" in full and f"{RO.RB_ROUTER} 0.80" in full and "vllm-router p2 (750" in full
+    assert "raw zmq vs lean http" in lean and f"{spin200} 0.95" in lean and "p2 (lean) (950" in lean
+    assert "(750" not in lean and "(raw)" not in full and "(lean)" not in full  # never across classes
 
 
 def test_a_passed_deadline_keeps_complete_rounds():
@@ -81,8 +98,12 @@ def test_router_overhead_runs_the_spinning_head(tmp_path):
         "--concurrency", "1", "--requests", "12", "--reps", "1", "--stream-tokens", "0", "--spin-us", "100",
         "--no-raw", "--max-seconds", "120",
     )  # fmt: skip
-    # --no-raw drops the raw setups, the spinning head's included
-    assert not any(s.startswith(RO.SPIN_PREFIX) for r in doc["results"].values() for s in r["setups"])
+    # --no-raw drops the lean drivers' setups (raw zmq, lean http), the spinning head's included
+    assert not any(
+        s.startswith(RO.SPIN_PREFIX) or RO.client_of(s) in (RO.RAW_ZMQ, RO.LEAN_HTTP)
+        for r in doc["results"].values()
+        for s in r["setups"]
+    )
     doc = _bench(
         tmp_path, "bench.router_overhead",
         "--concurrency", "1", "--requests", "12", "--reps", "1", "--stream-tokens", "4", "--spin-us", "100",
@@ -94,6 +115,10 @@ def test_router_overhead_runs_the_spinning_head(tmp_path):
         assert r["setups"][spin]["summary"]["errors"] == 0
         assert r["setups"][spin]["summary"]["n_per_rep"] == 12
         assert spin in r["overhead_vs_own_direct"] and spin in r["spin_vs_plain_head"]
+        # the lean HTTP reader (the raw driver's equal) counted every token of a real http_peer's answers
+        lean = r["setups"][RO.LEAN_DIRECT]["summary"]
+        assert lean["errors"] == 0 and lean["n_per_rep"] == 12
+        assert [x["tokens"] for x in r["setups"][RO.LEAN_DIRECT]["runs"]] == [12 * r["max_tokens"]]
     assert doc["config"]["spin_us"] == [100]
 
 
