@@ -7,7 +7,9 @@
 - a load driver: one asyncio process, aiohttp ``ClientSession`` with a pooled
   keep-alive ``TCPConnector`` (connections reused across requests), C worker
   tasks pulling from one queue of N requests. Every response is fully read and
-  parsed (SSE events decoded with msgspec), as a trainer would.
+  parsed (SSE events decoded with msgspec), as a trainer would; and, beside it,
+  ``bench.http_lean.LeanHttp`` (rows "(lean)"): a raw-socket reader that only
+  counts tokens, the equal of the rollout-bus side's raw zmq driver.
 
 ``python -m bench.peer_side`` measures this side alone (direct to one
 http_peer vs through vllm-router) and writes bench/results/peer_side.json/.png.
@@ -37,6 +39,7 @@ from typing import Any
 import msgspec
 
 from bench import harness as H
+from bench import http_lean as HL
 
 _dec = msgspec.json.Decoder()
 POLICIES = ("consistent_hash", "power_of_two")
@@ -285,6 +288,9 @@ async def measure_peer_side(args: argparse.Namespace) -> dict[str, Any]:
         # CPU of the process that routes: the router (direct: the one peer it talks to)
         router_pids = {f"vllm-router {p}": [proc.pid] for p, (_, proc) in routers.items()}
         sess = make_session(max(args.concurrency) + 8)
+        # lean: the same targets through bench.http_lean.LeanHttp (the raw zmq driver's equal)
+        leans = {f"{name} (lean)": HL.LeanHttp(u) for name, u in targets.items()}
+        router_pids |= {f"{name} (lean)": pids for name, pids in router_pids.items()}
         try:
             for u in targets.values():
                 await wait_ready(sess, u)
@@ -302,8 +308,16 @@ async def measure_peer_side(args: argparse.Namespace) -> dict[str, Any]:
                         )
                         for name, u in targets.items()
                     }
+                    for lname, drv in leans.items():
+                        spec = HttpLoad(
+                            "", n, c, max_tokens, stream, prompt, sessions=max(1, c) if "consistent" in lname else 0
+                        )
+                        setups[lname] = functools.partial(HL.lean_load, drv, spec)
                     setups = {name: H.with_cpu(router_pids.get(name, []), fn) for name, fn in setups.items()}
                     runs = await H.interleaved(setups, reps=args.reps, warmup=1, deadline=deadline)
+                    direct = {
+                        name: "direct (1 http_peer)" + (" (lean)" if name.endswith("(lean)") else "") for name in runs
+                    }
                     results[key] = {
                         "max_tokens": max_tokens,
                         "stream": stream,
@@ -317,11 +331,9 @@ async def measure_peer_side(args: argparse.Namespace) -> dict[str, Any]:
                             name: {
                                 "p50": H.paired_ratios(
                                     [r.summary()["p50_ms"] for r in rs],
-                                    [r.summary()["p50_ms"] for r in runs["direct (1 http_peer)"]],
+                                    [r.summary()["p50_ms"] for r in runs[direct[name]]],
                                 ),
-                                "req_per_s": H.paired_ratios(
-                                    [r.rps for r in rs], [r.rps for r in runs["direct (1 http_peer)"]]
-                                ),
+                                "req_per_s": H.paired_ratios([r.rps for r in rs], [r.rps for r in runs[direct[name]]]),
                             }
                             for name, rs in runs.items()
                             if not name.startswith("direct")
@@ -330,6 +342,8 @@ async def measure_peer_side(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"  done {key} ({deadline.remaining():.0f}s left)", flush=True)
         finally:
             await sess.close()
+            for drv in leans.values():
+                await drv.close()
     return results
 
 
@@ -343,6 +357,7 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                 {
                     "case": key,
                     "setup": name,
+                    "client": "lean http" if name.endswith("(lean)") else "aiohttp",
                     "p50 ms": H.fmt_spread(sm["p50_ms"]),
                     "p99 ms": H.fmt_spread(sm["p99_ms"]),
                     "req/s": H.fmt_spread(sm["req_per_s"], 0),
@@ -422,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                 "config": vars(args),
                 "results": res,
                 "elapsed_s": time.monotonic() - t0,
-                "driver": "aiohttp ClientSession, keep-alive pool, 1 process",
+                "driver": "aiohttp ClientSession, keep-alive pool, 1 process; (lean): bench.http_lean.LeanHttp "
+                "(raw socket, tokens counted, no JSON decode); x direct pairs each with its own client's direct",
             },
         )
         plot(res, "peer_side")

@@ -190,7 +190,8 @@ class RawDriver:
     per-message futures), Generate frames built with ``bus.codec``, every
     Chunk/Error decoded with msgspec and its token frame counted. It exists to
     measure the router and engine without trainer_bridge's own per-chunk cost
-    (the rollout-bus twin of a lean HTTP client). Not a product API."""
+    (the rollout-bus twin of a lean HTTP client: bench.http_lean.LeanHttp, which
+    is what it is compared with; never aiohttp). Not a product API."""
 
     def __init__(self, address: str) -> None:
         import zmq

@@ -144,15 +144,14 @@ def measure(n: int, reps: int, transport: str = "tcp") -> dict[str, Any]:
         addrs = {"direct": echo_addr, "proxy": proxy_addr, "pyfwd": pyfwd_addr}
         for addr in addrs.values():  # warm-up: connections, caches, the forwarders' first messages
             _round_trips_us(ctx, addr, max(1, n // 10))
-        rows = []
+        rows: list[dict[str, Any]] = []
         for rep in range(reps):
             # The arms' order rotates per rep, so drift within a rep hits each arm in turn.
             order = ARMS[rep % len(ARMS) :] + ARMS[: rep % len(ARMS)]
             got = {arm: _round_trips_us(ctx, addrs[arm], n) for arm in order}
             d, v, f = got["direct"], got["proxy"], got["pyfwd"]
-            row = {
+            row: dict[str, float] = {
                 "rep": rep,
-                "order": list(got),
                 "direct_p50_us": statistics.median(d),
                 "proxy_p50_us": statistics.median(v),
                 "pyfwd_p50_us": statistics.median(f),
@@ -162,7 +161,7 @@ def measure(n: int, reps: int, transport: str = "tcp") -> dict[str, Any]:
             }
             row["added_p50_us"] = row["proxy_p50_us"] - row["direct_p50_us"]
             row["pyfwd_added_p50_us"] = row["pyfwd_p50_us"] - row["direct_p50_us"]
-            rows.append(row)
+            rows.append({**row, "order": list(got)})  # the arms as they ran
         return {
             "n": n,
             "transport": transport,
