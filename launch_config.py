@@ -129,9 +129,13 @@ def _add_topology_args(ap: argparse.ArgumentParser) -> None:
 def _add_engine_args(ap: argparse.ArgumentParser) -> None:
     """What each engine node runs: its backend's options and GPUs."""
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--gpus", default=None, help="GPUs for the engines, comma-separated: indices into the visible ones (an inherited "
+    ap.add_argument(
+        "--gpus",
+        default=None,
+        help="GPUs for the engines, comma-separated: indices into the visible ones (an inherited "
         "CUDA_VISIBLE_DEVICES is honoured: with 4,5,6,7 set, --gpus 0,1 is GPUs 4,5) or GPU-<uuid> names "
-        "(default with vLLM: all visible)")
+        "(default with vLLM: all visible)",
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--backend-options", default="{}", help="extra JSON options for the backend factory")
