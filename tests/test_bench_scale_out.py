@@ -30,7 +30,7 @@ def test_scale_out_dry_run(tmp_path):
         for arm in ("rb batch", "rb stream"):
             (rep,) = p["arms"][arm]["reps"]
             assert rep["grpo"]["tokens"] == want and rep["grpo"]["errors"] == 0, rep
-            assert p["arms"][arm]["ttft"][0]["4"]["n"] == 4
+            assert [t["4"]["n"] for t in p["arms"][arm]["ttft"]] == ([4] if arm == "rb stream" else [])
     assert set(doc["skipped"]) == {"vllm-dp", "vllm-router", "asyncllm"}
     assert all("--cpu" in why for why in doc["skipped"].values())
     assert {r["arm"] for r in SO.summarize(doc)} == {"rb batch", "rb stream"}
@@ -63,3 +63,19 @@ def test_losing_one_engine_of_three_under_load_loses_no_request(tmp_path):
     assert k["requests_complete"] == k["requests_sent"] > 24
     assert k["restart_healthy_after_s"] > 0 and k["restarted_engine_served"] >= 1, k
     assert k["victim"] == "e2" and max(k["tokens_per_s_series"]) > 0
+
+
+def test_runs_of_separate_device_calls_merge_into_one_table(tmp_path):
+    """One device call holds one N; `--plot-from a.json,b.json` puts their phases side by side."""
+    docs = []
+    for n, tps in ((1, 100.0), (4, 360.0)):
+        rep = {"grpo": {"tokens_per_s": tps, "errors": 0}}
+        doc = {"config": {"workloads": "grpo", "ttft_concurrency": "4"},
+               "phases": [{"engines": n, "arms": {"rb stream": {"reps": [rep], "ttft": []}}}]}  # fmt: skip
+        path = tmp_path / f"n{n}.json"
+        path.write_text(json.dumps(doc))
+        docs.append(str(path))
+    assert SO.main(["--plot-from", ",".join(docs)]) == 0
+    four = [r for r in SO.summarize(SO.merged(docs)) if r["engines"] == 4][0]
+    assert four["of_ideal"] == 0.9
+    assert (tmp_path / "gpu_scale_out_merged.png").is_file()

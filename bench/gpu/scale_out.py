@@ -252,7 +252,8 @@ async def _reps(spec: dict[str, Any], arms: dict[str, Any], out: dict[str, Any],
                 res = await arms[name].send(prompts, params)
                 row[w] = tally(res, params["max_tokens"], time.perf_counter() - t0)
             out["arms"][name]["reps"].append(row)
-            out["arms"][name]["ttft"].append(await _ttft(spec, arms[name], rep, names.index(name)))
+            if not name.endswith(" batch"):  # a batch call has no first token to time (its stream twin does)
+                out["arms"][name]["ttft"].append(await _ttft(spec, arms[name], rep, names.index(name)))
             G.checkpoint(spec)
         rep_s = time.monotonic() - t_rep
 
@@ -326,7 +327,7 @@ def report(doc: dict[str, Any]) -> str:
 
 def plot(doc: dict[str, Any], png: Path) -> Path | None:
     rows = [r for r in summarize(doc) if "error" not in r and r.get("tokens_per_s")]
-    panels = []
+    panels: list[dict[str, Any]] = []
     for w in doc["config"]["workloads"].split(","):
         series: dict[str, Any] = {}
         for arm in sorted({r["arm"] for r in rows if r["workload"] == w}):
@@ -390,8 +391,23 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
+def merged(paths: list[str]) -> dict[str, Any]:
+    """Several runs' JSON as one (a device call holds one N: `--plot-from a.json,b.json`);
+    the first run's config, every run's phases."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    out = dict(docs[0])
+    out["phases"] = [ph for d in docs for ph in d.get("phases", [])]
+    out["kill"] = next((d["kill"] for d in docs if d.get("kill")), None)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    if a.plot_from and "," in a.plot_from:
+        doc = merged(a.plot_from.split(","))
+        report(doc)
+        plot(doc, Path(a.plot_from.split(",")[0]).with_name(f"{NAME}_merged.png"))
+        return 0
     if G.replot(a, report, plot):
         return 0
     doc = run(a)
