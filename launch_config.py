@@ -14,10 +14,12 @@ import importlib.util
 import json
 import os
 import socket
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
 
+from bus.errors import BadRequest
 from router_node.policies import SESSION_PLACEMENTS
 
 log = structlog.get_logger("launch")
@@ -127,7 +129,13 @@ def _add_topology_args(ap: argparse.ArgumentParser) -> None:
 def _add_engine_args(ap: argparse.ArgumentParser) -> None:
     """What each engine node runs: its backend's options and GPUs."""
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--gpus", default=None, help="comma-separated GPU ids for vLLM engines (default: all visible)")
+    ap.add_argument(
+        "--gpus",
+        default=None,
+        help="GPUs for the engines, comma-separated: indices into the visible ones (an inherited "
+        "CUDA_VISIBLE_DEVICES is honoured: with 4,5,6,7 set, --gpus 0,1 is GPUs 4,5) or GPU-<uuid> names "
+        "(default with vLLM: all visible)",
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--backend-options", default="{}", help="extra JSON options for the backend factory")
@@ -210,16 +218,72 @@ def engine_backend_options(a: argparse.Namespace, backend: str) -> dict[str, Any
     return opts
 
 
-def gpu_groups(a: argparse.Namespace, backend: str, n_engines: int | None) -> list[str | None]:
-    if backend != "vllm":
-        return [None] * (2 if n_engines is None else n_engines)
-    if a.gpus:
-        gpus = a.gpus.split(",")
-    else:
-        import torch
+def visible_gpus(env: Mapping[str, str], device_count: Callable[[], int]) -> tuple[list[str], bool]:
+    """(the GPUs this launcher may hand out, whether a mask named them).
 
-        gpus = [str(i) for i in range(torch.cuda.device_count())]
+    Each entry is what a child's CUDA_VISIBLE_DEVICES takes: the inherited mask's
+    own entries (ids, `GPU-<uuid>`, `MIG-…`, passed as they are, so a job given
+    GPUs 4-7 hands out 4-7), or with no mask 0..device_count-1. CUDA stops
+    reading a mask at its first malformed entry (`-1` hides every GPU): so does this."""
+    mask = env.get("CUDA_VISIBLE_DEVICES")
+    if mask is None:
+        return [str(i) for i in range(device_count())], False
+    out: list[str] = []
+    for tok in (t.strip() for t in mask.split(",")):
+        if not (tok.isdigit() or tok.startswith(("GPU-", "MIG-"))):
+            break
+        out.append(tok)
+    return out, True
+
+
+def select_gpus(flag: str | None, visible: list[str], masked: bool) -> list[str]:
+    """--gpus through the visible list: an index i is the i-th visible GPU (as
+    torch numbers them in this process), a `GPU-…`/`MIG-…` name is taken as it
+    is (it must be one the mask shows, when there is a mask)."""
+    if not flag:
+        return list(visible)
+    where = f"CUDA_VISIBLE_DEVICES={','.join(visible)!r}" if masked else f"{len(visible)} GPU(s) visible"
+    out: list[str] = []
+    for tok in (t.strip() for t in flag.split(",")):
+        if tok.isdigit():
+            if int(tok) >= len(visible):
+                raise BadRequest(f"--gpus {flag}: index {tok} is past the GPUs this job sees ({where})", field="gpus")
+            out.append(visible[int(tok)])
+        elif tok.startswith(("GPU-", "MIG-")) and (not masked or tok in visible):
+            out.append(tok)
+        else:
+            raise BadRequest(f"--gpus {flag}: {tok!r} is not an index or a visible GPU name ({where})", field="gpus")
+    if len(set(out)) != len(out):
+        raise BadRequest(f"--gpus {flag} names one GPU twice ({where})", field="gpus")
+    return out
+
+
+def _cuda_device_count() -> int:
+    import torch  # heavy: only when no mask says which GPUs there are
+
+    return int(torch.cuda.device_count())
+
+
+def gpu_groups(
+    a: argparse.Namespace,
+    backend: str,
+    n_engines: int | None,
+    env: Mapping[str, str] | None = None,
+    device_count: Callable[[], int] = _cuda_device_count,
+) -> list[str | None]:
+    """Each engine's CUDA_VISIBLE_DEVICES (None: leave the inherited one): vLLM
+    engines, or any backend given --gpus, get `tp` GPUs each from the visible
+    ones (`visible_gpus`, `select_gpus`). Too few: a BadRequest naming --gpus
+    and the mask."""
+    if backend != "vllm" and not a.gpus:
+        return [None] * (2 if n_engines is None else n_engines)
+    visible, masked = visible_gpus(os.environ if env is None else env, device_count)
+    gpus = select_gpus(a.gpus, visible, masked)
     n = len(gpus) // a.tp if n_engines is None else n_engines
-    if n * a.tp > len(gpus):
-        raise SystemExit(f"{n} engine(s) × tp={a.tp} needs {n * a.tp} GPUs, have {gpus}")
+    if n * a.tp > len(gpus) or (n_engines is None and n == 0):
+        seen = f"CUDA_VISIBLE_DEVICES={','.join(visible)!r}" if masked else f"{len(visible)} GPU(s) visible"
+        raise BadRequest(
+            f"{max(n, 1)} engine(s) × tp={a.tp} needs {max(n, 1) * a.tp} GPU(s); --gpus gives {gpus} ({seen})",
+            field="gpus",
+        )
     return [",".join(gpus[i * a.tp : (i + 1) * a.tp]) for i in range(n)]

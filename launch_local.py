@@ -21,6 +21,8 @@ import time
 import structlog
 
 from bus.auth import KeyDir, KeyFileError
+from bus.errors import BadRequest
+from engine_node.cpu_placement import GPU_SLOT_ENV
 from engine_node.tiny_model import ensure_tiny_model
 from launch_config import (
     DEFAULT_KEY_DIR,
@@ -55,6 +57,12 @@ def run_local(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
     curve_dir = ensure_curve_keys(a)
     token = JoinToken(a, run_dir)
     backend = pick_backend(a.backend)
+    n_engines = a.engines if a.engines is not None else (0 if a.head else None)
+    try:  # before anything starts: a wrong --gpus / mask starts nothing
+        groups = gpu_groups(a, backend, n_engines)
+    except BadRequest as e:
+        print(f"launch.py: {e}", file=sys.stderr, flush=True)
+        return 2
     model = resolve_model(a, backend)
     if a.join:
         head = joined_head(a.join)
@@ -64,8 +72,6 @@ def run_local(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
             return 1
         head = started
         token.publish(head.front)
-    n_engines = a.engines if a.engines is not None else (0 if a.head else None)
-    groups = gpu_groups(a, backend, n_engines)
     prefix = a.engine_id_prefix or (f"{socket.gethostname()}-e" if a.join else "e")
     start_engines(a, sup, run_dir, env, head, groups, prefix, backend, model, curve_dir, token)
     client = Client(
@@ -210,6 +216,7 @@ def start_engines(
         eenv = dict(env)
         if gpus is not None:
             eenv["CUDA_VISIBLE_DEVICES"] = gpus
+            eenv[GPU_SLOT_ENV] = str(i)  # the CPU-pinning slot; a GPU-<uuid> mask has no number to read
         sup.add(Child(eid, eargv, eenv))
 
 

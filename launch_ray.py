@@ -43,6 +43,11 @@ def run_on_ray(a: argparse.Namespace) -> int:
         gpus = int(ray.cluster_resources().get("GPU", 0))
         backend = a.backend if a.backend != "auto" else ("vllm" if gpus else "torch")
         n = a.engines if a.engines is not None else (gpus // a.tp if backend == "vllm" else 2)
+        if a.gpus:  # Ray assigns each engine actor its GPUs (mapped through the raylet's own mask)
+            raise SystemExit(
+                "--ray with --gpus: Ray places the GPUs; start each Ray node with the GPUs it may use "
+                "(CUDA_VISIBLE_DEVICES=… ray start … --num-gpus N)"
+            )
         if a.curve:  # bus.auth's per-engine keys are not placed onto Ray nodes yet
             raise SystemExit(
                 "--ray with --curve is not supported yet: place the key folder yourself and use RayCluster"

@@ -10,7 +10,8 @@ each TP worker) a whole physical core of its own and keeps this node's
 process off those cores.
 
 Several engine nodes on one host must not pick the same cores: the slot is
-the node's first visible GPU (CUDA_VISIBLE_DEVICES, as launch.py sets it), so
+the node's index that launch.py gives it (ROLLOUT_BUS_GPU_SLOT), else its first visible
+GPU's number (CUDA_VISIBLE_DEVICES), so
 engine g takes the physical cores counted from the END of the allowed list
 (the low-numbered CPUs stay with the OS and everything else). A plan that
 does not fit leaves everything unpinned (and says why).
@@ -92,8 +93,16 @@ def plan(
     return Plan(dedicated=mine, rest=frozenset(allowed - taken))
 
 
+GPU_SLOT_ENV = "ROLLOUT_BUS_GPU_SLOT"  # launch.py: the engine's index on this host
+
+
 def gpu_slot(env: Mapping[str, str] | None = None) -> int:
+    """This node's slot among the engines of its host: the launcher's
+    ROLLOUT_BUS_GPU_SLOT, else the first visible GPU's number (a `GPU-<uuid>`
+    mask has none: 0)."""
     src: Mapping[str, str] = os.environ if env is None else env
+    if src.get(GPU_SLOT_ENV, "").isdigit():
+        return int(src[GPU_SLOT_ENV])
     first = (src.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
     return int(first) if first.isdigit() else 0
 

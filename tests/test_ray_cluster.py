@@ -35,6 +35,7 @@ from trainer_bridge.ray_placement import plan_engines
 
 pytestmark = pytest.mark.slow
 
+MASK = ("GPU-6f1c2a3b-0000-1111-2222-333344445555", "GPU-7e2d3c4b-0000-1111-2222-333344445555")
 LONG = {"max_tokens": 300, "temperature": 0.0, "ignore_eos": True}
 
 
@@ -44,6 +45,10 @@ def local_ray():
     gone, workers included) when the module ends."""
     before = {p.pid for p in live_children()}
     hooks = _process_hooks()
+    saved_mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+    # Issue 33 §1: the node's mask names its GPUs by UUID; Ray maps the ids it
+    # assigns through it, and nothing of ours may renumber them on the way.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(MASK)
     ray.init(
         num_cpus=4,
         num_gpus=2,  # logical only (no CUDA here): Ray still assigns ids and sets CUDA_VISIBLE_DEVICES
@@ -58,6 +63,10 @@ def local_ray():
     tree = [p for p in live_children() if p.pid not in before]  # gcs_server, raylet, agents, workers
     ray.shutdown()
     _restore_hooks(hooks)  # the rest of the suite keeps pytest's SIGTERM handling
+    if saved_mask is None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = saved_mask
     _RAY_ROOTS.clear()
     _, alive = psutil.wait_procs(tree, timeout=15)
     assert not alive, f"ray.shutdown() left {[(p.pid, p.name()) for p in alive]}"
@@ -234,6 +243,7 @@ def test_colocated_on_a_trainer_placement_group_and_crash_restart(local_ray):
         assert where["placement_group"] == pg.id.hex()
         assert where["resources"] == {"GPU": 0.2}, where  # a share of the trainer's GPU, no CPU
         assert where["cuda_visible_devices"] == trainer_gpus  # the GPUs of both bundles, shared with the trainer
+        assert sorted(trainer_gpus.split(",")) == sorted(MASK)  # the node's own names, not renumbered
         c = rc.client(timeout_s=60)
         inc = c.engines()[0]["incarnation"]
         pid = rc.engine_pid(0)
@@ -301,3 +311,21 @@ def test_an_engine_that_cannot_start_is_reported_not_waited_for(local_ray):
         RayCluster.start(1, model="/nonexistent/model", host="127.0.0.1", max_restarts=0, ready_timeout_s=80)
     assert time.monotonic() - t0 < 60
     wait_until(lambda: not [p for p in _ray_or_marked() if _marked(p)], 20, "the failed cluster's processes to exit")
+
+
+@pytest.mark.timeout(120)
+def test_engine_processes_see_the_gpus_ray_gave_through_the_nodes_mask(local_ray):
+    """Issue 33 §1 on Ray: one GPU bundle per engine; each node process's own
+    environment holds the GPU Ray assigned its actor, named as the raylet's
+    mask names it (a UUID here), two engines on two different GPUs."""
+    rc = RayCluster.start(
+        2, use_gpu=True, backend="null", model="null", host="127.0.0.1", heartbeat_interval_s=0.2, ready_timeout_s=90
+    )
+    try:
+        seen = [psutil.Process(rc.engine_pid(i)).environ().get("CUDA_VISIBLE_DEVICES") for i in range(2)]
+        assert sorted(seen) == sorted(MASK), seen
+        where = ray.get([e.placement.remote() for e in rc.engines], timeout=30)
+        assert [w["cuda_visible_devices"] for w in where] == seen  # what placement() reports is what they see
+    finally:
+        rc.shutdown()
+    assert rc.leftovers() == []

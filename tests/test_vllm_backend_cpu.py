@@ -139,9 +139,15 @@ def make_worker():
 
 class FakeEngineCoreClient:
     """FAKE stand-in for vLLM's SyncMPClient; one thread plays the engine core
-    and its output thread: every 2 ms each running request gets one token."""
+    and its output thread: every 2 ms each running request gets one token.
+    As vLLM's scheduler does, it sends SchedulerStats only with log_stats on,
+    with kv_cache_usage = the running requests' tokens over KV_TOKENS (measured
+    after this step's finished requests are freed, so it moves both ways)."""
 
-    def __init__(self):
+    KV_TOKENS = 256
+
+    def __init__(self, log_stats=False):
+        self.log_stats = log_stats
         self.outputs_queue = queue.Queue()
         self.utility_results = {}
         self.resources = types.SimpleNamespace(engine_dead=False)
@@ -219,15 +225,16 @@ class FakeEngineCoreClient:
                     outs.append(FakeOut(rid, [tok], lps, fin, plp[0] if plp is not None else None))
                     if fin is not None:
                         del self.requests[rid]
-                self.outputs_queue.put_nowait(
-                    FakeBatch(
-                        outs,
-                        types.SimpleNamespace(
-                            kv_cache_usage=0.25, num_running_reqs=len(self.requests), num_waiting_reqs=0
-                        ),
-                    )
-                )
+                self.outputs_queue.put_nowait(FakeBatch(outs, self._stats()))
             time.sleep(0.002)
+
+    def _stats(self):
+        if not self.log_stats:
+            return None
+        used = sum(len(req.prompt_token_ids) + len(gen) for req, gen in self.requests.values())
+        return types.SimpleNamespace(
+            kv_cache_usage=min(1.0, used / self.KV_TOKENS), num_running_reqs=len(self.requests), num_waiting_reqs=0
+        )
 
     def _handle(self, kind, payload):
         if kind == "add":
@@ -356,7 +363,7 @@ def fake_api(tmp_model: str):
 
     def make_client(cfg, log_stats):
         global FAKE
-        FAKE = FakeEngineCoreClient()
+        FAKE = FakeEngineCoreClient(log_stats)
         return FAKE
 
     return types.SimpleNamespace(
@@ -480,7 +487,28 @@ def test_batches_become_step_outputs_with_logprobs_and_finish(be):
     # b: prompt len 1 -> tokens 1, 2 = EOS -> stop
     assert res["b"]["finish"] == "stop" and res["b"]["tokens"] == [1, 2]
     assert be.num_running() == 0 and not be.has_work()
-    assert be.stats()["kv_usage"] == 0.25
+    assert be.stats()["kv_usage"] == 0.0  # every request freed: the last step's stats say so
+
+
+def test_kv_usage_follows_the_cache_both_ways_with_the_default_options(be):
+    """Issue 36 row 2: vLLM sends scheduler_stats only with log_stats on; with
+    fe0cb18's default (off) kv_usage stayed 0.0 whatever the cache held. Now it
+    rises with long running requests and falls back when they finish."""
+    ids = [f"k{i}" for i in range(6)]
+    for sid in ids:
+        be.add(seq(sid, 30, prompt=tuple(range(10, 30))))
+    seen = []
+    res = {s: None for s in ids}
+    end = time.monotonic() + 5
+    while any(v is None for v in res.values()):
+        assert time.monotonic() < end, res
+        for o in be.step():
+            if o.finish_reason:
+                res[o.seq_id] = o.finish_reason
+        seen.append(be.stats()["kv_usage"])
+    assert max(seen) > 0.5, seen  # 6 × (20 prompt + up to 30 generated) tokens of 256
+    assert be.stats()["kv_usage"] == 0.0
+    assert be.stats()["engine_running"] == 0
 
 
 def test_wake_fd_readable_when_output_waits(be):

@@ -96,7 +96,13 @@ class VllmBackend(VllmDataPath, VllmSleepAndLora, VllmWeightOps):
         dtype: str = "auto",
         seed: int = 0,
         attention_backend: str | None = None,
-        log_stats: bool = False,
+        # On: vLLM's scheduler sends SchedulerStats (kv_cache_usage, running /
+        # waiting, prefix-cache hits) only with log_stats, so off leaves the
+        # heartbeat's kv_usage and the head's gauge at 0.0 (issue 36). Its cost
+        # in vLLM 0.24: one small SchedulerStats per step and a few timestamped
+        # events per request (QUEUED, SCHEDULED), no extra sync; `vllm serve`
+        # runs with it on by default.
+        log_stats: bool = True,
         rpc_timeout_s: float = 120.0,
         weight_timeout_s: float = 600.0,
         lora_timeout_s: float = 120.0,
