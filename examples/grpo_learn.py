@@ -83,6 +83,7 @@ class Trainer:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).train()
         self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.device, self.clip = device, clip
+        self.shadow: dict[str, torch.Tensor] = {}
 
     def logprobs(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
         """log p(token) of every completion token, one padded forward for the batch
@@ -167,7 +168,15 @@ def push(client: Client, trainer: Trainer, a: argparse.Namespace, named: Any = N
 
 
 def engine_named(trainer: Trainer, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
-    return [(n, p.detach().to(dtype)) for n, p in trainer.model.named_parameters()]
+    """The weights in the engines' dtype (an fp32 master trained, bf16 served), in
+    buffers allocated once: the same memory every step, which keeps cuda_ipc's
+    zero-copy path on one op per update."""
+    if not trainer.shadow:
+        trainer.shadow = {n: torch.empty_like(p, dtype=dtype) for n, p in trainer.model.named_parameters()}
+    with torch.no_grad():
+        for n, p in trainer.model.named_parameters():
+            trainer.shadow[n].copy_(p)
+    return list(trainer.shadow.items())
 
 
 def sync(client: Client, trainer: Trainer, a: argparse.Namespace, t: dict[str, float], asleep: bool) -> int:
@@ -235,8 +244,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--engine-gpus", default=None, help="vllm: the engines' GPUs, e.g. '1' (default: all on GPU 0)")
     ap.add_argument("--transport", default=None, help="zmq | cuda_ipc | nccl (default: zmq on CPU, cuda_ipc on GPU)")
+    ap.add_argument(
+        "--colocate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sleep the engines while the trainer works, wake them by tags around the push (default: with cuda_ipc)",
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    ap.add_argument("--trainer-dtype", default=None, help="float32 | bfloat16 (default: float32 CPU, bfloat16 GPU)")
+    ap.add_argument("--trainer-dtype", default=None, help="float32 (default) | bfloat16")
     ap.add_argument(
         "--engine-dtype", default=None, help="the engines' weight dtype (default: float32 torch, bfloat16 vllm)"
     )
@@ -244,22 +259,24 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step (P)")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=None, help="Adam's (default 3e-2 CPU tiny, 1e-5 GPU)")
+    ap.add_argument("--lr", type=float, default=None, help="Adam's (default 3e-2 CPU tiny, 1e-4 GPU)")
     ap.add_argument("--clip", type=float, default=0.2, help="PPO clip range")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stop-at", type=float, default=None, help="stop once the mean reward of a step reaches this")
-    ap.add_argument("--skip-update", action="store_true", help="push no step's weights (the control: nothing is learnt)")
+    ap.add_argument(
+        "--skip-update", action="store_true", help="push no step's weights (the control: nothing is learnt)"
+    )
     ap.add_argument("--ready-timeout-s", type=float, default=240.0)
     ap.add_argument("--out", default=None, help="write every step's record here (JSON)")
     a = ap.parse_args(argv)
     gpu = a.backend == "vllm"
     a.model = a.model or ensure_tiny_model(**TINY)
     a.transport = a.transport or ("cuda_ipc" if gpu else "zmq")
-    a.trainer_dtype = a.trainer_dtype or ("bfloat16" if gpu else "float32")
+    a.trainer_dtype = a.trainer_dtype or "float32"  # bf16 weights would round Adam's small steps away
     a.engine_dtype = a.engine_dtype or ("bfloat16" if gpu else "float32")
-    a.lr = a.lr if a.lr is not None else (1e-5 if gpu else 3e-2)
+    a.lr = a.lr if a.lr is not None else (1e-4 if gpu else 3e-2)
     a.device = "cuda:0" if gpu or a.transport != "zmq" else "cpu"
-    a.colocate = a.transport == "cuda_ipc"
+    a.colocate = a.transport == "cuda_ipc" if a.colocate is None else a.colocate
     return a
 
 
