@@ -54,7 +54,7 @@ from trainer_bridge import Client
 from trainer_bridge.mismatch import logprob_mismatch, require_sampled_is_raw
 
 # The CPU policy: a 1-layer Llama, hidden 32, vocabulary 128 (about 14k parameters).
-TINY = dict(hidden=32, layers=1, heads=2, kv_heads=1, inter=64, vocab=128, seed=0)
+TINY: dict[str, Any] = dict(hidden=32, layers=1, heads=2, kv_heads=1, inter=64, vocab=128, seed=0)
 TARGET_EVERY = 8  # the target set: token ids divisible by 8
 
 
@@ -149,7 +149,9 @@ def rollouts(client: Client, prompts: list[list[int]], a: argparse.Namespace, st
     # a seed per prompt and step: the run repeats exactly on any engine (sample i draws with seed + i)
     reqs = [{**params, "seed": a.seed * 1_000_003 + (step * len(prompts) + i) * a.group} for i in range(len(prompts))]
     with ThreadPoolExecutor(len(prompts)) as pool:  # the requests in flight together (Client is thread-safe)
-        batch = list(pool.map(lambda p, r: client.generate(p, r, num_samples=a.group, max_staleness=0), prompts, reqs))
+        batch: list[Any] = list(
+            pool.map(lambda p, r: client.generate(p, r, num_samples=a.group, max_staleness=0), prompts, reqs)
+        )
     return [s for res in batch for s in res.samples]
 
 
