@@ -390,6 +390,32 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
+def plot_run(steps: list[dict[str, Any]], png: Path, title: str) -> None:
+    """One run of the example (its per-step records): the reward curve, and
+    each step's time by phase, stacked (tests/gpu/test_grpo_gpu.py)."""
+    from bench.plots import _plt
+
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    xs = [s["step"] for s in steps]
+    ax1.plot(xs, [s["reward"] for s in steps], marker=".")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("mean reward")
+    ax1.set_title("reward (fraction of tokens in the target set)")
+    bottom = [0.0] * len(steps)
+    for k in PHASES:
+        vals = [(s.get(k) or 0.0) * 1e3 for s in steps]
+        ax2.bar(xs, vals, bottom=bottom, label=k.removesuffix("_s"))
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("ms")
+    ax2.set_title("step time by phase")
+    ax2.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = G.bench_parser(
         __doc__,
