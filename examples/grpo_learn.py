@@ -85,13 +85,20 @@ class Trainer:
         self.device, self.clip = device, clip
         self.shadow: dict[str, torch.Tensor] = {}
 
-    def logprobs(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
+    def logprobs(
+        self, prompts: list[list[int]], completions: list[list[int]], weights: Any = None
+    ) -> list[torch.Tensor]:
         """log p(token) of every completion token, one padded forward for the batch
-        (right padding: causal attention never looks at it)."""
+        (right padding: causal attention never looks at it); `weights`: other
+        tensors for the same parameters (the served bf16 copy)."""
         seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
         width = max(len(s) for s in seqs)
         ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=self.device)
-        logp = torch.log_softmax(self.model(input_ids=ids).logits.float(), -1)
+        if weights is None:
+            logits = self.model(input_ids=ids).logits
+        else:
+            logits = torch.func.functional_call(self.model, weights, (), {"input_ids": ids}).logits
+        logp = torch.log_softmax(logits.float(), -1)
         out = []
         for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
             pos = torch.arange(len(p) - 1, len(p) + len(c) - 1, device=self.device)
@@ -222,6 +229,11 @@ def train_step(
         versions=[s.token_versions for s in samples],
         trainer_version=version,
     )
+    served: dict[str, Any] = {}
+    if trainer.shadow:  # an fp32 master serving a bf16 copy: the mismatch a bf16 trainer would see, too
+        with torch.no_grad():
+            lp16 = trainer.logprobs(ps, [s.token_ids for s in samples], weights=trainer.shadow)
+        served = logprob_mismatch([s.logprobs for s in samples], lp16).as_dict("mismatch_served_")
     loss = trainer.step(logps, [s.logprobs or [] for s in samples], adv)
     if a.device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -233,7 +245,7 @@ def train_step(
     wall = time.perf_counter() - t0
     t["idle_s"] = wall - sum(t.values())  # rewards, advantages, bookkeeping
     rec = {"step": step, "reward": float(rewards.mean()), "loss": loss, "version": version, "wall_s": wall}
-    return {**rec, **{k: round(v, 4) for k, v in t.items()}, **mm.as_dict()}, version
+    return {**rec, **{k: round(v, 4) for k, v in t.items()}, **mm.as_dict(), **served}, version
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

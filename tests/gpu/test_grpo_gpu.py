@@ -12,7 +12,8 @@ example's per-step records (grpo_<variant>.json: reward, phases generate /
 sleep / train / sync / wake / idle, mismatch) and grpo_<variant>.png (reward
 curve + step time by phase), and records a TIMING row of medians. Asserts:
 every step's tokens are of the trainer's version, the bf16-engine vs
-fp32-trainer mismatch stays small (mean |Δ| < MEAN_ABS_BF16), and the reward
+fp32-trainer mismatch stays small (mean |Δ| < MEAN_ABS_BF16; the same against
+the bf16 copy in transformers, what a bf16 trainer sees, is recorded), and the reward
 rises (mean of the last 5 steps >= the first step's + RISE).
 ROLLOUT_BUS_GRPO_LR / ROLLOUT_BUS_GRPO_STEPS override the example's lr and the steps.
 """
@@ -70,6 +71,9 @@ def _run(tmp_path: Path, variant: str, *extra: str) -> list[dict]:
         mismatch_mean_abs=[float(f"{s['mismatch_mean_abs']:.3g}") for s in steps],
         mismatch_k3_median=statistics.median(s["mismatch_k3"] for s in steps),
         mismatch_frac_over_median=statistics.median(s["mismatch_frac_over"] for s in steps),
+        # the same rollouts against the served bf16 copy evaluated by transformers (a bf16 trainer)
+        served_bf16_mean_abs_median=statistics.median(s["mismatch_served_mean_abs"] for s in steps),
+        served_bf16_k3_median=statistics.median(s["mismatch_served_k3"] for s in steps),
     )
     assert all(s["mismatch_stale_frac"] == 0.0 for s in steps)
     assert max(s["mismatch_mean_abs"] for s in steps) < MEAN_ABS_BF16, [s["mismatch_mean_abs"] for s in steps]
