@@ -255,7 +255,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--address", default=None, help="a running cluster's frontend (default: start one with launch.py)")
     ap.add_argument("--model", default=None, help="model dir the engines serve (default: the tiny CPU policy, built)")
     ap.add_argument("--backend", default="torch", help="engines' backend when this script starts them: torch | vllm")
-    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--engines", type=int, default=None, help="engines this script starts (default: 2 torch, 1 vllm)")
     ap.add_argument("--engine-gpus", default=None, help="vllm: the engines' GPUs, e.g. '1' (default: all on GPU 0)")
     ap.add_argument("--transport", default=None, help="zmq | cuda_ipc | nccl (default: zmq on CPU, cuda_ipc on GPU)")
     ap.add_argument(
@@ -285,6 +285,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     gpu = a.backend == "vllm"
     a.model = a.model or ensure_tiny_model(**TINY)
+    a.engines = a.engines or (1 if gpu else 2)
     a.transport = a.transport or ("cuda_ipc" if gpu else "zmq")
     a.trainer_dtype = a.trainer_dtype or "float32"  # bf16 weights would round Adam's small steps away
     a.engine_dtype = a.engine_dtype or ("bfloat16" if gpu else "float32")

@@ -5,15 +5,21 @@ in this process (`examples.grpo_learn.run`), fixed seeds (every request is
 seeded, so the run is the same on any engine placement):
 
 - with an update after every step, the mean reward of a step rises from its
-  untrained value (0.094 at step 0) to >= THRESHOLD within STEPS steps (it
-  reaches it at step 5 on a 2-core machine; each step ~1-4 s under load),
-  every token comes from the version the trainer holds, and the rollout ->
-  trainer mismatch stays at fp32 noise (mean |Δ| < 1e-4, max |Δ| < 1e-3);
+  untrained value (0.094 at step 0) to >= THRESHOLD within STEPS steps (0.66
+  at step 5: 0.094, 0.152, 0.197, 0.244, 0.416, 0.658), within WALL_S, every
+  token comes from the version the trainer holds, and the rollout -> trainer
+  mismatch stays at fp32 noise (mean |Δ| ~2e-7 measured; asserted < 1e-4,
+  max |Δ| < 1e-3);
 - with the steps' updates skipped (the engines keep the initial weights; the
   trainer trains all the same), no step reaches THRESHOLD in as many steps, and
   the mismatch is ~0 at step 0 (same weights) and then clearly non-zero
   (mean |Δ| > 1e-2 by the last step): the statistic catches weights that never
   arrived, which the versions cannot (they match: nothing was pushed).
+  Measured: rewards 0.09-0.14 over 8 steps, mean |Δ| 1.6e-7 at step 0, then
+  0.28, 0.43, ... 0.78 at step 7, with 75-93 % of tokens over 0.1.
+
+Cost on the shared 2-core machine (load ~11): cluster start 63 s, the learning
+run 31 s (6 steps), the control 30 s (8 steps); 140 s for the file.
 """
 
 from __future__ import annotations
