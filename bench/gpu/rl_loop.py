@@ -12,7 +12,11 @@ each arm's first):
            train -> llm.wake_up(["weights"]) -> llm.apply_model(m.load_weights)
            -> reset_prefix_cache -> llm.wake_up(["kv_cache"])
   rb_nccl  rollout-bus, the trainer alone on GPU 0, engines on --nccl-gpus
-           (default "1"; "1,2" = 2 engines on 2 GPUs), nccl push, no sleep
+           (default "1"; "1,2" = 2 engines on 2 GPUs), nccl push, no sleep.
+           Not "2 engines on 2 GPUs with the trainer on one of them": one update
+           takes one transport, and NCCL refuses two ranks (the trainer's and a
+           colocated engine's) on one GPU, so an engine beside the trainer
+           (cuda_ipc) and one on the other GPU (nccl) cannot share an update.
 The trainer is the same everywhere: an fp32 master on cuda:0 (Adam), its bf16
 copy pushed (buffers allocated once). Phases per step: generate, sleep, train
 (forward + backward + optimizer, logprob recompute and mismatch included),
