@@ -87,3 +87,13 @@ def test_grpo_without_the_updates_learns_nothing_and_the_mismatch_shows_it(clust
     assert hist[0]["mismatch_mean_abs"] < FP32_MEAN_ABS, hist[0]  # same weights before the first step
     assert hist[-1]["mismatch_mean_abs"] > 1e-2 and hist[-1]["mismatch_frac_over"] > 0.01, hist[-1]
     assert all("sync_s" not in h for h in hist)
+
+
+def test_the_reward_and_the_group_normalised_advantages():
+    from examples.grpo_learn import group_advantages, reward
+
+    assert reward([8, 16, 3, 5]) == 0.5 and reward([]) == 0.0 and reward([0, 1]) == 0.5
+    adv = group_advantages(torch.tensor([[0.0, 1.0, 0.5, 0.5], [0.25, 0.25, 0.25, 0.25]]))
+    assert torch.allclose(adv.mean(1), torch.zeros(2), atol=1e-6)
+    assert adv[0, 1] > adv[0, 2] == adv[0, 3] > adv[0, 0] and adv[0, 1] == pytest.approx(0.5 / 0.40825, rel=1e-3)
+    assert torch.equal(adv[1], torch.zeros(4))  # a group with one reward teaches nothing
