@@ -59,6 +59,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from bus.errors import BadRequest
+from bus.ratelog import RateLimitedLog
 from bus.safe_files import UnsafePath, check_folder, check_own_file, create_private, make_private_folder
 from bus.sockets import CurveKeys
 
@@ -352,6 +353,7 @@ class Gatekeeper:
         self.refused = 0  # handshakes refused (for stats and tests)
         self._auth = ThreadAuthenticator(ctx)
         self._started = False
+        self._refusals = RateLimitedLog(log)  # the authenticator thread's own: one line per interval
 
     def start(self) -> Gatekeeper:
         self.refresh(force=True)
@@ -390,7 +392,9 @@ class Gatekeeper:
         ok = self.allows(domain, key)
         if not ok:
             self.refused += 1
-            log.warning("zap_refused", domain=domain, key=key.decode("ascii", "replace"))
+            self._refusals.refused(
+                "zap_refused", kind=f"zap_refused.{domain}", domain=domain, key=key.decode("ascii", "replace")
+            )
         return ok
 
     def stop(self) -> None:

@@ -107,7 +107,9 @@ def create_private(path: str, data: bytes, field: str) -> None:
     try:
         fd = os.open(path, flags, 0o600)
     except FileExistsError:
-        raise UnsafePath(f"{field}: {path} already exists (a planted name?): refused, not followed", field=field) from None
+        raise UnsafePath(
+            f"{field}: {path} already exists (a planted name?): refused, not followed", field=field
+        ) from None
     with os.fdopen(fd, "wb") as f:
         f.write(data)
 
