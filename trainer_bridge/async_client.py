@@ -45,9 +45,13 @@ class AsyncClient(ControlPort):
         head_timeout_s: float = 2.0,
         connect_timeout_s: float = 3.0,
         ping_interval_s: float = 0.5,
+        head_stall_timeout_s: float = 30.0,
     ) -> None:
-        """`head_timeout_s`: nothing heard from a connected head for this long
-        ends every open request with HeadUnavailable; `connect_timeout_s`: a
+        """`head_timeout_s`: nothing heard from the head for this long after its
+        connection dropped (a dead head) ends every open request with
+        HeadUnavailable; `head_stall_timeout_s`: the same while the connection
+        stays up (a stopped or frozen head, which may come back with every
+        stream intact); `connect_timeout_s`: a
         request that reached no head within this long does too;
         `ping_interval_s`: how often the client pings the head (its lease).
         `curve_dir`: the cluster's key folder (security on: its head.key is
@@ -66,6 +70,7 @@ class AsyncClient(ControlPort):
             head_timeout_s=head_timeout_s,
             connect_timeout_s=connect_timeout_s,
             ping_interval_s=ping_interval_s,
+            head_stall_timeout_s=head_stall_timeout_s,
         )
         self._tokenizer_spec = tokenizer
         self._text: Text | None = None  # loaded on first use
