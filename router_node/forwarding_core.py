@@ -110,7 +110,8 @@ class ForwardingCore:
             self.counters["limit_exceeded"] = self.counters.get("limit_exceeded", 0) + 1
             raise LimitExceeded(
                 f"this client already has {cfg.max_inflight_per_client} requests in flight "
-                "(the head's --max-inflight-per-client)",
+                f"(field max_inflight_per_client: the head's --max-inflight-per-client {cfg.max_inflight_per_client}; "
+                "trainer_bridge's Client paces itself under it)",
                 request_id=msg.request_id,
                 field="max_inflight_per_client",
             )

@@ -561,7 +561,8 @@ class Router:
 
     def _on_client_ping(self, client: bytes, _msg: P.ClientPing, _b: list[Any]) -> None:
         self.leases.seen(client, time.monotonic())
-        self.front.send(client, P.HeadPong(lease_s=self.cfg.lease_s, incarnation=self.incarnation))
+        pong = P.HeadPong(self.cfg.lease_s, self.incarnation, self.cfg.max_inflight_per_client)
+        self.front.send(client, pong)
 
     def _lease_expired(self, x: L.Expired) -> None:
         kind, name = x.resource

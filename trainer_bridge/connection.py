@@ -43,6 +43,7 @@ from bus.codec import Codec, split_packed
 from bus.endpoint import open_socket, readable, recv_frames, send_multipart
 from bus.errors import AuthRefused, ClosedByUs, HeadUnavailable, RequestTimeout, exception_from_wire
 from bus.sockets import CurveKeys
+from trainer_bridge.pacing import InflightGate
 from trainer_bridge.streams import END, GRACE_S, TIMED_OUT, RequestStream
 
 log = structlog.get_logger("trainer_bridge.connection")
@@ -90,6 +91,7 @@ class HeadLink:
         self._head_up = False
         self._head_incarnation = ""  # the HeadPong's; a change: the head restarted
         self._since: dict[str, float] = {}
+        self.inflight = InflightGate()  # generate requests in flight, under the head's per-client cap
         self._watch: asyncio.TimerHandle | None = None
         self._watch_at = 0.0
 
@@ -299,6 +301,7 @@ class HeadLink:
 
     def _on_pong(self, msg: P.HeadPong) -> bool:
         """True when the pong says the head restarted (the socket was replaced)."""
+        self.inflight.learn(msg.max_inflight_per_client)
         old, self._head_incarnation = self._head_incarnation, msg.incarnation or self._head_incarnation
         if old and msg.incarnation and msg.incarnation != old:
             # A head restarted within head_timeout_s (the supervisor is
