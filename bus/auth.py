@@ -354,6 +354,7 @@ class Gatekeeper:
         self._auth = ThreadAuthenticator(ctx)
         self._started = False
         self._refusals = RateLimitedLog(log)  # the authenticator thread's own: one line per interval
+        self._unsafe_log = RateLimitedLog(log)  # refresh's (the owner loop's): re-tried every REFRESH_S
 
     def start(self) -> Gatekeeper:
         self.refresh(force=True)
@@ -377,7 +378,7 @@ class Gatekeeper:
         except KeyFileError as e:  # the folder became writable by others: keep what was read before
             if force:
                 raise
-            log.error("key_folder_unsafe", error=e.message, kept="the allow-lists read before")
+            self._unsafe_log.refused("key_folder_unsafe", "error", error=e.message, kept="the allow-lists read before")
             return False
         self._signature = sig
         self._allowed = allowed

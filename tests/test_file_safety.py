@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import subprocess
 import tempfile
+import time
 
 import pytest
+import zmq
 
 from bus import auth
 from bus.auth import KeyDir, KeyFileError, write_token
@@ -68,11 +71,23 @@ def test_clients_folder_made_writable_is_refused_and_a_running_gatekeeper_keeps_
     keys = KeyDir(str(tmp_path / "keys")).init()
     before = keys.allowed(auth.CLIENTS)
     assert len(before) == 1
-    os.chmod(keys.clients_dir, 0o777)
-    with pytest.raises(KeyFileError):
-        keys.allowed(auth.CLIENTS)
-    with pytest.raises(KeyFileError):
-        keys.head()
+    ctx = zmq.Context()
+    gate = auth.Gatekeeper(ctx, keys, (auth.CLIENTS,)).start()
+    try:
+        os.chmod(keys.clients_dir, 0o777)
+        with pytest.raises(KeyFileError):
+            keys.allowed(auth.CLIENTS)
+        with pytest.raises(KeyFileError):
+            keys.head()
+        # A key another user could have put there: the running head does not
+        # take it (it keeps the lists it read from the safe folder).
+        KeyDir(str(tmp_path / "other")).init()
+        shutil.copy(tmp_path / "other" / "clients" / "default.key", os.path.join(keys.clients_dir, "mallory.key"))
+        assert gate.refresh(now=time.monotonic() + 10) is False
+        assert gate._allowed[auth.CLIENTS] == before
+    finally:
+        gate.stop()
+        ctx.term()
 
 
 def test_key_folder_owned_by_another_user_is_refused(tmp_path):
