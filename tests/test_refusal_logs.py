@@ -46,7 +46,9 @@ def _flood(address: str, frames: list[list[bytes]], expect_replies: bool) -> int
                 s.recv_multipart()
                 got += 1
     finally:
-        s.close(linger=0)
+        # Without replies to wait for, what is still queued must go out before
+        # the socket closes (linger 0 would drop it on a loaded machine).
+        s.close(linger=0 if expect_replies else 20_000)
         ctx.term()
     return got
 
