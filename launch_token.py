@@ -42,7 +42,7 @@ class JoinToken:
                 self.path = a.token_file
             else:
                 self._token = new_token()
-                self.path = write_token(os.path.join(run_dir, "cluster.token"), self._token)
+                self.path = write_token(os.path.join(run_dir, "cluster.token"), self._token, "run folder")
         except KeyFileError as e:
             raise SystemExit(f"launch.py: {e}") from None
 
@@ -54,7 +54,14 @@ class JoinToken:
         path = token_path_for(front)
         if not self._token or path is None:
             return
-        self.published = write_token(path, self._token)
+        try:
+            self.published = write_token(path, self._token)
+        except KeyFileError as e:  # a folder another user can write, a planted name: not published there
+            log.warning(
+                "token_not_published", path=path, field=e.field, error=e.message,
+                hint="clients on this host need --token-file / $ROLLOUT_BUS_TOKEN_FILE (or a safe ROLLOUT_BUS_TOKEN_DIR)",
+            )  # fmt: skip
+            return
         self._front = front
         atexit.register(self.unpublish)
 

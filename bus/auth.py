@@ -41,6 +41,7 @@ without being told: `token_path_for(address)` (next to an IPC socket, else in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import glob
@@ -58,6 +59,8 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from bus.errors import BadRequest
+from bus.ratelog import RateLimitedLog
+from bus.safe_files import UnsafePath, check_folder, check_own_file, create_private, make_private_folder
 from bus.sockets import CurveKeys
 
 log = structlog.get_logger("bus.auth")
@@ -177,14 +180,17 @@ class KeyDir:
         (read-only, another owner's) is a KeyFileError naming the folder."""
         try:
             if not os.path.isdir(self.root):
+                self.safe()  # the parents, before anything is made under them
                 os.makedirs(self.root, mode=0o700)
                 os.chmod(self.root, 0o700)  # makedirs' mode passes through the umask
+            self.safe()
             if not self.exists():
                 write_keypair(self.root, HEAD)
             if not glob.glob(os.path.join(self.engines_dir, "*.key_secret")):
                 write_keypair(self.engines_dir, ENGINE)
             if not os.path.exists(os.path.join(self.clients_dir, f"{DEFAULT_CLIENT}.key")):
                 write_keypair(self.clients_dir, DEFAULT_CLIENT)
+            self.safe(self.engines_dir, self.clients_dir)
         except OSError as e:
             where = e.filename or self.root
             raise KeyFileError(
@@ -245,17 +251,32 @@ class KeyDir:
             )
         return path
 
+    def safe(self, *subfolders: str) -> None:
+        """The folder (and `subfolders` of it that exist) can be written by no
+        other user, nor can a folder above it (bus/safe_files.py: as ssh checks
+        ~/.ssh): else a KeyFileError naming curve_dir."""
+        try:
+            check_folder(self.root, "curve_dir")
+            for sub in subfolders:
+                if os.path.lexists(sub):
+                    check_folder(sub, "curve_dir")
+        except UnsafePath as e:
+            raise KeyFileError(e.message, field=e.field) from None
+
     def head_public(self) -> bytes:
+        self.safe()
         return _load(self._require(self.path(f"{HEAD}.key"), "the head's public key"), secret=False)[0]
 
     def head(self) -> CurveKeys:
         """The head's own keys (server of frontend, events and control)."""
+        self.safe(self.engines_dir, self.clients_dir)
         pub, sec = _load(self._require(self.path(f"{HEAD}.key_secret"), "the head's secret key"), secret=True)
         assert sec is not None
         return CurveKeys(public=pub, secret=sec)
 
     def engine(self) -> CurveKeys:
         """The engine credential (server of its data/weight sockets, client of the head)."""
+        self.safe(self.engines_dir, self.clients_dir)
         found = sorted(glob.glob(os.path.join(self.engines_dir, "*.key_secret")))
         if not found:
             self._require(os.path.join(self.engines_dir, f"{ENGINE}.key_secret"), "the engine credential")
@@ -270,6 +291,7 @@ class KeyDir:
         if os.sep in key or key.endswith(".key_secret"):
             path = os.path.expanduser(key)
         else:
+            self.safe(self.clients_dir)
             path = os.path.join(self.clients_dir, f"{key}.key_secret")
         pub, sec = _load(self._require(path, f"client key {key!r}", "client_key"), secret=True, field="client_key")
         assert sec is not None
@@ -278,7 +300,9 @@ class KeyDir:
     # ------------------------------------------------------------ allow-lists
 
     def allowed(self, domain: str) -> frozenset[bytes]:
-        """The z85 public keys a server socket of `domain` accepts."""
+        """The z85 public keys a server socket of `domain` accepts (a folder
+        another user can write: KeyFileError, nothing read from it)."""
+        self.safe(self.engines_dir, self.clients_dir)
         files = {
             CLIENTS: self._publics(self.clients_dir),
             ENGINES: self._publics(self.engines_dir),
@@ -329,6 +353,8 @@ class Gatekeeper:
         self.refused = 0  # handshakes refused (for stats and tests)
         self._auth = ThreadAuthenticator(ctx)
         self._started = False
+        self._refusals = RateLimitedLog(log)  # the authenticator thread's own: one line per interval
+        self._unsafe_log = RateLimitedLog(log)  # refresh's (the owner loop's): re-tried every REFRESH_S
 
     def start(self) -> Gatekeeper:
         self.refresh(force=True)
@@ -347,8 +373,15 @@ class Gatekeeper:
         sig = self.keys.signature()
         if sig == self._signature and not force:
             return False
+        try:
+            allowed = {d: self.keys.allowed(d) for d in self.domains}
+        except KeyFileError as e:  # the folder became writable by others: keep what was read before
+            if force:
+                raise
+            self._unsafe_log.refused("key_folder_unsafe", "error", error=e.message, kept="the allow-lists read before")
+            return False
         self._signature = sig
-        self._allowed = {d: self.keys.allowed(d) for d in self.domains}
+        self._allowed = allowed
         log.info("allow_lists_loaded", **{d: len(k) for d, k in self._allowed.items()})
         return True
 
@@ -360,7 +393,9 @@ class Gatekeeper:
         ok = self.allows(domain, key)
         if not ok:
             self.refused += 1
-            log.warning("zap_refused", domain=domain, key=key.decode("ascii", "replace"))
+            self._refusals.refused(
+                "zap_refused", kind=f"zap_refused.{domain}", domain=domain, key=key.decode("ascii", "replace")
+            )
         return ok
 
     def stop(self) -> None:
@@ -412,16 +447,30 @@ def new_token() -> str:
     return secrets.token_hex(32)
 
 
-def write_token(path: str, token: str) -> str:
-    """Write `token` to `path` 0600 (atomically: a reader never sees half a
-    token; an older file under that name is replaced)."""
+def write_token(path: str, token: str, field: str = TOKEN_DIR_ENV) -> str:
+    """Write `token` to `path` 0600, atomically (a reader never sees half a
+    token; an older file under that name is replaced). The folder must be ours
+    and writable by no other user (a sticky one such as /tmp passes: no one
+    renames our entries there); the file is made under a random name with
+    O_EXCL | O_NOFOLLOW (a name planted there is refused, never followed), then
+    renamed over `path` (which replaces a planted link, never writes through
+    it). KeyFileError naming `field` when any of it fails."""
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="ascii") as f:
-        f.write(token + "\n")
-    os.replace(tmp, path)
+    tmp = f"{path}.{secrets.token_hex(8)}.tmp"
+    try:
+        make_private_folder(folder, field, shared_ok=True)
+        create_private(tmp, (token + "\n").encode("ascii"), field)
+        try:
+            os.replace(tmp, path)
+            check_own_file(path, field)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+    except UnsafePath as e:
+        raise KeyFileError(e.message, field=e.field) from None
+    except OSError as e:
+        raise KeyFileError(f"{field}: cannot write the join token {path}: {e.strerror}", field=field) from None
     return path
 
 

@@ -28,6 +28,7 @@ import zmq
 from bus import protocol as P
 from bus.codec import ENCODE_ERRORS, Codec, encode_failed, request_id_of
 from bus.errors import EncodeFailed, ErrorCode, ProtocolError, RolloutBusError, truncate
+from bus.ratelog import RateLimitedLog
 from bus.sockets import CurveKeys, make_socket
 
 log = structlog.get_logger("bus.endpoint")
@@ -152,6 +153,7 @@ class Endpoint:
         on_peer_full: Callable[[bytes], None] | None = None,
         max_batch: int = 512,
         after_drain: Callable[[], None] | None = None,
+        counters: dict[str, int] | None = None,
     ) -> None:
         self.sock = sock
         self.codec = codec
@@ -176,6 +178,12 @@ class Endpoint:
         # The frames of the message being handled (without the routing frame):
         # valid only during the handler call (zero-copy forwarding).
         self.frames: list[Any] = []
+        # Refused messages: every one counted (`counters`: "bad_messages" on a
+        # socket that answers none, "request_errors" on one that answers), the
+        # log written at a bounded rate (a flood of bad frames is one line per
+        # interval per kind, bus/ratelog.py).
+        self.counters = counters if counters is not None else {}
+        self.refusals = RateLimitedLog(log)
 
     # ------------------------------------------------------------ receiving
 
@@ -283,13 +291,19 @@ class Endpoint:
 
     def fail(self, peer: bytes, rid: str, code: ErrorCode, message: str, field: str | None) -> None:
         """The typed reply to a failed request: what was produced before goes first."""
+        c = self.counters
         if self.error_reply is None:
-            log.warning("bad_message", socket=self.name, code=code.value, error=truncate(message), field=field)
+            c["bad_messages"] = c.get("bad_messages", 0) + 1
+            self.refusals.refused(
+                "bad_message", socket=self.name, code=code.value, error=truncate(message, 200), field=field
+            )
             return
         self.before_error()
-        log.info(
-            "request_error", socket=self.name, request_id=rid, code=code.value, field=field, error=truncate(message)
-        )
+        c["request_errors"] = c.get("request_errors", 0) + 1
+        self.refusals.refused(
+            "request_error", "info", kind=f"request_error.{code.value}", socket=self.name, request_id=rid[:128], code=code.value,
+            field=field, error=truncate(message, 200),
+        )  # fmt: skip
         self.send(peer, self.error_reply(rid, code, message, field))
 
     def close(self) -> None:

@@ -496,6 +496,9 @@ class HeadPong(_Msg, tag="head_pong"):
 
     lease_s: float = 0.0
     incarnation: Id = ""
+    # -- issue 34 (appended): the head's --max-inflight-per-client (0: not
+    # said); the client keeps its requests in flight under it (trainer_bridge/pacing.py).
+    max_inflight_per_client: I64 = 0
 
 
 class EndSession(_Msg, tag="end_session"):

@@ -147,3 +147,32 @@ def _check_issue10(p: Any, bad: Any) -> None:
         v = getattr(p, name)
         if not _finite(v) or not -2.0 <= v <= 2.0:
             raise bad(f"params.{name}", f"{name} must be in [-2, 2], got {v}")
+
+
+# Issue 34: what one request may make a head or an engine hold. Both keep every
+# sample's tokens so far (failover, park / re-submission), 4 bytes a token
+# (8 with logprobs), so n x (prompt + max_tokens) is the request's memory.
+DEFAULT_MAX_REQUEST_TOKENS = 1 << 23
+
+
+def request_tokens(msg: Generate, prompt_len: int) -> int:
+    """n x (the client's prompt + max_tokens): a resumed request's output
+    (msg.resume_len) counts once, as the max_tokens it is part of."""
+    return msg.num_samples * (prompt_len - msg.resume_len + msg.params.max_tokens)
+
+
+def check_request_budget(msg: Generate, prompt_len: int, max_request_tokens: int, where: str) -> None:
+    """BadRequest naming the knob (field "max_request_tokens") when the
+    request's tokens pass `where`'s budget (0: no budget)."""
+    if max_request_tokens <= 0:
+        return
+    total = request_tokens(msg, prompt_len)
+    if total > max_request_tokens:
+        raise BadRequest(
+            f"n ({msg.num_samples}) x (prompt {prompt_len - msg.resume_len} + max_tokens {msg.params.max_tokens}) "
+            f"= {total:,} tokens > {max_request_tokens:,}, the {where}'s --max-request-tokens: split it into "
+            "smaller requests (fewer samples, a lower max_tokens), or raise --max-request-tokens on the head and "
+            "every engine",
+            request_id=msg.request_id,
+            field="max_request_tokens",
+        )

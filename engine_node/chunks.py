@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from array import array
 from typing import Any
 
 from bus import frames as F
 from bus import protocol as P
-from bus.frames import chunk_versions, pack_logprobs, pack_tokens
+from bus.frames import chunk_versions
 from engine_node.requests import NodeRequest, Sample
 
 # One token id as bus.frames.pack_tokens packs it (array("i"): a native int32):
 # a step of one token per sample is the common chunk, and the Struct costs
-# about a third of building an array. An id it cannot pack goes through the
-# array after all, so a bad id raises what it always did.
+# about a third of slicing the array. (An id that does not fit int32 never
+# gets here: the sample's array refused it when the step's tokens came in.)
 _pack_one = struct.Struct("i").pack
 
 
@@ -58,19 +57,17 @@ def sample_chunk(
     p = req.msg.params
     tokens = s.tokens
     n = len(tokens)
-    try:  # bus.frames.pack_tokens of a list, inlined (once per chunk)
-        tok = _pack_one(tokens[sent]) if n == sent + 1 else array("i", tokens[sent:]).tobytes()
-    except struct.error:
-        tok = array("i", tokens[sent:]).tobytes()
+    # tokens: an int32 array (engine_node/requests.py), already the frame's layout
+    tok = _pack_one(tokens[sent]) if n == sent + 1 else tokens[sent:].tobytes()
     buffers = [tok]
     top_k = prompt_k = -1
     lp = p.logprobs
     if lp is not None and lp is not False:  # bus.frames.logprobs_wanted, inlined
-        buffers.append(pack_logprobs(s.logprobs[sent:]))
+        buffers.append(s.logprobs[sent:].tobytes())
         top_k = F.top_k_of(lp)
         if top_k > 0:
-            buffers.append(pack_tokens(s.top_ids[sent * top_k : n * top_k]))
-            buffers.append(pack_logprobs(s.top_logprobs[sent * top_k : n * top_k]))
+            buffers.append(s.top_ids[sent * top_k : n * top_k].tobytes())
+            buffers.append(s.top_logprobs[sent * top_k : n * top_k].tobytes())
     text = None
     if finish is not None:
         pl = s.prompt_logprobs

@@ -8,6 +8,8 @@ import json
 import os
 from typing import Any
 
+from bus.validate import DEFAULT_MAX_REQUEST_TOKENS
+
 
 @dataclasses.dataclass
 class EngineNodeConfig:
@@ -21,6 +23,9 @@ class EngineNodeConfig:
     backend_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     heartbeat_interval_s: float = 0.5
     max_prompt_tokens: int = 32768
+    # n x (prompt + max_tokens) of one request (issue 34): the node keeps every
+    # sample's tokens for park / re-submission. 0: no budget.
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
     drain_timeout_s: float = 5.0  # SIGTERM: how long running requests may finish
     register_timeout_s: float = 120.0  # give up when the head never answers
     advertise_host: str = ""  # how other nodes reach tcp://*:port binds
@@ -49,6 +54,12 @@ def parse_args(argv: list[str] | None = None) -> EngineNodeConfig:
     ap.add_argument("--backend-options", default="{}", help="JSON object passed to the backend factory")
     ap.add_argument("--heartbeat-interval-s", type=float, default=0.5)
     ap.add_argument("--max-prompt-tokens", type=int, default=32768)
+    ap.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_TOKENS,
+        help="n x (prompt + max_tokens) one request may ask for (0: no budget)",
+    )
     ap.add_argument("--drain-timeout-s", type=float, default=5.0)
     ap.add_argument("--register-timeout-s", type=float, default=120.0)
     ap.add_argument(
@@ -86,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> EngineNodeConfig:
         backend_options=json.loads(a.backend_options),
         heartbeat_interval_s=a.heartbeat_interval_s,
         max_prompt_tokens=a.max_prompt_tokens,
+        max_request_tokens=a.max_request_tokens,
         drain_timeout_s=a.drain_timeout_s,
         register_timeout_s=a.register_timeout_s,
         advertise_host=a.advertise_host,

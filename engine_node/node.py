@@ -47,7 +47,7 @@ from bus.errors import BadRequest, ErrorCode
 from bus.profiler import start_from_env
 from bus.runtime import become_child_process
 from bus.sockets import bound_address
-from bus.validate import check_generate, prompt_from_frames
+from bus.validate import check_generate, check_request_budget, prompt_from_frames
 from engine_node.actions import OpOutcome, Pending, SendAck, SendChunks, SendError
 from engine_node.backend import Backend, load_backend
 from engine_node.config import EngineNodeConfig, parse_args
@@ -479,6 +479,7 @@ class EngineNode:
     def _on_generate(self, client: bytes, msg: P.Generate, buffers: list[Any]) -> None:
         prompt = prompt_from_frames(msg, [b.buffer for b in buffers], max_prompt_tokens=self.cfg.max_prompt_tokens)
         check_generate(msg, prompt, vocab_size=self.info.vocab_size)
+        check_request_budget(msg, len(prompt), self.cfg.max_request_tokens, f"engine {self.engine_id}")
         self.core.accepting = self.lifecycle is Lifecycle.SERVING
         self.core.generate(client, msg, prompt.tolist())
 

@@ -298,7 +298,7 @@ class RequestFlow:
             p = msgspec.structs.replace(p, min_tokens=max(0, p.min_tokens - done))
         seq = SeqRequest(
             seq_id=seq_id,
-            prompt=req.base_prompt + s.tokens,
+            prompt=req.base_prompt + s.tokens.tolist(),
             params=p,
             max_new_tokens=p.max_tokens - done,
             seed=s.seed,

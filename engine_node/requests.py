@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from array import array
 from typing import Any
 
 from bus.frames import top_k_of
@@ -53,11 +54,24 @@ def transition(s: Sample, new: SampleState) -> None:
     s.state = new
 
 
+def _ids() -> array[int]:
+    return array("i")
+
+
+def _floats() -> array[float]:
+    return array("f")
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class Sample:
+    """Output so far as packed arrays (int32 ids, float32 logprobs: what the
+    wire carries), 4 bytes a token each instead of a list's ~36: a request
+    holds its tokens for park / re-submission, and the admission budget
+    (--max-request-tokens) bounds how many; the arrays keep that figure small."""
+
     index: int  # absolute sample index (Generate.sample_offset + i)
-    tokens: list[int]  # output so far, including the client's resume prefix
-    logprobs: list[float]
+    tokens: array[int]  # output so far, including the client's resume prefix
+    logprobs: array[float]
     sent: int  # tokens already sent to the client
     state: SampleState = SampleState.PENDING
     seq_id: str | None = None  # current backend sequence id
@@ -65,8 +79,8 @@ class Sample:
     # Non-streamed requests: [token offset, weight version] at each change.
     version_marks: list[list[int]] = dataclasses.field(default_factory=list)
     # -- issue 10
-    top_ids: list[int] = dataclasses.field(default_factory=list)  # k per token, row-major
-    top_logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_ids: array[int] = dataclasses.field(default_factory=_ids)  # k per token, row-major
+    top_logprobs: array[float] = dataclasses.field(default_factory=_floats)
     prompt_logprobs: Any = None  # backend.PromptLogprobsOut of the base prompt, once computed
     matcher: Any = None  # detokenize.StopMatcher, for requests with stop strings
     stop_reason: str | None = None  # the stop string that ended it
@@ -112,11 +126,11 @@ def new_request(client: bytes, msg: Generate, prompt: list[int], now: float) -> 
     samples = [
         Sample(
             index=msg.sample_offset + i,
-            tokens=list(resumed),
-            logprobs=[0.0] * len(resumed),
+            tokens=array("i", resumed),
+            logprobs=array("f", bytes(4 * len(resumed))),
             sent=len(resumed),
-            top_ids=[0] * k,
-            top_logprobs=[0.0] * k,
+            top_ids=array("i", bytes(4 * k)),
+            top_logprobs=array("f", bytes(4 * k)),
         )
         for i in range(msg.num_samples)
     ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from bus.validate import DEFAULT_MAX_REQUEST_TOKENS
+
 
 @dataclasses.dataclass
 class RouterConfig:
@@ -48,6 +50,10 @@ class RouterConfig:
     max_sessions_per_client: int = 65536  # open sessions (session_id) at once
     query_cache_s: float = 0.1  # health/engines/stats answers are rebuilt at most this often
     max_prompt_tokens: int = 32768
+    # n x (prompt + max_tokens) of one request (issue 34): the head keeps every
+    # sample's tokens so far for failover; a request past it is refused at once
+    # (BadRequest, field max_request_tokens). 0: no budget.
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
     forget_after_s: float = 60.0  # drop a dead engine from the registry
     join_timeout_s: float = 30.0  # an engine that never acks the join ping is dropped
     # deadline of one corrective op (pause/resume/sleep/wake_up) sent to an

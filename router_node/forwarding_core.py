@@ -36,7 +36,7 @@ import structlog
 from bus import protocol as P
 from bus.errors import EXCEPTION_OF, BadRequest, ErrorCode, LimitExceeded, RolloutBusError
 from bus.frames import chunk_payload, prompt_frame_count, token_count
-from bus.validate import check_generate, prompt_from_frames
+from bus.validate import check_generate, check_request_budget, prompt_from_frames
 from router_node.actions import Action, FailRequest, RelayToClient, SendToClient, SendToEngine
 from router_node.config import RouterConfig
 from router_node.flights import Flight, Ledger, Part, SampleTrack, aggregate, record, restart_leg
@@ -84,6 +84,7 @@ class ForwardingCore:
         prompt = prompt_from_frames(msg, buffers, max_prompt_tokens=self.cfg.max_prompt_tokens)
         vocab = min((e.reg.vocab_size for e in self.engines.values() if e.healthy and e.reg.vocab_size), default=0)
         check_generate(msg, prompt, vocab_size=vocab)
+        check_request_budget(msg, len(prompt), self.cfg.max_request_tokens, "head")
         if (client, rid) in self.flights:
             raise BadRequest(f"request id {rid!r} is already in flight", request_id=rid, field="request_id")
         self._check_caps(client, msg)
@@ -109,7 +110,8 @@ class ForwardingCore:
             self.counters["limit_exceeded"] = self.counters.get("limit_exceeded", 0) + 1
             raise LimitExceeded(
                 f"this client already has {cfg.max_inflight_per_client} requests in flight "
-                "(the head's --max-inflight-per-client)",
+                f"(field max_inflight_per_client: the head's --max-inflight-per-client {cfg.max_inflight_per_client}; "
+                "trainer_bridge's Client paces itself under it)",
                 request_id=msg.request_id,
                 field="max_inflight_per_client",
             )

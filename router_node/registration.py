@@ -28,7 +28,8 @@ from bus import protocol as P
 from bus.auth import Gatekeeper
 from bus.codec import Codec
 from bus.endpoint import open_socket
-from bus.errors import BadRequest, ErrorCode, Unauthorized
+from bus.errors import BadRequest, ErrorCode, Unauthorized, truncate
+from bus.ratelog import RateLimitedLog
 from router_node.config import RouterConfig
 from router_node.registry import Admission, EngineEntry, admit_register
 from router_node.trust import check_join_token, check_register, engine_curve
@@ -63,13 +64,16 @@ class Registrar:
         self.curve = curve
         self.vocab = cfg.vocab_size  # the cluster's vocabulary (0: the first registered engine's)
         self._rejoin_asked: dict[bytes, float] = {}
+        self.refusals = RateLimitedLog(log)  # refused Registers: one log line per interval per kind
 
     def check(self, reg: P.Register, ident: bytes, frames: list[Any], send: Send) -> tuple[Any] | None:
         """Check a Register: its refusal is sent here (returns None), else the
         keys to connect to its data socket (None: no CURVE there) in a tuple."""
         if reg.protocol_version != P.PROTOCOL_VERSION:
             err = f"protocol version {reg.protocol_version} != head's {P.PROTOCOL_VERSION}: upgrade the older side"
-            log.error("register_refused", engine_id=reg.engine_id[:128], error=err)
+            self.refusals.refused(
+                "register_refused", "error", kind="register_refused.protocol", engine_id=reg.engine_id[:128], error=err
+            )
             self.counters["register_refused"] += 1
             send(ident, P.RegisterReply(ok=False, error=err, code=ErrorCode.PROTOCOL.value))
             return None
@@ -80,7 +84,9 @@ class Registrar:
         except (BadRequest, Unauthorized) as err:
             event = "register_refused_token" if isinstance(err, Unauthorized) else "register_refused"
             self.counters[event] += 1
-            log.warning(event, engine_id=reg.engine_id[:128], pid=reg.pid, field=err.field, error=err.message)
+            self.refusals.refused(
+                event, engine_id=reg.engine_id[:128], pid=reg.pid, field=err.field, error=truncate(err.message, 200)
+            )
             send(ident, P.RegisterReply(ok=False, error=str(err), code=err.code.value, field=err.field))
             return None
 

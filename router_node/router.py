@@ -29,6 +29,7 @@ from bus.codec import Codec
 from bus.control_bus import ControlBus
 from bus.endpoint import Endpoint, open_socket
 from bus.errors import BadRequest, ErrorCode, Unauthorized, truncate
+from bus.ratelog import RateLimitedLog
 from bus.sockets import CONTROL_HWM, bound_address
 from router_node import leases as L
 from router_node import views
@@ -75,7 +76,9 @@ def new_counters() -> dict[str, int]:
         "client_over_hwm": 0,  # clients whose requests were cancelled: they did not read (client_hwm)
         "register_refused_token": 0,  # Registers without the cluster's join token
         "register_refused": 0,  # Registers refused for another reason (vocab_size, identity, fields)
-        "unauthorized": 0,  # client control ops without the token, frames of a revoked CURVE key
+        "unauthorized": 0,
+        "bad_messages": 0,  # events-socket messages refused (undecodable, not served there): logged at a bounded rate
+        "request_errors": 0,  # frontend messages answered with an Error (bad request, refused, ...)  # client control ops without the token, frames of a revoked CURVE key
         "clients_revoked": 0,  # frontend peers cut because their CURVE key left the allow-list
         "leases_expired": 0,  # pauses / sleeps / updates released because their client vanished
         "head_stalls": 0,  # the head's own loop was away longer than a heartbeat interval
@@ -108,6 +111,7 @@ class Router:
         self.engines: dict[str, EngineEntry] = {}
         self.sessions = Sessions(cfg.session_ttl_s)
         self.counters = new_counters()
+        self.refusals = RateLimitedLog(log)  # refusals of peers: one log line per interval per kind
         # This head's identity on every engine's data socket (RegisterReply.data_peer):
         # engines send their acks there, behind the chunks they produced first.
         self.incarnation = uuid.uuid4().hex[:12]
@@ -199,6 +203,7 @@ class Router:
             before_error=self._before_error,
             on_peer_gone=self._client_gone,
             on_peer_full=self._client_over_hwm,
+            counters=self.counters,
         )
         fw.front = self.front
         self.events = Endpoint(
@@ -210,6 +215,7 @@ class Router:
             name="events",
             routed=True,
             error_reply=None,
+            counters=self.counters,
         )
         self.frontend = self.front.sock
         self.addresses = {
@@ -309,6 +315,8 @@ class Router:
             self._lease_expired(expired)
         self._evaluate_engines(now)
         self.sessions.expire(now)
+        for rl in (self.refusals, self.registrar.refusals, self.front.refusals, self.events.refusals):
+            rl.flush()
         if self.gate is not None and self.gate.refresh(now):  # a key added or removed: re-read the allow-lists
             self._revoke_removed_keys()
 
@@ -448,7 +456,9 @@ class Router:
                 check_join_token(self.token, msg.token, self.front.frames, what=what)
             except Unauthorized as e:
                 self.counters["unauthorized"] += 1
-                log.warning("control_refused_token", op=P.OP_NAMES[type(msg.op)], request_id=msg.request_id[:128])
+                self.refusals.refused(
+                    "control_refused_token", op=P.OP_NAMES[type(msg.op)], request_id=msg.request_id[:128]
+                )
                 e.request_id = msg.request_id
                 raise
         self.control.on_control(client, msg, buffers)  # raises on a refused op: nothing held
@@ -551,7 +561,8 @@ class Router:
 
     def _on_client_ping(self, client: bytes, _msg: P.ClientPing, _b: list[Any]) -> None:
         self.leases.seen(client, time.monotonic())
-        self.front.send(client, P.HeadPong(lease_s=self.cfg.lease_s, incarnation=self.incarnation))
+        pong = P.HeadPong(self.cfg.lease_s, self.incarnation, self.cfg.max_inflight_per_client)
+        self.front.send(client, pong)
 
     def _lease_expired(self, x: L.Expired) -> None:
         kind, name = x.resource

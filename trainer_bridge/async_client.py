@@ -11,8 +11,8 @@ go through `trainer_bridge/sampling.py`, as on the SkyRL path.
 
 from __future__ import annotations
 
-import asyncio
 import os
+import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
@@ -23,9 +23,18 @@ from bus.auth import KeyDir, find_token
 from bus.errors import BadRequest, ProtocolError
 from bus.frames import pack_tokens
 from trainer_bridge.control_port import ControlPort, expect
+from trainer_bridge.pacing import gather_or_cancel
 from trainer_bridge.pipelined import update_paused
 from trainer_bridge.sampling import for_request
-from trainer_bridge.streams import TIMED_OUT, SampleAssembler, check_num_samples, final_error, is_batch, to_stream_chunk
+from trainer_bridge.streams import (
+    TIMED_OUT,
+    SampleAssembler,
+    at_client_cap,
+    check_num_samples,
+    final_error,
+    is_batch,
+    to_stream_chunk,
+)
 from trainer_bridge.text import Text, attach_text, is_text_prompt, load_text, to_ids
 from trainer_bridge.types import GenerationResult, SampledSequence, SampleResponse, StreamChunk
 from trainer_bridge.weights import WeightUpdate, join_update, push_weights
@@ -45,9 +54,13 @@ class AsyncClient(ControlPort):
         head_timeout_s: float = 2.0,
         connect_timeout_s: float = 3.0,
         ping_interval_s: float = 0.5,
+        head_stall_timeout_s: float = 30.0,
     ) -> None:
-        """`head_timeout_s`: nothing heard from a connected head for this long
-        ends every open request with HeadUnavailable; `connect_timeout_s`: a
+        """`head_timeout_s`: nothing heard from the head for this long after its
+        connection dropped (a dead head) ends every open request with
+        HeadUnavailable; `head_stall_timeout_s`: the same while the connection
+        stays up (a stopped or frozen head, which may come back with every
+        stream intact); `connect_timeout_s`: a
         request that reached no head within this long does too;
         `ping_interval_s`: how often the client pings the head (its lease).
         `curve_dir`: the cluster's key folder (security on: its head.key is
@@ -66,6 +79,7 @@ class AsyncClient(ControlPort):
             head_timeout_s=head_timeout_s,
             connect_timeout_s=connect_timeout_s,
             ping_interval_s=ping_interval_s,
+            head_stall_timeout_s=head_stall_timeout_s,
         )
         self._tokenizer_spec = tokenizer
         self._text: Text | None = None  # loaded on first use
@@ -134,22 +148,34 @@ class AsyncClient(ControlPort):
             timeout_s=timeout,
             max_staleness=max_staleness,
         )
-        st = self._open_stream(rid, timeout, num_samples)
-        try:
-            self._send(msg, [pack_tokens(prompt_ids)])
-            st.sent = True
-            while st.open_samples:
-                item, toks, rest = await st.queue.get()
-                if type(item) is not P.Chunk:
-                    st.open_samples = 0  # a final answer (error, timeout, close): nothing left to cancel
-                    if item is TIMED_OUT:
-                        self._send(P.Cancel(request_id=rid))
-                    raise final_error(item, rid, timeout)
-                if item.finish_reason is not None:
-                    st.open_samples -= 1
-                yield to_stream_chunk(rid, item, toks, rest), item.version_changes
-        finally:
-            self._close_stream(st)
+        prompt = [pack_tokens(prompt_ids)]
+        gate = self.inflight
+        retry_until = time.monotonic() + timeout
+        while True:  # once, unless the head refused it at its per-client cap before it started
+            await gate.acquire(timeout, rid)
+            st = self._open_stream(rid, timeout, num_samples)
+            try:
+                self._send(msg, prompt)
+                st.sent = True
+                while st.open_samples:
+                    item, toks, rest = await st.queue.get()
+                    if type(item) is not P.Chunk:
+                        st.open_samples = 0  # a final answer (error, timeout, close): nothing left to cancel
+                        if item is TIMED_OUT:
+                            self._send(P.Cancel(request_id=rid))
+                        if at_client_cap(item) and not st.received and time.monotonic() < retry_until:
+                            break  # not the caller's error: sent again once a slot frees (trainer_bridge/pacing.py)
+                        raise final_error(item, rid, timeout)
+                    st.received = True
+                    if item.finish_reason is not None:
+                        st.open_samples -= 1
+                    yield to_stream_chunk(rid, item, toks, rest), item.version_changes
+                else:
+                    return
+            finally:
+                self._close_stream(st)
+                gate.release()
+            await gate.refused()
 
     async def _collect(
         self, prompt_ids: Sequence[int], sp: P.SamplingParams, num_samples: int, **kw: Any
@@ -184,7 +210,9 @@ class AsyncClient(ControlPort):
         ids: Any = prompt_ids if text is None else to_ids(text, prompt_ids)
         out: Any
         if is_batch(ids):
-            out = list(await asyncio.gather(*(self._collect(p, tr.params, tr.num_samples, **kw) for p in ids)))
+            # Any batch size: the requests pace themselves under the head's
+            # per-client cap (trainer_bridge/pacing.py); a failure cancels the rest.
+            out = await gather_or_cancel(self._collect(p, tr.params, tr.num_samples, **kw) for p in ids)
         else:
             out = await self._collect(ids, tr.params, tr.num_samples, **kw)
         if text is None:

@@ -10,9 +10,14 @@ future per request/reply call.
 
 Head liveness: while its socket is open the client pings the head every
 `ping_interval_s` (idle too; the pings also renew its lease on the pauses,
-sleep and weight update it holds, router_node/leases.py). Nothing from the head
-for `head_timeout_s`, or no head reached within `connect_timeout_s` of a
-request, ends every open request with `HeadUnavailable` naming the address;
+sleep and weight update it holds, router_node/leases.py). A dead head and a
+stalled one are told apart by the connection (a socket monitor): nothing from
+the head for `head_timeout_s` after its connection dropped (a killed process:
+the kernel closes its sockets), nothing for `head_stall_timeout_s` while the
+connection stays up (a stopped or frozen process, a long GC pause: it may come
+back with every stream intact), or no head reached within `connect_timeout_s`
+of a request, ends every open request with `HeadUnavailable` naming the address
+and the knob;
 the socket is then replaced (so no queued request reaches a later head) and
 the client keeps pinging: once the head is back, new requests work. A pong
 with a new incarnation means the head restarted between two pings: the
@@ -38,6 +43,7 @@ from bus.codec import Codec, split_packed
 from bus.endpoint import open_socket, readable, recv_frames, send_multipart
 from bus.errors import AuthRefused, ClosedByUs, HeadUnavailable, RequestTimeout, exception_from_wire
 from bus.sockets import CurveKeys
+from trainer_bridge.pacing import InflightGate
 from trainer_bridge.streams import END, GRACE_S, TIMED_OUT, RequestStream
 
 log = structlog.get_logger("trainer_bridge.connection")
@@ -52,6 +58,7 @@ class HeadLink:
         head_timeout_s: float,
         connect_timeout_s: float,
         ping_interval_s: float,
+        head_stall_timeout_s: float = 30.0,
     ) -> None:
         self.address = address
         self._curve = curve
@@ -76,10 +83,15 @@ class HeadLink:
         self.head_timeout_s = head_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.ping_interval_s = ping_interval_s
+        self.head_stall_timeout_s = max(head_stall_timeout_s, head_timeout_s)
+        # The monitor saw the connection drop and no new handshake since: a
+        # silent head is then dead (head_timeout_s), not stalled.
+        self._link_down = False
         self._last_rx = 0.0
         self._head_up = False
         self._head_incarnation = ""  # the HeadPong's; a change: the head restarted
         self._since: dict[str, float] = {}
+        self.inflight = InflightGate()  # generate requests in flight, under the head's per-client cap
         self._watch: asyncio.TimerHandle | None = None
         self._watch_at = 0.0
 
@@ -113,13 +125,18 @@ class HeadLink:
         assert self._loop is not None and self._ctx is not None
         self._sock = open_socket(self._ctx, zmq.DEALER, connect=self.address, curve=self._curve)
         self._head_up = False
+        self._link_down = False
         self._loop.add_reader(self._sock.fileno(), self._drain)
         # Handshake refusals fail every wait at once, naming the fix, instead
         # of a timeout much later: a key the head does not allow (AUTH), or
         # a security mismatch (PROTOCOL: no keys against a CURVE head, or
-        # keys against a plain one).
+        # keys against a plain one). Disconnects and handshakes tell a dead
+        # head from a stalled one (the module doc).
         self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_HANDSHAKE_SUCCEEDED
         )
         self._loop.add_reader(self._monitor.fileno(), self._on_monitor)
         # zmq's FD only signals once its mailbox was drained: drain now
@@ -165,11 +182,18 @@ class HeadLink:
             # Our own loop was stalled (a stopped process, a blocked loop): the
             # head's silence is ours; it gets a fresh head_timeout_s.
             self._last_rx = max(self._last_rx, now)
-        if self._head_up and now - self._last_rx > self.head_timeout_s:
+        silent = now - self._last_rx
+        if self._head_up and self._link_down and silent > self.head_timeout_s:
             self._head_lost(
-                f"nothing came from the head at {self.address} for {now - self._last_rx:.1f}s "
-                f"(head_timeout_s={self.head_timeout_s}): it died, froze or is restarting",
+                f"the connection to the head at {self.address} dropped and nothing came for {silent:.1f}s "
+                f"(head_timeout_s={self.head_timeout_s}): it died or is restarting",
                 "head_timeout_s",
+            )
+        elif self._head_up and silent > self.head_stall_timeout_s:
+            self._head_lost(
+                f"the head at {self.address} is connected but sent nothing for {silent:.1f}s "
+                f"(head_stall_timeout_s={self.head_stall_timeout_s}): it is stopped or frozen",
+                "head_stall_timeout_s",
             )
         elif not self._head_up and any(now - t > self.connect_timeout_s for t in self._since.values()):
             self._head_lost(
@@ -199,6 +223,11 @@ class HeadLink:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
+            kind = event["event"]
+            if kind == zmq.EVENT_DISCONNECTED:
+                self._link_down = True
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._link_down = False
             err = self._refusal(event)
             if err is None:
                 continue
@@ -272,6 +301,7 @@ class HeadLink:
 
     def _on_pong(self, msg: P.HeadPong) -> bool:
         """True when the pong says the head restarted (the socket was replaced)."""
+        self.inflight.learn(msg.max_inflight_per_client)
         old, self._head_incarnation = self._head_incarnation, msg.incarnation or self._head_incarnation
         if old and msg.incarnation and msg.incarnation != old:
             # A head restarted within head_timeout_s (the supervisor is

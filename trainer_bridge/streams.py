@@ -19,7 +19,15 @@ from typing import Any
 import numpy as np
 
 from bus import protocol as P
-from bus.errors import BadRequest, ClosedByUs, ProtocolError, RequestTimeout, RolloutBusError, exception_from_wire
+from bus.errors import (
+    BadRequest,
+    ClosedByUs,
+    ErrorCode,
+    ProtocolError,
+    RequestTimeout,
+    RolloutBusError,
+    exception_from_wire,
+)
 from bus.frames import decode as decode_frames
 from bus.frames import token_versions, unpack_logprobs
 from trainer_bridge.types import GenerationResult, SampleOutput, StreamChunk
@@ -38,6 +46,7 @@ class RequestStream:
     timer: asyncio.TimerHandle
     open_samples: int  # samples still without their final chunk
     sent: bool = False  # the Generate left: a Cancel has something to end
+    received: bool = False  # a chunk came: the request started (never sent again)
 
 
 def check_num_samples(num_samples: Any) -> None:
@@ -64,6 +73,16 @@ def final_error(item: Any, rid: str, timeout: float) -> Exception:
     if isinstance(item, P.Error):
         return exception_from_wire(item.code, item.message, rid, item.field)
     return ProtocolError(f"unexpected {type(item).__name__} for a generate request", request_id=rid)
+
+
+def at_client_cap(item: Any) -> bool:
+    """The head refused the request at its per-client cap (LimitExceeded,
+    field max_inflight_per_client): trainer_bridge/pacing.py sends it again."""
+    return (
+        isinstance(item, P.Error)
+        and item.code == ErrorCode.LIMIT_EXCEEDED.value
+        and (item.field == "max_inflight_per_client")
+    )
 
 
 def to_stream_chunk(rid: str, item: P.Chunk, toks: list[int], rest: list[Any]) -> StreamChunk:

@@ -98,8 +98,9 @@ class Client(BlockingFace):
         head_timeout_s: float = 2.0,
         connect_timeout_s: float = 3.0,
         ping_interval_s: float = 0.5,
+        head_stall_timeout_s: float = 30.0,
     ) -> None:
-        """`head_timeout_s`, `connect_timeout_s`, `ping_interval_s`: head
+        """`head_timeout_s`, `head_stall_timeout_s`, `connect_timeout_s`, `ping_interval_s`: head
         liveness (AsyncClient). `timeout_s`: a request's deadline; `control_timeout_s`: a control
         op's; `curve_dir`: the cluster's key folder (launch.py --curve) and
         `client_key`: this client's key in it, a name or a .key_secret path
@@ -117,6 +118,7 @@ class Client(BlockingFace):
             head_timeout_s=head_timeout_s,
             connect_timeout_s=connect_timeout_s,
             ping_interval_s=ping_interval_s,
+            head_stall_timeout_s=head_stall_timeout_s,
         )
         super().__init__(aclient, "rollout-bus-client")
 

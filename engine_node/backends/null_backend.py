@@ -28,7 +28,7 @@ Behaviour
 
 Options (``make_backend("null", **options)``; strings are accepted, so CLI
 ``key=value`` options work): ``vocab`` (32000), ``eos`` (2; an int or a
-comma list), ``tokens_per_step`` (0 = all at once), ``capacity`` (1024),
+comma list), ``tokens_per_step`` (0 = all at once, up to 65,536 per step), ``capacity`` (1024),
 ``max_model_len`` (1 << 20), ``step_delay_s`` (0.0: a sleep per non-empty
 step, to imitate decode time).
 """
@@ -42,6 +42,10 @@ from typing import Any
 
 from bus.tensors import ITEMSIZE, unpack_bucket
 from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput
+
+# A step's output per sequence with tokens_per_step=0 ("all at once"): a
+# sequence of 2**20 tokens is 16 steps, not one 36 MB list of ints per sample.
+MAX_TOKENS_PER_STEP = 65536
 
 
 def _as_int(v: Any) -> int:
@@ -187,6 +191,8 @@ class NullBackend:
             n = s.max_new - s.produced
             if tps and tps < n:
                 n = tps
+            elif n > MAX_TOKENS_PER_STEP:  # "all at once" up to a bound: memory per step stays flat
+                n = MAX_TOKENS_PER_STEP
             base = s.last + 1 + s.produced
             toks = [(base + i) % vocab for i in range(n)]
             finish = None
