@@ -39,7 +39,7 @@ replayed update until versions only move up (i34-state).
     python -m bench.soak_attacks --minutes 30
     python -m bench.soak_attacks --minutes 0.4 --fault-every-s 3 --attacks steal,stop
 
-Writes bench/results/soak_attacks.json; exit code 1 when a criterion fails.
+Writes bench/results/soak_attacks.json; exit code 1 when a criterion fails, 2 when one could not be judged.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ from typing import Any
 import psutil
 import zmq
 
+from bench.harness import criterion
+from bench.harness import verdict as judge
 from bench.soak_faults import ROOT, Launcher, Soak, _growth, _rss_mib
 from bus import protocol as P
 from bus.codec import Codec
@@ -379,8 +381,14 @@ def verdict(s: AttackSoak, a: argparse.Namespace) -> dict[str, Any]:
         "no_unexplained_errors": not unexplained,
         "no_hangs": outcomes.get("hang", 0) + outcomes.get("unended", 0) == 0,
         "every_attack_held": not findings,
-        "rss_growth_below_25pct": all(g < GROWTH_LIMIT for g in growth.values()),
+        # None (not judged) when a run was too short for _growth to judge memory: never a pass
+        "rss_growth_below_25pct": (
+            None
+            if not growth or any(g is None for g in growth.values())
+            else all(g is not None and g < GROWTH_LIMIT for g in growth.values())
+        ),
     }
+    word, _code = judge(criteria)
     return {
         "minutes": a.minutes,
         "attacks_run": [r["attack"] for r in s.attacks],
@@ -393,7 +401,8 @@ def verdict(s: AttackSoak, a: argparse.Namespace) -> dict[str, Any]:
         "rss_max_mib": {k: max(x.get(k, 0.0) for x in s.rss) for k in growth},
         "rss": s.rss,
         "criteria": criteria,
-        "passed": all(criteria.values()),
+        "verdict": word,
+        "passed": word == "PASS",
     }
 
 
@@ -401,11 +410,12 @@ def print_table(r: dict[str, Any]) -> None:
     print(f"requests {r['requests']}  outcomes {json.dumps(r['outcomes'])}")
     print(f"attacks  {', '.join(r['attacks_run'])}")
     for k, v in r["rss_max_mib"].items():
-        print(f"  {k:<16} max {v:8.1f} MiB  growth {r['rss_growth'][k] * 100:6.1f}%")
+        g = r["rss_growth"][k]
+        print(f"  {k:<16} max {v:8.1f} MiB  growth " + (f"{g * 100:6.1f}%" if g is not None else "not judged"))
     for name, what in r["findings"].items():
         print(f"BROKEN {name}: {what}")
     for k, v in r["criteria"].items():
-        print(f"criterion {k}: {'PASS' if v else 'FAIL'}")
+        print(f"criterion {k}: {criterion(v)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -458,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, fh, indent=1, default=str)
     print_table(result)
     print(f"\nwrote {a.out}")
-    return 0 if result["passed"] else 1
+    return 0 if result["passed"] else 2 if result["verdict"] != "FAIL" else 1
 
 
 if __name__ == "__main__":
