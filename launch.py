@@ -17,7 +17,7 @@ import tempfile
 import structlog
 
 from bus.runtime import configure_logging, set_title
-from launch_config import parse_args
+from launch_config import parse_args, refusal
 from launch_keys import keys_main
 from launch_local import run_local
 from launch_ray import run_on_ray
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["keys"]:
         return keys_main(argv[1:])
     a = parse_args(argv)
+    if (why := refusal(a)) is not None:  # before any process starts
+        print(f"launch.py: error: {why}", file=sys.stderr)
+        return 2
     # One level for every process: children read ROLLOUT_BUS_LOG_LEVEL (bus.runtime).
     a.log_level = a.log_level or os.environ.get("ROLLOUT_BUS_LOG_LEVEL", "WARNING").upper()
     os.environ["ROLLOUT_BUS_LOG_LEVEL"] = a.log_level
@@ -50,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         sup.shutdown()
         shutil.rmtree(run_dir, ignore_errors=True)
         log.info("launch_stopped", leftover=len(sup.alive()))
+        if sup.fatal:  # the one line that says why the launch ended
+            print(f"launch.py: {sup.fatal}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
