@@ -19,9 +19,6 @@ import structlog
 from bus.runtime import configure_logging, set_title
 from launch_config import parse_args, refusal
 from launch_keys import keys_main
-from launch_local import run_local
-from launch_ray import run_on_ray
-from launch_supervisor import Supervisor, mark_run_dir, remove_stale_run_dirs
 
 log = structlog.get_logger("launch")
 
@@ -39,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["ROLLOUT_BUS_LOG_LEVEL"] = a.log_level
     configure_logging(a.log_level)
     set_title("rollout-bus launch")
+    # The launch itself (the client, the supervisor, Ray) is imported once the
+    # flags are accepted: a refused flag answers at once.
+    from launch_local import run_local  # lazy: a refused flag does not wait for the client's imports
+    from launch_ray import run_on_ray  # lazy: as above
+    from launch_supervisor import Supervisor, mark_run_dir, remove_stale_run_dirs  # lazy: as above
+
     if a.ray:
         return run_on_ray(a)
     sup = Supervisor(a.max_restarts, a.grace_s)

@@ -90,7 +90,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text + " (default: %(default)s)"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         "launch.py", usage="%(prog)s [options]  (--help lists them)", description=USAGE, formatter_class=_HelpFormatter
     )
@@ -99,6 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _add_security_args(ap)
     _add_lifecycle_args(ap)
     _add_head_args(ap)
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
     a = ap.parse_args(argv)
     if a.port and a.port + 2 > 65535:  # the head binds port, port+1, port+2
         ap.error(f"argument --port: {a.port} leaves no room for the events and control ports (port+1, port+2)")

@@ -238,7 +238,7 @@ def wait_ready(a: argparse.Namespace, sup: Supervisor, client: Client, prefix: s
     while sup.state is State.RUNNING:
         sup.check()
         if gone := sup.gave_up():  # it will not be healthy: no point waiting for the deadline
-            sup.stop_fatal(f"engine {gone[0].name} cannot start: {gone[0].gave_up}")
+            sup.stop_fatal(f"engine {gone[0].name} {gone[0].gave_up}")
             return True
         try:
             h = client.health(timeout_s=5)

@@ -53,7 +53,7 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
-    gave_up: str | None = None  # why it is not restarted (None: it runs or will be)
+    gave_up: str | None = None  # "cannot start: why" / "gave up: why" (None: it runs or will be)
 
     def start(self) -> None:
         # Own session: the terminal's SIGINT goes to the launcher's process
@@ -104,13 +104,14 @@ class Supervisor:
             if rc == FATAL_EXIT or c.restarts >= self.max_restarts:
                 c.proc = None
                 c.gave_up = (
-                    c.fatal_reason(rc)
+                    f"cannot start: {c.fatal_reason(rc)}"
                     if rc == FATAL_EXIT
-                    else f"exited with code {rc} after {c.restarts} restart(s) (--max-restarts {self.max_restarts})"
+                    else f"gave up: it exited with code {rc} after {c.restarts} restart(s) "
+                    f"(--max-restarts {self.max_restarts})"
                 )
                 log.info("child_gave_up", child=c.name, rc=rc, reason=c.gave_up)
                 if c.name == "head":
-                    self.stop_fatal(f"the head cannot run: {c.gave_up}")
+                    self.stop_fatal(f"the head {c.gave_up}")
                     return
                 continue
             c.restarts += 1
@@ -120,8 +121,7 @@ class Supervisor:
             c.start()
         engines = [c for c in self.children.values() if c.name != "head"]
         if engines and all(c.gave_up for c in engines):
-            first = engines[0]
-            self.stop_fatal(f"every engine gave up; {first.name}: {first.gave_up}")
+            self.stop_fatal(f"engine {engines[0].name} {engines[0].gave_up}")
 
     def gave_up(self) -> list[Child]:
         """The children that will not run again, in start order."""

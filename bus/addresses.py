@@ -15,7 +15,15 @@ EXPECTED = "tcp://HOST:PORT (e.g. tcp://127.0.0.1:5555) or ipc:///path/to/socket
 
 
 def address_problem(address: object) -> str | None:
-    """Why `address` is not a connectable head address (None: it is)."""
+    """Why `address` is not a connectable head address, naming the expected
+    form (None: it is one)."""
+    problem = _problem(address)
+    if problem is None or EXPECTED in problem:
+        return problem
+    return f"{problem}; expected {EXPECTED}"
+
+
+def _problem(address: object) -> str | None:
     if not isinstance(address, str):
         return f"{address!r} is not a string"
     if address.startswith(("ipc://", "inproc://")):
