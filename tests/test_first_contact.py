@@ -118,6 +118,10 @@ def test_ctrl_c_during_start_up_stops_every_child_quietly():
             time.sleep(0.01)
         else:
             raise AssertionError("the engines never started")
+        # Not in the terminal's foreground group: its SIGINT cannot reach them
+        # (whether a child in it printed its traceback before the launcher's
+        # SIGTERM ended it was a race; this is not).
+        assert all(os.getpgid(c.pid) != os.getpgid(p.pid) for c in tree)
         os.killpg(p.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
         out, _ = p.communicate(timeout=30)
     finally:
@@ -187,9 +191,9 @@ def test_an_address_without_its_scheme_is_refused_by_the_constructor():
 _FAILED_CALL = """
 import time, zmq
 from trainer_bridge import Client, connection
-real = connection.open_socket
+real, made = connection.open_socket, []
 def refusing(ctx, kind, **kw):  # zmq refuses the address after making the socket, as it did for a bare host:port
-    real(ctx, kind, connect="inproc://made-then-refused")
+    made.append(real(ctx, kind, connect="inproc://made-then-refused"))  # still referenced, as by the traceback
     raise zmq.ZMQError(zmq.EINVAL, "Invalid argument")
 connection.open_socket = refusing
 c = Client("tcp://127.0.0.1:1")

@@ -15,7 +15,7 @@ What maps where:
 
 | SkyRL | rollout-bus |
 | --- | --- |
-| `generate(input_batch, model=)` | `generate` per prompt (`session_ids` → session affinity; `model` = a loaded LoRA's name → that LoRA, any other name → the base model; `cache_salt` → vLLM's prefix-cache salt) |
+| `generate(input_batch, model=)` | `generate` per prompt (`session_ids` → session affinity; `model` = a loaded LoRA's name → that LoRA, the base model's names → the base model, any other → BadRequest; `cache_salt` → vLLM's prefix-cache salt) |
 | `sample({"json": tinker_body})` / `sample(prompt_token_ids, num_samples, sampling_params)` | one request, `num_samples` samples (Tinker: "stop"/"length") |
 | `chat_completion` / `completion` / `render_chat_completion` | OpenAI-shaped dicts in and out, over the bus (no HTTP) |
 | `pause_generation` / `resume_generation` | `pause("keep")` / `resume()` |
