@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import pty
+import re
 import signal
 import socket
 import subprocess
@@ -270,3 +271,74 @@ def _read(fd: int) -> bytes:
         return os.read(fd, 4096)
     except OSError:  # EIO: the child closed the terminal
         return b""
+
+
+# ------------------------------------------------------------ the skyrl extra
+
+_IMPORTED_DISTS = """
+import importlib.metadata as md, json, sys, typing
+if sys.version_info < (3, 12):
+    import typing_extensions
+    typing.TypedDict = typing_extensions.TypedDict
+before = set(sys.modules)
+from skyrl.train.generators import SkyRLGymGenerator
+from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
+from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
+from skyrl.tinker import types
+tops = {m.split(".")[0] for m in set(sys.modules) - before}
+dists = md.packages_distributions()
+print(json.dumps(sorted({d for m in tops if m not in sys.stdlib_module_names for d in dists.get(m, ())})))
+"""
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _closure(requirements: list[str]) -> set[str]:
+    """Every distribution `requirements` bring in, as their installed metadata declares them."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    seen: set[str] = set()
+    todo = [(Requirement(r), "") for r in requirements]
+    while todo:
+        req, extra = todo.pop()
+        if req.marker is not None and not req.marker.evaluate({"extra": extra}):
+            continue
+        name = _norm(req.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            deps = md.requires(req.name) or []
+        except md.PackageNotFoundError:
+            continue
+        for d in deps:
+            todo.append((Requirement(d), ""))
+            todo.extend((Requirement(d), x) for x in req.extras)
+    return seen
+
+
+def test_the_skyrl_extra_declares_what_skyrl_s_generator_imports():
+    """Issue 35: `pip install -e ".[skyrl]"`, then `from skyrl.train.generators
+    import SkyRLGymGenerator`: ModuleNotFoundError loguru (skyrl 0.3.0 imports
+    packages it does not declare). Every distribution those imports load is
+    brought in by rollout-bus's dependencies or its skyrl extra. (.ci/run also
+    installs the extra alone in a fresh venv and imports it.)"""
+    import json
+
+    import tomllib
+
+    p = subprocess.run(
+        [sys.executable, "-c", _IMPORTED_DISTS], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120
+    )
+    if p.returncode != 0 and "ModuleNotFoundError: No module named 'skyrl" in p.stderr:
+        pytest.skip("skyrl is not installed here (.ci/run installs it)")
+    assert p.returncode == 0, p.stderr[-2000:]
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    declared = _closure(project["dependencies"] + project["optional-dependencies"]["skyrl"])
+    missing = sorted(d for d in json.loads(p.stdout) if _norm(d) not in declared)
+    assert not missing, f"skyrl's generator imports {missing}: the skyrl extra does not bring them in"
