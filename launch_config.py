@@ -394,8 +394,11 @@ def refusal(a: argparse.Namespace) -> str | None:
     level = os.environ.get("ROLLOUT_BUS_LOG_LEVEL")
     if a.log_level is None and level is not None and level.upper() not in LOG_LEVELS:
         return f"ROLLOUT_BUS_LOG_LEVEL={level!r}: choose from {', '.join(LOG_LEVELS)} (or pass --log-level)"
-    if a.model and a.model.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(a.model)):
+    local = a.model and a.model.startswith(("/", "./", "../", "~")) and not a.ray  # --ray: the nodes' paths
+    if local and not os.path.isdir(os.path.expanduser(a.model)):
         return f"--model: no such folder: {a.model}"
+    if a.ray and (given := head_passthrough_argv(a)):
+        return f"{given[0]}: the head's options are not passed to a head on Ray (--ray) yet"
     if a.join and (problem := address_problem(a.join)) is not None:
         return f"--join: {problem}"
     return None

@@ -68,10 +68,14 @@ class ControlPort(HeadLink):
     async def wait_ready(self, num_engines: int = 1, timeout_s: float = 120.0) -> dict[str, Any]:
         """Wait until `num_engines` engines are healthy (deadline: timeout_s,
         which bounds every query inside it too; a head that is down or
-        restarting is asked again until then)."""
+        restarting is asked again until then). No head ever heard at this
+        address: HeadUnavailable within connect_timeout_s, naming it."""
         deadline = time.monotonic() + timeout_s
         last: object = None
-        answered = False  # a head that answered once and is restarting is asked again until the deadline
+        # A head that ever answered this client (restarting, or stopped a
+        # moment) is asked again until the deadline; one that never did fails
+        # the wait within connect_timeout_s: nothing is there, or the address is wrong.
+        answered = self._last_rx > 0
         while True:
             left = deadline - time.monotonic()
             h: P.HealthView | None
