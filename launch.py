@@ -17,11 +17,8 @@ import tempfile
 import structlog
 
 from bus.runtime import configure_logging, set_title
-from launch_config import parse_args
+from launch_config import parse_args, refusal
 from launch_keys import keys_main
-from launch_local import run_local
-from launch_ray import run_on_ray
-from launch_supervisor import Supervisor, mark_run_dir, remove_stale_run_dirs
 
 log = structlog.get_logger("launch")
 
@@ -31,11 +28,20 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["keys"]:
         return keys_main(argv[1:])
     a = parse_args(argv)
+    if (why := refusal(a)) is not None:  # before any process starts
+        print(f"launch.py: error: {why}", file=sys.stderr)
+        return 2
     # One level for every process: children read ROLLOUT_BUS_LOG_LEVEL (bus.runtime).
     a.log_level = a.log_level or os.environ.get("ROLLOUT_BUS_LOG_LEVEL", "WARNING").upper()
     os.environ["ROLLOUT_BUS_LOG_LEVEL"] = a.log_level
     configure_logging(a.log_level)
     set_title("rollout-bus launch")
+    # The launch itself (the client, the supervisor, Ray) is imported once the
+    # flags are accepted: a refused flag answers at once.
+    from launch_local import run_local  # lazy: a refused flag does not wait for the client's imports
+    from launch_ray import run_on_ray  # lazy: as above
+    from launch_supervisor import Supervisor, mark_run_dir, remove_stale_run_dirs  # lazy: as above
+
     if a.ray:
         return run_on_ray(a)
     sup = Supervisor(a.max_restarts, a.grace_s)
@@ -50,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         sup.shutdown()
         shutil.rmtree(run_dir, ignore_errors=True)
         log.info("launch_stopped", leftover=len(sup.alive()))
+        if sup.fatal:  # the one line that says why the launch ended
+            print(f"launch.py: {sup.fatal}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import structlog
 
 from bus.auth import KeyDir, KeyFileError
 from bus.errors import BadRequest
+from bus.runtime import FATAL_FILE_ENV
 from engine_node.cpu_placement import GPU_SLOT_ENV
 from engine_node.tiny_model import ensure_tiny_model
 from launch_config import (
@@ -30,7 +31,9 @@ from launch_config import (
     engine_backend_options,
     free_port,
     gpu_groups,
+    head_passthrough_argv,
     pick_backend,
+    taken_port,
 )
 from launch_output import print_table, run_demo
 from launch_supervisor import HERE, Child, State, Supervisor
@@ -49,6 +52,7 @@ class HeadAddresses:
     front: str
     events: str
     control: str
+    metrics: str | None = None  # the head's /metrics URL (--metrics-port), as it bound it
 
 
 def run_local(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
@@ -88,6 +92,8 @@ def run_local(a: argparse.Namespace, sup: Supervisor, run_dir: str) -> int:
         if sup.state is not State.RUNNING:
             return sup.exit_code
         print_table(client.engines(), head.front, backend, curve_dir=curve_dir, client_key=a.client_key)
+        if head.metrics:
+            print(f"metrics: {head.metrics}", flush=True)
         if (note := token.note()) is not None:
             print(note, flush=True)
         if a.demo:
@@ -142,6 +148,12 @@ def start_head(
 ) -> HeadAddresses | None:
     """Start the head and wait for its ready file; None when it never got ready
     (logged) or the launcher is stopping."""
+    if a.port and (taken := taken_port(a.host, a.port)) is not None:
+        sup.stop_fatal(
+            f"port {taken} on {a.host} is taken (the head binds --port {a.port} and the next two); "
+            "choose another with --port (0: any free ports)"
+        )
+        return None
     port = a.port or free_port(a.host)
     ev_port, ctl_port = (port + 1, port + 2) if a.port else (free_port(a.host), free_port(a.host))
     front = f"tcp://{a.host}:{port}"
@@ -159,11 +171,14 @@ def start_head(
     if a.lease_s is not None:
         head_argv += ["--lease-s", str(a.lease_s)]
     head_argv += token.argv()
-    sup.add(Child("head", head_argv, env))
+    head_argv += head_passthrough_argv(a)
+    sup.add(Child("head", head_argv, dict(env, **{FATAL_FILE_ENV: os.path.join(run_dir, "head.fatal")})))
     deadline = time.monotonic() + HEAD_READY_TIMEOUT_S
     while not os.path.exists(ready_file):
         sup.check()
-        if sup.state is State.STOPPING or time.monotonic() > deadline:
+        if sup.state is State.STOPPING:  # stopped, or the head cannot start (sup.fatal says why)
+            return None
+        if time.monotonic() > deadline:
             log.error("head_not_ready", timeout_s=HEAD_READY_TIMEOUT_S)
             return None
         time.sleep(0.05)
@@ -171,7 +186,9 @@ def start_head(
         adv = advertise_host(a)
         events, control = events.replace("0.0.0.0", adv), control.replace("0.0.0.0", adv)
         front = front.replace("0.0.0.0", adv)
-    return HeadAddresses(front, events, control)
+    with open(ready_file) as f:
+        metrics = json.load(f).get("metrics")
+    return HeadAddresses(front, events, control, metrics)
 
 
 def start_engines(
@@ -213,7 +230,7 @@ def start_engines(
         if curve_dir:
             eargv += ["--curve-dir", curve_dir]
         eargv += token.argv()
-        eenv = dict(env)
+        eenv = dict(env, **{FATAL_FILE_ENV: os.path.join(run_dir, f"{eid}.fatal")})
         if gpus is not None:
             eenv["CUDA_VISIBLE_DEVICES"] = gpus
             eenv[GPU_SLOT_ENV] = str(i)  # the CPU-pinning slot; a GPU-<uuid> mask has no number to read
@@ -227,6 +244,9 @@ def wait_ready(a: argparse.Namespace, sup: Supervisor, client: Client, prefix: s
     deadline = time.monotonic() + a.ready_timeout_s
     while sup.state is State.RUNNING:
         sup.check()
+        if gone := sup.gave_up():  # it will not be healthy: no point waiting for the deadline
+            sup.stop_fatal(f"engine {gone[0].name} {gone[0].gave_up}")
+            return True
         try:
             h = client.health(timeout_s=5)
         except Exception as e:  # not up yet, or restarting: readiness polls again until the deadline

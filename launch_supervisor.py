@@ -6,6 +6,12 @@ engines re-register with it), and on stop SIGTERMs the whole tree, waits
 --grace-s and SIGKILLs the rest (bus.proctree). Its signal handler only flips
 `state`; the launcher's loops call `check` and act on it.
 
+A child that cannot start (bus.runtime.FATAL_EXIT: its one-line reason in its
+fatal file) is not restarted. A head that cannot start, or every engine given
+up, stops the launch at once; `fatal` is the one line the launcher prints.
+Children run in a session of their own: a Ctrl-C on the terminal reaches the
+launcher only, which stops them with SIGTERM (no KeyboardInterrupt in a child).
+
 Run folders (/tmp/rbus-*) hold a launcher's IPC sockets and token; each carries
 the owner's pid and create time, so a later launch removes the folders of
 launchers that died with kill -9 (their `finally` never ran).
@@ -27,6 +33,7 @@ import psutil
 import structlog
 
 from bus.proctree import terminate_tree
+from bus.runtime import FATAL_EXIT, FATAL_FILE_ENV
 
 log = structlog.get_logger("launch")
 # Children run from the checkout, as `python launch.py` does from a fresh clone.
@@ -46,10 +53,24 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
+    gave_up: str | None = None  # "cannot start: why" / "gave up: why" (None: it runs or will be)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=HERE)
+        # Own session: the terminal's SIGINT goes to the launcher's process
+        # group only; the launcher ends its children itself (SIGTERM).
+        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=HERE, start_new_session=True)
         self.started_at = time.monotonic()
+
+    def fatal_reason(self, rc: int) -> str:
+        """The child's one-line reason for FATAL_EXIT (its fatal file), else its exit code."""
+        path = self.env.get(FATAL_FILE_ENV)
+        try:
+            if path:
+                with open(path, encoding="utf-8") as f:
+                    return f.read().strip() or f"exit code {rc}"
+        except OSError:
+            pass  # it died before writing one: the exit code is all there is
+        return f"exit code {rc}"
 
 
 class Supervisor:
@@ -59,6 +80,7 @@ class Supervisor:
         self.grace_s = grace_s
         self.state = State.RUNNING
         self.exit_code = 0
+        self.fatal: str | None = None  # the one line that ended the launch
 
     def request_stop(self, *_: Any) -> None:
         """Signal handler: only flips the state; `watch` does the work."""
@@ -79,20 +101,38 @@ class Supervisor:
             rc = c.proc.poll() if c.proc else None
             if rc is None or self.state is State.STOPPING:
                 continue
-            if c.restarts >= self.max_restarts:
-                if c.name == "head":
-                    log.error("head_died", rc=rc, restarts=c.restarts, max_restarts=self.max_restarts)
-                    self.exit_code = 1
-                    self.state = State.STOPPING
-                    return
-                log.error("engine_gave_up", engine=c.name, rc=rc, max_restarts=self.max_restarts)
+            if rc == FATAL_EXIT or c.restarts >= self.max_restarts:
                 c.proc = None
+                c.gave_up = (
+                    f"cannot start: {c.fatal_reason(rc)}"
+                    if rc == FATAL_EXIT
+                    else f"gave up: it exited with code {rc} after {c.restarts} restart(s) "
+                    f"(--max-restarts {self.max_restarts})"
+                )
+                log.info("child_gave_up", child=c.name, rc=rc, reason=c.gave_up)
+                if c.name == "head":
+                    self.stop_fatal(f"the head {c.gave_up}")
+                    return
                 continue
             c.restarts += 1
             log.warning(
                 "head_restart" if c.name == "head" else "engine_restart", child=c.name, rc=rc, restart=c.restarts
             )
             c.start()
+        engines = [c for c in self.children.values() if c.name != "head"]
+        if engines and all(c.gave_up for c in engines):
+            self.stop_fatal(f"engine {engines[0].name} {engines[0].gave_up}")
+
+    def gave_up(self) -> list[Child]:
+        """The children that will not run again, in start order."""
+        return [c for c in self.children.values() if c.gave_up]
+
+    def stop_fatal(self, reason: str) -> None:
+        """Stop the launch for `reason` (the launcher prints it, exit code 1)."""
+        if self.fatal is None:
+            self.fatal = reason
+        self.exit_code = 1
+        self.state = State.STOPPING
 
     def alive(self) -> list[psutil.Process]:
         procs: list[psutil.Process] = []

@@ -49,6 +49,7 @@ import hmac
 import os
 import re
 import secrets
+import socket
 import stat
 import time
 from collections.abc import Iterable
@@ -497,10 +498,28 @@ def find_token(address: str, token_file: str | None = None) -> tuple[str, str] |
     env = os.environ.get(TOKEN_FILE_ENV)
     if env:
         return read_token(env, TOKEN_FILE_ENV), env
-    path = token_path_for(address)
-    if path and os.path.exists(path):
-        return read_token(path), path
+    for path in token_paths_for(address):
+        if os.path.exists(path):
+            return read_token(path), path
     return None
+
+
+def token_paths_for(address: str) -> list[str]:
+    """Where a token for `address` may be published on this host, the exact
+    name first: a head on this host is the same head whether it is reached as
+    localhost, 127.0.0.1 or the host's name (the launcher publishes under the
+    name it bound)."""
+    path = token_path_for(address)
+    if path is None:
+        return []
+    if not address.startswith("tcp://"):
+        return [path]
+    host, port = address[6:].rsplit(":", 1)
+    local = ("127.0.0.1", "localhost", "0.0.0.0", "::1", socket.gethostname())
+    if host.strip("[]") not in local:
+        return [path]
+    others = (token_path_for(f"tcp://{name}:{port}") for name in local)
+    return list(dict.fromkeys([path, *(p for p in others if p is not None)]))
 
 
 def token_matches(expected: str, given: str) -> bool:

@@ -45,7 +45,7 @@ from bus.codec import Codec
 from bus.endpoint import Endpoint, open_socket
 from bus.errors import BadRequest, ErrorCode
 from bus.profiler import start_from_env
-from bus.runtime import become_child_process
+from bus.runtime import become_child_process, cannot_start
 from bus.sockets import bound_address
 from bus.validate import check_generate, check_request_budget, prompt_from_frames
 from engine_node.actions import OpOutcome, Pending, SendAck, SendChunks, SendError
@@ -560,9 +560,12 @@ def run_engine_node(argv: list[str] | None = None) -> int:
         # The engine-level generator differs per engine and per restart too.
         options["seed"] = backend_seed(cfg.backend, derive_seed(cfg.seed, cfg.engine_id, incarnation))
     log.info("engine_starting", engine_id=cfg.engine_id, backend=cfg.backend, model=cfg.model, incarnation=incarnation)
-    backend = load_backend(cfg.backend, cfg.model, **options)
-    start_from_env(f"engine-{cfg.engine_id}")  # benchmarks only: ROLLOUT_BUS_PROFILE_DIR
-    node = EngineNode(cfg, backend, incarnation=incarnation)
+    try:
+        backend = load_backend(cfg.backend, cfg.model, **options)
+        start_from_env(f"engine-{cfg.engine_id}")  # benchmarks only: ROLLOUT_BUS_PROFILE_DIR
+        node = EngineNode(cfg, backend, incarnation=incarnation)
+    except Exception as e:  # a model that does not load, a bad option: one line, and no restart
+        return cannot_start(log, "engine_cannot_start", e, engine_id=cfg.engine_id)
     signal.signal(signal.SIGTERM, node.request_stop)
     signal.signal(signal.SIGINT, node.request_stop)
     return node.run()

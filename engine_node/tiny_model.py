@@ -86,7 +86,10 @@ def _build_tokenizer(out_dir: str, vocab: int) -> Any:
 
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(_SENTENCES, trainer=trainers.WordLevelTrainer(special_tokens=_SPECIALS, min_frequency=1))
+    # No progress bar: on a terminal it ends without a newline, and the
+    # launcher's table (the first run builds this model) began on its line.
+    trainer = trainers.WordLevelTrainer(special_tokens=_SPECIALS, min_frequency=1, show_progress=False)
+    tok.train_from_iterator(_SENTENCES, trainer=trainer)
     n = tok.get_vocab_size()
     if n > vocab:
         raise ValueError(f"vocab={vocab} is smaller than the trained tokenizer ({n} words)")

@@ -13,10 +13,11 @@ import os
 import signal
 
 import structlog
+import zmq
 
 from bus.auth import KeyFileError
 from bus.profiler import start_from_env
-from bus.runtime import become_child_process
+from bus.runtime import become_child_process, cannot_start
 from router_node.config import parse_args
 from router_node.metrics import serve_metrics
 from router_node.router import Router
@@ -34,10 +35,14 @@ def run_router_node(argv: list[str] | None = None) -> int:
     except KeyFileError as e:  # an unreadable or group-readable token / key file: say which
         log.error("head_refused_to_start", field=e.field, error=str(e))
         return 2
+    except zmq.ZMQError as e:  # a port that is taken: one line, and no restart (it would be taken again)
+        return cannot_start(log, "head_cannot_start", e)
     if cfg.metrics_port >= 0:
-        router.addresses["metrics"] = (
-            f"http://{cfg.metrics_host}:{serve_metrics(router, cfg.metrics_port, cfg.metrics_host)}/metrics"
-        )
+        try:
+            port = serve_metrics(router, cfg.metrics_port, cfg.metrics_host)
+        except OSError as e:
+            return cannot_start(log, "head_cannot_start", OSError(f"--metrics-port {cfg.metrics_port}: {e}"))
+        router.addresses["metrics"] = f"http://{cfg.metrics_host}:{port}/metrics"
     signal.signal(signal.SIGTERM, router.request_stop)
     signal.signal(signal.SIGINT, router.request_stop)
     ready = getattr(cfg, "ready_file", None)

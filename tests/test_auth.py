@@ -161,7 +161,7 @@ def test_impostor_cannot_take_a_live_engine_id_and_a_restart_can(cluster_factory
     its restart gets the id."""
     cl = cluster_factory(1, **NULL)
     c = cl.client()
-    c.wait_ready(1, 30)
+    cl.wait_ready(1, 30)  # the harness's wait: the head may still be starting
     (real,) = c.engines()
     imp = cl.start_engine("impostor", engine_id="e0", extra=["--register-timeout-s", "2"])
     assert imp.wait(timeout=30) == 2
@@ -204,7 +204,8 @@ def test_secured_cluster_serves_allowed_clients_only(cluster_factory, tmp_path):
     assert "head" in _keys("--curve-dir", key_dir, "init")
     curve = ["--curve-dir", key_dir]
     cl = cluster_factory(1, tcp=True, router_args=curve, engine_args=curve, **NULL)
-    c = cl.client(curve_dir=key_dir)  # the default client key of `keys init`
+    # A head that never answered fails a wait within connect_timeout_s (issue 35): it may still be starting.
+    c = cl.client(curve_dir=key_dir, connect_timeout_s=30)  # the default client key of `keys init`
     c.wait_ready(1, 30)
     (engine,) = c.engines()
     assert (
@@ -290,8 +291,8 @@ def test_removing_a_client_key_cuts_its_open_connection(cluster_factory, tmp_pat
     curve = ["--curve-dir", key_dir]
     slow = {**NULL, "backend_options": {"tokens_per_step": 1, "step_delay_s": 0.02}}  # 5000 tokens: 100 s
     cl = cluster_factory(1, tcp=True, router_args=curve, engine_args=curve, **slow)
-    ops = cl.client(curve_dir=key_dir)  # the default client key: stays allowed
-    ops.wait_ready(1, 30)
+    ops = cl.client(curve_dir=key_dir, connect_timeout_s=30)  # the default client key: stays allowed
+    ops.wait_ready(1, 30)  # (connect_timeout_s: the head may still be starting)
     trainer = cl.client(curve_dir=key_dir, client_key="trainer")
     assert trainer.generate([4, 5, 6], {"max_tokens": 3}).token_ids == [7, 8, 9]
     (engine,) = ops.engines()

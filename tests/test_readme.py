@@ -98,3 +98,56 @@ def test_readme_multi_sender_block_runs(torch_cluster):
     before = torch_cluster.client().health()["weight_version"]
     out = _run_block("multi-sender", torch_cluster).splitlines()
     assert out[-1] == f"versions {before} -> [{before + 1}]", out
+
+
+# A command a README paragraph names, and whose flags the flags after it are.
+_COMMAND = re.compile(r"python -m ([\w.]+)|launch\.py keys|launch\.py|pip install|ruff|pytest|pre-commit")
+
+
+def _flags_of(command: str) -> set[str] | None:
+    """The flags `command` takes (None: not ours to check)."""
+    import dataclasses
+
+    import launch_config
+    import launch_keys
+    from router_node.config import RouterConfig
+
+    if command == "launch.py":
+        return set(launch_config.build_parser()._option_string_actions)
+    if command == "launch.py keys":
+        ap = launch_keys._keys_parser()
+        subs = [a for a in ap._actions if a.choices and isinstance(a.choices, dict)]
+        return set(ap._option_string_actions).union(
+            *(set(p._option_string_actions) for s in subs for p in s.choices.values())
+        )
+    if command == "python -m router_node":
+        head = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(RouterConfig)}
+        return head | {"--no-failover", "--ready-file", "--help"}
+    if command == "python -m engine_node":  # its parser is built inside parse_args: read its flags
+        with open(os.path.join(ROOT, "engine_node", "config.py")) as f:
+            return set(re.findall(r'"(--[a-z][a-z0-9-]*)"', f.read()))
+    return None  # pip, ruff, pytest, the benches (bench/README.md): their own
+
+
+def test_every_flag_the_readme_names_works_on_the_command_it_is_shown_with():
+    """Issue 35: the README named head-only flags (`--max-inflight-per-client`)
+    in prose, where a newcomer passes them to launch.py: `unrecognized
+    arguments`. A flag belongs to the last command named before it in its
+    paragraph (a code block's line, a prose paragraph), else to launch.py."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        paragraphs = re.split(r"\n\s*\n", f.read())
+    wrong = []
+    for para in paragraphs:
+        marks = sorted(
+            [(m.start(), "cmd", m.group(0)) for m in _COMMAND.finditer(para)]
+            + [(m.start(), "flag", m.group(1)) for m in re.finditer(r"(?<![\w-])(--[a-z][a-z0-9-]*)", para)]
+        )
+        command = "launch.py"
+        for _, kind, text in marks:
+            if kind == "cmd":
+                command = text
+                continue
+            flags = _flags_of(command)
+            if flags is not None and text not in flags:
+                wrong.append(f"{text} (shown with {command}) in: {para.strip()[:120]!r}")
+    assert not wrong, "\n".join(wrong)

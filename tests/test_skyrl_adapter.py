@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import pickle
 
 import pytest
@@ -221,6 +222,22 @@ def test_sample_tinker_semantics(engine, loop):
     assert e.value.field == "sampling_params.n"
 
 
+def test_tinker_sample_leaves_no_session_on_the_head(engine, loop):
+    """Issue 35: SkyRL's Tinker path sends its sampling session's id with every
+    sample and never ends it: each became a head session, kept for
+    session_ttl_s. The head's session count is back where it was."""
+
+    async def sessions():
+        return (await engine.client.stats())["sessions"]
+
+    before = run(loop, sessions())
+    body = {"model": engine.model_name, "prompt": {"chunks": [{"tokens": [5, 17, 42]}]}, "num_samples": 2}
+    for sid in ("tinker-session-1", "tinker-session-2", None):
+        out = run(loop, engine.sample({"json": {**body, "session_id": sid} if sid else body}))
+        assert out["type"] == "sample" and len(out["sequences"]) == 2
+    assert run(loop, sessions()) == before
+
+
 def test_multi_turn_with_session_ids_stays_and_is_released(engine, loop):
     async def stats():
         return (await engine.client.stats())["sessions"]
@@ -291,11 +308,12 @@ def test_topology_and_identity(engine, loop, tiny_model):
     assert RolloutBusEngine(engine.client, endpoint_url="http://proxy:8000").get_endpoint_url() == "http://proxy:8000"
 
 
-def test_model_means_the_base_model_unless_it_names_a_loaded_lora(engine, loop, tiny_model, tmp_path):
+def test_model_means_the_base_model_or_a_loaded_lora_else_refused(engine, loop, tiny_model, tmp_path):
     """Issue 23: SkyRL passes its policy's path as `model=` on every call; it
-    became a LoRA name and every request failed. Any name but a loaded
-    adapter's is the base model; SkyRL's LoraLoadRequest loads one, and its
-    name then routes to it."""
+    became a LoRA name and every request failed. The base model's names (its
+    --model path, folder name) serve it; SkyRL's LoraLoadRequest loads an
+    adapter, and its name then routes to it. Issue 35: any other name is
+    refused, listing what is served, instead of being answered by the base model."""
     from types import SimpleNamespace
 
     from engine_node.tiny_model import make_random_lora
@@ -303,11 +321,23 @@ def test_model_means_the_base_model_unless_it_names_a_loaded_lora(engine, loop, 
     path = make_random_lora(tiny_model, str(tmp_path / "adapter"), seed=1)
     batch = {"prompt_token_ids": [[11, 12, 13]], "sampling_params": params(temperature=0.0, max_tokens=12)}
     base = run(loop, engine.generate(batch))["response_ids"]
-    assert run(loop, engine.generate(batch, model="Qwen/Qwen2.5-0.5B-Instruct"))["response_ids"] == base
+    assert run(loop, engine.generate(batch, model=tiny_model))["response_ids"] == base
+    assert run(loop, engine.generate(batch, model=os.path.basename(tiny_model)))["response_ids"] == base
+    for wrong in ("Qwen/Qwen2.5-0.5B-Instruct", "skyrl-lora"):  # not served; the adapter not loaded yet
+        with pytest.raises(BadRequest) as e:
+            run(loop, engine.generate(batch, model=wrong))
+        assert e.value.field == "model" and repr(tiny_model) in e.value.message, e.value.message
     run(loop, engine.update_named_weights(SimpleNamespace(lora_name="skyrl-lora", lora_path=path)))
     try:
         assert run(loop, engine.generate(batch, model="skyrl-lora"))["response_ids"] != base  # the adapter's tokens
-        assert run(loop, engine.generate(batch, model="Qwen/Qwen2.5-0.5B-Instruct"))["response_ids"] == base
+        assert run(loop, engine.generate(batch, model=tiny_model))["response_ids"] == base
+        for unsaid in (None, ""):  # with an adapter loaded a call must say which model (as SkyRL's own client)
+            with pytest.raises(BadRequest) as e:
+                run(loop, engine.generate(batch, model=unsaid))
+            assert e.value.field == "model" and "skyrl-lora" in e.value.message
+        with pytest.raises(BadRequest) as e:
+            run(loop, engine.sample({"json": {"model": "Qwen/x", "prompt": {"chunks": [{"tokens": [5, 6]}]}}}))
+        assert "skyrl-lora" in e.value.message and e.value.field == "model"
     finally:
         run(loop, engine.client.unload_lora("skyrl-lora"))
         run(loop, engine.refresh())

@@ -163,14 +163,15 @@ def test_skyrl_gym_generator_batched_and_model_name(torch_cluster, tok):
     async def scenario():
         client = AsyncClient(torch_cluster.frontend, timeout_s=60, control_timeout_s=30)
         # The policy's path in SkyRL's config differs from the cluster's --model:
-        # it still means the base model (issue 23: it became a LoRA name).
+        # model_name= makes it the base model's name (issue 23: it became a LoRA
+        # name; issue 35: a name the cluster does not serve is refused).
         engine = await RolloutBusEngine.connect(
             client, num_engines=2, tokenizer=tok, model_name="Qwen/Qwen2.5-0.5B-Instruct"
         )
         generate = engine.generate
 
         async def recording(input_batch, model=None):
-            out = await generate(input_batch, model="some/other-policy-path")
+            out = await generate(input_batch, model="Qwen/Qwen2.5-0.5B-Instruct")
             seen.append(out)
             return out
 
@@ -198,7 +199,12 @@ def test_tinker_sample_request_and_aclose(torch_cluster, tok):
 
     async def scenario():
         engine = await RolloutBusEngine.connect(torch_cluster.frontend, num_engines=2, tokenizer=tok)
-        body = {"model": "policy/path", "prompt": mi.model_dump(), "num_samples": 2, "sampling_params": sp.model_dump()}
+        body = {
+            "model": engine.model_name,
+            "prompt": mi.model_dump(),
+            "num_samples": 2,
+            "sampling_params": sp.model_dump(),
+        }
         outs = await asyncio.gather(
             engine.sample({"json": {**body, "session_id": "tinker-1"}}),
             engine.sample({"json": {**body, "include_prompt_logprobs": True, "topk_prompt_logprobs": 2}}),

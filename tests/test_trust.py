@@ -101,7 +101,7 @@ def test_a_dead_engines_events_count_only_from_its_own_connection(cluster_factor
     the dead incarnation healthy and its forged ack made pause() report e0 paused."""
     cl = cluster_factory(2, **NULL)
     c = cl.client()
-    c.wait_ready(2, 30)
+    cl.wait_ready(2, 30)  # the harness's wait: the head may still be starting
     inc = c.health()["engines"]["e0"]["incarnation"]
     cl.kill("e0")
     stranger = ForgingStranger(cl, "e0", inc)
@@ -128,7 +128,7 @@ def test_a_dead_engines_id_needs_the_token_and_its_restart_wins(cluster_factory,
     restarted e0 was refused 8 times."""
     cl = cluster_factory(2, **NULL)
     c = cl.client()
-    c.wait_ready(2, 30)
+    cl.wait_ready(2, 30)  # the harness's wait: the head may still be starting
     old = c.health()["engines"]["e0"]["incarnation"]
     cl.kill("e0")
     time.sleep(1.0)  # e0 is past its heartbeat deadline: its id is free for a restart
@@ -157,7 +157,7 @@ def test_control_ops_that_change_the_cluster_need_the_token(cluster_factory, tmp
     cl = cluster_factory(1, **NULL)
     c = cl.client()  # finds the token the way a trainer on the launcher's host does: by address
     assert c._aclient.token_file == cl.token_file == token_path_for(cl.frontend)
-    c.wait_ready(1, 30)
+    cl.wait_ready(1, 30)  # the harness's wait: the head may still be starting
 
     anon = cl.client(token_file="")  # no token: reads and generation stay open
     assert anon.generate([4, 5, 6], {"max_tokens": 3}).token_ids == [7, 8, 9]
@@ -195,7 +195,7 @@ def test_an_engine_of_another_vocabulary_is_refused(cluster_factory):
     """Issue: a rogue engine with vocab_size=1 joined (here 2: the null backend needs two) and made valid requests fail."""
     cl = cluster_factory(1, **NULL)  # the null backend's vocabulary: 32000
     c = cl.client()
-    c.wait_ready(1, 30)
+    cl.wait_ready(1, 30)  # the harness's wait: the head may still be starting
     assert c.health()["vocab_size"] == 32000
     rogue = cl.start_engine("rogue", extra=["--backend-options", json.dumps({"vocab": 2})])
     assert rogue.wait(timeout=30) == 2
@@ -270,7 +270,7 @@ def test_an_engine_far_ahead_does_not_move_the_cluster_version(cluster_factory):
     commits; the rogue is STALE (ahead) and gets no traffic."""
     cl = cluster_factory(1, **NULL)
     c = cl.client()
-    c.wait_ready(1, 30)
+    cl.wait_ready(1, 30)  # the harness's wait: the head may still be starting
     rogue = RogueEngine(cl)
     try:
         wait_until(lambda: rogue.reply is not None, 10, "the rogue's RegisterReply")

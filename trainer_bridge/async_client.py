@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from bus import protocol as P
+from bus.addresses import check_address
 from bus.auth import KeyDir, find_token
 from bus.errors import BadRequest, ProtocolError
 from bus.frames import pack_tokens
@@ -74,7 +75,7 @@ class AsyncClient(ControlPort):
         None: $ROLLOUT_BUS_TOKEN_FILE, else the file launch.py published for
         `address` on this host (bus.auth.token_path_for); "": none."""
         super().__init__(
-            address,
+            check_address(address),  # a malformed one is refused here, not by zmq on first use
             curve=KeyDir(curve_dir).client(client_key) if curve_dir else None,
             head_timeout_s=head_timeout_s,
             connect_timeout_s=connect_timeout_s,

@@ -202,4 +202,5 @@ def _close_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread, aclie
         log.warning("client_close_failed", error=repr(e))
     loop.call_soon_threadsafe(loop.stop)
     thread.join(timeout=5)
-    loop.close()
+    if not thread.is_alive():  # a wedged loop cannot be closed; its daemon thread dies with the process
+        loop.close()

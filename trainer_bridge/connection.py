@@ -111,7 +111,14 @@ class HeadLink:
             # the caller's code; every socket of this context lingers 0 so
             # that destroy -> term never waits for undelivered frames.
             self._ctx.setsockopt(zmq.LINGER, 0)
-            self._open()
+            try:
+                self._open()
+            except zmq.ZMQError:
+                # zmq refused the address: no socket may stay in the
+                # context, or close() (ctx.term) would wait on it forever.
+                self._ctx.destroy(linger=0)
+                self._ctx = self._sock = None
+                raise
             # The first ping goes one interval later: the first frame the head
             # sees is the caller's (a scripted peer may read exactly one).
             self._watch_at = time.monotonic()
@@ -344,7 +351,12 @@ class HeadLink:
         fut = asyncio.get_running_loop().create_future()
         self._replies[msg.request_id] = fut
         self._since[msg.request_id] = time.monotonic()
-        self._send(msg)
+        try:
+            self._send(msg)
+        except BaseException:  # never sent: nothing will resolve or await the future
+            self._replies.pop(msg.request_id, None)
+            self._since.pop(msg.request_id, None)
+            raise
         return fut
 
     async def _reply(self, msg: Any, fut: asyncio.Future, timeout_s: float, knob: str) -> Any:
@@ -397,4 +409,4 @@ class HeadLink:
                 f.set_exception(ClosedByUs("the client was closed while waiting"))
         self._close_socket()
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # every socket closed, linger 0: returns at once

@@ -41,7 +41,8 @@ class ControlPort(HeadLink):
     async def _query(self, what: str, cls: type[_B], timeout_s: float | None = None) -> _B:
         """The head's typed answer to `what` (bus/views.py: P.QUERY_BODIES)."""
         t = timeout_s or self.control_timeout_s
-        rep: P.QueryReply = await self._request(P.Query(request_id=self._new_id(), what=what), t, "control_timeout_s")
+        knob = "timeout_s" if timeout_s else "control_timeout_s"  # the one the caller set
+        rep: P.QueryReply = await self._request(P.Query(request_id=self._new_id(), what=what), t, knob)
         return _body(rep, cls)
 
     async def health_view(self, timeout_s: float | None = None) -> P.HealthView:
@@ -67,18 +68,32 @@ class ControlPort(HeadLink):
     async def wait_ready(self, num_engines: int = 1, timeout_s: float = 120.0) -> dict[str, Any]:
         """Wait until `num_engines` engines are healthy (deadline: timeout_s,
         which bounds every query inside it too; a head that is down or
-        restarting is asked again until then)."""
+        restarting is asked again until then). No head ever heard at this
+        address: HeadUnavailable within connect_timeout_s, naming it."""
         deadline = time.monotonic() + timeout_s
         last: object = None
+        # A head that ever answered this client (restarting, or stopped a
+        # moment) is asked again until the deadline; one that never did fails
+        # the wait within connect_timeout_s: nothing is there, or the address is wrong.
+        answered = self._last_rx > 0
         while True:
             left = deadline - time.monotonic()
             h: P.HealthView | None
             try:
                 h = await self.health_view(timeout_s=max(0.05, left))
-            except (HeadUnavailable, RequestTimeout) as e:
-                h, last = None, e
+            except HeadUnavailable as e:
+                if not answered and e.field == "connect_timeout_s":
+                    raise HeadUnavailable(
+                        f"no head answered at {self.address} within connect_timeout_s={self.connect_timeout_s}: "
+                        "is it running, and is this its frontend address?",
+                        address=self.address,
+                        field="connect_timeout_s",
+                    ) from None
+                h, last = None, e.message
+            except RequestTimeout as e:
+                h, last = None, e.message
             if h is not None:
-                last = P.as_dict(h)
+                answered, last = True, P.as_dict(h)
                 if sum(1 for e in h.engines.values() if e.healthy) >= num_engines:
                     return P.as_dict(h)
             if time.monotonic() >= deadline:

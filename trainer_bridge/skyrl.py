@@ -15,7 +15,7 @@ What maps where:
 
 | SkyRL | rollout-bus |
 | --- | --- |
-| `generate(input_batch, model=)` | `generate` per prompt (`session_ids` → session affinity; `model` = a loaded LoRA's name → that LoRA, any other name → the base model; `cache_salt` → vLLM's prefix-cache salt) |
+| `generate(input_batch, model=)` | `generate` per prompt (`session_ids` → session affinity; `model` = a loaded LoRA's name → that LoRA, the base model's names → the base model, any other → BadRequest; `cache_salt` → vLLM's prefix-cache salt) |
 | `sample({"json": tinker_body})` / `sample(prompt_token_ids, num_samples, sampling_params)` | one request, `num_samples` samples (Tinker: "stop"/"length") |
 | `chat_completion` / `completion` / `render_chat_completion` | OpenAI-shaped dicts in and out, over the bus (no HTTP) |
 | `pause_generation` / `resume_generation` | `pause("keep")` / `resume()` |
@@ -46,6 +46,7 @@ from trainer_bridge import skyrl_broadcast as broadcast
 from trainer_bridge.client import AsyncClient
 from trainer_bridge.sampling import Translated, for_request, translate
 from trainer_bridge.skyrl_chunks import has_cuda, named_tensors, unpack_ipc_chunk
+from trainer_bridge.skyrl_models import base_aliases, pick_model
 from trainer_bridge.skyrl_openai import (
     chat_choices,
     completion_choices,
@@ -117,9 +118,6 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         self._transport_options: dict[str, Any] = {}
         self._weight_version = 0
         self._endpoint_url = endpoint_url
-        # Names SkyRL passed as `model=` that named no loaded adapter (the base
-        # model): remembered so each call does not ask the head again.
-        self._base_names: set[str] = set()
         self._update: Any = None  # the open weight update (start_weight_update .. finish_weight_update)
         self._update_named: list[tuple[str, Any]] = []
         self.weight_timeout_s = float(weight_timeout_s)
@@ -179,7 +177,6 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
 
     async def refresh(self) -> list[dict[str, Any]]:
         self._engines = [e for e in await self.client.engines() if e["healthy"]]
-        self._base_names.clear()
         return self._engines
 
     def _loaded_loras(self) -> set[str]:
@@ -250,20 +247,16 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         return translate(sp, prefix="sampling_params.")
 
     async def _lora(self, model: str | None) -> str | None:
-        """SkyRL passes its policy's name as `model` on every call: that is the
-        base model, whatever its spelling (a hub id, a local path). Only the
-        name of a LoRA adapter loaded on the cluster routes to that adapter;
-        an unknown name is looked up once (the engines may have loaded it
-        since `connect`) and then remembered as the base model."""
-        if not model or model == self.model_name or model in self._base_names:
-            return None
-        if model in self._loaded_loras():
-            return model
-        await self.refresh()
-        if model in self._loaded_loras():
-            return model
-        self._base_names.add(model)
-        return None
+        """SkyRL passes its policy's name as `model` on every call: the base
+        model's (model_name=, the engines' --model) or a loaded LoRA adapter's
+        (that adapter serves it); any other name is refused, listing what is
+        served (trainer_bridge/skyrl_models.py). A name not known yet is asked
+        of the head once (the engines may have loaded it since `connect`)."""
+        try:
+            return pick_model(model, base_aliases(self._model_name, self._engines), self._loaded_loras())
+        except BadRequest:
+            await self.refresh()
+            return pick_model(model, base_aliases(self._model_name, self._engines), self._loaded_loras())
 
     async def _one(self, ids: list[int], tr: Translated, session_id: Hashable | None, lora: str | None) -> Any:
         return await self.client.generate(
@@ -336,9 +329,13 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         return self._output(res.samples, await self._tok(), tr)
 
     async def _sample_tinker(self, request_payload: Mapping[str, Any]) -> dict[str, Any]:
-        session_id, body = request_body(request_payload)
+        # Tinker's session_id names a sampling session (every sample of one
+        # sampling client), not a conversation, and nothing ever ends it: as a
+        # head session it would pin them all on one engine and stay on the
+        # head for its session_ttl_s. Each sample is placed on its own.
+        _, body = request_body(request_payload)
         req = tinker_request(body)
-        res = await self._one(req.ids, req.tr, session_id, await self._lora(body.get("model")))
+        res = await self._one(req.ids, req.tr, None, await self._lora(body.get("model")))
         return tinker_reply(req, res)
 
     # ------------------------------------------------------------ OpenAI-shaped, over the bus
