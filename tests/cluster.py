@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 
 from bus.auth import new_token, token_path_for, write_token
-from bus.errors import RequestTimeout
+from bus.errors import HeadUnavailable, RequestTimeout
 from bus.proctree import terminate_tree
 from trainer_bridge import Client
 
@@ -131,7 +131,7 @@ class Cluster:
         while True:
             try:
                 return c.wait_ready(n, max(0.05, min(1.0, deadline - time.monotonic())))
-            except RequestTimeout as e:
+            except (RequestTimeout, HeadUnavailable) as e:  # a head still starting answers nothing yet
                 if time.monotonic() >= deadline:
                     raise RequestTimeout(f"within timeout_s={timeout_s}: {e.message}", field="timeout_s") from e
             gone = {k: p.returncode for k, p in self.procs.items() if p.poll() is not None}

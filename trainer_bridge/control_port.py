@@ -65,16 +65,20 @@ class ControlPort(HeadLink):
         """The head's counters, requests in flight and open sessions."""
         return P.as_dict(await self._query("stats", P.StatsView))
 
-    async def wait_ready(self, num_engines: int = 1, timeout_s: float = 120.0) -> dict[str, Any]:
+    async def wait_ready(self, num_engines: int = 1, timeout_s: float | None = None) -> dict[str, Any]:
         """Wait until `num_engines` engines are healthy (deadline: timeout_s,
-        which bounds every query inside it too; a head that is down or
-        restarting is asked again until then). No head ever heard at this
-        address: HeadUnavailable within connect_timeout_s, naming it."""
+        default 120 s, which bounds every query inside it too; a head that is
+        down or restarting is asked again until then). No head ever heard at
+        this address: HeadUnavailable naming it, within connect_timeout_s when
+        no timeout_s was given (nothing is there, or the address is wrong), or
+        at an explicit timeout_s (a script that starts the head and waits for
+        it gives the head that long to come up)."""
+        patient = timeout_s is not None
+        timeout_s = 120.0 if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         last: object = None
         # A head that ever answered this client (restarting, or stopped a
-        # moment) is asked again until the deadline; one that never did fails
-        # the wait within connect_timeout_s: nothing is there, or the address is wrong.
+        # moment) is asked again until the deadline.
         answered = self._last_rx > 0
         while True:
             left = deadline - time.monotonic()
@@ -82,12 +86,15 @@ class ControlPort(HeadLink):
             try:
                 h = await self.health_view(timeout_s=max(0.05, left))
             except HeadUnavailable as e:
-                if not answered and e.field == "connect_timeout_s":
+                if not answered and e.field == "connect_timeout_s" and (not patient or left <= 0.05):
+                    knob, within = (
+                        ("timeout_s", timeout_s) if patient else ("connect_timeout_s", self.connect_timeout_s)
+                    )
                     raise HeadUnavailable(
-                        f"no head answered at {self.address} within connect_timeout_s={self.connect_timeout_s}: "
+                        f"no head answered at {self.address} within {knob}={within}: "
                         "is it running, and is this its frontend address?",
                         address=self.address,
-                        field="connect_timeout_s",
+                        field=knob,
                     ) from None
                 h, last = None, e.message
             except RequestTimeout as e:
@@ -96,6 +103,13 @@ class ControlPort(HeadLink):
                 answered, last = True, P.as_dict(h)
                 if sum(1 for e in h.engines.values() if e.healthy) >= num_engines:
                     return P.as_dict(h)
+            if time.monotonic() >= deadline and not answered:
+                raise HeadUnavailable(
+                    f"no head answered at {self.address} within timeout_s={timeout_s}: "
+                    "is it running, and is this its frontend address?",
+                    address=self.address,
+                    field="timeout_s",
+                )
             if time.monotonic() >= deadline:
                 raise RequestTimeout(
                     f"fewer than {num_engines} healthy engine(s) after timeout_s={timeout_s}: {last}", field="timeout_s"
