@@ -47,7 +47,12 @@ def _reference_greedy(model, prompt: list[int], n: int) -> list[int]:
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=n,
+                eos_token_id=None,
+                pad_token_id=0,
             )
     finally:
         torch.set_num_threads(threads)
