@@ -211,10 +211,11 @@ def test_max_staleness_regenerates_on_the_new_weights_and_reports_restarts(clust
     cl.wait_ready(1)
     c = cl.client()
     p = [31, 32, 33]
-    params = {**GREEDY, "max_tokens": 1200}
-    # Weights are built before any stream starts: building one takes longer
-    # than the tiny model needs for 1200 tokens, and the update must land
-    # while the requests are still running.
+    n = 600  # each update waits for the requests' first tokens, and lands long before the n-th
+    params = {**GREEDY, "max_tokens": n}
+    # Weights (and the oracle) are built before any stream starts: building
+    # one takes longer than the tiny model needs for n tokens, and the update
+    # must land while the requests are still running.
     new, newer, newest = (_perturbed(tiny_model, seed=k) for k in (7, 8, 9))
     # The oracle, from transformers in this process (not the cluster under
     # test): greedy on each new policy; the old weights' output differs, so a
@@ -222,7 +223,7 @@ def test_max_staleness_regenerates_on_the_new_weights_and_reports_restarts(clust
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    on_new, on_newer = (_reference_greedy(m, p, 1200) for m in (new, newer))
+    on_new, on_newer = (_reference_greedy(m, p, n) for m in (new, newer))
     on_base = _reference_greedy(base, p, 64)
     assert on_new[:64] != on_base and on_newer[:64] != on_base and on_new != on_newer, "the updates change nothing"
 
@@ -238,7 +239,7 @@ def test_max_staleness_regenerates_on_the_new_weights_and_reports_restarts(clust
         toks, vers, restarts = s.kept(i)
         assert restarts == 1 and s.chunks[i][-1].restarts == 1
         assert any(ch.restarts == 1 and not ch.token_ids for ch in s.chunks[i])  # told at once
-        assert set(vers) == {1} and len(toks) == 1200
+        assert set(vers) == {1} and len(toks) == n
         assert toks == on_new, f"stream {i} is not greedy on the new weights from the prompt"
 
     # Not streamed: the result holds only the last attempt, and says so. The
@@ -253,7 +254,7 @@ def test_max_staleness_regenerates_on_the_new_weights_and_reports_restarts(clust
         c.update_weights(newer.named_parameters())
     t.join(120)
     r = out[0]
-    assert r.samples[0].restarts == 1 and set(r.token_versions) == {2} and len(r.token_ids) == 1200
+    assert r.samples[0].restarts == 1 and set(r.token_versions) == {2} and len(r.token_ids) == n
     assert r.token_ids == on_newer, "the result is not greedy on the newer weights from the prompt"
 
     # Without a bound the tokens of both versions are kept, each stamped.
@@ -263,7 +264,7 @@ def test_max_staleness_regenerates_on_the_new_weights_and_reports_restarts(clust
         c.update_weights(newest.named_parameters())
     s.join()
     toks, vers, restarts = s.kept(0)
-    assert restarts == 0 and len(toks) == 1200
+    assert restarts == 0 and len(toks) == n
     assert vers[0] == 2 and vers[-1] == 3 and vers == sorted(vers)
 
 
