@@ -62,20 +62,29 @@ def test_abort_mode_mid_generation_loses_and_truncates_nothing(torch_cluster):
 
 
 def test_abort_mode_sampled_requests_complete_with_exactly_max_tokens(torch_cluster):
+    """Seeded sampled streams parked by a pause(abort) mid-generation and
+    re-submitted on resume: each ends with exactly max_tokens and "length"
+    (ignore_eos: nothing else may end it), the same tokens as without the
+    pause (the torch backend keeps a parked sample's generator state)."""
     c = torch_cluster.client()
     ps = prompts(16, seed=1)
-    params = {"max_tokens": 120, "temperature": 1.0, "seed": 5, "logprobs": True}
+    params = {"max_tokens": 120, "temperature": 1.0, "seed": 5, "logprobs": True, "ignore_eos": True}
+    reference = [r.token_ids for r in c.generate(ps, params)]
     s = Streams(c, ps, params)
     wait_until(lambda: min(s.counts()) >= 2, 60, "every stream to start")
-    c.pause("abort")
-    time.sleep(0.2)
+    res = c.pause("abort")
+    parked = sum(r["parked"] for r in res.values())
+    counts = s.counts()
     c.resume()
     s.join()
+    # What the name claims needs a park: a sample aborted mid-generation.
+    assert parked >= 1, f"the pause parked nothing (streams had {counts} tokens): {res}"
     for i in range(len(ps)):
         n = len(s.tokens(i))
-        last = s.chunks[i][-1]
-        assert last.finish_reason in ("stop", "length")
-        assert last.finish_reason == "stop" or n == 120
+        reasons = [ch.finish_reason for ch in s.chunks[i]]
+        assert reasons[-1] == "length" and reasons.count(None) == len(reasons) - 1, reasons
+        assert n == 120, f"stream {i}: {n} tokens"
+        assert s.tokens(i) == reference[i], f"stream {i} lost, repeated or re-sampled tokens across the park"
         assert sum(len(ch.logprobs) for ch in s.chunks[i]) == n
 
 

@@ -44,14 +44,17 @@ import os
 from array import array
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bus import protocol as P
 from bus.codec import split_chunks
+from bus.errors import BadRequest
 from engine_node.actions import DEFERRED, Pending, SendAck, SendChunks, SendError
 from engine_node.core import RequestCore
 from engine_node.gates import ALL, SLEEP_SCOPE
+from engine_node.request_flow import Refused
 from engine_node.weight_update import WeightUpdates
 from tests.scripted_backend import EOS, ScriptedBackend, expected_token
 
@@ -271,10 +274,20 @@ class Harness:
             "cancelled": False,
         }
         self.reqs[(client, rid)] = rec
+        # The one refusal this harness can provoke: a LoRA that is not loaded
+        # (ids are unique, prompts and max_tokens fit max_model_len, the core
+        # accepts until shut down). Only the core's typed admission error for
+        # it counts as a refusal; any other exception, or a refusal of
+        # anything else, is a crash the property must report.
+        refusal = "lora" if lora is not None and lora not in self.backend.loras() else None
         try:
             self.core.generate(client, msg, base + prefix)
-        except Exception:
-            return  # refused at admission (e.g. LoRA not loaded): no request
+        except (BadRequest, Refused) as e:
+            assert refusal is not None and e.field == refusal, f"admission refused {rid} unexpectedly: {e!r}"
+            assert e.request_id == rid, e
+            assert not any(k[1] == rid for k in self.core.requests), "a refused request left state behind"
+            return
+        assert refusal is None, f"{rid} admitted naming LoRA {lora!r}, which is not loaded"
         rec["accepted"] = True
 
     def cancel(self, pick: int) -> None:
@@ -488,3 +501,26 @@ def test_refused_lora_and_duplicate_ids_leave_no_state() -> None:
     assert not h.core.requests
     h.generate(2, False, 0, 0, 5, 0, 0)
     h.quiesce()
+
+
+def test_a_crash_at_admission_fails_the_harness_not_counted_as_a_refusal() -> None:
+    """The harness above only counts the core's typed admission errors as
+    refusals: an admission that crashes (here injected into the core) fails
+    the property instead of passing as "not accepted"."""
+    h = Harness("seq", 4)
+
+    def crash(*a: Any) -> None:
+        raise RuntimeError("injected crash in admission")
+
+    h.core.generate = crash  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="injected crash"):
+        h.generate(1, True, 0, 0, 4, 0, 0)
+    # ...and a typed refusal where none is possible (the LoRA is loaded) fails too.
+    h = Harness("seq", 4)
+
+    def refuse(client: bytes, msg: P.Generate, prompt: list[int]) -> None:
+        raise BadRequest("refused for no reason", request_id=msg.request_id, field="lora")
+
+    h.core.generate = refuse  # type: ignore[method-assign]
+    with pytest.raises(AssertionError, match="refused r1 unexpectedly"):
+        h.generate(1, True, 1, 0, 4, 0, 0)

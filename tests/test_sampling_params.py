@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 
 import pytest
 import torch
@@ -242,21 +241,22 @@ def test_stop_strings_across_pause_abort_and_resume(torch_cluster, tiny_model):
     stops = []
     for p, ref in zip(prompts, refs, strict=True):
         stops.append(late_stop(incremental_text(tiny_model, p, ref), 500))
-    out: list = [None] * len(prompts)
+    out: list[list] = [[] for _ in prompts]  # filled chunk by chunk: the test waits on it
 
     def one(i):
-        out[i] = list(c.stream(prompts[i], {**greedy, "stop": [stops[i]], "logprobs": 2}))
+        for ch in c.stream(prompts[i], {**greedy, "stop": [stops[i]], "logprobs": 2}):
+            out[i].append(ch)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
-    time.sleep(0.3)
+    wait_until(lambda: all(any(ch.token_ids for ch in o) for o in out), 60, "every stream's first tokens")
     res = c.pause("abort")
     parked = sum(r["parked"] for r in res.values())
-    time.sleep(0.3)
     c.resume()
     for t in threads:
         t.join(120)
+    assert not any(t.is_alive() for t in threads), "a stream never finished"
     for i, chunks in enumerate(out):
         ids = [t for ch in chunks for t in ch.token_ids]
         text = incremental_text(tiny_model, prompts[i], refs[i])

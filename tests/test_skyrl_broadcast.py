@@ -1,8 +1,8 @@
 """SkyRL's broadcast weight sync (BroadcastTransferStrategy) on rollout-bus,
 the parts that run without CUDA (the NCCL run is tests/gpu/test_skyrl_gpu.py):
 - the vllm_nccl plan: vLLM's packed chunks as buckets (the cut after the
-  tensor that goes PAST the buffer), checked against vLLM's own pack_tensors
-  where vLLM imports;
+  tensor that goes PAST the buffer); checked against vLLM's own pack_tensors
+  in tests/gpu/test_vllm_packed_plan.py, where vLLM imports;
 - the rank arithmetic against SkyRL's own `BroadcastInitInfo.for_servers`;
 - typed errors (field names) at the trainer and at the engine's receiver;
 - the adapter's flow and ordering with SkyRL's REAL BroadcastTransferStrategy
@@ -75,23 +75,6 @@ def test_packed_plan_cuts_after_the_tensor_that_goes_past_the_buffer() -> None:
     _, sizes = packed_plan(["big", "x"], ["float32", "float32"], [[100], [1]], 100)
     assert sizes == [400, 4]
     assert packed_plan([], [], [], 100) == ([], [])
-
-
-def test_packed_plan_matches_vllms_pack_tensors_where_vllm_imports() -> None:
-    packed = pytest.importorskip("vllm.distributed.weight_transfer.packed_tensor")
-    import torch
-
-    named = [
-        (f"t{i}", torch.zeros(n, dtype=d)) for i, (n, d) in enumerate([(7, torch.bfloat16), (30, torch.float32)] * 6)
-    ]
-    metas, sizes = packed_plan(
-        [n for n, _ in named], [str(t.dtype) for _, t in named], [list(t.shape) for _, t in named], 150
-    )
-    it, chunks = iter(named), []
-    while (c := packed.pack_tensors(it, lambda x: x[1], 150)) is not None:
-        chunks.append(c)
-    assert sizes == [c.packed_tensor.numel() for c in chunks]
-    assert [[m.name for m in metas if m.bucket == i] for i in range(len(sizes))] == [c.names for c in chunks]
 
 
 def test_packed_plan_refuses_bad_metadata_naming_the_field() -> None:

@@ -22,6 +22,10 @@ from tests.test_control_plane import GREEDY, Streams, prompts
 
 STALL_S = 5.0  # the head's --stall-timeout-s (router_node/config.py: 30 s by default)
 COMMIT_S = 12.0  # > STALL_S, with room to probe the engines past the stall timeout
+# "At once" while the commit runs: a loop blocked by the commit would leave
+# heartbeats and answers COMMIT_S - 4 s late or more (the probe runs that
+# long); LAG_S tells the two apart with slack a loaded 2-core CI cannot use up.
+LAG_S = 4.0
 
 
 @pytest.mark.slow
@@ -76,13 +80,13 @@ def test_a_commit_past_the_stall_timeout_keeps_the_engine_healthy_busy_and_servi
             assert v["healthy"] and v["state"] == "healthy", (eid, v["state"], v["reason"])
             if v.get("busy"):
                 assert v["busy"] == "finish_weights"
-            assert v["heartbeat_age_s"] is not None and v["heartbeat_age_s"] < 2.0, (eid, v["heartbeat_age_s"])
+            assert v["heartbeat_age_s"] is not None and v["heartbeat_age_s"] < LAG_S, (eid, v["heartbeat_age_s"])
             beats.setdefault(eid, []).append(v["heartbeat_age_s"])
         for op in (P.Ping(), P.Stats(), P.IsPaused()):
             t0 = time.monotonic()
             res = probe.control(op, timeout_s=5)
             assert set(res) == {"e0", "e1"}
-            assert time.monotonic() - t0 < 2.0, (
+            assert time.monotonic() - t0 < LAG_S, (
                 f"{type(op).__name__} took {time.monotonic() - t0:.2f}s during the commit"
             )
         assert probe.is_paused() is False
@@ -120,7 +124,10 @@ def test_an_op_past_its_deadline_acks_a_timeout_naming_the_knob(cluster_factory,
     t0 = time.monotonic()
     with pytest.raises(ControlError, match="op_timeout_s") as e:
         c.load_lora("slow", path=lora)
-    assert 0.9 < time.monotonic() - t0 < 4.0  # the deadline, not the op, ended the wait
+    # The deadline (1 s), not the op (4 s), ended the wait: the ack names the
+    # knob (an op that finished would have loaded the LoRA); the only timing
+    # bound is the one load cannot break, that it did not end early.
+    assert time.monotonic() - t0 > 0.9
     failure = e.value.errors["e0"]  # the ack's code reaches the trainer, typed
     assert (failure.code, failure.field) == ("backend_timeout", "op_timeout_s")
     assert type(e.value.exception("e0")).__name__ == "BackendTimeout"

@@ -30,9 +30,18 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import sys
 import time
+import typing
 
 import pytest
+
+# As tests/test_skyrl_generator.py (skyrl's pydantic models), so that CPU CI's
+# skip reason is the missing GPU, not this import; a no-op on the GPU's 3.12.
+if sys.version_info < (3, 12):
+    import typing_extensions
+
+    typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]
 
 try:
     import skyrl_gym
