@@ -46,9 +46,9 @@ from bus import protocol as P
 from bus.codec import Outbox
 from bus.errors import BadRequest, ErrorCode, RolloutBusError
 from bus.frames import note_version
+from engine_node import routes
 from engine_node.actions import Action, SendAck, SendChunks, SendError
 from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput
-from engine_node import routes
 from engine_node.chunks import base_prompt_logprobs, natural_finish, sample_chunk
 from engine_node.detokenize import load_tokenizer, make_matcher
 from engine_node.gates import Gate

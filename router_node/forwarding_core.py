@@ -256,7 +256,7 @@ class ForwardingCore:
             ch = msgspec.structs.replace(ch, restarts=tr.restarts)
             frames = None  # the engine's frames carry the leg's count, not the flight's
         record(tr, ch, head, toks, lps)
-        if rframe is not None and not fl.msg.stream:
+        if rframe is not None and ch.routed_experts is not None and not fl.msg.stream:
             record_routes(tr, ch.routed_experts, rframe)
         final = ch.finish_reason is not None
         out: list[Action] = []

@@ -62,7 +62,9 @@ def oracle(moe_model):
 def module_cluster(moe_model):
     """Two torch engines serving the MoE model with routes on. The last test
     of this module kills one of them (failover)."""
-    with leak_checked_cluster(2, backend="torch", model=moe_model, backend_options={"return_routed_experts": True}) as c:
+    with leak_checked_cluster(
+        2, backend="torch", model=moe_model, backend_options={"return_routed_experts": True}
+    ) as c:
         yield c
 
 
@@ -188,7 +190,9 @@ def test_routes_survive_failover_whole_and_in_order(module_cluster, oracle):
     c = module_cluster.client()
     prompt = [31, 32, 33, 34]
     out: dict = {}
-    t = _stream_in_thread(c, prompt, {**ROUTES, "max_tokens": 200, "routed_experts_prompt": True}, out, session_id="pin")
+    t = _stream_in_thread(
+        c, prompt, {**ROUTES, "max_tokens": 200, "routed_experts_prompt": True}, out, session_id="pin"
+    )
     wait_until(lambda: len(out["chunks"]) >= 5, 30, "first tokens")
     victim = c.generate([1], {"max_tokens": 1}, session_id="pin").engine_id
     module_cluster.kill(victim)

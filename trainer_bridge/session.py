@@ -83,6 +83,7 @@ class _Trajectory:
         if isinstance(params, P.SamplingParams):
             return msgspec.structs.replace(params, **kw)
         return {**params, **kw}
+
     @property
     def token_ids(self) -> list[int]:
         return [t for turn in self.turns for t in turn.token_ids]

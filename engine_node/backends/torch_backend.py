@@ -412,12 +412,13 @@ class TorchBackend(TorchSleepAndLora, TorchWeightUpdates):
             s.cache = DynamicCache(config=self.model.config)
         ids = torch.tensor([s.pending], dtype=torch.long, device=self.device)
         extra = {self._cache_arg: s.cache}
-        if s.req.routes_from is not None and self._routes_shape is not None:
+        shape = self._routes_shape if s.req.routes_from is not None else None
+        if shape is not None:
             extra["output_router_logits"] = True
         with torch.inference_mode(), self._lora.active(s.req.lora):
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1, **extra)
-        if "output_router_logits" in extra:
-            s.routes = (s.num_tokens, _top_experts(out.router_logits, self._routes_shape[1]))
+        if shape is not None:
+            s.routes = (s.num_tokens, _top_experts(out.router_logits, shape[1]))
         s.num_tokens += len(s.pending)
         if all_logits:
             return out.logits[0].to(device="cpu", dtype=torch.float32)
