@@ -200,3 +200,28 @@ def test_routes_survive_failover_whole_and_in_order(module_cluster, oracle):
     assert "error" not in out, out.get("error")
     assert out["chunks"][-1].engine_id != victim and c.stats()["counters"]["failovers"] >= 1
     _check_stream(out["chunks"], prompt, oracle)
+
+
+def test_the_node_takes_each_row_once_up_to_the_last_token():
+    """engine_node/routes.py without a backend: a re-submission (resume_len 2)
+    starts at its last resumed token; rows a re-prefill repeats are dropped; a
+    row past the last token waits; a gap is an error; off takes nothing."""
+    from engine_node import routes
+    from engine_node.requests import new_request
+
+    shape = (2, 2, 8)
+    msg = P.Generate("r", P.SamplingParams(max_tokens=8, return_routed_experts=True), resume_len=2)
+    req = new_request(b"c", msg, [1, 2, 3, 40, 41], 0.0)  # base prompt [1, 2, 3], resumed [40, 41]
+    s = req.samples[0]
+    routes.start(req, s)
+    assert s.routes_pos == 4
+    rows = np.arange(6 * 4).reshape(6, 2, 2) % 8  # positions 0..5: a re-prefill's whole sequence
+    s.tokens.append(42)  # the step's new token: positions 0..5 exist, 0..4 were inputs
+    assert routes.take(req, s, rows, 0, shape) is None
+    meta, frame = routes.frame(s, shape)
+    assert (meta.rows, meta.prompt_rows, meta.dtype) == (1, 0, "uint8") and frame == rows[4].astype(np.uint8).tobytes()
+    assert routes.frame(s, shape) is None  # sent once
+    assert "skip positions 5..6" in routes.take(req, s, rows[:1], 7, shape)
+    off = new_request(b"c", P.Generate("o", P.SamplingParams(max_tokens=8)), [1, 2, 3], 0.0)
+    routes.start(off, off.samples[0])
+    assert routes.take(off, off.samples[0], rows, 0, shape) is None and routes.frame(off.samples[0], shape) is None

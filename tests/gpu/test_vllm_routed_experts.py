@@ -176,7 +176,8 @@ def test_routes_survive_pause_abort_and_resume(routed, reference):
 
     def run() -> None:
         try:
-            chunks.extend(cl.stream(LONG_PROMPT, {**ROUTES, "max_tokens": LONG_N}))
+            for ch in cl.stream(LONG_PROMPT, {**ROUTES, "max_tokens": LONG_N}):
+                chunks.append(ch)
         except Exception as e:  # handed to the test
             err.append(e)
 
