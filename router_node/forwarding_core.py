@@ -246,7 +246,9 @@ class ForwardingCore:
         tr = fl.samples.get(ch.sample_index)
         if tr is None or tr.done or ch.sample_index not in part.indices:
             return []
-        own, rframe = split_routes(ch, buffers)  # the routed-experts frame is the very last
+        own, rframe = buffers, None
+        if ch.routed_experts is not None:  # its frame is the very last (bus.frames.split_routes)
+            own, rframe = split_routes(ch, buffers)
         npf = prompt_frame_count(ch)  # the final chunk's prompt logprobs frames come last
         head = own[: len(own) - npf]
         toks, lps = chunk_payload(head)
