@@ -19,8 +19,13 @@ A Chunk's raw frames, in order::
     [-2, -1] prompt top-j ids   int32[P * j]      when j > 0, row 0 zeros / NaN
              + logprobs         float32[P * j]
 
-The prompt frames are counted from the end, so the chosen-logprobs frame's
-presence never shifts them. Readers only ever need `decode`.
+    then, only when chunk.routed_experts is set (issue 37, MoE routing replay):
+    [-1]        routed experts  uint8/16/32[rows * layers * top_k], row-major
+                                (the chunk's RoutedExperts says shape and dtype)
+
+The prompt frames are counted from the end (before the routed-experts frame,
+which is always last), so the chosen-logprobs frame's presence never shifts
+them. Readers only ever need `decode` (or `split_routes` first).
 """
 
 from __future__ import annotations
@@ -156,6 +161,7 @@ class Decoded:
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
     prompt: PromptLogprobs | None = None
+    routes: np.ndarray | None = None  # [rows, layers, top_k] (chunk.routed_experts)
 
 
 def _rows(flat: np.ndarray, k: int) -> list[list[Any]]:
@@ -174,6 +180,47 @@ def encode_prompt(k: int, lps: list[float], top_ids: list[int], top_lps: list[fl
     return out
 
 
+# ------------------------------------------------------------ routed experts (R3)
+
+ROUTE_DTYPES = ("uint8", "uint16", "uint32")  # little-endian on the wire
+
+
+def routes_dtype(num_experts: int) -> str:
+    """The smallest unsigned dtype that holds expert ids 0..num_experts-1."""
+    return "uint8" if num_experts <= 1 << 8 else "uint16" if num_experts <= 1 << 16 else "uint32"
+
+
+def route_itemsize(dtype: str) -> int:
+    return {"uint8": 1, "uint16": 2, "uint32": 4}.get(dtype, 1)
+
+
+def pack_routes(rows: np.ndarray, dtype: str) -> bytes:
+    """[rows, layers, top_k] expert ids -> the frame (C order, `dtype`)."""
+    return np.ascontiguousarray(rows, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
+
+
+def split_routes(chunk: Any, buffers: list[Any]) -> tuple[list[Any], Any | None]:
+    """(the chunk's other frames, its routed-experts frame or None)."""
+    if getattr(chunk, "routed_experts", None) is None or not buffers:
+        return buffers, None
+    return buffers[:-1], buffers[-1]
+
+
+def unpack_routes(meta: Any, frame: Any) -> np.ndarray:
+    """The [rows, layers, top_k] array a RoutedExperts + frame describe (a
+    copy: the frame may be a reused buffer). A lie is a ValueError naming it."""
+    if meta.dtype not in ROUTE_DTYPES:
+        raise ValueError(f"routed_experts.dtype {meta.dtype!r} is not one of {ROUTE_DTYPES}")
+    dt = np.dtype(meta.dtype).newbyteorder("<")
+    want = meta.rows * meta.layers * meta.top_k * dt.itemsize
+    if len(frame) != want or meta.prompt_rows > meta.rows:
+        raise ValueError(
+            f"routed_experts frame has {len(frame)} bytes, its shape {[meta.rows, meta.layers, meta.top_k]} "
+            f"x {meta.dtype} needs {want} (prompt_rows {meta.prompt_rows})"
+        )
+    return np.frombuffer(frame, dtype=dt).reshape(meta.rows, meta.layers, meta.top_k).astype(meta.dtype)
+
+
 def prompt_frame_count(chunk: Any) -> int:
     j = getattr(chunk, "prompt_logprobs", -1)
     return 0 if j < 0 else (3 if j > 0 else 1)
@@ -182,6 +229,7 @@ def prompt_frame_count(chunk: Any) -> int:
 def decode(chunk: Any, buffers: list[Any], token_ids: list[int] | None = None) -> Decoded:
     """The token ids and every logprob a Chunk's frames carry (`token_ids`:
     already unpacked, e.g. from a packed ChunkBatch; buffers[0] is then unread)."""
+    buffers, routes = split_routes(chunk, buffers)
     npf = prompt_frame_count(chunk)
     head = buffers[: len(buffers) - npf] if npf else buffers
     if token_ids is not None:
@@ -205,4 +253,6 @@ def decode(chunk: Any, buffers: list[Any], token_ids: list[int] | None = None) -
             pr.top_ids = _rows(np.frombuffer(tail[1], dtype=TOKEN_DTYPE), j)
             pr.top_logprobs = _rows(np.frombuffer(tail[2], dtype=LOGPROB_DTYPE), j)
         out.prompt = pr
+    if routes is not None:
+        out.routes = unpack_routes(chunk.routed_experts, routes)
     return out

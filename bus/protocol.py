@@ -174,6 +174,17 @@ class SamplingParams(_Part):
     # backend combines it with its own weight-version salt; outputs do not
     # depend on it (the torch backend has no prefix cache and ignores it).
     cache_salt: Name | None = None
+    # -- issue 37 (appended). MoE routing replay (R3): each sample's chunks
+    # carry the expert ids its tokens were routed to (one raw frame,
+    # Chunk.routed_experts says its shape); only on an engine started with the
+    # `return_routed_experts` backend option (else a BadRequest naming this
+    # field). `routed_experts_prompt`: the prompt's routes too, once per sample.
+    return_routed_experts: bool = False
+    routed_experts_prompt: bool = False
+    # Prompt routes skip the first this many positions (vLLM's
+    # routed_experts_prompt_start, SGLang's routed_experts_start_len): a
+    # multi-turn session asks only for what it does not hold yet.
+    routed_experts_start: U32 = 0
 
 
 class Generate(_Msg, tag="gen"):
@@ -234,6 +245,25 @@ class Chunk(_Msg, tag="chunk"):
     # sample received before it (the request's own resume prefix excepted);
     # its tokens begin the new attempt. The final chunk carries the total.
     restarts: U32 = 0
+    # -- issue 37 (appended): set when the chunk's LAST frame holds routed
+    # expert ids (SamplingParams.return_routed_experts); None costs nothing.
+    routed_experts: RoutedExperts | None = None
+
+
+class RoutedExperts(_Part):
+    """The shape of a Chunk's routed-experts frame (bus/frames.py): `rows`
+    sequence positions x `layers` MoE layers x `top_k` expert ids, row-major,
+    little-endian `dtype` ("uint8" / "uint16" / "uint32": the smallest that
+    holds the engine's expert count). Row i is the routing of the token at the
+    sample's next position when it was the model's INPUT (vLLM's and SGLang's
+    convention: a sample's last token is never an input, so it has no row);
+    the first `prompt_rows` rows are prompt positions."""
+
+    rows: U32
+    layers: U32
+    top_k: U32
+    dtype: Short
+    prompt_rows: U32 = 0
 
 
 class ChunkBatch(_Msg, tag="chunks"):

@@ -57,6 +57,10 @@ class SeqRequest:
     # last aborted (StepOutput.rng_state): continue from it instead of
     # re-seeding, so a parked sample draws exactly what it would have drawn.
     rng_state: Any = None
+    # -- issue 37 (R3): None: no routes. k: return the routed experts of every
+    # sequence position from k on (k <= len(prompt); positions are indexes into
+    # prompt + output), each in StepOutput.routed_experts once.
+    routes_from: int | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -78,6 +82,12 @@ class StepOutput:
     # abort() only, optional: the sequence's generator state now (opaque), which
     # the node hands back in SeqRequest.rng_state when it re-submits the sample.
     rng_state: Any = None
+    # -- issue 37 (R3), when SeqRequest.routes_from is set: the expert ids the
+    # positions [routes_start, routes_start + len) were routed to as the
+    # model's input in this step (an int array [rows, moe_layers, top_k]);
+    # rows for positions before routes_from are allowed (the node drops them).
+    routed_experts: Any = None
+    routes_start: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -104,6 +114,9 @@ class BackendInfo:
     pp: int = 1
     dp: int = 1
     dtype: str = ""  # weight dtype ("float32", "bfloat16"…): the bridge casts to it
+    # -- issue 37: (moe_layers, top_k, num_experts) when the backend was started
+    # with `return_routed_experts` (else None: a request asking is refused).
+    routed_experts: tuple[int, int, int] | None = None
 
 
 class BackendError(BackendRefused):

@@ -46,6 +46,7 @@ from bus import protocol as P
 from bus.codec import Outbox
 from bus.errors import BadRequest, ErrorCode, RolloutBusError
 from bus.frames import note_version
+from engine_node import routes
 from engine_node.actions import Action, SendAck, SendChunks, SendError
 from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput
 from engine_node.chunks import base_prompt_logprobs, natural_finish, sample_chunk
@@ -136,11 +137,14 @@ class RequestFlow:
                 request_id=rid,
                 field="params.max_tokens",
             )
+        routes.check(msg.params, self.info.routed_experts, self.engine_id, rid)
         if msg.lora is not None and msg.lora not in self.backend.loras():
             raise BadRequest(
                 f"LoRA adapter {msg.lora!r} is not loaded on {self.engine_id}", request_id=rid, field="lora"
             )
         req = new_request(client, msg, prompt, self.now)
+        for s in req.samples:
+            routes.start(req, s)
         if msg.params.stop:
             # Detokenizer state from prompt + tokens so far (a failover resubmission
             # carries them); refused here, before the request exists, if no tokenizer.
@@ -306,6 +310,7 @@ class RequestFlow:
             output_prefix=done,
             prompt_logprobs=p.prompt_logprobs if s.prompt_logprobs is None else None,
             rng_state=s.rng_state,
+            routes_from=s.routes_pos if s.routes_pos >= 0 else None,
         )
         try:
             self.backend.add(seq)
@@ -363,12 +368,19 @@ class RequestFlow:
                     s.top_ids.extend(out.top_ids[: k * len(toks)])
                     s.top_logprobs.extend(out.top_logprobs[: k * len(toks)])
                 self.tokens_out += len(toks)
+            if out.routed_experts is not None:
+                bad = routes.take(req, s, out.routed_experts, out.routes_start, self.info.routed_experts)
+                if bad is not None:
+                    self._fail(req, ErrorCode.INTERNAL, f"backend on {self.engine_id}: {bad}", field=routes.FIELD)
+                    continue
             if finish is None:
                 # Frozen: a backend whose freeze is not instant may still hand
                 # over tokens; they wait in s.tokens until the thaw.
                 if req.msg.stream and len(s.tokens) > s.sent and s.state is _RUNNING:
                     # _send_chunk inlined: the hot path, once per streamed chunk
                     chunk, buffers = sample_chunk(req, s, None, version, self.wall, self.engine_id, self.eos)
+                    if s.routes_rows:
+                        self._attach_routes(s, chunk, buffers)
                     self.outbox.add(req.client, chunk, buffers)
             elif finish in _CLIENT_FINISH:
                 del seqs[out.seq_id]
@@ -399,7 +411,17 @@ class RequestFlow:
 
     def _send_chunk(self, req: NodeRequest, s: Sample, finish: str | None) -> None:
         chunk, buffers = sample_chunk(req, s, finish, self.weight_version, self.wall, self.engine_id, self.eos)
+        if s.routes_rows:
+            self._attach_routes(s, chunk, buffers)
         self.outbox.add(req.client, chunk, buffers)
+
+    def _attach_routes(self, s: Sample, chunk: P.Chunk, buffers: list[Any]) -> None:
+        """The sample's waiting routed-expert rows ride as the chunk's last frame."""
+        assert self.info.routed_experts is not None  # rows are only taken with a shape
+        got = routes.frame(s, self.info.routed_experts)
+        if got is not None:
+            chunk.routed_experts, frame = got
+            buffers.append(frame)
 
     def _finish_sample(self, req: NodeRequest, s: Sample, reason: str) -> None:
         if s.seq_id is not None:
@@ -532,6 +554,7 @@ class RequestFlow:
         s.rng_state = None
         s.stop_reason = None
         s.prompt_logprobs = None  # recomputed on the new weights with the new attempt
+        routes.restart(s)
         if s.matcher is not None:  # the detokenizer restarts from prompt + what is kept
             s.matcher = make_matcher(self.tokenizer_of, req.base_prompt, req.msg.params, s.tokens, req.msg.request_id)
         s.restarts += 1

@@ -94,6 +94,14 @@ class Sample:
     # for this attempt (None: none yet), and how many attempts were dropped.
     first_version: int | None = None
     restarts: int = 0
+    # -- issue 37 (R3), engine_node/routes.py: the next sequence position whose
+    # routed experts the client lacks (-1: the request asked for none), where an
+    # attempt starts, and the rows waiting for the next chunk (+ how many of
+    # them are prompt positions).
+    routes_pos: int = -1
+    routes_init: int = -1
+    routes_rows: list[Any] = dataclasses.field(default_factory=list)
+    routes_prompt: int = 0
 
 
 @dataclasses.dataclass(slots=True, eq=False)

@@ -18,7 +18,12 @@ hub access. This module builds one in about a second:
 processes racing to build it both end up with one complete folder).
 `make_random_lora()` writes a PEFT-format adapter folder with non-zero A and B.
 
-CLI: `python -m engine_node.tiny_model OUT_DIR [--seed N]`.
+MoE variant (issue 37, routing replay): `moe_experts=E` (> 0) builds a
+Qwen3-MoE instead (`Qwen3MoeForCausalLM`, every layer sparse, E experts of
+`inter` width, `moe_top_k` per token, normalised top-k weights), with a
+peakier router (std 0.5) so that routes are rarely near-tied.
+
+CLI: `python -m engine_node.tiny_model OUT_DIR [--seed N] [--moe-experts 8]`.
 """
 
 from __future__ import annotations
@@ -53,8 +58,19 @@ _SENTENCES = [
 _SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 
 _DEFAULTS: dict[str, Any] = dict(
-    seed=0, hidden=64, layers=2, heads=4, kv_heads=2, inter=128, vocab=512, max_pos=2048, tie_embeddings=False
+    seed=0,
+    hidden=64,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    inter=128,
+    vocab=512,
+    max_pos=2048,
+    tie_embeddings=False,
+    moe_experts=0,
+    moe_top_k=2,
 )
+_MOE_KEYS = ("moe_experts", "moe_top_k")
 
 
 @contextmanager
@@ -104,8 +120,30 @@ def _build_tokenizer(out_dir: str, vocab: int) -> Any:
 
 
 def _build_config(p: dict[str, Any], bos: int, eos: int, pad: int) -> Any:
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
+    if p["moe_experts"]:
+        return Qwen3MoeConfig(
+            hidden_size=p["hidden"],
+            num_hidden_layers=p["layers"],
+            num_attention_heads=p["heads"],
+            num_key_value_heads=p["kv_heads"],
+            head_dim=p["hidden"] // p["heads"],
+            intermediate_size=p["inter"],
+            moe_intermediate_size=p["inter"],
+            num_experts=p["moe_experts"],
+            num_experts_per_tok=p["moe_top_k"],
+            norm_topk_prob=True,
+            vocab_size=p["vocab"],
+            max_position_embeddings=p["max_pos"],
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            tie_word_embeddings=p["tie_embeddings"],
+            initializer_range=0.08,
+        )
     return LlamaConfig(
         hidden_size=p["hidden"],
         num_hidden_layers=p["layers"],
@@ -134,6 +172,8 @@ def _redraw_weights(model: Any, seed: int, std: float = 0.08, embed_std: float =
         for name, prm in model.named_parameters():
             if "norm" in name:
                 prm.fill_(1.0)
+            elif name.endswith("mlp.gate.weight") and prm.dim() == 2 and prm.shape[0] < prm.shape[1]:
+                prm.copy_(torch.randn(prm.shape, generator=g, dtype=torch.float32) * 0.5)  # a MoE router
             else:
                 s = head_std if name.startswith("lm_head") else embed_std if "embed_tokens" in name else std
                 prm.copy_(torch.randn(prm.shape, generator=g, dtype=torch.float32) * s)
@@ -151,6 +191,8 @@ def build_tiny_model(
     vocab: int = 512,
     max_pos: int = 2048,
     tie_embeddings: bool = False,
+    moe_experts: int = 0,
+    moe_top_k: int = 2,
 ) -> str:
     """Write config, fp32 safetensors weights, generation config and tokenizer
     into `out_dir` (created if missing). Returns `out_dir`."""
@@ -167,6 +209,8 @@ def build_tiny_model(
         vocab=vocab,
         max_pos=max_pos,
         tie_embeddings=tie_embeddings,
+        moe_experts=moe_experts,
+        moe_top_k=moe_top_k,
     )
     os.makedirs(out_dir, exist_ok=True)
     tok = _build_tokenizer(out_dir, vocab)
@@ -186,11 +230,14 @@ def default_model_dir(root: str | None = None, **params: Any) -> str:
     """Where `ensure_tiny_model(**params)` keeps its build:
     `$ROLLOUT_BUS_CACHE` (else ~/.cache/rollout-bus) / tiny-llama-<hash of params>."""
     p = _params(**params)
+    if not p["moe_experts"]:  # the dense model's cache dir is what it was before the MoE keys
+        p = {k: v for k, v in p.items() if k not in _MOE_KEYS}
     key = json.dumps({**p, "format": BUILD_FORMAT}, sort_keys=True).encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
+    kind = "qwen3moe" if p.get("moe_experts") else "llama"
     if root is None:
         root = os.environ.get("ROLLOUT_BUS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rollout-bus")
-    return os.path.join(root, f"tiny-llama-{digest}")
+    return os.path.join(root, f"tiny-{kind}-{digest}")
 
 
 def ensure_tiny_model(root: str | None = None, **params: Any) -> str:

@@ -27,6 +27,7 @@ from bus.frames import (
     chunk_versions,
     logprobs_wanted,
     note_version,
+    route_itemsize,
     token_bytes,
     token_count,
     top_k_of,
@@ -43,6 +44,11 @@ class SampleTrack:
     top_logprobs: bytearray = dataclasses.field(default_factory=bytearray)
     restarts: int = 0  # staleness restarts over every leg (what the client sees)
     leg_restarts: int = 0  # the current leg's own count (Chunk.restarts from its engine)
+    # -- issue 37: routed-expert rows (bus.frames layout), for a non-streamed
+    # request's one chunk; `leg_routes`: bytes held when the current leg began.
+    routes: bytearray = dataclasses.field(default_factory=bytearray)
+    routes_meta: P.RoutedExperts | None = None  # totals so far (rows, prompt_rows)
+    leg_routes: int = 0
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -163,6 +169,11 @@ def restart_leg(tr: SampleTrack, keep: int, leg_restarts: int) -> None:
         del tr.top_logprobs[token_bytes(k * keep) :]
     del tr.tokens[token_bytes(keep) :]
     del tr.logprobs[token_bytes(keep) :]
+    m = tr.routes_meta
+    if m is not None:  # back to the rows the leg began with (the new attempt sends its own)
+        del tr.routes[tr.leg_routes :]
+        m.rows = len(tr.routes) // max(1, m.layers * m.top_k * route_itemsize(m.dtype))
+        m.prompt_rows = min(m.prompt_rows, m.rows)
     tr.marks = [m for m in tr.marks if m[0] < keep]
     tr.restarts += leg_restarts - tr.leg_restarts
     tr.leg_restarts = leg_restarts
@@ -178,6 +189,16 @@ def record(tr: SampleTrack, ch: P.Chunk, head: list[Any], toks: Any, lps: Any) -
     if ch.top_logprobs and len(head) >= 4:
         tr.top_ids += head[2]
         tr.top_logprobs += head[3]
+
+
+def record_routes(tr: SampleTrack, meta: P.RoutedExperts, frame: Any) -> None:
+    """Append a chunk's routed-expert rows to its track (non-streamed requests)."""
+    tr.routes += frame
+    if tr.routes_meta is None:
+        tr.routes_meta = P.RoutedExperts(meta.rows, meta.layers, meta.top_k, meta.dtype, meta.prompt_rows)
+    else:
+        tr.routes_meta.rows += meta.rows
+        tr.routes_meta.prompt_rows += meta.prompt_rows
 
 
 def aggregate(fl: Flight, tr: SampleTrack, last: P.Chunk, prompt_frames: list[Any]) -> tuple[P.Chunk, list[bytes]]:
@@ -206,4 +227,7 @@ def aggregate(fl: Flight, tr: SampleTrack, last: P.Chunk, prompt_frames: list[An
         if top_k_of(fl.msg.params.logprobs):
             bufs += [bytes(tr.top_ids), bytes(tr.top_logprobs)]
     bufs += [bytes(b) for b in prompt_frames]
+    if tr.routes_meta is not None and tr.routes_meta.rows:
+        out.routed_experts = tr.routes_meta
+        bufs.append(bytes(tr.routes))
     return out, bufs

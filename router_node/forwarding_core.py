@@ -35,11 +35,11 @@ import structlog
 
 from bus import protocol as P
 from bus.errors import EXCEPTION_OF, BadRequest, ErrorCode, LimitExceeded, RolloutBusError
-from bus.frames import chunk_payload, prompt_frame_count, token_count
+from bus.frames import chunk_payload, prompt_frame_count, split_routes, token_count
 from bus.validate import check_generate, check_request_budget, prompt_from_frames
 from router_node.actions import Action, FailRequest, RelayToClient, SendToClient, SendToEngine
 from router_node.config import RouterConfig
-from router_node.flights import Flight, Ledger, Part, SampleTrack, aggregate, record, restart_leg
+from router_node.flights import Flight, Ledger, Part, SampleTrack, aggregate, record, record_routes, restart_leg
 from router_node.policies import Sessions
 from router_node.prefix import PrefixPlacement
 from router_node.registry import EngineEntry, EngineState
@@ -204,6 +204,7 @@ class ForwardingCore:
                 prompt = fl.prompt + bytes(tr.tokens)
             for i in group:
                 fl.samples[i].leg_restarts = 0
+                fl.samples[i].leg_routes = len(fl.samples[i].routes)
             self.ledger.add_part(
                 Part(rid=rid, flight=fl, engine_id=e.engine_id, open=len(group), indices=group, prefix=prefix)
             )
@@ -247,8 +248,11 @@ class ForwardingCore:
         tr = fl.samples.get(ch.sample_index)
         if tr is None or tr.done or ch.sample_index not in part.indices:
             return []
+        own, rframe = buffers, None
+        if ch.routed_experts is not None:  # its frame is the very last (bus.frames.split_routes)
+            own, rframe = split_routes(ch, buffers)
         npf = prompt_frame_count(ch)  # the final chunk's prompt logprobs frames come last
-        head = buffers[: len(buffers) - npf]
+        head = own[: len(own) - npf]
         toks, lps = chunk_payload(head)
         if ch.restarts > tr.leg_restarts:
             restart_leg(tr, part.prefix, ch.restarts)
@@ -256,6 +260,8 @@ class ForwardingCore:
             ch = msgspec.structs.replace(ch, restarts=tr.restarts)
             frames = None  # the engine's frames carry the leg's count, not the flight's
         record(tr, ch, head, toks, lps)
+        if rframe is not None and ch.routed_experts is not None and not fl.msg.stream:
+            record_routes(tr, ch.routed_experts, rframe)
         final = ch.finish_reason is not None
         out: list[Action] = []
         if fl.msg.stream:
@@ -264,7 +270,7 @@ class ForwardingCore:
             return out
         tr.done = True
         if not fl.msg.stream:
-            out.append(SendToClient(fl.client, *aggregate(fl, tr, ch, buffers[len(buffers) - npf :] if npf else [])))
+            out.append(SendToClient(fl.client, *aggregate(fl, tr, ch, own[len(own) - npf :] if npf else [])))
         part.open -= 1
         e = self.engines.get(engine_id)
         if e is not None:

@@ -411,6 +411,9 @@ VLLM_STYLE = {
     "frequency_penalty": 0.0,
     "prompt_logprobs": None,
     "cache_salt": "s",
+    "return_routed_experts": False,
+    "routed_experts_prompt": False,
+    "routed_experts_start": 0,
 }
 
 

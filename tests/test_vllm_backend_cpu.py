@@ -22,6 +22,7 @@ import threading
 import time
 import types
 
+import numpy as np
 import pytest
 
 from bus.protocol import SamplingParams
@@ -78,6 +79,7 @@ class FakeOut:  # EngineCoreOutput
     finish_reason: int | None = None
     new_prompt_logprobs_tensors: object = None
     events: list | None = None  # EngineCoreEvent (type, timestamp), with log_stats
+    routed_experts: object = None  # issue 37: [rows, layers, top_k] (enable_return_routed_experts)
 
 
 @dataclasses.dataclass
@@ -166,6 +168,7 @@ class FakeEngineCoreClient:
         self.aborted = []
         self.inbox = queue.Queue()
         self.hold_utilities = set()  # names never answered (deadline tests)
+        self.routes = False  # enable_return_routed_experts (issue 37)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -223,6 +226,8 @@ class FakeEngineCoreClient:
                             logprob_token_ids=[[tok] + [(tok + 1 + j) % VOCAB for j in range(k + 1)]],
                         )
                     outs.append(FakeOut(rid, [tok], lps, fin, plp[0] if plp is not None else None))
+                    if self.routes:
+                        outs[-1].routed_experts = fake_step_routes(req, len(gen))
                     if fin is not None:
                         del self.requests[rid]
                 self.outputs_queue.put_nowait(FakeBatch(outs, self._stats()))
@@ -331,6 +336,27 @@ def fake_prompt_logprobs(req, gen):
     return (ids, lps, torch.zeros(len(rows))), first
 
 
+FAKE_MOE = types.SimpleNamespace(num_hidden_layers=3, num_experts_per_tok=2, num_experts=8)
+
+
+def fake_routes(positions) -> np.ndarray:
+    """FAKE routing, a function of the sequence position only (uint8, as
+    vLLM's narrow slot buffer for <= 256 experts)."""
+    return np.array(
+        [[[(p * 7 + layer * 3 + j) % 8 for j in range(2)] for layer in range(3)] for p in positions], dtype=np.uint8
+    ).reshape(-1, 3, 2)
+
+
+def fake_step_routes(req, generated: int) -> np.ndarray:
+    """What vLLM 0.24's scheduler attaches to an output (scheduler.py): at the
+    prefill, the prompt's rows from routed_experts_prompt_start; then the row
+    of the step's input token (the previous output)."""
+    n = len(req.prompt_token_ids)
+    if generated == 1:
+        return fake_routes(range(getattr(req.sampling_params, "routed_experts_prompt_start", 0), n))
+    return fake_routes([n + generated - 2])
+
+
 def fake_compilation_config(kw):
     """As vLLM derives it: no graphs when eager, the given sizes, else LLM's (here 1..16)."""
     if kw.get("enforce_eager"):
@@ -350,6 +376,7 @@ def fake_api(tmp_model: str):
             model_config=types.SimpleNamespace(
                 max_model_len=kw.get("max_model_len", 64),
                 hf_config=types.SimpleNamespace(eos_token_id=EOS, tie_word_embeddings=False),
+                hf_text_config=FAKE_MOE,
                 try_get_generation_config=lambda: {"eos_token_id": [EOS, 3]},
                 get_vocab_size=lambda: VOCAB,
                 dtype="torch.float32",
@@ -364,6 +391,7 @@ def fake_api(tmp_model: str):
     def make_client(cfg, log_stats):
         global FAKE
         FAKE = FakeEngineCoreClient(log_stats)
+        FAKE.routes = bool(build_config.kw.get("enable_return_routed_experts"))
         return FAKE
 
     return types.SimpleNamespace(
@@ -1278,3 +1306,36 @@ def test_nccl_worker_checks_in_and_a_cancelled_or_failed_receive_leaves_nothing_
         assert joined == ["ok", "broken", "nan"], "nothing collective without the go"
     finally:
         WN.NcclReceive._rb_nccl = orig
+
+
+def test_issue37_routed_experts_map_to_sequence_positions(model_dir):
+    """vLLM's per-output routes (the prompt's at prefill, then one per step)
+    become StepOutput rows at the right positions; a re-submission asks vLLM
+    to start at its last token (routed_experts_prompt_start); off costs nothing."""
+    from engine_node.backends.vllm_backend import make_backend
+
+    b = make_backend(model_dir, max_model_len=64, return_routed_experts=True, _api=fake_api(model_dir))
+    try:
+        assert b.info().routed_experts == (3, 2, 8)
+        assert b._api.build_config.kw["enable_return_routed_experts"] is True
+        b.add(SeqRequest("a", [10, 11, 12], SamplingParams(max_tokens=5), 5, routes_from=0))
+        b.add(SeqRequest("b", [10, 11, 12, 3, 4], SamplingParams(max_tokens=3), 3, output_prefix=2, routes_from=4))
+        b.add(seq("c", 3))
+        got: dict = {}
+        end = time.monotonic() + 5
+        while len([k for k, v in got.items() if v[2]]) < 3:
+            assert time.monotonic() < end, got
+            for o in b.step():
+                start, rows, _ = got.get(o.seq_id, (None, [], False))
+                if o.routed_experts is not None:
+                    start = o.routes_start if start is None else start
+                    rows.append(o.routed_experts)
+                got[o.seq_id] = (start, rows, o.finish_reason is not None)
+        assert got["a"][0] == 0
+        np.testing.assert_array_equal(np.concatenate(got["a"][1]), fake_routes(range(0, 3 + 5 - 1)))
+        assert got["b"][0] == 4
+        np.testing.assert_array_equal(np.concatenate(got["b"][1]), fake_routes(range(4, 5 + 3 - 1)))
+        assert got["c"][1] == [] and not hasattr(FAKE.seen[2].sampling_params, "routed_experts_prompt_start")
+        assert [r.sampling_params.routed_experts_prompt_start for r in FAKE.seen[:2]] == [0, 4]
+    finally:
+        b.close()

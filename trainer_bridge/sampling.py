@@ -91,6 +91,12 @@ def _int(v: Any) -> int:
     return int(v)
 
 
+def _flag(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError("expected a bool")
+    return v
+
+
 # One line per parameter. A `server(...)` line would mark one the engines do not
 # honour yet; since issue 10's server side every parameter is on the wire.
 PARAMS: dict[str, _Rule] = {
@@ -114,6 +120,11 @@ PARAMS: dict[str, _Rule] = {
     "frequency_penalty": wire(conv=float),
     "prompt_logprobs": wire(conv=_int),  # per prompt token, on each sample's final chunk
     "cache_salt": wire(conv=str),  # prefix-cache scope (vLLM's cache_salt); outputs do not depend on it
+    # issue 37, MoE routing replay (R3): each sample's routed expert ids
+    # (engines started with the return_routed_experts backend option)
+    "return_routed_experts": wire(conv=lambda v: _flag(v)),
+    "routed_experts_prompt": wire(conv=lambda v: _flag(v)),  # the prompt's routes too
+    "routed_experts_start": wire(conv=_int),  # prompt routes skip positions before it
 }
 
 # Keys of vLLM's SamplingParams with no effect on the tokens or logprobs the

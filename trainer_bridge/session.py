@@ -12,15 +12,27 @@ Every request carries the session id, so the router keeps the trajectory on
 one engine (its prefix cache stays warm); closing the session (or leaving the
 `with` block) releases it with `end_session`. `Session` is the same over the
 synchronous `Client`.
+
+MoE routing replay (issue 37): with `return_routed_experts` in the params,
+each turn asks only for the routes of positions the session does not hold yet
+(`routed_experts_start`, SGLang's routed_experts_start_len): the previous model
+turn's last token and the observation's tokens, then its own output. Each
+model Turn keeps what came (`routed_experts`), and `s.routed_experts` is the
+whole trajectory's, one row per token but the last (from the first prompt's
+first token when `routed_experts_prompt` was asked, else from its end).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+import numpy as np
+
+from bus import protocol as P
 from bus.errors import ClosedByUs
 from trainer_bridge.text import prompt_kind
 
@@ -37,6 +49,9 @@ class Turn:
     finish_reason: str | None = None
     engine_id: str = ""
     text: str | None = None
+    # issue 37: the routed experts this turn returned: every position the
+    # session lacked, up to its own last token (numpy [rows, layers, top_k])
+    routed_experts: Any = None
 
 
 class _Trajectory:
@@ -48,6 +63,26 @@ class _Trajectory:
         self.lora = lora
         self.turns: list[Turn] = []
         self.closed = False
+        self._routes_next = -1  # next position whose route the session lacks (-1: none asked yet)
+
+    @property
+    def routed_experts(self) -> Any:
+        """The trajectory's routed experts so far (None: none asked)."""
+        parts = [t.routed_experts for t in self.turns if t.routed_experts is not None]
+        return np.concatenate(parts, axis=0) if parts else None
+
+    def _route_params(self, params: Any) -> Any:
+        """`params` asking only for the routes the session lacks (unchanged when
+        they ask for no routes)."""
+        get = params.get if isinstance(params, Mapping) else (lambda k: getattr(params, k, None))
+        if not (get("return_routed_experts") or get("routed_experts_prompt")):
+            return params
+        if self._routes_next < 0:
+            self._routes_next = 0 if get("routed_experts_prompt") else self.prompt_len
+        kw = {"return_routed_experts": True, "routed_experts_prompt": True, "routed_experts_start": self._routes_next}
+        if isinstance(params, P.SamplingParams):
+            return msgspec.structs.replace(params, **kw)
+        return {**params, **kw}
 
     @property
     def token_ids(self) -> list[int]:
@@ -85,6 +120,10 @@ class _Trajectory:
 
     def _record(self, s: SampleOutput) -> Turn:
         turn = Turn("model", list(s.token_ids), s.logprobs, s.finish_reason, s.engine_id, s.text)
+        parts = [r for r in (s.prompt_routed_experts, s.routed_experts) if r is not None]
+        if parts:
+            turn.routed_experts = np.concatenate(parts, axis=0)
+            self._routes_next += len(turn.routed_experts)
         self.turns.append(turn)
         return turn
 
@@ -124,7 +163,7 @@ class AsyncSession(_Trajectory):
         kw = self._kw(params)
         if not self.turns:
             self.turns.append(Turn("prompt", await self._ids(self._prompt)))
-        res = await self.client.generate(self.token_ids, kw.pop("params"), **kw)
+        res = await self.client.generate(self.token_ids, self._route_params(kw.pop("params")), **kw)
         assert not isinstance(res, list)  # one prompt in, one result out
         return self._record(res.samples[0])
 
@@ -166,7 +205,7 @@ class Session(_Trajectory):
         kw = self._kw(params)
         if not self.turns:
             self.turns.append(Turn("prompt", self._ids(self._prompt)))
-        res = self.client.generate(self.token_ids, kw.pop("params"), **kw)
+        res = self.client.generate(self.token_ids, self._route_params(kw.pop("params")), **kw)
         assert not isinstance(res, list)  # one prompt in, one result out
         return self._record(res.samples[0])
 

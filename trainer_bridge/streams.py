@@ -86,7 +86,7 @@ def at_client_cap(item: Any) -> bool:
 
 
 def to_stream_chunk(rid: str, item: P.Chunk, toks: list[int], rest: list[Any]) -> StreamChunk:
-    if item.top_logprobs or item.prompt_logprobs >= 0:
+    if item.top_logprobs or item.prompt_logprobs >= 0 or item.routed_experts is not None:
         return _rich_chunk(rid, item, toks, rest)
     # The common chunk (tokens, maybe their logprobs): no Decoded,
     # positional fields (StreamChunk's order), defaults for the rest.
@@ -108,8 +108,15 @@ def to_stream_chunk(rid: str, item: P.Chunk, toks: list[int], rest: list[Any]) -
 
 
 def _rich_chunk(rid: str, item: P.Chunk, toks: list[int], rest: list[Any]) -> StreamChunk:
-    """A chunk with top-k or prompt logprobs: the full frame layout."""
-    dec = decode_frames(item, [b"", *rest], token_ids=toks)
+    """A chunk with top-k, prompt logprobs or routed experts: the full frame layout."""
+    try:
+        dec = decode_frames(item, [b"", *rest], token_ids=toks)
+    except (ValueError, IndexError) as e:  # a frame that lies about its shape
+        raise ProtocolError(f"bad chunk frames: {e}", request_id=rid, field="routed_experts") from None
+    routes = prompt_routes = None
+    if dec.routes is not None:
+        cut = item.routed_experts.prompt_rows if item.routed_experts is not None else 0
+        routes, prompt_routes = dec.routes[cut:], (dec.routes[:cut] if cut else None)
     return StreamChunk(
         request_id=rid,
         sample_index=item.sample_index,
@@ -127,6 +134,8 @@ def _rich_chunk(rid: str, item: P.Chunk, toks: list[int], rest: list[Any]) -> St
         stop_str=item.stop_reason,
         text=item.text,
         restarts=item.restarts,
+        routed_experts=routes,
+        prompt_routed_experts=prompt_routes,
     )
 
 
@@ -136,6 +145,8 @@ class SampleAssembler:
     def __init__(self) -> None:
         self.samples: dict[int, SampleOutput] = {}
         self.num_prompt_tokens = 0
+        # sample index -> [prompt rows, output rows] (numpy parts, joined at the end)
+        self.routes: dict[int, tuple[list[Any], list[Any]]] = {}
 
     def add(self, ch: StreamChunk, changes: Any) -> None:
         s = self.samples.get(ch.sample_index)
@@ -150,6 +161,13 @@ class SampleAssembler:
             if s.logprobs is not None:
                 s.logprobs.clear()
             s.top_ids = s.top_logprobs = None
+            self.routes.pop(ch.sample_index, None)
+        if ch.routed_experts is not None or ch.prompt_routed_experts is not None:
+            parts = self.routes.setdefault(ch.sample_index, ([], []))
+            if ch.prompt_routed_experts is not None:
+                parts[0].append(ch.prompt_routed_experts)
+            if ch.routed_experts is not None:
+                parts[1].append(ch.routed_experts)
         s.token_ids.extend(ch.token_ids)
         if ch.logprobs is not None and s.logprobs is not None:
             s.logprobs.extend(ch.logprobs)
@@ -170,6 +188,12 @@ class SampleAssembler:
             s.prompt_logprobs = ch.prompt.logprobs
             s.prompt_top_ids, s.prompt_top_logprobs = ch.prompt.top_ids, ch.prompt.top_logprobs
         self.num_prompt_tokens = ch.num_prompt_tokens
+        parts = self.routes.pop(s.index, None)
+        if parts is not None:
+            if parts[0]:
+                s.prompt_routed_experts = np.concatenate(parts[0], axis=0)
+            if parts[1]:
+                s.routed_experts = np.concatenate(parts[1], axis=0)
 
     def result(self, rid: str) -> GenerationResult:
         return GenerationResult(

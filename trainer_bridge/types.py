@@ -45,6 +45,14 @@ class SampleOutput:
     # Times the staleness bound (max_staleness) dropped the sample's tokens and
     # regenerated it on newer weights; token_ids are the last attempt's only.
     restarts: int = 0
+    # -- issue 37, MoE routing replay (params return_routed_experts /
+    # routed_experts_prompt): uint8/16/32 [rows, moe_layers, top_k]. Row i of
+    # `routed_experts` is token_ids[i]'s routing as the model's input, so it has
+    # len(token_ids) - 1 rows (the last token was never an input); with
+    # `prompt_routed_experts` (prompt positions from routed_experts_start on)
+    # before it, it is the whole sequence's routing, as vLLM / SGLang return it.
+    routed_experts: Any = None
+    prompt_routed_experts: Any = None
 
     @property
     def stop_reason(self) -> str:
@@ -113,6 +121,10 @@ class StreamChunk(msgspec.Struct, gc=False):
     # for the sample before this chunk: this chunk's tokens begin the new
     # attempt (a restart chunk may carry no token). The final chunk has the total.
     restarts: int = 0
+    # -- issue 37: this chunk's routed-expert rows (numpy [rows, layers, top_k]),
+    # the prompt's (on the sample's first chunk) apart from the output's.
+    routed_experts: Any = None
+    prompt_routed_experts: Any = None
 
 
 # Tinker-style sampling results: stop reason is only ever "stop" or "length".

@@ -41,6 +41,10 @@ of engine_node/backend.py:
   add() is refused until every tag is awake again.
 - num_running() counts every sequence held (stepping, waiting for a slot, or
   frozen); has_work() only the unfrozen ones.
+- return_routed_experts (option, issue 37): serve an HF MoE model's routing
+  (Qwen3-MoE, Mixtral, ...): a sequence submitted with routes_from gets, per
+  forward, the top-k expert ids of every input position and MoE layer
+  (`output_router_logits`), the routes the model really took.
 - threads (option): torch's intra-op thread count is process-global and the
   node process hosts one backend, so the backend sets it: by default 1 for a
   small model on CPU (per-op work is too small to split), else untouched.
@@ -90,7 +94,17 @@ log = structlog.get_logger(__name__)
 
 _GREEDY_EPS = 1e-5  # vLLM's threshold: temperature below it means greedy
 _SEED_MASK = (1 << 63) - 1
-_OPTIONS = ("device", "dtype", "capacity", "max_model_len", "seed", "threads", "op_timeout_s", "fault_op_delay_s")
+_OPTIONS = (
+    "device",
+    "dtype",
+    "capacity",
+    "max_model_len",
+    "seed",
+    "threads",
+    "op_timeout_s",
+    "fault_op_delay_s",
+    "return_routed_experts",
+)
 # How long step() waits for the model while a control op holds it: short, so
 # the node's loop keeps reading its sockets.
 _STEP_LOCK_WAIT_S = 0.005
@@ -140,6 +154,7 @@ class _Seq:
     generated: int = 0
     frozen: bool = False
     output: list[int] = dataclasses.field(default_factory=list)  # sampled this submission
+    routes: Any = None  # (first position, int32 [rows, moe_layers, top_k]) of the last forward
 
 
 def _parse_dtype(name: str) -> torch.dtype:
@@ -179,6 +194,7 @@ class TorchBackend(TorchSleepAndLora, TorchWeightUpdates):
         threads: int | None = None,
         op_timeout_s: float = 600.0,
         fault_op_delay_s: dict[str, float] | None = None,
+        return_routed_experts: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -197,6 +213,7 @@ class TorchBackend(TorchSleepAndLora, TorchWeightUpdates):
         # name warns, and warnings are errors under pytest): pass what it takes.
         fwd = inspect.signature(type(self.model).forward).parameters
         self._cache_arg = "cache" if "cache" in fwd else "past_key_values"
+        self._routes_shape = _moe_shape(self.model, self.device) if return_routed_experts else None
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.eos_token_ids = _eos_ids(self.model)
@@ -254,6 +271,7 @@ class TorchBackend(TorchSleepAndLora, TorchWeightUpdates):
             max_model_len=self.max_model_len,
             tp=1,
             dtype=_dtype_name(self.dtype),
+            routed_experts=self._routes_shape,
         )
 
     def add(self, seq: SeqRequest) -> None:
@@ -366,6 +384,8 @@ class TorchBackend(TorchSleepAndLora, TorchWeightUpdates):
             )
         tok = sample_token(logits, p.temperature, p.top_k, p.top_p, s.gen, p.min_p)
         out = StepOutput(req.seq_id, [tok], None, None, prompt_logprobs=plp)
+        if s.routes is not None:
+            out.routes_start, out.routed_experts = s.routes
         if logprobs_wanted(p.logprobs):
             logp = torch.log_softmax(raw, dim=-1)
             out.logprobs = [float(logp[tok])]
@@ -391,10 +411,14 @@ class TorchBackend(TorchSleepAndLora, TorchWeightUpdates):
         if s.cache is None:
             s.cache = DynamicCache(config=self.model.config)
         ids = torch.tensor([s.pending], dtype=torch.long, device=self.device)
+        extra = {self._cache_arg: s.cache}
+        shape = self._routes_shape if s.req.routes_from is not None else None
+        if shape is not None:
+            extra["output_router_logits"] = True
         with torch.inference_mode(), self._lora.active(s.req.lora):
-            out = self.model(
-                input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1, **{self._cache_arg: s.cache}
-            )
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1, **extra)
+        if shape is not None:
+            s.routes = (s.num_tokens, _top_experts(out.router_logits, shape[1]))
         s.num_tokens += len(s.pending)
         if all_logits:
             return out.logits[0].to(device="cpu", dtype=torch.float32)
@@ -461,6 +485,33 @@ class TorchBackend(TorchSleepAndLora, TorchWeightUpdates):
         self._targets.clear()
         del self.model
         self._release_device_memory()
+
+
+def _moe_shape(model: Any, device: torch.device) -> tuple[int, int, int]:
+    """(moe_layers, top_k, num_experts) of an HF MoE model, the layer count
+    from one probe forward (dense layers between MoE ones report no router)."""
+    cfg = model.config
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    experts = next((getattr(cfg, n) for n in _EXPERT_KEYS if getattr(cfg, n, None)), None)
+    if not top_k or not experts:
+        raise BackendError(
+            f"return_routed_experts: {type(model).__name__} is not a MoE model (its config names no "
+            f"num_experts_per_tok / {' / '.join(_EXPERT_KEYS)})",
+            field="return_routed_experts",
+        )
+    with torch.inference_mode():
+        out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), output_router_logits=True)
+    return len(out.router_logits or ()), int(top_k), int(experts)
+
+
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _top_experts(router_logits: Any, top_k: int) -> Any:
+    """Per layer [tokens, experts] router logits -> int32 [tokens, layers, top_k]
+    (top-k of the logits = of the softmax the router takes it from)."""
+    idx = [torch.topk(lg.float(), top_k, dim=-1).indices for lg in router_logits]
+    return torch.stack(idx, dim=1).to(device="cpu", dtype=torch.int32).numpy()
 
 
 def make_backend(model: str, **options: Any) -> TorchBackend:

@@ -116,6 +116,7 @@ class VllmBackend(VllmDataPath, VllmSleepAndLora, VllmWeightOps):
         resume_ramp_tokens: int | str = 0,
         resume_ramp_wait_s: float = 0.2,
         extra_graph_tokens: int = 0,
+        return_routed_experts: bool = False,
         _api: Any = None,  # vLLM's classes (tests pass a fake)
         **passthrough: Any,  # any other EngineArgs field: max_num_seqs, max_num_batched_tokens, …
     ) -> None:
@@ -146,6 +147,10 @@ class VllmBackend(VllmDataPath, VllmSleepAndLora, VllmWeightOps):
         if cpu_affinity not in ("off", "auto"):
             raise BackendError(f"cpu_affinity must be 'auto' or 'off', got {cpu_affinity!r}", field="cpu_affinity")
         self._api = _api if _api is not None else load_vllm_api()
+        # issue 37 (R3): vLLM's scheduler returns each request's routed experts
+        self.return_routed_experts = bool(return_routed_experts)
+        if self.return_routed_experts:
+            passthrough.setdefault("enable_return_routed_experts", True)
 
         engine_kw = engine_kwargs(
             model, tp=tp, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
@@ -255,6 +260,7 @@ class VllmBackend(VllmDataPath, VllmSleepAndLora, VllmWeightOps):
             tp=int(pc.tensor_parallel_size),
             pp=int(pc.pipeline_parallel_size),
             dtype=str(getattr(mc, "dtype", "")).removeprefix("torch."),
+            routed_experts=moe_shape(mc) if self.return_routed_experts else None,
         )
 
     def info(self) -> BackendInfo:
@@ -276,6 +282,23 @@ class VllmBackend(VllmDataPath, VllmSleepAndLora, VllmWeightOps):
             _settle(op.future, None, BackendError(f"{op.what}: the vllm backend was closed"))
         self._ops = []
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def moe_shape(mc: Any) -> tuple[int, int, int]:
+    """(layers, top_k, num_experts) of vLLM's routed-experts rows: its capturer
+    keeps one slot per hidden layer (vllm/model_executor/layers/fused_moe/
+    routed_experts_capturer.py), the config names differ per model family."""
+    hf = getattr(mc, "hf_text_config", None) or mc.hf_config
+    top_k = getattr(hf, "num_experts_per_tok", None) or getattr(hf, "top_k_experts", None)
+    experts = next(
+        (getattr(hf, k) for k in ("num_experts", "n_routed_experts", "num_local_experts") if getattr(hf, k, None)), None
+    )
+    if not top_k or not experts:
+        raise BackendError(
+            "return_routed_experts: the model's config names no num_experts_per_tok / num_experts (not a MoE model)",
+            field="return_routed_experts",
+        )
+    return int(hf.num_hidden_layers), int(top_k), int(experts)
 
 
 def make_backend(model: str, **options: Any) -> VllmBackend:

@@ -14,6 +14,8 @@ import math
 import time
 from typing import Any
 
+import numpy as np
+
 from bus.frames import logprobs_wanted, top_k_of
 from engine_node.backend import BackendError, PromptLogprobsOut, SeqRequest, StepOutput
 
@@ -66,8 +68,19 @@ def sampling_params(
         output_kind=api.RequestOutputKind.DELTA,
         detokenize=False,
     )
+    if seq.routes_from is not None:
+        # vLLM returns the prompt's routes from here at prefill, then each
+        # step's input token's (issue 37); it must leave one prompt token.
+        sp.routed_experts_prompt_start = routes_prompt_start(seq)
     sp.update_from_generation_config(generation_config, eos_token_id)
     return sp
+
+
+def routes_prompt_start(seq: SeqRequest) -> int:
+    """vLLM's routed_experts_prompt_start for a sequence whose routes are wanted
+    from position routes_from on (< len(prompt) by vLLM's assert: rows before
+    routes_from that this returns are dropped by the node)."""
+    return max(0, min(int(seq.routes_from or 0), len(seq.prompt) - 1))
 
 
 def prefix_salt(weights_epoch: int, cache_salt: str | None) -> str | None:
@@ -152,6 +165,8 @@ class OutputBuffer:
         self.counters: dict[str, int] = {"core_batches": 0, "core_outputs": 0, "core_max_outputs": 0}
         self.top_k: dict[str, int] = {}  # request id -> top-k logprobs it asked for (> 0)
         self.prompt: dict[str, _PromptAcc] = {}  # request id -> prompt logprobs being gathered
+        # issue 37: request id -> the sequence position of its next routed-experts row
+        self.route_pos: dict[str, int] = {}
 
     def expect(self, request_id: str, seq: SeqRequest) -> None:
         """Register what a new request's outputs will carry (issue 10)."""
@@ -160,10 +175,27 @@ class OutputBuffer:
             self.top_k[request_id] = k
         if seq.prompt_logprobs is not None:
             self.prompt[request_id] = _PromptAcc(len(seq.prompt), seq.prompt_logprobs)
+        if seq.routes_from is not None:
+            self.route_pos[request_id] = routes_prompt_start(seq)
 
     def forget(self, request_id: str) -> None:
         self.top_k.pop(request_id, None)
         self.prompt.pop(request_id, None)
+        self.route_pos.pop(request_id, None)
+
+    def _routes(self, so: StepOutput, request_id: str, rows: Any) -> None:
+        """EngineCoreOutput.routed_experts ([rows, layers, top_k]: the prompt's
+        from routed_experts_prompt_start at prefill, then one per step for its
+        input token) -> positions on the StepOutput (merged outputs: appended)."""
+        pos = self.route_pos.get(request_id)
+        if pos is None:
+            return
+        arr = np.asarray(rows)
+        if so.routed_experts is None:
+            so.routed_experts, so.routes_start = arr, pos
+        else:
+            so.routed_experts = np.concatenate([so.routed_experts, arr], axis=0)
+        self.route_pos[request_id] = pos + len(arr)
 
     def add_batch(self, batch: Any, seq_of: dict[str, str]) -> list[str]:
         """Merge one EngineCoreOutputs. Outputs of request ids not in `seq_of`
@@ -192,6 +224,9 @@ class OutputBuffer:
                     ti, tl = top_logprobs(o.new_logprobs, len(o.new_token_ids), k)
                     so.top_ids = (so.top_ids or []) + ti
                     so.top_logprobs = (so.top_logprobs or []) + tl
+            re = getattr(o, "routed_experts", None)
+            if re is not None:
+                self._routes(so, o.request_id, re)
             plt = getattr(o, "new_prompt_logprobs_tensors", None)
             acc = self.prompt.get(o.request_id)
             if plt is not None and acc is not None:
