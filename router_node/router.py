@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import gc
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -24,6 +25,7 @@ import zmq
 
 from bus import auth
 from bus import protocol as P
+from bus import roles
 from bus.auth import Gatekeeper, KeyDir, peer_key, read_token
 from bus.codec import Codec
 from bus.control_bus import ControlBus
@@ -108,16 +110,18 @@ class Router:
         self.engines: dict[str, EngineEntry] = {}
         self.sessions = Sessions(cfg.session_ttl_s)
         self.counters = new_counters()
-        # This head's identity on every engine's data socket (RegisterReply.data_peer):
-        # engines send their acks there, behind the chunks they produced first.
-        self.incarnation = uuid.uuid4().hex[:12]
+        self.incarnation = uuid.uuid4().hex[:12]  # public: every HeadPong carries it
         self.registrar = Registrar(
             cfg,
             self.ctx,
             self.codec,
             self.engines,
             self.counters,
-            data_identity=f"head/{self.incarnation}".encode(),
+            # This head's identity on every engine's data socket (RegisterReply.data_peer):
+            # engines send their acks there, behind the chunks they produced first.
+            # Random, never the public incarnation (the data socket admits the head
+            # alone anyway: bus/roles.py).
+            data_identity=f"head/{secrets.token_hex(16)}".encode(),
             token=self.token,
             gate=self.gate,
             curve=self._curve,
@@ -138,8 +142,9 @@ class Router:
             prefix=self.prefix,
         )
         self.pub = open_socket(
-            self.ctx, zmq.PUB, bind=cfg.control, hwm=CONTROL_HWM, curve=self._curve, zap_domain=auth.ENGINES
-        )
+            self.ctx, zmq.PUB, bind=cfg.control, hwm=CONTROL_HWM, curve=self._curve, zap_domain=auth.ENGINES,
+            plain=self._plain,
+        )  # fmt: skip
         self.bus = ControlBus(self.pub, self.codec)
         self.control = ClusterControl(
             cfg, self.bus, self.engines, reply=self._reply, forget=self._forget, reevaluate=self._evaluate_engines
@@ -160,15 +165,26 @@ class Router:
     def _secure(self, cfg: RouterConfig) -> None:
         # Security on (curve_dir): CURVE on every TCP socket and one ZAP
         # authenticator for this context, bound before any socket accepts.
+        # Every socket authenticates its peer at the handshake (bus/roles.py):
+        # CURVE keys on TCP with --curve-dir, else PLAIN with the join token's
+        # role secrets; one ZAP handler for this context, before any bind.
         self.gate: Gatekeeper | None = None
         self._curve = None
-        if cfg.curve_dir:
-            keys = KeyDir(cfg.curve_dir)
-            self._curve = keys.head()
-            self.gate = Gatekeeper(self.ctx, keys, (auth.CLIENTS, auth.ENGINES)).start()
-        # The join token: engines present it in Register, clients in control
-        # ops that change state (peers CURVE authenticated need none).
+        # The join token: its role secrets are the PLAIN credentials; engines also
+        # present it in Register, clients in control ops that change state.
         self.token: str | None = read_token(cfg.token_file) if cfg.token_file else None
+        self._plain = roles.serving(self.token)  # None: no token, these sockets take NULL
+        keys = KeyDir(cfg.curve_dir) if cfg.curve_dir else None
+        if keys is not None:
+            self._curve = keys.head()
+        if keys is not None or self.token:
+            plain = {}
+            if self.token:
+                plain = {
+                    auth.CLIENTS: {roles.CLIENT: roles.role_secret(self.token, roles.CLIENT)},
+                    auth.ENGINES: {roles.ENGINE: roles.role_secret(self.token, roles.ENGINE)},
+                }
+            self.gate = Gatekeeper(self.ctx, keys, (auth.CLIENTS, auth.ENGINES), plain).start()
         if self.token is None and self.gate is None:
             log.warning(
                 "head_open_to_anyone",
@@ -180,8 +196,9 @@ class Router:
         fw = self.forwarding
         self.front = Endpoint(
             open_socket(
-                self.ctx, zmq.ROUTER, bind=cfg.frontend, hwm=cfg.client_hwm, curve=self._curve, zap_domain=auth.CLIENTS
-            ),
+                self.ctx, zmq.ROUTER, bind=cfg.frontend, hwm=cfg.client_hwm, curve=self._curve, zap_domain=auth.CLIENTS,
+                plain=self._plain,
+            ),  # fmt: skip
             self.codec,
             {
                 t: self._keyed(h)
@@ -203,8 +220,9 @@ class Router:
         fw.front = self.front
         self.events = Endpoint(
             open_socket(
-                self.ctx, zmq.ROUTER, bind=cfg.events, hwm=CONTROL_HWM, curve=self._curve, zap_domain=auth.ENGINES
-            ),
+                self.ctx, zmq.ROUTER, bind=cfg.events, hwm=CONTROL_HWM, curve=self._curve, zap_domain=auth.ENGINES,
+                plain=self._plain,
+            ),  # fmt: skip
             self.codec,
             {P.Register: self._on_register, P.Heartbeat: self._on_heartbeat, P.Ack: self._on_ack},
             name="events",
