@@ -143,9 +143,9 @@ class HeadLink:
                 )
             if event["event"] in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
                 raise NodeFatal(
-                    f"the head at {self.cfg.head_events} refused this engine at the handshake (unauthorized, "
-                    f"field token): {'a wrong' if self.token else 'no'} join token (token_file={self.cfg.token_file!r}; "
-                    "README, Security)"
+                    f"the head at {self.cfg.head_events} refused this engine at the handshake: "
+                    f"{'a wrong' if self.token else 'no'} join token (unauthorized, field=token; "
+                    f"token_file={self.cfg.token_file!r}; README, Security)"
                 )
 
     def _on_register_reply(self, _peer: bytes, msg: P.RegisterReply, _b: list[Any]) -> None:
