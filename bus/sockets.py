@@ -104,7 +104,9 @@ class CurveKeys:
 
 
 _TCP_ENDPOINT = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
-_IPC_ENDPOINT = re.compile(r"^ipc://[^\x00]{1,200}$")
+# An IPC path is absolute (or abstract, "@name"): a relative one names a file
+# wherever the connecting process happens to run (issue 34 row 14).
+_IPC_ENDPOINT = re.compile(r"^ipc://[/@][^\x00]{1,200}$")
 
 
 def check_endpoint(address: str, *, field: str) -> str:

@@ -38,8 +38,8 @@ from typing import Any
 import structlog
 import zmq
 
-from bus import roles
 from bus import protocol as P
+from bus import roles
 from bus.auth import KeyFileError, read_token
 from bus.codec import Codec
 from bus.endpoint import Endpoint, open_socket
@@ -196,7 +196,10 @@ class EngineNode:
             self.data,
             self.codec,
             {
-                **{t: keyed(self.gate, self.sec.data_domain, lambda: self.data_ep.frames, h) for t, h in data_handlers.items()},
+                **{
+                    t: keyed(self.gate, self.sec.data_domain, lambda: self.data_ep.frames, h)
+                    for t, h in data_handlers.items()
+                },
                 P.ClientPing: self._on_client_ping,
             },
             name="data",

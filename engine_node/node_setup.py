@@ -57,7 +57,9 @@ def security(ctx: zmq.Context, cfg: EngineNodeConfig, identity: bytes) -> Securi
     keys = KeyDir(cfg.curve_dir) if cfg.curve_dir else None
     data_domain = auth.PEERS if cfg.direct_clients else roles.DATA
     if cfg.direct_clients and token is None:
-        raise ValueError("--direct-clients needs the cluster's join token (--token-file): clients prove themselves with it")
+        raise ValueError(
+            "--direct-clients needs the cluster's join token (--token-file): clients prove themselves with it"
+        )
     plain = {data_domain: {roles.HEAD: roles.head_data_secret(identity)}}
     if token is not None:
         plain[roles.WEIGHTS] = {roles.CLIENT: roles.role_secret(token, roles.CLIENT)}

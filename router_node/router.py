@@ -23,9 +23,8 @@ from typing import Any
 import structlog
 import zmq
 
-from bus import auth
+from bus import auth, roles
 from bus import protocol as P
-from bus import roles
 from bus.auth import Gatekeeper, KeyDir, peer_key, read_token
 from bus.codec import Codec
 from bus.control_bus import ControlBus
@@ -196,7 +195,12 @@ class Router:
         fw = self.forwarding
         self.front = Endpoint(
             open_socket(
-                self.ctx, zmq.ROUTER, bind=cfg.frontend, hwm=cfg.client_hwm, curve=self._curve, zap_domain=auth.CLIENTS,
+                self.ctx,
+                zmq.ROUTER,
+                bind=cfg.frontend,
+                hwm=cfg.client_hwm,
+                curve=self._curve,
+                zap_domain=auth.CLIENTS,
                 plain=self._plain,
             ),  # fmt: skip
             self.codec,
@@ -220,7 +224,12 @@ class Router:
         fw.front = self.front
         self.events = Endpoint(
             open_socket(
-                self.ctx, zmq.ROUTER, bind=cfg.events, hwm=CONTROL_HWM, curve=self._curve, zap_domain=auth.ENGINES,
+                self.ctx,
+                zmq.ROUTER,
+                bind=cfg.events,
+                hwm=CONTROL_HWM,
+                curve=self._curve,
+                zap_domain=auth.ENGINES,
                 plain=self._plain,
             ),  # fmt: skip
             self.codec,

@@ -196,7 +196,7 @@ def test_control_ops_that_change_the_cluster_need_the_token(cluster_factory, tmp
     # token nothing gets through (fe0cb18 served generation and queries, `weight_updates` included,
     # which showed the open update's id and holder); the refusal is typed and immediate.
     anon = cl.client(token_file="")
-    updates = lambda: anon._call(anon._aclient._query("weight_updates", P.WeightUpdatesView))  # noqa: E731
+    updates = lambda: anon._call(anon._aclient._query("weight_updates", P.WeightUpdatesView))
     for call in (lambda: anon.generate([4, 5, 6], {"max_tokens": 3}), anon.health, updates, lambda: anon.pause("keep")):
         t0 = time.monotonic()
         with pytest.raises(AuthRefused) as ei:
