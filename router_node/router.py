@@ -25,7 +25,7 @@ import zmq
 
 from bus import auth, roles
 from bus import protocol as P
-from bus.auth import Gatekeeper, KeyDir, peer_key, read_token
+from bus.auth import peer_key
 from bus.codec import Codec
 from bus.control_bus import ControlBus
 from bus.endpoint import Endpoint, open_socket
@@ -42,7 +42,7 @@ from router_node.policies import POLICIES, SESSION_PLACEMENTS, Sessions, pick_le
 from router_node.prefix import PrefixPlacement
 from router_node.registration import Registrar
 from router_node.registry import EngineEntry, EngineState, LoopClock, credit_stall
-from router_node.trust import check_join_token, engine_of
+from router_node.trust import check_join_token, engine_of, head_security
 
 log = structlog.get_logger("router_node")
 
@@ -162,28 +162,10 @@ class Router:
         self._spin_s = max(0, cfg.busy_poll_us) / 1e6  # --busy-poll-us
 
     def _secure(self, cfg: RouterConfig) -> None:
-        # Security on (curve_dir): CURVE on every TCP socket and one ZAP
-        # authenticator for this context, bound before any socket accepts.
-        # Every socket authenticates its peer at the handshake (bus/roles.py):
-        # CURVE keys on TCP with --curve-dir, else PLAIN with the join token's
-        # role secrets; one ZAP handler for this context, before any bind.
-        self.gate: Gatekeeper | None = None
-        self._curve = None
-        # The join token: its role secrets are the PLAIN credentials; engines also
-        # present it in Register, clients in control ops that change state.
-        self.token: str | None = read_token(cfg.token_file) if cfg.token_file else None
+        # Every socket authenticates its peer at the handshake (router_node/trust.py
+        # head_security); the token also rides in Register and state-changing ops.
+        self.gate, self._curve, self.token = head_security(self.ctx, cfg)
         self._plain = roles.serving(self.token)  # None: no token, these sockets take NULL
-        keys = KeyDir(cfg.curve_dir) if cfg.curve_dir else None
-        if keys is not None:
-            self._curve = keys.head()
-        if keys is not None or self.token:
-            plain = {}
-            if self.token:
-                plain = {
-                    auth.CLIENTS: {roles.CLIENT: roles.role_secret(self.token, roles.CLIENT)},
-                    auth.ENGINES: {roles.ENGINE: roles.role_secret(self.token, roles.ENGINE)},
-                }
-            self.gate = Gatekeeper(self.ctx, keys, (auth.CLIENTS, auth.ENGINES), plain).start()
         if self.token is None and self.gate is None:
             log.warning(
                 "head_open_to_anyone",
