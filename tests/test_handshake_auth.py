@@ -21,6 +21,7 @@ tests/test_trust.py; the frontend refusing token-less clients (row 3's
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
@@ -28,8 +29,8 @@ import time
 
 import psutil
 import pytest
-import torch
 import zmq
+from safetensors.torch import load_file
 
 from bus import protocol as P
 from bus import roles
@@ -134,9 +135,8 @@ def test_a_weight_socket_refuses_a_token_less_sender(cluster_factory):
     c = cl.client(control_timeout_s=30)
     c.wait_ready(1, 60)
     v0 = c.health()["weight_version"]
-    from transformers import AutoModelForCausalLM  # lazy: heavy, this test only
-
-    named = list(AutoModelForCausalLM.from_pretrained(cl.model, dtype=torch.float32).named_parameters())
+    # the engines' own checkpoint, as a trainer would send it (no transformers import: cheap)
+    named = sorted(load_file(os.path.join(cl.model, "model.safetensors")).items())
     with c.weight_update(senders=1, bucket_bytes=1 << 15) as upd:
         ctx = zmq.Context()
         s = ctx.socket(zmq.DEALER)
@@ -149,7 +149,7 @@ def test_a_weight_socket_refuses_a_token_less_sender(cluster_factory):
         finally:
             s.close(linger=0)
             ctx.term()
-        upd.sender(0).send(iter((k, p.detach()) for k, p in named))
+        upd.sender(0).send(iter(named))
     assert upd.results["e0"]["weight_version"] == v0 + 1
 
 
