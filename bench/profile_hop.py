@@ -114,7 +114,7 @@ async def _phase(args: argparse.Namespace, procs: H.Procs, out_dir: Path, phase:
         f"prof_{phase}_router",
         under("router", [*me, "router_node", str(prof["router"]), "--", "--frontend", f"tcp://{H.LOOPBACK}:{fe}",
          "--events", f"tcp://{H.LOOPBACK}:{ev}", "--control", f"tcp://{H.LOOPBACK}:{ctl}",
-         "--policy", args.policy, "--heartbeat-interval-s", "0.5"]),
+         "--policy", args.policy, "--heartbeat-interval-s", "0.5", *RB.bench_token(procs)]),
         env={"ROLLOUT_BUS_LOG_LEVEL": "WARNING"},
     )  # fmt: skip
     H.wait_port(fe, 300, proc=router)
@@ -125,7 +125,7 @@ async def _phase(args: argparse.Namespace, procs: H.Procs, out_dir: Path, phase:
          "--data-address", f"tcp://{H.LOOPBACK}:{data}", "--weight-address", f"tcp://{H.LOOPBACK}:{weights}",
          "--backend", NULL_BACKEND, "--model", "null",
          "--backend-options", json.dumps({"tokens_per_step": 1}), "--heartbeat-interval-s", "0.5",
-         "--advertise-host", H.LOOPBACK]),
+         "--advertise-host", H.LOOPBACK, *RB.bench_token(procs), "--direct-clients"]),
         env={"ROLLOUT_BUS_LOG_LEVEL": "WARNING"},
     )  # fmt: skip
     client = RB.make_client(f"tcp://{H.LOOPBACK}:{fe}")

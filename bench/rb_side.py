@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from bench import harness as H
+from bus import roles
+from bus.auth import TOKEN_FILE_ENV, find_token, new_token, write_token
 from bus.codec import split_chunks
 from bus.frames import pack_tokens, token_count
 
@@ -30,6 +33,19 @@ class Cluster:
     router_pid: int
     engine_pids: dict[str, int]
     procs: H.Procs
+
+
+def bench_token(procs: H.Procs) -> list[str]:
+    """The bench run's join token (one per run, as launch.py makes one per
+    cluster): the flag for the head and engines. Clients of this process
+    find it through $ROLLOUT_BUS_TOKEN_FILE (make_client, RawDriver): every
+    socket authenticates its peer at the handshake (bus/roles.py)."""
+    path = procs.log_dir / "bench.token"
+    procs.log_dir.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        write_token(str(path), new_token())
+    os.environ[TOKEN_FILE_ENV] = str(path)
+    return ["--token-file", str(path)]
 
 
 def start_cluster(
@@ -52,6 +68,7 @@ def start_cluster(
     ready = procs.log_dir / f"{tag}_router_ready.json"
     procs.log_dir.mkdir(parents=True, exist_ok=True)
     ready.unlink(missing_ok=True)
+    token = bench_token(procs)
     router = procs.start(
         f"{tag}_router",
         [
@@ -70,6 +87,7 @@ def start_cluster(
             str(heartbeat_interval_s),
             "--ready-file",
             str(ready),
+            *token,
             *(router_args or []),
         ],
         env=env,
@@ -107,6 +125,8 @@ def start_cluster(
                 str(heartbeat_interval_s),
                 "--advertise-host",
                 H.LOOPBACK,
+                *token,
+                "--direct-clients",  # the "direct" setups send straight to an engine
             ],
             env=env,
         )
@@ -201,7 +221,9 @@ class RawDriver:
 
         self._zmq = zmq
         self.ctx = zmq.Context()
-        self.sock = open_socket(self.ctx, zmq.DEALER, connect=address)
+        found = find_token(address)  # $ROLLOUT_BUS_TOKEN_FILE (bench_token)
+        plain = roles.as_role(found[0] if found else None, roles.CLIENT)
+        self.sock = open_socket(self.ctx, zmq.DEALER, connect=address, plain=plain)
         self.codec = Codec()
         self.pending: dict[str, list[Any]] = {}  # rid -> [future, tokens, t_first, finish]
         self._ids = 0

@@ -193,8 +193,9 @@ async def push_old(client: Any, named: list[tuple[str, Any]], bucket_bytes: int,
         snd = upd.sender(0)
         ctx = zmq.asyncio.Context()
         codec = Codec()
-        # Plain TCP on loopback (the bench's cluster is not secured).
-        socks = {e.engine_id: open_socket(ctx, zmq.DEALER, connect=e.weight_address) for e in upd.engines}
+        # Loopback TCP without CURVE: the join token's client credential (bus/roles.py).
+        plain = client._plain
+        socks = {e.engine_id: open_socket(ctx, zmq.DEALER, connect=e.weight_address, plain=plain) for e in upd.engines}
         try:
             for b in range(len(sizes)):
                 buf = pack_bucket(b, metas, sizes, tensors)

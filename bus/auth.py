@@ -13,11 +13,13 @@ Key folder (made by `launch.py keys init`, or by `launch.py --curve` when missin
                                trainer's own public key and leaves no secret here)
 
 ZAP domains (one per kind of server socket; a key allowed in one is refused in
-the others):
+the others; bus/roles.py says who each admits without CURVE):
 
     "clients"  head frontend                       clients/*.key
     "engines"  head events + control PUB            engines/*.key
-    "peers"    engine data + weight sockets         head.key + clients/*.key
+    "data"     engine data socket                   head.key
+    "weights"  engine weight socket                 clients/*.key
+    "peers"    engine data socket, --direct-clients head.key + clients/*.key
 
 `Gatekeeper` is the one ZAP authenticator of a process's zmq context (libzmq
 asks the handler bound at inproc://zeromq.zap.01 of the socket's context, so
@@ -59,6 +61,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from bus import roles
 from bus.errors import BadRequest
 from bus.ratelog import RateLimitedLog
 from bus.safe_files import UnsafePath, check_folder, check_own_file, create_private, make_private_folder
@@ -68,8 +71,8 @@ log = structlog.get_logger("bus.auth")
 
 CLIENTS = "clients"  # ZAP domain of the head's frontend
 ENGINES = "engines"  # ZAP domain of the head's events and control sockets
-PEERS = "peers"  # ZAP domain of an engine's data and weight sockets
-DOMAINS = (CLIENTS, ENGINES, PEERS)
+PEERS = "peers"  # ZAP domain of an engine's data socket with --direct-clients
+DOMAINS = (CLIENTS, ENGINES, PEERS, roles.DATA, roles.WEIGHTS)
 
 HEAD = "head"
 ENGINE = "engine"  # the cluster's engine credential: engines/engine.key(_secret)
@@ -308,6 +311,8 @@ class KeyDir:
             CLIENTS: self._publics(self.clients_dir),
             ENGINES: self._publics(self.engines_dir),
             PEERS: [self.path(f"{HEAD}.key"), *self._publics(self.clients_dir)],
+            roles.DATA: [self.path(f"{HEAD}.key")],
+            roles.WEIGHTS: self._publics(self.clients_dir),
         }[domain]
         keys = set()
         for p in files:
@@ -332,9 +337,29 @@ class KeyDir:
         return tuple(out)
 
 
+class _Zap(ThreadAuthenticator):
+    """pyzmq's ZAP thread with PLAIN passwords compared in constant time
+    (its own compares with ==). `plain`: domain -> {username: password},
+    replaced whole by the owner (one attribute store), read here once."""
+
+    plain: dict[str, dict[str, str]] = {}
+    refused = 0  # PLAIN handshakes refused (this thread's; logged at a bounded rate)
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        expected = self.plain.get(domain, {}).get(username)
+        if expected is not None and hmac.compare_digest(expected.encode(), password.encode()):
+            return True, b"OK"
+        self.refused += 1
+        if self.refused <= 10 or self.refused % 1000 == 0:
+            log.warning("zap_refused", domain=domain, mechanism="PLAIN", username=username[:64], refused=self.refused)
+        return False, b"wrong credential for this socket's role"
+
+
 class Gatekeeper:
     """The ZAP authenticator of one zmq context: CURVE keys checked against the
-    allow-list of the connecting socket's ZAP domain.
+    allow-list of the connecting socket's ZAP domain, PLAIN credentials against
+    the role secrets of `plain` (domain -> {username: password}, bus/roles.py).
+    `keys` None: no CURVE (PLAIN only).
 
     Threads: `callback` runs on pyzmq's authenticator thread; `refresh` on the
     owner's loop. They share only `_allowed`, which `refresh` replaces whole
@@ -345,14 +370,21 @@ class Gatekeeper:
     # the next re-read (the owner's `revoked`), within 2 s of the removal.
     REFRESH_S = 1.0
 
-    def __init__(self, ctx: zmq.Context, keys: KeyDir, domains: Iterable[str]) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        keys: KeyDir | None,
+        domains: Iterable[str],
+        plain: dict[str, dict[str, str]] | None = None,
+    ) -> None:
         self.keys = keys
-        self.domains = tuple(domains)
+        self.domains = tuple(domains) if keys is not None else ()
         self._allowed: dict[str, frozenset[bytes]] = {}
         self._signature: tuple[tuple[str, int], ...] = ()
         self._checked_at = 0.0
         self.refused = 0  # handshakes refused (for stats and tests)
-        self._auth = ThreadAuthenticator(ctx)
+        self._auth = _Zap(ctx)
+        self._auth.plain = dict(plain or {})
         self._started = False
         self._refusals = RateLimitedLog(log)  # the authenticator thread's own: one line per interval
         self._unsafe_log = RateLimitedLog(log)  # refresh's (the owner loop's): re-tried every REFRESH_S
@@ -367,6 +399,8 @@ class Gatekeeper:
 
     def refresh(self, now: float | None = None, *, force: bool = False) -> bool:
         """Re-read the allow-lists if a key file changed (at most every REFRESH_S)."""
+        if self.keys is None:
+            return False
         now = time.monotonic() if now is None else now
         if not force and now - self._checked_at < self.REFRESH_S:
             return False

@@ -29,6 +29,7 @@ from bus import protocol as P
 from bus.codec import ENCODE_ERRORS, Codec, encode_failed, request_id_of
 from bus.errors import EncodeFailed, ErrorCode, ProtocolError, RolloutBusError, truncate
 from bus.ratelog import RateLimitedLog
+from bus.roles import Plain
 from bus.sockets import CurveKeys, make_socket
 
 log = structlog.get_logger("bus.endpoint")
@@ -97,15 +98,19 @@ def open_socket(
     connect: str | None = None,
     curve: CurveKeys | None = None,
     zap_domain: str | None = None,
+    plain: Plain | None = None,
     **options: Any,
 ) -> zmq.Socket:
     """A socket with every option set (bus.sockets.make_socket), bound or
     connected; CURVE on when `curve` is given and the address is TCP. A bound
     CURVE socket is a server whose peers' keys are checked against the
-    allow-list of `zap_domain` (bus/auth.py: "clients", "engines", "peers")."""
+    allow-list of `zap_domain` (bus/auth.py: "clients", "engines", "peers").
+    Otherwise (IPC, or no keys) `plain`, when given: ZMQ PLAIN, a role's
+    credential or (binding) a PLAIN server of `zap_domain` (bus/roles.py)."""
     address = bind or connect or ""
     secure = curve if address.startswith("tcp://") else None
     server = bind is not None
+    plain = plain if secure is None else None
     return make_socket(
         ctx,
         kind,
@@ -113,7 +118,8 @@ def open_socket(
         connect=connect,
         curve=secure,
         curve_server=server,
-        zap_domain=zap_domain if secure is not None and server else None,
+        zap_domain=zap_domain if (secure is not None or plain is not None) and server else None,
+        plain=plain,
         **options,
     )
 

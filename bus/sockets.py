@@ -14,6 +14,7 @@ import uuid
 import zmq
 
 from bus.errors import BadRequest
+from bus.roles import Plain
 
 # Hard cap enforced by libzmq: a larger message makes libzmq drop the
 # connection (no reply is possible), so it sits well above the application
@@ -44,6 +45,7 @@ def make_socket(
     curve: CurveKeys | None = None,
     curve_server: bool = False,
     zap_domain: str | None = None,
+    plain: Plain | None = None,
 ) -> zmq.Socket:
     s = ctx.socket(kind)
     s.setsockopt(zmq.LINGER, 0)
@@ -58,6 +60,8 @@ def make_socket(
         s.setsockopt(zmq.IDENTITY, identity)
     if curve is not None:
         curve.apply(s, server=curve_server, zap_domain=zap_domain)
+    elif plain is not None:
+        plain.apply(s, zap_domain)
     for topic in subscribe or ():
         s.setsockopt(zmq.SUBSCRIBE, topic)
     if bind:
@@ -100,7 +104,9 @@ class CurveKeys:
 
 
 _TCP_ENDPOINT = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
-_IPC_ENDPOINT = re.compile(r"^ipc://[^\x00]{1,200}$")
+# An IPC path is absolute (or abstract, "@name"): a relative one names a file
+# wherever the connecting process happens to run (issue 34 row 14).
+_IPC_ENDPOINT = re.compile(r"^ipc://[/@][^\x00]{1,200}$")
 
 
 def check_endpoint(address: str, *, field: str) -> str:

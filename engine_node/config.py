@@ -40,6 +40,9 @@ class EngineNodeConfig:
     # The cluster's join token file (launch.py makes it; 0600). "" / None: none
     # (a head that requires one refuses this engine, field "token").
     token_file: str | None = None
+    # The data socket admits the head alone; this also admits clients holding
+    # the join token (benchmarks and tests that connect straight to one engine).
+    direct_clients: bool = False
 
 
 def parse_args(argv: list[str] | None = None) -> EngineNodeConfig:
@@ -85,6 +88,11 @@ def parse_args(argv: list[str] | None = None) -> EngineNodeConfig:
         default=os.environ.get("ROLLOUT_BUS_TOKEN_FILE") or None,
         help="the cluster's join token (a 0600 file made by launch.py; default $ROLLOUT_BUS_TOKEN_FILE)",
     )
+    ap.add_argument(
+        "--direct-clients",
+        action="store_true",
+        help="also admit clients (join token or client key) on the data socket, besides the head (benchmarks, tests)",
+    )
     a = ap.parse_args(argv)
     return EngineNodeConfig(
         engine_id=a.engine_id,
@@ -105,4 +113,5 @@ def parse_args(argv: list[str] | None = None) -> EngineNodeConfig:
         seed=a.seed,
         prepare_ttl_s=a.prepare_ttl_s,
         token_file=a.token_file,
+        direct_clients=a.direct_clients,
     )

@@ -21,7 +21,6 @@ Hazards:
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +32,7 @@ from bus import protocol as P
 from bus.auth import read_token
 from bus.codec import Codec
 from bus.endpoint import Endpoint, open_socket
+from bus.roles import Plain
 from bus.sockets import CONTROL_HWM, CurveKeys
 from engine_node.config import EngineNodeConfig
 
@@ -51,8 +51,9 @@ class HeadLink:
         cfg: EngineNodeConfig,
         codec: Codec,
         *,
-        incarnation: str,
+        identity: bytes,
         curve: CurveKeys | None,
+        plain: Plain | None,
         register_msg: Callable[[str], P.Register],
         on_command: Callable[[bytes, P.Command, list[Any]], None],
         log: Any,
@@ -63,7 +64,7 @@ class HeadLink:
         self.register_msg = register_msg  # token -> the Register to send
         # The join token (run_engine_node already refused a bad file, naming it).
         self.token = read_token(cfg.token_file) if cfg.token_file else ""
-        self.identity = f"{cfg.engine_id}/{incarnation}/{secrets.token_hex(16)}".encode()
+        self.identity = identity  # engine_node/node_setup.py events_identity
         self.sub = open_socket(
             ctx,
             zmq.SUB,
@@ -71,13 +72,18 @@ class HeadLink:
             hwm=CONTROL_HWM,
             subscribe=[b"*\x00", cfg.engine_id.encode() + b"\x00"],
             curve=curve,
+            plain=plain,
         )
         self.events = open_socket(
-            ctx, zmq.DEALER, connect=cfg.head_events, hwm=CONTROL_HWM, identity=self.identity, curve=curve
+            ctx, zmq.DEALER, connect=cfg.head_events, hwm=CONTROL_HWM, identity=self.identity, curve=curve,
+            plain=plain,
+        )  # fmt: skip
+        self.curve_used = curve is not None and cfg.head_events.startswith("tcp://")
+        # A head that refuses our credential (AUTH) or wants one we lack
+        # (PROTOCOL: a token-less engine against a head with a token) ends the node.
+        self.monitor: zmq.Socket | None = self.events.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
         )
-        self.monitor: zmq.Socket | None = None
-        if curve is not None and cfg.head_events.startswith("tcp://"):
-            self.monitor = self.events.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         self.sub_ep = Endpoint(self.sub, codec, {P.Command: on_command}, name="control", routed=True, error_reply=None)
         self.events_ep = Endpoint(
             self.events,
@@ -129,11 +135,17 @@ class HeadLink:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self.curve_used:
                 raise NodeFatal(
                     f"the head at {self.cfg.head_events} refused this engine's CURVE key (ZAP status {event['value']}): "
                     f"the engines/*.key_secret in curve_dir={self.cfg.curve_dir} is not an engine credential of this "
                     "cluster (copy the head's key folder)"
+                )
+            if event["event"] in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                raise NodeFatal(
+                    f"the head at {self.cfg.head_events} refused this engine at the handshake: "
+                    f"{'a wrong' if self.token else 'no'} join token (unauthorized, field=token; "
+                    f"token_file={self.cfg.token_file!r}; README, Security)"
                 )
 
     def _on_register_reply(self, _peer: bytes, msg: P.RegisterReply, _b: list[Any]) -> None:

@@ -31,6 +31,7 @@ import zmq
 from bus import protocol as P
 from bus.codec import Codec
 from bus.endpoint import open_socket
+from bus.roles import Plain
 from bus.sockets import CurveKeys
 from engine_node.control import ControlRunner
 from engine_node.core import RequestCore
@@ -80,6 +81,7 @@ class Heartbeats:
         *,
         identity: bytes,
         curve: CurveKeys | None,
+        plain: Plain | None = None,
         interval_s: float,
     ) -> None:
         self.make = make
@@ -87,6 +89,7 @@ class Heartbeats:
         self.head_events = head_events
         self.identity = identity + b"/hb"
         self.curve = curve
+        self.plain = plain  # our PLAIN credential at the head (no CURVE there)
         self.interval_s = interval_s
         self.snapshot: P.Heartbeat = make()
         self.snapshot_at = 0.0  # monotonic time of the last tick's refresh
@@ -115,8 +118,9 @@ class Heartbeats:
         # Own socket: sockets are not thread-safe, and this one must keep
         # beating while the loop is inside a long step.
         sock = open_socket(
-            self.ctx, zmq.DEALER, connect=self.head_events, hwm=16, curve=self.curve, identity=self.identity
-        )
+            self.ctx, zmq.DEALER, connect=self.head_events, hwm=16, curve=self.curve, identity=self.identity,
+            plain=self.plain,
+        )  # fmt: skip
         codec = Codec()
         try:
             while not self._stop.wait(self.interval_s):

@@ -38,8 +38,8 @@ from typing import Any
 import structlog
 import zmq
 
-from bus import auth
 from bus import protocol as P
+from bus import roles
 from bus.auth import KeyFileError, read_token
 from bus.codec import Codec
 from bus.endpoint import Endpoint, open_socket
@@ -55,7 +55,14 @@ from engine_node.control import ControlRunner
 from engine_node.core import RequestCore
 from engine_node.head_link import HeadLink, NodeFatal
 from engine_node.heartbeat import Heartbeats, HeartbeatSource
-from engine_node.node_setup import SEEDED_BACKENDS, advertised, new_incarnation, open_data_socket, security
+from engine_node.node_setup import (
+    SEEDED_BACKENDS,
+    advertised,
+    events_identity,
+    new_incarnation,
+    open_data_socket,
+    security,
+)
 from engine_node.peer_keys import Handler, keyed
 from engine_node.seeding import backend_seed, derive_seed
 from engine_node.timings import TimingLog
@@ -102,7 +109,11 @@ class EngineNode:
         self._own_ctx = ctx is None
         self.codec = Codec()
         self.log = log.bind(engine_id=self.engine_id)
-        self.gate, self._curve = security(self.ctx, cfg)
+        # Who each socket admits (bus/roles.py); the events identity first: the
+        # head's secret on our data socket is derived from it.
+        self.identity = events_identity(cfg.engine_id, self.incarnation)
+        self.sec = security(self.ctx, cfg, self.identity)
+        self.gate, self._curve = self.sec.gate, self.sec.curve
         seed = derive_seed(cfg.seed, cfg.engine_id, self.incarnation)
         self.core = RequestCore(backend, self.info, self.engine_id, seed)
         self.timings = TimingLog()  # weight receive/commit, resume -> first output (Stats)
@@ -123,8 +134,9 @@ class EngineNode:
             self.ctx,
             cfg,
             self.codec,
-            incarnation=self.incarnation,
+            identity=self.identity,
             curve=self._curve,
+            plain=self.sec.as_engine,
             register_msg=self._register_msg,
             on_command=self._on_command,
             log=self.log,
@@ -133,8 +145,9 @@ class EngineNode:
             source.make,
             self.ctx,
             cfg.head_events,
-            identity=self.head.identity,
+            identity=self.identity,
             curve=self._curve,
+            plain=self.sec.as_engine,
             interval_s=cfg.heartbeat_interval_s,
         )
         self.core.work_appeared = self.heartbeats.work_appeared
@@ -146,7 +159,10 @@ class EngineNode:
         """The weight ROUTER (bound first: its address is the transaction's and
         the Register's), the transaction, and the socket shell feeding it."""
         cfg, backend = self.cfg, self.backend
-        weights = open_socket(self.ctx, zmq.ROUTER, bind=cfg.weight_address, curve=self._curve, zap_domain=auth.PEERS)
+        weights = open_socket(
+            self.ctx, zmq.ROUTER, bind=cfg.weight_address, curve=self._curve, zap_domain=roles.WEIGHTS,
+            plain=self.sec.weights,
+        )  # fmt: skip
         self.weight_address = advertised(bound_address(weights), cfg.advertise_host)
         self.updates = WeightUpdates(
             backend,
@@ -170,7 +186,7 @@ class EngineNode:
 
     def _open_data_plane(self) -> None:
         cfg = self.cfg
-        self.data = open_data_socket(self.ctx, cfg.data_address, self._curve)
+        self.data = open_data_socket(self.ctx, cfg.data_address, self.sec)
         self.data_address = advertised(bound_address(self.data), cfg.advertise_host)
         # One Endpoint per socket: decode → handler table → typed reply. Gone
         # peers are per socket: a client that left the data socket drops its
@@ -180,13 +196,16 @@ class EngineNode:
             self.data,
             self.codec,
             {
-                **{t: keyed(self.gate, lambda: self.data_ep.frames, h) for t, h in data_handlers.items()},
+                **{
+                    t: keyed(self.gate, self.sec.data_domain, lambda: self.data_ep.frames, h)
+                    for t, h in data_handlers.items()
+                },
                 P.ClientPing: self._on_client_ping,
             },
             name="data",
             routed=True,
             before_error=self._flush,
-            on_peer_gone=self.core.peer_gone,
+            on_peer_gone=self._data_peer_gone,
             max_batch=_MAX_BATCH_RECV,
         )
 
@@ -485,6 +504,15 @@ class EngineNode:
 
     def _on_cancel(self, client: bytes, msg: P.Cancel, _: list[Any]) -> None:
         self.core.cancel(client, msg.request_id)
+
+    def _data_peer_gone(self, peer: bytes) -> None:
+        """A send found `peer`'s data connection gone (ROUTER_MANDATORY). The
+        head's: what it had here can reach nobody (the head ends those requests
+        itself when it reconnects or restarts); said, never silent."""
+        if peer == self.head.head_peer:
+            n = sum(1 for r in self.core.requests.values() if r.client == peer)
+            self.log.warning("head_data_connection_lost", requests_ended=n, note="the head re-sends or fails them")
+        self.core.peer_gone(peer)
 
     def _on_client_ping(self, peer: bytes, _msg: P.ClientPing, _b: list[Any]) -> None:
         # A client connected straight to this engine pings it as it would a head.

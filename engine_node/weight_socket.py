@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from bus import auth
+from bus import auth, roles
 from bus import protocol as P
 from bus.codec import Codec
 from bus.endpoint import Endpoint
@@ -57,7 +57,7 @@ class WeightSocket:
         self.ep = Endpoint(
             self.sock,
             codec,
-            {t: keyed(gate, lambda: self.ep.frames, h) for t, h in handlers.items()},
+            {t: keyed(gate, roles.WEIGHTS, lambda: self.ep.frames, h) for t, h in handlers.items()},
             name="weights",
             routed=True,
             error_reply=lambda rid, code, message, field: P.WeightBucketAck(

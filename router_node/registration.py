@@ -25,11 +25,13 @@ import structlog
 import zmq
 
 from bus import protocol as P
+from bus import roles
 from bus.auth import Gatekeeper
 from bus.codec import Codec
 from bus.endpoint import open_socket
 from bus.errors import BadRequest, ErrorCode, Unauthorized, truncate
 from bus.ratelog import RateLimitedLog
+from bus.roles import Plain
 from router_node.config import RouterConfig
 from router_node.registry import Admission, EngineEntry, admit_register
 from router_node.trust import check_join_token, check_register, engine_curve
@@ -116,8 +118,11 @@ class Registrar:
     def connect(self, reg: P.Register, ident: bytes, data_curve: Any) -> EngineEntry:
         """A new entry (not yet in the registry) with its DEALER to the engine's data socket."""
         now = time.monotonic()
+        # The engine's data socket admits the head alone: CURVE (head.key) or
+        # PLAIN with the secret only this engine's events connection lets us derive.
+        head = Plain(roles.HEAD, roles.head_data_secret(ident))
         sock = open_socket(
-            self.ctx, zmq.DEALER, connect=reg.data_address, curve=data_curve, identity=self.data_identity
+            self.ctx, zmq.DEALER, connect=reg.data_address, curve=data_curve, identity=self.data_identity, plain=head
         )
         e = EngineEntry(reg=reg, sock=sock, registered_at=now, last_seen=now, steps_changed_at=now, ident=ident)
         if not self.vocab and reg.vocab_size > 0:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import gc
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -22,9 +23,9 @@ from typing import Any
 import structlog
 import zmq
 
-from bus import auth
+from bus import auth, roles
 from bus import protocol as P
-from bus.auth import Gatekeeper, KeyDir, peer_key, read_token
+from bus.auth import peer_key
 from bus.codec import Codec
 from bus.control_bus import ControlBus
 from bus.endpoint import Endpoint, open_socket
@@ -42,7 +43,7 @@ from router_node.policies import POLICIES, SESSION_PLACEMENTS, Sessions, pick_le
 from router_node.prefix import PrefixPlacement
 from router_node.registration import Registrar
 from router_node.registry import EngineEntry, EngineState, LoopClock, credit_stall
-from router_node.trust import check_join_token, engine_of
+from router_node.trust import check_join_token, engine_of, head_security
 
 log = structlog.get_logger("router_node")
 
@@ -112,16 +113,18 @@ class Router:
         self.sessions = Sessions(cfg.session_ttl_s)
         self.counters = new_counters()
         self.refusals = RateLimitedLog(log)  # refusals of peers: one log line per interval per kind
-        # This head's identity on every engine's data socket (RegisterReply.data_peer):
-        # engines send their acks there, behind the chunks they produced first.
-        self.incarnation = uuid.uuid4().hex[:12]
+        self.incarnation = uuid.uuid4().hex[:12]  # public: every HeadPong carries it
         self.registrar = Registrar(
             cfg,
             self.ctx,
             self.codec,
             self.engines,
             self.counters,
-            data_identity=f"head/{self.incarnation}".encode(),
+            # This head's identity on every engine's data socket (RegisterReply.data_peer):
+            # engines send their acks there, behind the chunks they produced first.
+            # Random, never the public incarnation (the data socket admits the head
+            # alone anyway: bus/roles.py).
+            data_identity=f"head/{secrets.token_hex(16)}".encode(),
             token=self.token,
             gate=self.gate,
             curve=self._curve,
@@ -142,8 +145,9 @@ class Router:
             prefix=self.prefix,
         )
         self.pub = open_socket(
-            self.ctx, zmq.PUB, bind=cfg.control, hwm=CONTROL_HWM, curve=self._curve, zap_domain=auth.ENGINES
-        )
+            self.ctx, zmq.PUB, bind=cfg.control, hwm=CONTROL_HWM, curve=self._curve, zap_domain=auth.ENGINES,
+            plain=self._plain,
+        )  # fmt: skip
         self.bus = ControlBus(self.pub, self.codec)
         self.control = ClusterControl(
             cfg, self.bus, self.engines, reply=self._reply, forget=self._forget, reevaluate=self._evaluate_engines
@@ -162,17 +166,10 @@ class Router:
         self._spin_s = max(0, cfg.busy_poll_us) / 1e6  # --busy-poll-us
 
     def _secure(self, cfg: RouterConfig) -> None:
-        # Security on (curve_dir): CURVE on every TCP socket and one ZAP
-        # authenticator for this context, bound before any socket accepts.
-        self.gate: Gatekeeper | None = None
-        self._curve = None
-        if cfg.curve_dir:
-            keys = KeyDir(cfg.curve_dir)
-            self._curve = keys.head()
-            self.gate = Gatekeeper(self.ctx, keys, (auth.CLIENTS, auth.ENGINES)).start()
-        # The join token: engines present it in Register, clients in control
-        # ops that change state (peers CURVE authenticated need none).
-        self.token: str | None = read_token(cfg.token_file) if cfg.token_file else None
+        # Every socket authenticates its peer at the handshake (router_node/trust.py
+        # head_security); the token also rides in Register and state-changing ops.
+        self.gate, self._curve, self.token = head_security(self.ctx, cfg)
+        self._plain = roles.serving(self.token)  # None: no token, these sockets take NULL
         if self.token is None and self.gate is None:
             log.warning(
                 "head_open_to_anyone",
@@ -184,8 +181,14 @@ class Router:
         fw = self.forwarding
         self.front = Endpoint(
             open_socket(
-                self.ctx, zmq.ROUTER, bind=cfg.frontend, hwm=cfg.client_hwm, curve=self._curve, zap_domain=auth.CLIENTS
-            ),
+                self.ctx,
+                zmq.ROUTER,
+                bind=cfg.frontend,
+                hwm=cfg.client_hwm,
+                curve=self._curve,
+                zap_domain=auth.CLIENTS,
+                plain=self._plain,
+            ),  # fmt: skip
             self.codec,
             {
                 t: self._keyed(h)
@@ -208,8 +211,14 @@ class Router:
         fw.front = self.front
         self.events = Endpoint(
             open_socket(
-                self.ctx, zmq.ROUTER, bind=cfg.events, hwm=CONTROL_HWM, curve=self._curve, zap_domain=auth.ENGINES
-            ),
+                self.ctx,
+                zmq.ROUTER,
+                bind=cfg.events,
+                hwm=CONTROL_HWM,
+                curve=self._curve,
+                zap_domain=auth.ENGINES,
+                plain=self._plain,
+            ),  # fmt: skip
             self.codec,
             {P.Register: self._on_register, P.Heartbeat: self._on_heartbeat, P.Ack: self._on_ack},
             name="events",

@@ -16,12 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 import structlog
+import zmq
 
-from bus import auth
+from bus import auth, roles
 from bus import protocol as P
-from bus.auth import Gatekeeper, peer_key, token_matches
+from bus.auth import Gatekeeper, KeyDir, peer_key, read_token, token_matches
 from bus.errors import BadRequest, Unauthorized
-from bus.sockets import check_endpoint
+from bus.sockets import CurveKeys, check_endpoint
 from router_node.registry import EngineEntry
 
 log = structlog.get_logger("router_node")
@@ -112,3 +113,22 @@ def engine_of(
             log.warning("engine_event_from_another_connection", engine_id=engine_id, what=what)
         return None
     return e
+
+
+def head_security(ctx: zmq.Context, cfg: Any) -> tuple[Gatekeeper | None, CurveKeys | None, str | None]:
+    """(the ZAP handler of the head's context, its CURVE keys, the join token).
+    Who each head socket admits at the handshake (bus/roles.py): CURVE keys on
+    TCP with --curve-dir, else PLAIN with the token's role secrets (frontend:
+    clients; events and control: engines). Started before any socket binds."""
+    token = read_token(cfg.token_file) if cfg.token_file else None
+    keys = KeyDir(cfg.curve_dir) if cfg.curve_dir else None
+    if keys is None and token is None:
+        return None, None, None
+    plain = {}
+    if token is not None:
+        plain = {
+            auth.CLIENTS: {roles.CLIENT: roles.role_secret(token, roles.CLIENT)},
+            auth.ENGINES: {roles.ENGINE: roles.role_secret(token, roles.ENGINE)},
+        }
+    gate = Gatekeeper(ctx, keys, (auth.CLIENTS, auth.ENGINES), plain).start()
+    return gate, keys.head() if keys is not None else None, token

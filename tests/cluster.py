@@ -20,9 +20,11 @@ from typing import Any
 
 import psutil
 
-from bus.auth import new_token, token_path_for, write_token
+from bus import roles
+from bus.auth import new_token, read_token, token_path_for, write_token
 from bus.errors import HeadUnavailable, RequestTimeout
 from bus.proctree import terminate_tree
+from bus.roles import Plain
 from trainer_bridge import Client
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -112,7 +114,15 @@ class Cluster:
             ],
         )  # fmt: skip
 
+    def credential(self, role: str = roles.CLIENT) -> Plain:
+        """`role`'s PLAIN credential in this cluster (bus/roles.py): a raw socket
+        applies it (`.apply(sock, None)`) before connecting, or the handshake fails."""
+        plain = roles.as_role(read_token(self.token_file), role)
+        assert plain is not None
+        return plain
+
     def client(self, address: str | None = None, **kw: Any) -> Client:
+        kw.setdefault("token_file", self.token_file)  # an engine's address too (--direct-clients)
         kw.setdefault("timeout_s", 60)
         kw.setdefault("control_timeout_s", 30)
         c = Client(address or self.frontend, **kw)

@@ -19,7 +19,8 @@ def tiny_model() -> str:
 @pytest.fixture(scope="module")
 def torch_cluster(tiny_model):
     """Two torch engines behind a head, shared by a module's read-only tests."""
-    with leak_checked_cluster(2, backend="torch", model=tiny_model) as c:
+    # --direct-clients: some of these tests send straight to an engine (test_bad_input)
+    with leak_checked_cluster(2, backend="torch", model=tiny_model, engine_args=["--direct-clients"]) as c:
         yield c
 
 

@@ -224,10 +224,12 @@ def test_secured_cluster_serves_allowed_clients_only(cluster_factory, tmp_path):
     with pytest.raises(AuthRefused) as ei:
         cl.client().generate([4, 5, 6], {"max_tokens": 3})
     assert ei.value.field == "curve_dir" and "has no keys" in str(ei.value) and time.monotonic() - t0 < 5
-    # ... and so is it on the engine's data socket (the head and allowed clients only)
+    # ... and so is it on the engine's data socket, which admits the head alone (issue 34 row 2:
+    # an allowed client key opens the frontend only)
     with pytest.raises(AuthRefused):
         _direct(engine, KeyDir(key_dir).client(stranger))
-    assert _direct(engine, KeyDir(key_dir).client()) == [7, 8, 9]
+    with pytest.raises(AuthRefused):
+        _direct(engine, KeyDir(key_dir).client())
 
     # an impostor engine with a client key as its credential cannot reach the events socket
     fake = tmp_path / "fake"  # the real head key, and the default client's keypair posing as an engine credential
@@ -290,7 +292,8 @@ def test_removing_a_client_key_cuts_its_open_connection(cluster_factory, tmp_pat
     _keys("--curve-dir", key_dir, "add-client", "trainer")
     curve = ["--curve-dir", key_dir]
     slow = {**NULL, "backend_options": {"tokens_per_step": 1, "step_delay_s": 0.02}}  # 5000 tokens: 100 s
-    cl = cluster_factory(1, tcp=True, router_args=curve, engine_args=curve, **slow)
+    # --direct-clients: the engine's data socket admits allowed client keys too (else the head alone)
+    cl = cluster_factory(1, tcp=True, router_args=curve, engine_args=[*curve, "--direct-clients"], **slow)
     ops = cl.client(curve_dir=key_dir, connect_timeout_s=30)  # the default client key: stays allowed
     ops.wait_ready(1, 30)  # (connect_timeout_s: the head may still be starting)
     trainer = cl.client(curve_dir=key_dir, client_key="trainer")

@@ -21,6 +21,7 @@ def raw(request, torch_cluster):
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, 20_000)
+    torch_cluster.credential().apply(s, None)  # a token holder (the engines run with --direct-clients)
     s.connect(addr)
     yield s
     s.close(linger=0)

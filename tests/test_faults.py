@@ -144,6 +144,7 @@ def test_protocol_version_mismatch_is_refused_with_a_clear_error(cluster_factory
     import zmq
 
     from bus import protocol as P
+    from bus import roles
     from bus.codec import Codec
 
     # The head's registration check: a head and one null engine (no model to load).
@@ -155,6 +156,7 @@ def test_protocol_version_mismatch_is_refused_with_a_clear_error(cluster_factory
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, 10_000)
     try:
+        cl.credential(roles.ENGINE).apply(s, None)  # a token holder: past the handshake
         s.connect(cl.events)
         reg = P.Register("old", "ipc:///nowhere", "ipc:///nowhere", "torch", "m", P.PROTOCOL_VERSION + 7, "inc")
         s.send_multipart(Codec().encode(reg))

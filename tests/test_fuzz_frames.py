@@ -33,8 +33,9 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from bus import auth, roles
 from bus import protocol as P
-from bus.auth import read_token
+from bus.auth import Gatekeeper, read_token
 from bus.codec import Codec
 from bus.errors import ErrorCode
 from tests.cluster import Cluster, live_children, wait_until
@@ -380,8 +381,13 @@ class ControlRelay:
     """Stands between the head's control PUB and one engine's SUB: relays every
     head command and injects fuzzed frames. Its thread owns both sockets."""
 
-    def __init__(self, ctx: zmq.Context, head_control: str, address: str) -> None:
+    def __init__(self, ctx: zmq.Context, head_control: str, address: str, token: str) -> None:
         self.address = address
+        # Both ends authenticate engines (bus/roles.py): the relay presents the
+        # engine role to the head, and admits only it (its own ZAP handler).
+        self.as_engine = roles.as_role(token, roles.ENGINE)
+        self.gate = Gatekeeper(ctx, None, (), {auth.ENGINES: {roles.ENGINE: roles.role_secret(token, roles.ENGINE)}})
+        self.gate.start()
         self.inject: queue.Queue[list[bytes]] = queue.Queue()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -393,9 +399,12 @@ class ControlRelay:
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        assert self.as_engine is not None
+        self.as_engine.apply(sub, None)
         sub.connect(head_control)
         pub = ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
+        roles.SERVER.apply(pub, auth.ENGINES)
         pub.bind(self.address)
         self._ready.set()
         try:
@@ -415,6 +424,7 @@ class ControlRelay:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(10)
+        self.gate.stop()
 
 
 class FuzzCluster:
@@ -424,8 +434,9 @@ class FuzzCluster:
         self.ctx = zmq.Context()
         self.cl = Cluster(1, backend="torch", model=tiny_model)
         _TOKEN[0] = read_token(self.cl.token_file)
-        self.relay = ControlRelay(self.ctx, self.cl.control, f"ipc://{self.cl.dir}/fuzz-control")
-        self.cl.start_engine("fz", extra=["--head-control", self.relay.address])
+        self.relay = ControlRelay(self.ctx, self.cl.control, f"ipc://{self.cl.dir}/fuzz-control", _TOKEN[0])
+        # --direct-clients: round_trip and the fuzzer send straight to fz's data socket
+        self.cl.start_engine("fz", extra=["--head-control", self.relay.address, "--direct-clients"])
         self.cl.wait_ready(2)
         self.client = self.cl.client()
 
@@ -466,6 +477,8 @@ class FuzzCluster:
     def dealer(self, socket: str) -> zmq.Socket:
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
+        # a token holder, in the role the socket admits (past the handshake: the fuzz is about frames)
+        self.cl.credential(roles.ENGINE if socket == "events" else roles.CLIENT).apply(s, None)
         s.connect(self.address(socket))
         return s
 

@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from bus import protocol as P
+from bus import roles
 from bus.auth import KeyDir, read_token
 from bus.codec import Codec
 from bus.errors import BadRequest
@@ -79,6 +80,7 @@ def test_head_outlives_a_hostile_event_frame(cluster, name):
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     try:
+        cluster.credential(roles.ENGINE).apply(s, None)  # a token holder: past the handshake
         s.connect(cluster.events)
         frames = HEAD_EVENT_FRAMES[name]
         if name.startswith("register"):  # with the cluster's join token: the field check is what is tested
@@ -100,6 +102,7 @@ def test_engine_outlives_a_weight_bucket_with_a_non_utf8_update_id(cluster):
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     try:
+        cluster.credential().apply(s, None)  # a token holder: past the handshake
         s.connect(f"ipc://{cluster.dir}/e0.weights")
         body = _ENC(["wbucket", "u1", 0]).replace(b"u1", b"\xc3\x28", 1)
         s.send_multipart([body, b"\x00" * 64])
@@ -151,6 +154,7 @@ def test_control_with_a_deadline_that_never_or_already_passed_is_refused(cluster
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     try:
+        cluster.credential().apply(s, None)  # a token holder: past the handshake
         s.connect(cluster.frontend)
         s.send_multipart(Codec().encode(P.Control(request_id="c-nan", op=P.Ping(), timeout_s=timeout_s)))
         assert s.poll(10_000), "the head must refuse the Control at once"
@@ -191,6 +195,7 @@ def test_a_register_that_never_joins_does_not_move_the_cluster_version(cluster):
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.IDENTITY, _node_ident("ghost-v7", "i1"))
     try:
+        cluster.credential(roles.ENGINE).apply(s, None)  # a token holder: past the handshake
         s.connect(cluster.events)
         s.send_multipart(_register(cluster, "ghost-v7", "i1", weight_version=7))
         assert s.poll(10_000) and Codec().decode(s.recv_multipart())[0].ok
@@ -213,6 +218,7 @@ def test_re_registering_a_joining_engine_is_refused_and_the_head_serves(cluster)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.IDENTITY, _node_ident("ghost-twice", inc))
         try:
+            cluster.credential(roles.ENGINE).apply(s, None)  # a token holder: past the handshake
             s.connect(cluster.events)
             s.send_multipart(_register(cluster, "ghost-twice", inc))
             assert s.poll(10_000), "the head must answer every Register"
@@ -250,6 +256,7 @@ def test_heartbeats_and_acks_for_an_engine_count_only_from_its_own_connection(cl
             s.setsockopt(zmq.LINGER, 0)
             if ident is not None:
                 s.setsockopt(zmq.IDENTITY, ident)
+            cluster.credential(roles.ENGINE).apply(s, None)  # a token holder: past the handshake
             s.connect(cluster.events)
             socks.append(s)
         for _ in range(3):

@@ -41,6 +41,7 @@ def test_no_chunk_arrives_after_the_pause_reply(cluster_factory):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    cl.credential().apply(sock, None)  # a token holder: past the handshake
     sock.connect(cl.frontend)
     late: list[tuple[int, str]] = []
     try:

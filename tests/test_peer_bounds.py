@@ -48,6 +48,7 @@ def _raw_socket(cl, rcvhwm: int = 1000) -> zmq.Socket:
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVHWM, rcvhwm)
+    cl.credential().apply(s, None)  # a token holder: past the handshake
     s.connect(cl.frontend)
     return s
 

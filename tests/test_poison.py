@@ -40,6 +40,7 @@ def _raw_generate(cl, msg: P.Generate, prompt: list[int]) -> object:
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     try:
+        cl.credential().apply(s, None)  # a token holder: past the handshake
         s.connect(cl.frontend)
         s.send_multipart(Codec().encode(msg, [pack_tokens(prompt)]))
         assert s.poll(30_000), "the head must answer"

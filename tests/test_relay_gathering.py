@@ -27,7 +27,7 @@ def test_a_head_that_fell_behind_sends_the_backlog_in_one_message_per_client(clu
     cl = cluster_factory(1, backend="null", backend_options={"tokens_per_step": 1, "step_delay_s": STEP_S})
     cl.wait_ready(1)
     ctx = zmq.Context()
-    sock = open_socket(ctx, zmq.DEALER, connect=cl.frontend)
+    sock = open_socket(ctx, zmq.DEALER, connect=cl.frontend, plain=cl.credential())
     codec = Codec()
     try:
         params = P.SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)

@@ -85,13 +85,14 @@ def module_cluster(tiny_model):
     """Two torch engines shared by the tests below that leave both healthy and
     in sync (they restart an engine and bring it back; each reads the version
     it starts from)."""
-    with leak_checked_cluster(2, backend="torch", model=tiny_model) as cl:
+    # --direct-clients: a test below sends straight to each engine
+    with leak_checked_cluster(2, backend="torch", model=tiny_model, engine_args=["--direct-clients"]) as cl:
         yield cl
 
 
 @pytest.mark.timeout(240)
 def test_unseeded_samples_are_independent_across_engines_requests_and_restarts(cluster_factory):
-    cl = cluster_factory(3)
+    cl = cluster_factory(3, engine_args=["--direct-clients"])  # _direct: straight to each engine
     cl.wait_ready(3)
     c = cl.client()
     first = _sixty_four(c)

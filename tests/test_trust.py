@@ -17,6 +17,7 @@ that registers with weight_version=10**6); both speak the real wire protocol.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -27,9 +28,10 @@ import pytest
 import zmq
 
 from bus import protocol as P
+from bus import roles
 from bus.auth import KeyFileError, find_token, read_token, token_path_for, write_token
 from bus.codec import Codec
-from bus.errors import ControlError, Unauthorized
+from bus.errors import AuthRefused, ControlError, Unauthorized
 from tests.cluster import wait_until
 
 pytestmark = pytest.mark.timeout(90)
@@ -40,11 +42,15 @@ NULL = {"backend": "null", "model": "null"}
 class ForgingStranger:
     """FAKE peer (fault injection): connects to the head's events socket under
     every identity it can guess for a dead engine, beats for it, and acks every
-    command naming it (it listens on the control PUB, which is open to all)."""
+    command naming it (it listens on the control PUB). `plain`: the engine
+    role's credential (a token holder); None: a stranger without the token,
+    whose handshakes the head refuses (counted in `refused`, issue 34)."""
 
-    def __init__(self, cl, engine_id: str, incarnation: str) -> None:
+    def __init__(self, cl, engine_id: str, incarnation: str, plain=None) -> None:
         self.cl, self.engine_id, self.incarnation = cl, engine_id, incarnation
+        self.plain = plain
         self.forged_acks = 0
+        self.refused = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -60,20 +66,32 @@ class ForgingStranger:
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.IDENTITY, ident.encode())
             s.setsockopt(zmq.LINGER, 0)
-            s.connect(self.cl.events)
+            if self.plain is not None:
+                self.plain.apply(s, None)
             socks.append(s)
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        if self.plain is not None:
+            self.plain.apply(sub, None)
         for topic in (b"*\x00", self.engine_id.encode() + b"\x00"):
             sub.setsockopt(zmq.SUBSCRIBE, topic)
+        failed = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        monitors = [s.get_monitor_socket(failed) for s in [*socks, sub]]
+        for s in socks:
+            s.connect(self.cl.events)
         sub.connect(self.cl.control)
         steps = 0
         try:
             while not self._stop.is_set():
                 steps += 1
                 hb = P.Heartbeat(engine_id=self.engine_id, incarnation=self.incarnation, steps=steps)
+                for m in monitors:
+                    while m.poll(0):
+                        m.recv_multipart()
+                        self.refused += 1
                 for s in socks:
-                    s.send_multipart(codec.encode(hb), zmq.NOBLOCK)
+                    with contextlib.suppress(zmq.Again):  # refused at the handshake: no pipe to send on
+                        s.send_multipart(codec.encode(hb), zmq.NOBLOCK)
                 while sub.poll(0):
                     frames = sub.recv_multipart()
                     cmd, _ = codec.decode(frames[1:])
@@ -83,12 +101,16 @@ class ForgingStranger:
                             result = P.PingResult(incarnation=self.incarnation)
                         ack = P.Ack(seq=cmd.seq, engine_id=self.engine_id, result=result)
                         for s in socks:
-                            s.send_multipart(codec.encode(ack), zmq.NOBLOCK)
+                            with contextlib.suppress(zmq.Again):
+                                s.send_multipart(codec.encode(ack), zmq.NOBLOCK)
                         self.forged_acks += 1
                 time.sleep(0.05)
         finally:
             for s in [*socks, sub]:
+                s.disable_monitor()
                 s.close(linger=0)
+            for m in monitors:
+                m.close(linger=0)
             ctx.term()
 
     def stop(self) -> None:
@@ -96,17 +118,25 @@ class ForgingStranger:
         self._thread.join(10)
 
 
-def test_a_dead_engines_events_count_only_from_its_own_connection(cluster_factory):
+@pytest.mark.parametrize("holds_token", [False, True], ids=["stranger", "token-holder"])
+def test_a_dead_engines_events_count_only_from_its_own_connection(cluster_factory, holds_token):
     """Issue: after kill -9 of e0, a stranger connecting as e0/<incarnation> kept
-    the dead incarnation healthy and its forged ack made pause() report e0 paused."""
+    the dead incarnation healthy and its forged ack made pause() report e0 paused.
+    Issue 34 row 17: a stranger without the token never gets past the handshake
+    of the events and control sockets (fe0cb18 let it connect and send); one
+    holding the token gets in, and what it sends for e0 is dropped (e0's NONCE)."""
     cl = cluster_factory(2, **NULL)
     c = cl.client()
     cl.wait_ready(2, 30)  # the harness's wait: the head may still be starting
     inc = c.health()["engines"]["e0"]["incarnation"]
     cl.kill("e0")
-    stranger = ForgingStranger(cl, "e0", inc)
+    token = read_token(cl.token_file)
+    stranger = ForgingStranger(cl, "e0", inc, plain=roles.as_role(token, roles.ENGINE) if holds_token else None)
     try:
-        wait_until(lambda: stranger.forged_acks or c.stats()["counters"]["spoofed_events"], 10, "forgeries to arrive")
+        if holds_token:
+            wait_until(lambda: c.stats()["counters"]["spoofed_events"], 10, "forgeries to arrive")
+        else:
+            wait_until(lambda: stranger.refused >= 4, 10, "the head to refuse the stranger's handshakes")
         # 3 missed heartbeats of 0.2 s: the dead e0 is seen dead, whatever the stranger sends
         wait_until(lambda: not c.health()["engines"]["e0"]["healthy"], 10, "the dead e0 to be seen dead")
         time.sleep(1.0)  # ... and stays dead under the stranger's beats
@@ -117,8 +147,11 @@ def test_a_dead_engines_events_count_only_from_its_own_connection(cluster_factor
         assert set(c.control(P.Resume(), strict=False)) == {"e1"}
         rs = c.generate([[4, 5, 6]] * 10, {"max_tokens": 3})
         assert [r.token_ids for r in rs] == [[7, 8, 9]] * 10 and {r.engine_id for r in rs} == {"e1"}
-        assert c.stats()["counters"]["spoofed_events"] > 0
-        assert "engine_event_from_another_connection" in cl.log("head")
+        if holds_token:
+            assert c.stats()["counters"]["spoofed_events"] > 0
+            assert "engine_event_from_another_connection" in cl.log("head")
+        else:
+            assert c.stats()["counters"]["spoofed_events"] == 0 and stranger.forged_acks == 0
     finally:
         stranger.stop()
 
@@ -139,8 +172,8 @@ def test_a_dead_engines_id_needs_the_token_and_its_restart_wins(cluster_factory,
     liar = cl.start_engine("liar", engine_id="e0", token_file=wrong, extra=["--register-timeout-s", "20"])
     assert liar.wait(timeout=30) == 2
     assert "a wrong join token" in cl.log("liar")
-    wait_until(lambda: "register_refused_token" in cl.log("head"), 5, "the head's log of the refusals")
-    assert c.stats()["counters"]["register_refused_token"] >= 2
+    # issue 34: both are refused at the handshake (no Register reaches the head); the wrong token by ZAP
+    wait_until(lambda: "zap_refused" in cl.log("head"), 5, "the head's log of the refusal")
 
     cl.start_engine("e0")  # the real restart, with the token
     wait_until(
@@ -159,21 +192,33 @@ def test_control_ops_that_change_the_cluster_need_the_token(cluster_factory, tmp
     assert c._aclient.token_file == cl.token_file == token_path_for(cl.frontend)
     cl.wait_ready(1, 30)  # the harness's wait: the head may still be starting
 
-    anon = cl.client(token_file="")  # no token: reads and generation stay open
-    assert anon.generate([4, 5, 6], {"max_tokens": 3}).token_ids == [7, 8, 9]
-    assert anon.health()["healthy"] and anon.is_paused() is False
-    for call in (lambda: anon.pause("keep"), anon.resume, anon.reset_prefix_cache, lambda: anon.sleep(1)):
-        with pytest.raises(Unauthorized) as ei:
+    # Issue 34 (rows 3, 8): the frontend admits token holders only, at the handshake. Without the
+    # token nothing gets through (fe0cb18 served generation and queries, `weight_updates` included,
+    # which showed the open update's id and holder); the refusal is typed and immediate.
+    anon = cl.client(token_file="")
+    updates = lambda: anon._call(anon._aclient._query("weight_updates", P.WeightUpdatesView))
+    for call in (lambda: anon.generate([4, 5, 6], {"max_tokens": 3}), anon.health, updates, lambda: anon.pause("keep")):
+        t0 = time.monotonic()
+        with pytest.raises(AuthRefused) as ei:
             call()
-        assert ei.value.field == "token" and "no join token" in str(ei.value)
+        assert ei.value.field == "token" and "needs the cluster's join token" in str(ei.value)
+        assert time.monotonic() - t0 < 5
     wrong = cl.client(token_file=write_token(str(tmp_path / "wrong.token"), secrets.token_hex(32)))
-    with pytest.raises(Unauthorized, match="a wrong join token"):
+    with pytest.raises(AuthRefused, match="refused this client's join token") as ei:
         wrong.pause("keep")
+    assert ei.value.field == "token"
     assert c.is_paused() is False  # nothing of the refused ops happened
     assert set(c.pause("keep")) == {"e0"} and c.is_paused()
     c.resume()
-    assert c.stats()["counters"]["unauthorized"] == 5
-    assert "control_refused_token" in cl.log("head")
+    wait_until(lambda: "zap_refused" in cl.log("head"), 5, "the head's log of the wrong token")
+    # a token holder still proves the token in each op that changes the cluster (defence in depth)
+    real, c._aclient._token = c._aclient._token, "0" * 64
+    try:
+        with pytest.raises(Unauthorized, match="a wrong join token"):
+            c.pause("keep")
+    finally:
+        c._aclient._token = real
+    assert c.is_paused() is False
 
 
 def test_token_files_must_be_private(cluster_factory, tmp_path):
@@ -225,8 +270,12 @@ class RogueEngine:
         data.bind(f"ipc://{self.cl.dir}/{self.engine_id}.data")
         ev = ctx.socket(zmq.DEALER)
         ev.setsockopt(zmq.IDENTITY, f"{self.engine_id}/{self.incarnation}/{secrets.token_hex(16)}".encode())
+        as_engine = roles.as_role(read_token(self.cl.token_file), roles.ENGINE)  # a token holder
+        assert as_engine is not None
+        as_engine.apply(ev, None)
         ev.connect(self.cl.events)
         sub = ctx.socket(zmq.SUB)
+        as_engine.apply(sub, None)
         for topic in (b"*\x00", self.engine_id.encode() + b"\x00"):
             sub.setsockopt(zmq.SUBSCRIBE, topic)
         sub.connect(self.cl.control)

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from bus import protocol as P
+from bus import roles
 from bus.addresses import check_address
 from bus.auth import KeyDir, find_token
 from bus.errors import BadRequest, ProtocolError
@@ -74,9 +75,13 @@ class AsyncClient(ControlPort):
         by control ops that change the cluster (pause, updates, sleep, LoRA);
         None: $ROLLOUT_BUS_TOKEN_FILE, else the file launch.py published for
         `address` on this host (bus.auth.token_path_for); "": none."""
+        found = find_token(address, token_file)
         super().__init__(
             check_address(address),  # a malformed one is refused here, not by zmq on first use
             curve=KeyDir(curve_dir).client(client_key) if curve_dir else None,
+            # The token proves us at the handshake (bus/roles.py): the frontend
+            # admits no one else once the head has one.
+            plain=roles.as_role(found[0] if found else None, roles.CLIENT),
             head_timeout_s=head_timeout_s,
             connect_timeout_s=connect_timeout_s,
             ping_interval_s=ping_interval_s,
@@ -86,7 +91,6 @@ class AsyncClient(ControlPort):
         self._text: Text | None = None  # loaded on first use
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
-        found = find_token(address, token_file)
         self._token = found[0] if found else ""
         self.token_file: str | None = found[1] if found else None  # where the join token came from
 

@@ -42,6 +42,7 @@ from bus import protocol as P
 from bus.codec import Codec, split_packed
 from bus.endpoint import open_socket, readable, recv_frames, send_multipart
 from bus.errors import AuthRefused, ClosedByUs, HeadUnavailable, RequestTimeout, exception_from_wire
+from bus.roles import Plain
 from bus.sockets import CurveKeys
 from trainer_bridge.pacing import InflightGate
 from trainer_bridge.streams import END, GRACE_S, TIMED_OUT, RequestStream
@@ -55,6 +56,7 @@ class HeadLink:
         address: str,
         *,
         curve: CurveKeys | None,
+        plain: Plain | None = None,
         head_timeout_s: float,
         connect_timeout_s: float,
         ping_interval_s: float,
@@ -62,6 +64,7 @@ class HeadLink:
     ) -> None:
         self.address = address
         self._curve = curve
+        self._plain = plain  # the join token's client credential (bus/roles.py); None: none found
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         # Security on: a monitor of the DEALER reports a refused handshake (our
@@ -130,7 +133,7 @@ class HeadLink:
 
     def _open(self) -> None:
         assert self._loop is not None and self._ctx is not None
-        self._sock = open_socket(self._ctx, zmq.DEALER, connect=self.address, curve=self._curve)
+        self._sock = open_socket(self._ctx, zmq.DEALER, connect=self.address, curve=self._curve, plain=self._plain)
         self._head_up = False
         self._link_down = False
         self._loop.add_reader(self._sock.fileno(), self._drain)
@@ -243,9 +246,13 @@ class HeadLink:
 
     def _refusal(self, event: Any) -> AuthRefused | None:
         """The typed error a handshake-failure event means (None: not one)."""
+        tcp = self.address.startswith("tcp://")
+        if not tcp or (self._curve is None and event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+            return self._token_refusal(event)  # PLAIN: a wrong token, or none where one is needed
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
             return AuthRefused(
-                f"the head at {self.address} is a secured (CURVE) cluster and this client has no keys: "
+                f"the head at {self.address} is a secured (CURVE, or join token) cluster and this client has no "
+                f"keys{'' if self._plain is not None else ' and no join token'}: "
                 "pass curve_dir= (a copy of the head's key folder) and client_key= - the launcher prints "
                 "the exact Client(...) line (README, Security)"
                 if self._curve is None
@@ -262,6 +269,18 @@ class HeadLink:
                 field="client_key",
             )
         return None
+
+    def _token_refusal(self, event: Any) -> AuthRefused | None:
+        """No CURVE here: the head admits token holders only (PLAIN), or anyone."""
+        if event["event"] not in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+            return None
+        why = "refused this client's join token" if self._plain is not None else "needs the cluster's join token"
+        return AuthRefused(
+            f"the head at {self.address} {why} at the handshake (ZMTP/ZAP {event['value']}): pass "
+            "Client(..., token_file=PATH) (the 0600 file launch.py made), set $ROLLOUT_BUS_TOKEN_FILE, or run "
+            "on the launcher's host, where it is found by the address (README, Security)",
+            field="token",
+        )
 
     # ------------------------------------------------------------ receiving
 

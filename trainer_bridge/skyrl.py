@@ -569,8 +569,9 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
 
 
 def _options(c: AsyncClient) -> dict[str, Any]:
-    """What it takes to open the same connection again (CURVE keys included)."""
-    return {"address": c.address, "timeout_s": c.timeout_s, "control_timeout_s": c.control_timeout_s, "curve": c._curve}
+    """What it takes to open the same connection again (CURVE keys and the join token included)."""
+    o = {"address": c.address, "timeout_s": c.timeout_s, "control_timeout_s": c.control_timeout_s, "curve": c._curve}
+    return {**o, "token_file": c.token_file or ""}
 
 
 def _fresh(options: dict[str, Any]) -> AsyncClient:

@@ -71,6 +71,7 @@ class WeightSender:
                 zmq.DEALER,
                 connect=e.weight_address,
                 curve=curve.connecting_to(e.curve_key.encode()) if curve and e.curve_key else curve,
+                plain=self.client._plain,  # without CURVE: the join token's client credential
             )
             for e in self.engines
         }
