@@ -134,6 +134,7 @@ def one_trip(txn: Any, op: P.BeginWeightUpdate, seq: int) -> OpOutcome:
     waits for the broadcast; the commit is chained behind it (a Pending whose
     `then` returns the commit's Pending: engine_node/control.py runs it on
     the loop thread), so a receive that fails commits nothing."""
+    txn.check_version(op.update_id, op.version)  # refused before anything is received or written
     full = txn.layouts.take(op, txn.core.gate.sleeps, txn.engine_id)
     t0 = txn.core.now
     try:

@@ -142,7 +142,13 @@ class Router:
         )
         self.bus = ControlBus(self.pub, self.codec)
         self.control = ClusterControl(
-            cfg, self.bus, self.engines, reply=self._reply, forget=self._forget, reevaluate=self._evaluate_engines
+            cfg,
+            self.bus,
+            self.engines,
+            reply=self._reply,
+            forget=self._forget,
+            reevaluate=self._evaluate_engines,
+            incarnation=self.incarnation,
         )
         self._open_endpoints(cfg)
         self._queries = self._query_table()
@@ -327,6 +333,11 @@ class Router:
             converging = intended.converging(e.engine_id)
             if fix is not None:
                 self.control.correct(e, fix)
+            if converging is None and self.control.cluster.settling(now):
+                converging = (
+                    f"converging: the restarted head adopts the highest weight version engines bring "
+                    f"(adopt_window_s={self.cfg.adopt_window_s}); nothing is routed before"
+                )
         state, reason = e.evaluate(
             now,
             deadline_s=deadline,
