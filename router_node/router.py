@@ -35,7 +35,7 @@ from router_node import views
 from router_node.config import RouterConfig
 from router_node.control import ClusterControl
 from router_node.forwarding import Forwarder
-from router_node.lease_hooks import LEASE_HOOKS
+from router_node.lease_hooks import LEASE_HOOKS, resume_held
 from router_node.leases import Leases
 from router_node.policies import POLICIES, SESSION_PLACEMENTS, Sessions, pick_least_loaded_exact
 from router_node.prefix import PrefixPlacement
@@ -462,8 +462,15 @@ class Router:
                 log.warning("control_refused_token", op=P.OP_NAMES[type(msg.op)], request_id=msg.request_id[:128])
                 e.request_id = msg.request_id
                 raise
-        self.control.on_control(client, msg, buffers)  # raises on a refused op: nothing held
         now = time.monotonic()
+        held = resume_held(self.leases, self.control.intended, client, msg)
+        if held is not None:  # another client still holds the pause: only this one's hold ends
+            for op in held:
+                self.control.release(op)
+            self.leases.seen(client, now)
+            self._reply(client, P.ControlReply(request_id=msg.request_id))
+            return
+        self.control.on_control(client, msg, buffers)  # raises on a refused op: nothing held
         self.leases.seen(client, now)
         hook = LEASE_HOOKS.get(type(msg.op))
         if hook is not None:

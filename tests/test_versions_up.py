@@ -272,3 +272,63 @@ def test_the_heads_txn_timeout_bounds_a_finishing_update_whatever_the_client_ask
     assert c.health()["weight_version"] == v0
     c.update_weights([("w", torch.zeros(4))], timeout_s=30)  # the next trainer gets the cluster
     assert c.health()["weight_version"] == v0 + 1
+
+
+# ---------------------------------------------------------------- row 6: pauses held per holder
+
+
+def test_a_resume_releases_only_its_senders_hold_while_another_holder_keeps_the_pause() -> None:
+    from router_node import leases as L
+    from router_node.intended_state import IntendedState
+    from router_node.lease_hooks import LEASE_HOOKS, resume_held
+    from router_node.leases import Leases
+
+    a, b, c = b"trainer-a", b"trainer-b", b"stranger"
+    ls, it = Leases(lease_s=5.0), IntendedState()
+
+    def op(client: bytes, o: Any, now: float = 1.0) -> list[P.Resume] | None:
+        msg = P.Control(request_id="r", op=o)
+        held = resume_held(ls, it, client, msg)
+        if held is None:  # published as sent: the intent and the hooks follow it
+            it.issued(o, None, 1, set())
+            LEASE_HOOKS[type(o)](ls, it, client, msg, now)
+        for r in held or []:  # the router publishes these cluster-wide (ClusterControl.release)
+            it.issued(r, None, 2, set())
+        return held
+
+    assert op(a, P.Pause()) is None and op(b, P.Pause()) is None  # two holders of "*"
+    assert op(b, P.Resume()) == []  # B's hold only: nothing to publish, "*" stays paused
+    assert ls.holders(L.pause(None)) == [a] and sorted(it.cluster.paused) == ["*"]
+    assert op(c, P.Resume()) == []  # a client holding nothing changes nothing either
+    assert op(b, P.Pause(lora="x")) is None  # B pauses adapter x; A still holds "*"
+    # A lets go of everything: B's "x" stays paused, "*" (nobody's now) is lifted.
+    assert op(a, P.Resume()) == [P.Resume(lora="*")]
+    assert ls.holders(L.pause(None)) == [] and ls.holders(L.pause("x")) == [b]
+    assert sorted(it.cluster.paused) == ["x"]
+    assert op(a, P.Resume(lora="x")) == []  # not A's to lift
+    assert op(a, P.Resume(force=True)) is None  # forced: published, every holder's hold released
+    assert ls.clients == {} and it.cluster.paused == {}
+
+
+@pytest.mark.timeout(120)
+def test_another_trainers_pause_and_resume_inside_paused_leave_the_cluster_paused(cluster_factory):
+    """Row 6: trainer A inside `with client.paused():`, trainer B pause() then
+    resume(). fe0cb18: is_paused() False, tokens generated inside A's block."""
+    cl = cluster_factory(1, **NULL, router_args=["--lease-s", "5"])
+    cl.wait_ready(1)
+    a, b = cl.client(), cl.client()
+    box: list[Any] = []
+    with a.paused("keep"):
+        b.pause("keep")
+        assert b.resume() == {}  # B's own hold released; A's keeps the engines paused
+        assert a.is_paused() and b.is_paused()
+        t = threading.Thread(target=lambda: box.append(b.generate([1, 2, 3], {"max_tokens": 3})), daemon=True)
+        t.start()
+        t.join(1.5)
+        assert not box, "a token was generated inside A's paused block"
+        assert a.is_paused()
+    t.join(30)  # A's resume lets it run
+    assert box and box[0].token_ids and not a.is_paused()
+    a.pause("keep")
+    b.resume(force=True)  # the explicit override releases every holder
+    assert not a.is_paused()
