@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from bus import protocol as P
 from router_node.intended_state import IntendedState
-from router_node.leases import SLEEP, Leases, pause, txn
+from router_node.leases import SLEEP, Expired, Leases, pause, txn
 
 Hook = Callable[[Leases, IntendedState, bytes, P.Control, float], None]
 
@@ -51,6 +51,19 @@ def _hold_txn(leases: Leases, intended: IntendedState, client: bytes, msg: P.Con
 def _drop_txn(leases: Leases, intended: IntendedState, client: bytes, msg: P.Control, now: float) -> None:
     assert isinstance(msg.op, (P.FinishWeightUpdate, P.AbortWeightUpdate))
     leases.released(txn(msg.op.update_id))
+
+
+def lease_release(x: Expired) -> P.Resume | P.WakeUp | None:
+    """The op that releases what a vanished client held (None: a weight
+    update, which the head aborts instead). A pause: its own scope only —
+    Resume(lora="*") lifts "*" and leaves another live client's adapter pause
+    alone, where a plain Resume() lifted every scope (issue 34 row 15)."""
+    kind, name = x.resource
+    if kind == "pause":
+        return P.Resume(lora=name)
+    if kind == "sleep":
+        return P.WakeUp()
+    return None
 
 
 def resume_held(leases: Leases, intended: IntendedState, client: bytes, msg: P.Control) -> list[P.Resume] | None:

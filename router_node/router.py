@@ -35,7 +35,7 @@ from router_node import views
 from router_node.config import RouterConfig
 from router_node.control import ClusterControl
 from router_node.forwarding import Forwarder
-from router_node.lease_hooks import LEASE_HOOKS, resume_held
+from router_node.lease_hooks import LEASE_HOOKS, lease_release, resume_held
 from router_node.leases import Leases
 from router_node.policies import POLICIES, SESSION_PLACEMENTS, Sessions, pick_least_loaded_exact
 from router_node.prefix import PrefixPlacement
@@ -578,10 +578,9 @@ class Router:
             "lease_expired", client=x.client.hex(), resource=kind, name=name, silent_s=round(x.silent_s, 2),
             lease_s=self.cfg.lease_s,
         )  # fmt: skip
-        if kind == "pause":
-            self.control.release(P.Resume(lora=None if name == "*" else name))
-        elif kind == "sleep":
-            self.control.release(P.WakeUp())
+        op = lease_release(x)
+        if op is not None:
+            self.control.release(op)
         elif kind == "txn":
             # the one-update-at-a-time holder (router_node/control.py) ends with it
             self.control.abort_held_by(x.client, f"its client vanished (no ping for lease_s={self.cfg.lease_s})")

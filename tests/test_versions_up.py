@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from bus import protocol as P
 from bus.auth import read_token
@@ -332,3 +334,265 @@ def test_another_trainers_pause_and_resume_inside_paused_leave_the_cluster_pause
     a.pause("keep")
     b.resume(force=True)  # the explicit override releases every holder
     assert not a.is_paused()
+
+
+# ---------------------------------------------------------------- row 15: lease expiry converges
+
+
+class _SimEngine:
+    """An engine's pause gate as engine_node/pausing.py runs it (ops in
+    publish order; acks and heartbeat snapshots reach the head later, in
+    order per kind, interleaved as the test draws)."""
+
+    def __init__(self) -> None:
+        self.gate: set[str] = set()
+        self.inbox: list[tuple[int, Any]] = []
+        self.acks: list[tuple[int, Any]] = []
+        self.hbs: list[tuple[list[str], int]] = []
+        self.acked_seq = 0
+
+    def step(self) -> None:
+        seq, op = self.inbox.pop(0)
+        if isinstance(op, P.Pause):
+            scope = op.lora or "*"
+            self.gate.add(scope)
+            result: Any = P.PauseResult(mode=op.mode, scope=scope)
+        else:
+            scopes = sorted(self.gate) if op.lora is None else [s for s in [op.lora] if s in self.gate]
+            self.gate -= set(scopes)
+            result = P.ResumeResult(scopes=scopes, still_paused=sorted(self.gate))
+        self.acked_seq = max(self.acked_seq, seq)
+        self.acks.append((seq, result))
+
+
+class _SimHead:
+    """The head's I/O-free parts wired as router_node/router.py and control.py
+    wire them: IntendedState, Leases (with the lease hooks and resume_held),
+    the ack deadlines and the corrective ops of the health tick."""
+
+    def __init__(self, engines: list[str], lease_s: float = 2.0, deadline_s: float = 1.0) -> None:
+        from router_node.intended_state import IntendedState
+        from router_node.leases import Leases
+
+        self.it = IntendedState(converge_timeout_s=deadline_s, retry_s=0.3)
+        self.ls = Leases(lease_s)
+        self.deadline_s = deadline_s
+        self.now, self.seq = 0.0, 0
+        self.engines = {eid: _SimEngine() for eid in engines}
+        self.pending: dict[int, tuple[set[str], float, set[str]]] = {}
+        self.alive = {b"A": True, b"B": True}
+        for eid in engines:
+            self.it.add(eid)
+
+    def publish(self, op: Any, targets: list[str] | None = None, *, corrective: bool = False) -> None:
+        self.seq += 1
+        tg = list(self.engines) if targets is None else targets
+        for eid in tg:
+            self.engines[eid].inbox.append((self.seq, op))
+        self.pending[self.seq] = (set(tg), self.now + self.deadline_s, set())
+        self.it.issued(op, targets, self.seq, set(tg), corrective=corrective)
+
+    def control(self, client: bytes, op: Any) -> None:
+        from router_node.lease_hooks import LEASE_HOOKS, resume_held
+
+        if not self.alive[client]:
+            return
+        msg = P.Control(request_id="r", op=op)
+        self.ls.seen(client, self.now)
+        held = resume_held(self.ls, self.it, client, msg)
+        if held is not None:
+            for r in held:
+                self.publish(r)  # ClusterControl.release
+            return
+        self.publish(op)
+        LEASE_HOOKS[type(op)](self.ls, self.it, client, msg, self.now)
+
+    def advance(self, dt: float) -> None:
+        from router_node.lease_hooks import lease_release
+
+        self.now += dt
+        for c, alive in self.alive.items():
+            if alive:
+                self.ls.seen(c, self.now)
+        for x in self.ls.tick(self.now):
+            self.publish(lease_release(x))  # router._lease_expired
+        for seq, (tg, deadline, acked) in list(self.pending.items()):
+            if self.now >= deadline:
+                self.it.expired(seq, sorted(tg - acked), self.now)
+                del self.pending[seq]
+
+    def deliver_ack(self, eid: str) -> None:
+        seq, result = self.engines[eid].acks.pop(0)
+        self.it.acked(eid, seq, ok=True, result=result, now=self.now)
+        if seq in self.pending:
+            self.pending[seq][2].add(eid)
+
+    def snapshot(self, eid: str) -> None:
+        e = self.engines[eid]
+        e.hbs.append((sorted(e.gate), e.acked_seq))
+
+    def deliver_hb(self, eid: str) -> None:
+        paused, acked_seq = self.engines[eid].hbs.pop(0)
+        self.it.heartbeat(eid, P.Heartbeat(eid, "inc", paused=paused, acked_seq=acked_seq))
+
+    def evaluate(self, eid: str) -> None:
+        fix = self.it.evaluate(eid, self.now)
+        if fix is not None:
+            self.publish(fix, [eid], corrective=True)  # ClusterControl.correct
+
+    def settle(self) -> None:
+        """Nothing new happens: every message arrives, every deadline passes,
+        the health tick runs; until nothing is left to do."""
+        until = self.now + self.ls.lease_s + 1.0  # a dead client's lease runs out first
+        for _ in range(60):
+            self.advance(0.5)
+            for eid, e in self.engines.items():
+                while e.inbox:
+                    e.step()
+                while e.acks:
+                    self.deliver_ack(eid)
+                self.snapshot(eid)
+                while e.hbs:
+                    self.deliver_hb(eid)
+                self.evaluate(eid)
+            if self.now > until and not self.pending and all(not e.inbox for e in self.engines.values()):
+                if all(self.it.converging(eid) is None for eid in self.engines):
+                    return
+
+
+_ACTIONS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            [
+                "pause",
+                "resume",
+                "force",
+                "pause_x",
+                "resume_x",
+                "kill",
+                "tick",
+                "step",
+                "ack",
+                "snap",
+                "hb",
+                "eval",
+                "lose",
+            ]
+        ),
+        st.sampled_from([b"A", b"B"]),
+        st.sampled_from(["e0", "e1"]),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(actions=_ACTIONS)
+def test_lease_expiry_in_any_interleaving_converges_engines_to_the_heads_intent(actions: list[Any]) -> None:
+    """Row 15 (I/O-free): clients pause, resume and die at any point, acks and
+    heartbeats arrive late, an op may be lost on its way (a PUB drop): once
+    things settle, every engine's gate is what the head intends, the head
+    intends paused only what a live client holds, and every pause a live client
+    has not let go of (its own resume, or someone's resume(force=True)) holds."""
+    h = _SimHead(["e0", "e1"])
+    inside: dict[bytes, set[str]] = {b"A": set(), b"B": set()}  # what each live client holds paused
+    for what, client, eid in actions:
+        e = h.engines[eid]
+        if what in ("pause", "pause_x") and h.alive[client]:
+            h.control(client, P.Pause(mode="abort", lora="x" if what == "pause_x" else None))
+            inside[client].add("x" if what == "pause_x" else "*")
+        elif what in ("resume", "resume_x") and h.alive[client]:
+            h.control(client, P.Resume(lora="x" if what == "resume_x" else None))
+            inside[client] -= {"x"} if what == "resume_x" else {"*", "x"}
+        elif what == "force" and h.alive[client]:
+            h.control(client, P.Resume(force=True))
+            inside = {c: set() for c in inside}  # the explicit release of every holder
+        elif what == "kill":
+            h.alive[client] = False  # kill -9: no more pings, no more ops
+            inside[client] = set()
+        elif what == "tick":
+            h.advance(0.7)
+        elif what == "step" and e.inbox:
+            e.step()
+        elif what == "ack" and e.acks:
+            h.deliver_ack(eid)
+        elif what == "snap":
+            h.snapshot(eid)
+        elif what == "hb" and e.hbs:
+            h.deliver_hb(eid)
+        elif what == "eval":
+            h.evaluate(eid)
+        elif what == "lose" and e.inbox:
+            e.inbox.pop(0)  # never reaches the engine
+    h.settle()
+    live = {r[1] for c, lease in h.ls.clients.items() if h.alive[c] for r in lease.holds if r[0] == "pause"}
+    assert set(h.it.cluster.paused) <= live, (sorted(h.it.cluster.paused), sorted(live))
+    held = set().union(*inside.values())  # a pause a live client did not let go of stays (row 6)
+    assert held <= set(h.it.cluster.paused), (sorted(held), sorted(h.it.cluster.paused))
+    for eid, e in h.engines.items():
+        assert e.gate == set(h.it.engines[eid].intent.paused) == set(h.it.cluster.paused), (eid, e.gate)
+
+
+_TRAINER = """
+import sys, time
+from trainer_bridge import Client
+c = Client(sys.argv[1], control_timeout_s=30)
+with c.paused():
+    print("PAUSED", flush=True)
+    time.sleep(600)  # killed -9 here
+"""
+
+
+@pytest.mark.timeout(150)
+def test_trainer_killed_inside_paused_under_load_converges_every_engine(cluster_factory):
+    """Row 15 (real processes): a trainer kill -9'd inside paused() while other
+    clients stream requests at the cluster (parked by the pause): the lease
+    resumes every engine, the head's intent and every engine's gate agree,
+    and the parked requests complete."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.cluster import ROOT, child_env
+
+    lease_s = 1.5
+    cl = cluster_factory(2, **NULL, router_args=["--lease-s", str(lease_s)])
+    cl.wait_ready(2)
+    other = cl.client(timeout_s=120)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, cl.frontend], env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    results: list[Any] = []
+    try:
+        assert trainer.stdout is not None
+        assert trainer.stdout.readline().strip() == "PAUSED"
+        load = [
+            threading.Thread(
+                target=lambda: results.append(other.generate([[1, 2, 3]] * 32, {"max_tokens": 64, "ignore_eos": True})),
+                daemon=True,
+            )
+            for _ in range(4)
+        ]
+        for t in load:
+            t.start()
+        time.sleep(0.5)
+        assert not results and other.is_paused()
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(10)
+
+        def converged() -> bool:
+            h = other.health()
+            gates = [e.get("paused") for e in h["engines"].values()]
+            return h["intended"]["paused"] == [] and gates == [[], []] and not h["converging"]
+
+        wait_until(converged, lease_s + 20, "the lease to resume every engine and the intent to agree")
+        assert not other.is_paused()
+        for t in load:
+            t.join(60)
+        assert len(results) == 4 and all(len(r) == 32 and all(len(x.token_ids) == 64 for x in r) for r in results)
+    finally:
+        if trainer.poll() is None:
+            os.kill(trainer.pid, signal.SIGKILL)
+            trainer.wait(10)
+        if trainer.stdout is not None:
+            trainer.stdout.close()
