@@ -546,9 +546,11 @@ with c.paused():
 @pytest.mark.timeout(150)
 def test_trainer_killed_inside_paused_under_load_converges_every_engine(cluster_factory):
     """Row 15 (real processes): a trainer kill -9'd inside paused() while other
-    clients stream requests at the cluster (parked by the pause): the lease
-    resumes every engine, the head's intent and every engine's gate agree,
-    and the parked requests complete."""
+    clients stream requests at the cluster (parked by the pause), and a live
+    client holds an adapter's pause: the lease resumes the trainer's scope on
+    every engine (and only its own: fe0cb18 sent a plain Resume() that lifted
+    the live client's adapter pause too), the head's intent and every
+    engine's gate agree, and the parked requests complete."""
     import os
     import subprocess
     import sys
@@ -559,6 +561,7 @@ def test_trainer_killed_inside_paused_under_load_converges_every_engine(cluster_
     cl = cluster_factory(2, **NULL, router_args=["--lease-s", str(lease_s)])
     cl.wait_ready(2)
     other = cl.client(timeout_s=120)
+    other.pause("keep", lora="x")  # a live holder of another scope
     trainer = subprocess.Popen(
         [sys.executable, "-c", _TRAINER, cl.frontend], env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True
     )
@@ -583,12 +586,14 @@ def test_trainer_killed_inside_paused_under_load_converges_every_engine(cluster_
         def converged() -> bool:
             h = other.health()
             gates = [e.get("paused") for e in h["engines"].values()]
-            return h["intended"]["paused"] == [] and gates == [[], []] and not h["converging"]
+            return h["intended"]["paused"] == ["x"] and gates == [["x"], ["x"]] and not h["converging"]
 
-        wait_until(converged, lease_s + 20, "the lease to resume every engine and the intent to agree")
-        assert not other.is_paused()
+        wait_until(converged, lease_s + 20, "the lease to resume the trainer's scope and the intent to agree")
+        assert other.is_paused(lora="x")
         for t in load:
             t.join(60)
+        other.resume(lora="x")
+        assert not other.is_paused(lora="x")
         assert len(results) == 4 and all(len(r) == 32 and all(len(x.token_ids) == 64 for x in r) for r in results)
     finally:
         if trainer.poll() is None:
