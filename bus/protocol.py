@@ -308,6 +308,11 @@ class Pause(_Msg, tag="pause"):
 
 class Resume(_Msg, tag="resume"):
     lora: Id | None = None
+    # -- appended (issue 34): pauses are held per holder at the head; a
+    # cluster-wide resume releases the sender's own hold, and reaches the
+    # engines only once no other live client holds the scope. True: release
+    # every holder's (the explicit override).
+    force: bool = False
 
 
 class IsPaused(_Msg, tag="is_paused"):

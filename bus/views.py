@@ -126,6 +126,9 @@ class HealthView(Body, tag="health"):
     intended: IntentView = msgspec.field(default_factory=IntentView)  # the cluster's
     converging: Ids = []
     vocab_size: I32 = 0
+    # -- appended (issue 34): the id the next weight update's begin takes
+    # ("<head incarnation>.<n>"; a replayed or stale begin is refused). "": any.
+    next_update_id: Id = ""
 
 
 class EnginesView(Body, tag="engines"):

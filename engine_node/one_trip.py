@@ -44,7 +44,7 @@ from typing import Any
 import msgspec
 
 from bus import protocol as P
-from bus.errors import BackendRefused
+from bus.errors import BackendRefused, BadRequest
 from bus.transport import CudaIpcArgs, NcclArgs, Transport
 from engine_node.actions import OpOutcome, Pending
 from engine_node.backend import BackendError
@@ -127,6 +127,24 @@ def _keeps(begin: P.BeginWeightUpdate) -> bool:
     return begin.transport == Transport.NCCL and isinstance(args, NcclArgs) and bool(begin.tensors)
 
 
+def not_above(version: int | None, current: int) -> bool:
+    """A commit's version that does not move the engine up (None: +1, always up)."""
+    return version is not None and version <= current
+
+
+def check_version(update_id: str, version: int | None, engine_id: str, current: int) -> None:
+    """Versions only move up, on the engine too (issue 34): a commit (or a
+    one-trip op) naming a version not above the one the engine serves is
+    refused, whoever sent it (the head refuses one below the cluster's; this
+    holds should a replayed or stale commit ever reach the engine)."""
+    if not_above(version, current):
+        raise BadRequest(
+            f"update {update_id} names weight version {version}, not above {engine_id}'s {current}: "
+            "versions only move up",
+            field="version",
+        )
+
+
 def one_trip(txn: Any, op: P.BeginWeightUpdate, seq: int) -> OpOutcome:
     """begin + receive + prepare + commit of a one-trip update, in one op
     (`txn`: engine_node.weight_update.WeightUpdates). cuda_ipc: the begin's
@@ -134,6 +152,7 @@ def one_trip(txn: Any, op: P.BeginWeightUpdate, seq: int) -> OpOutcome:
     waits for the broadcast; the commit is chained behind it (a Pending whose
     `then` returns the commit's Pending: engine_node/control.py runs it on
     the loop thread), so a receive that fails commits nothing."""
+    check_version(op.update_id, op.version, txn.engine_id, txn.core.weight_version)  # before anything is written
     full = txn.layouts.take(op, txn.core.gate.sleeps, txn.engine_id)
     t0 = txn.core.now
     try:

@@ -55,7 +55,7 @@ from bus.transport import backend_args
 from engine_node.actions import DEFERRED, OpOutcome, Pending, SendAck
 from engine_node.backend import BackendError, BackendOp
 from engine_node.core import RequestCore
-from engine_node.one_trip import KeptLayout, one_trip
+from engine_node.one_trip import KeptLayout, check_version, not_above, one_trip
 from engine_node.timings import TimingLog
 from engine_node.transports.registry import receiver_for
 
@@ -397,6 +397,9 @@ class WeightUpdates:
 
     def commit(self, op: P.FinishWeightUpdate, seq: int = 0) -> OpOutcome:
         up = self._require(op.update_id)
+        if up.is_model and not_above(op.version, self.core.weight_version):
+            self._abort("its commit named a version not above the engine's")
+            check_version(op.update_id, op.version, self.engine_id, self.core.weight_version)  # raises
         if up.phase is not Phase.PREPARED:
             why = up.incomplete() or f"it is {up.phase.value}, not prepared"
             self._abort("commit before prepare")

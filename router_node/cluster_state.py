@@ -11,10 +11,25 @@ livelocked two trainers. The holder's transaction ends only by
     its own commit or abort · its client's lease expiring (`abort_held_by`,
     called by the lease owner) · `weight_txn_timeout_s` since its begin.
 
+`weight_txn_timeout_s` is the HEAD's bound and it bounds every phase (issue 34):
+an update still undecided that long after its begin is aborted, finishing
+(its prepare running) or not; a client's `timeout_s` can only shorten what
+the head waits for an op of the update (`bounded`), never lengthen it, and
+the commit round of a decided update waits at most `weight_txn_timeout_s`.
+
 Transaction (one per update id, created when the head fans its begin out):
 
     begun ──every target voted (WeightsPrepared / ReceiveWeights ok)──► decision "commit"
       └──any target failed, silent or missing in the prepare, or an abort──► decision "abort"
+
+Update ids are bound to the head (issue 34: nothing can be replayed): a head
+with an incarnation takes a begin only under an id it minted,
+"<incarnation>.<n>", with n above every n it has begun — `next_update_id` is
+the next one, shown in health() (the client reads it before a begin). A
+replayed or stale begin is refused however old it is (its n is not newer; a
+previous head's incarnation is not this one's), with O(1) memory: no table of
+ended ids decides it. Every later op names the id the begin opened, so a
+replayed bucket or FinishWeightUpdate names an update that is not current.
 
 Every op naming an update (prepare, a GPU part, commit, abort) must name the
 CURRENT one; any other id is refused with `StaleUpdate` and changes nothing
@@ -35,9 +50,15 @@ discards the update by itself (engine_node/weight_update.py, prepare_ttl_s).
 
 The cluster weight version is the version of the last model update that
 committed. Until the head has seen one (a fresh head, or a head restarted under
-running engines) it adopts the version of the first engine that joins, so a
-head restart does not forget where the cluster was; a later engine above it
-is STALE (router_node/registry.py), never followed. A FinishWeightUpdate for an
+running engines) it adopts the HIGHEST version the engines that join within
+`adopt_window_s` of the first join bring (issue 34: a behind engine that
+re-registers first must not roll the cluster back), re-adopting upward when a
+later one brings more — the lower ones are STALE then. While that window is
+open over a version above 0 (a restarted head: the cluster had updates) no
+engine is routed (`settling`), so no token of a lower version is served before
+the higher engine is heard. After the window, an engine registering above the
+cluster version is STALE (router_node/registry.py), never followed (a peer
+with the token cannot drag a settled cluster along). A FinishWeightUpdate for an
 update the head never saw begin (a head restarted mid-update) is relayed as is,
 and the version follows its ok acks.
 
@@ -55,6 +76,7 @@ from bus.errors import BadRequest, StaleUpdate, UpdateInProgress
 
 _MAX_TRACKED_UPDATES = 64
 DEFAULT_WEIGHT_TXN_TIMEOUT_S = 300.0
+DEFAULT_ADOPT_WINDOW_S = 3.0
 
 # Results that are a yes vote of phase one.
 _VOTES = (P.WeightsPrepared, P.ReceiveWeightsResult)
@@ -109,9 +131,21 @@ def client_name(ident: bytes) -> str:
 
 
 class ClusterWeights:
-    def __init__(self, *, txn_timeout_s: float = DEFAULT_WEIGHT_TXN_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        *,
+        txn_timeout_s: float = DEFAULT_WEIGHT_TXN_TIMEOUT_S,
+        adopt_window_s: float = DEFAULT_ADOPT_WINDOW_S,
+        incarnation: str = "",
+    ) -> None:
+        # The head's incarnation binds update ids ("" — the no-I/O tests of the
+        # other rules — binds none; router_node/router.py always passes its own).
+        self.incarnation = incarnation
+        self.update_seq = 0  # the highest n of an id "<incarnation>.<n>" begun here
         self.version = 0
         self.source = "none"  # "none" | "registration" | "update"
+        self.adopt_window_s = adopt_window_s
+        self.first_join_at: float | None = None  # monotonic: the adoption window's start
         self.updates_committed = 0
         self.txn_timeout_s = txn_timeout_s
         self.current: WeightTxn | None = None  # the one update that holds the cluster
@@ -121,15 +155,31 @@ class ClusterWeights:
         # engine that acks later (it was frozen) moves the cluster there then.
         self.unconfirmed: dict[int, str] = {}
 
-    def on_register(self, weight_version: int) -> None:
-        """An engine joined. Only the FIRST joiner of a head that has committed
-        nothing sets the version (a restarted head learns where the cluster
-        was); after that only the head's commits move it, so a later engine
-        registering with more (weight_version=10**6) cannot drag the cluster
-        along: the registry marks it STALE (ahead) instead."""
+    def on_register(self, weight_version: int, now: float = 0.0) -> bool:
+        """An engine joined. A head that has committed nothing adopts the
+        highest version engines bring within adopt_window_s of the first join
+        (a restarted head learns where the cluster was, whichever engine comes
+        back first); after that only the head's commits move it, so a later
+        engine registering with more (weight_version=10**6) cannot drag the
+        cluster along: the registry marks it STALE (ahead) instead. True when
+        the version moved (the caller re-judges every engine)."""
+        v = int(weight_version)
         if self.source == "none":
-            self.version = int(weight_version)
-            self.source = "registration"
+            self.version, self.source, self.first_join_at = v, "registration", now
+            return True
+        if self.source != "registration" or self.first_join_at is None or v <= self.version:
+            return False
+        if now - self.first_join_at > self.adopt_window_s:
+            return False
+        self.version = v  # re-adopted upward: the engines below are stale now, never served
+        return True
+
+    def settling(self, now: float) -> bool:
+        """A restarted head still gathering the versions engines bring: route
+        nothing yet (the version it has is above 0, and a higher one may come)."""
+        if self.source != "registration" or self.first_join_at is None or self.version == 0:
+            return False
+        return now - self.first_join_at < self.adopt_window_s
 
     # ------------------------------------------------------------ fan-out hooks
 
@@ -169,8 +219,10 @@ class ClusterWeights:
                 f"(at the latest after weight_txn_timeout_s={self.txn_timeout_s})",
                 field="update_id",
             )
+        seq = self._fresh(op.update_id)
         if op.update_id in self.txns or op.update_id in self.ended:
             raise StaleUpdate(f"weight update {op.update_id!r} already began once", field="update_id")
+        self.update_seq = max(self.update_seq, seq)
         txn = WeightTxn(
             op.update_id,
             op.target,
@@ -187,10 +239,38 @@ class ClusterWeights:
             self.txns.pop(next(iter(self.txns)))
         return txn
 
+    @property
+    def next_update_id(self) -> str:
+        """The id the next begin may take ("" with no incarnation: any)."""
+        return f"{self.incarnation}.{self.update_seq + 1}" if self.incarnation else ""
+
+    def _fresh(self, update_id: str) -> int:
+        """The n of `update_id` if this head minted it and it is newer than
+        every update begun here; else StaleUpdate / BadRequest (field update_id)."""
+        if not self.incarnation:
+            return 0
+        inc, _, n = update_id.rpartition(".")
+        if inc != self.incarnation or not n.isdigit():
+            raise StaleUpdate(
+                f"weight update id {update_id!r} was not minted by this head (ids are '<incarnation>.<n>', this "
+                f"head's incarnation is {self.incarnation!r}): a replay, or a begin meant for an earlier head; "
+                f"take health()'s next_update_id ({self.next_update_id!r})",
+                field="update_id",
+            )
+        if int(n) <= self.update_seq:
+            raise StaleUpdate(
+                f"weight update id {update_id!r} is not newer than the last update this head began "
+                f"({self.incarnation}.{self.update_seq}): a replayed or stale begin is refused; "
+                f"take health()'s next_update_id ({self.next_update_id!r})",
+                field="update_id",
+            )
+        return int(n)
+
     def require(self, op: Any, update_id: str) -> WeightTxn | None:
-        """The current update if `update_id` names it; None for an id never
-        seen while no update is current (a head restarted mid-update: the
-        caller may relay a commit / abort as is); else StaleUpdate."""
+        """The current update if `update_id` names it; None for another head's
+        id (or any unseen id, with no incarnation) while no update is current
+        (a head restarted mid-update: the caller may relay a commit / abort as
+        is); else StaleUpdate."""
         cur = self.current
         if cur is not None and cur.update_id == update_id:
             return cur
@@ -204,6 +284,13 @@ class ClusterWeights:
         if cur is not None:
             raise StaleUpdate(
                 f"{what} names weight update {update_id!r}, not the current one: {now_txt}", field="update_id"
+            )
+        if self.incarnation and update_id.rpartition(".")[0] == self.incarnation:
+            # One of this head's ids, not current: it ended (however long ago: no
+            # table needed) or never began. Only another head's is relayed.
+            raise StaleUpdate(
+                f"{what} names weight update {update_id!r}, which is not open on this head: {now_txt}",
+                field="update_id",
             )
         return None
 
@@ -235,14 +322,23 @@ class ClusterWeights:
     # ------------------------------------------------------------ endings
 
     def expired(self, now: float) -> WeightTxn | None:
-        """The current update, if it is open past weight_txn_timeout_s (the
-        caller aborts it). One being finished is left to its own deadline."""
+        """The current update, if it is undecided past weight_txn_timeout_s
+        since its begin (the caller aborts it), finishing or not: a client's
+        long timeout never holds the cluster longer (a decided commit's round
+        is bounded by `bounded` instead)."""
         cur = self.current
-        if cur is None or cur.decision is not None or cur.finishing:
+        if cur is None or cur.decision is not None:
             return None
         if now - cur.began_at <= self.txn_timeout_s:
             return None
         return cur
+
+    def bounded(self, txn: WeightTxn, timeout_s: float, now: float) -> float:
+        """What the head waits for an op of `txn`: the client's timeout_s, cut
+        to what is left of weight_txn_timeout_s (undecided) or to
+        weight_txn_timeout_s itself (the commit round of a decided update)."""
+        left = self.txn_timeout_s if txn.decision is not None else txn.began_at + self.txn_timeout_s - now
+        return max(0.05, min(timeout_s, left))
 
     def held_by(self, client: bytes) -> WeightTxn | None:
         """The current update if `client` holds it and it can still abort."""

@@ -78,6 +78,11 @@ class RouterConfig:
     # The cluster's vocabulary size: an engine registering another is refused
     # (field vocab_size). 0: the first registered engine's.
     vocab_size: int = 0
+    # A head that has committed nothing (fresh, or restarted under running
+    # engines) adopts the HIGHEST weight version the engines that join within
+    # this many seconds of the first join bring; over a version above 0 it
+    # routes nothing until the window ends (no rollback is ever served).
+    adopt_window_s: float = 3.0
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:

@@ -61,6 +61,7 @@ class ClusterControl:
         reply: Callable[[bytes, Any], None],
         forget: Callable[[EngineEntry], None],
         reevaluate: Callable[[float], None] = lambda now: None,
+        incarnation: str = "",
     ) -> None:
         self.cfg = cfg
         self.bus = bus
@@ -68,7 +69,10 @@ class ClusterControl:
         self.reply = reply  # (client, message) over the frontend
         self.forget = forget  # drop an engine that never joined
         # The cluster weight version; engines below it are STALE (no traffic).
-        self.cluster = ClusterWeights(txn_timeout_s=cfg.weight_txn_timeout_s)
+        # Update ids are bound to `incarnation` (the head's) and a counter: no replay.
+        self.cluster = ClusterWeights(
+            txn_timeout_s=cfg.weight_txn_timeout_s, adopt_window_s=cfg.adopt_window_s, incarnation=incarnation
+        )
         self.reevaluate = reevaluate  # re-run every engine's health (the router's)
         # What every engine should be (paused scopes, sleep): an engine that
         # joins, restarts or missed an op is brought there before it serves.
@@ -101,7 +105,9 @@ class ClusterControl:
             self._one_trip(client, msg)
             return
         # One update at a time: UpdateInProgress / StaleUpdate raised here change nothing.
-        self.cluster.on_control(msg.op, targets, client=client, now=time.monotonic(), wall=time.time())
+        now = time.monotonic()
+        self.cluster.on_control(msg.op, targets, client=client, now=now, wall=time.time())
+        op, timeout_s = self._bounded_op(msg, now)
 
         def done(pc: PendingCommand) -> None:
             self.intended.expired(pc.seq, pc.missing, time.monotonic())
@@ -115,8 +121,23 @@ class ClusterControl:
         # Silent (presumed dead) targets are reported missing, never waited on;
         # their intent changes all the same (they converge when they return).
         self.layouts.on_fan_out(msg.op, targets)
-        pc = self.bus.publish(msg.op, targets, msg.timeout_s, done, gone=silent)
+        pc = self.bus.publish(op, targets, timeout_s, done, gone=silent)
         self.intended.issued(msg.op, msg.targets, pc.seq, _waiting(pc))
+
+    def _bounded_op(self, msg: P.Control, now: float) -> tuple[P.Op, float]:
+        """The op as published and its deadline: an op of the current weight
+        update waits no longer than the head's weight_txn_timeout_s leaves
+        (a client's timeout_s shortens, never lengthens, the hold), and an
+        engine's prepare wait fits inside that."""
+        op, cur = msg.op, self.cluster.current
+        if not isinstance(op, (P.BeginWeightUpdate, P.ReceiveWeights, P.PrepareWeights)):
+            return op, msg.timeout_s
+        if cur is None or cur.update_id != op.update_id:
+            return op, msg.timeout_s
+        timeout_s = self.cluster.bounded(cur, msg.timeout_s, now)
+        if isinstance(op, P.PrepareWeights):
+            op = msgspec.structs.replace(op, wait_s=min(op.wait_s, 0.75 * timeout_s))
+        return op, timeout_s
 
     def correct(self, e: EngineEntry, op: Any) -> None:
         """Send one corrective op to an engine that differs from its intended
@@ -187,11 +208,13 @@ class ClusterControl:
             self.reply(client, error_message(msg.request_id, err.code, err.message, "update_id"))
             return
         unvoted = [t for t in txn.targets if t not in txn.prepared]
+        # Every phase within the head's weight_txn_timeout_s, whatever the client asked.
+        timeout_s = self.cluster.bounded(txn, msg.timeout_s, time.monotonic())
         if txn.decision is None and unvoted:
             # The engines' own wait ends well inside the command's deadline, so a
             # sender that never finished is named by the engines' error rather
             # than lost in a bare "no ack within timeout_s" race.
-            prep = P.PrepareWeights(txn.update_id, wait_s=max(0.1, 0.75 * msg.timeout_s))
+            prep = P.PrepareWeights(txn.update_id, wait_s=max(0.1, 0.75 * timeout_s))
 
             def prepared(pc: PendingCommand) -> None:
                 self.cluster.on_votes(txn.update_id, votes(pc))
@@ -202,11 +225,12 @@ class ClusterControl:
                     return
                 self._commit(client, msg, txn)
 
-            self.bus.publish(prep, unvoted, msg.timeout_s, prepared, gone=self._gone(unvoted))
+            self.bus.publish(prep, unvoted, timeout_s, prepared, gone=self._gone(unvoted))
             return
         if txn.decision is None:
             versions = [e.weight_version for e in self.engines.values()]
             version = self.cluster.decide_commit(txn, op.version, versions)
+            timeout_s = self.cluster.bounded(txn, msg.timeout_s, time.monotonic())  # the commit round's own bound
             log.info("weight_update_committing", update_id=txn.update_id, version=version, targets=txn.targets)
         commit = P.FinishWeightUpdate(txn.update_id, version=txn.version)
 
@@ -229,7 +253,7 @@ class ClusterControl:
                 log.warning("weight_commit_missed", update_id=txn.update_id, failed=sorted(errors), missing=pc.missing)
             self.reply(client, t.reply(msg.request_id))
 
-        self.bus.publish(commit, txn.targets, msg.timeout_s, committed, gone=self._gone(txn.targets))
+        self.bus.publish(commit, txn.targets, timeout_s, committed, gone=self._gone(txn.targets))
 
     def _one_trip(self, client: bytes, msg: P.Control) -> None:
         """A one-trip update (router_node/one_trip.py): allowed only when every
@@ -268,7 +292,8 @@ class ClusterControl:
             self.reply(client, t.reply(msg.request_id))
 
         out = msgspec.structs.replace(op, version=version)
-        self.bus.publish(out, targets, msg.timeout_s, committed, gone=self._gone(targets))
+        timeout_s = self.cluster.bounded(txn, msg.timeout_s, time.monotonic())
+        self.bus.publish(out, targets, timeout_s, committed, gone=self._gone(targets))
 
     def _abort(self, txn: WeightTxn, reason: str) -> None:
         """Decide abort and tell every target (best effort: an engine that
@@ -286,13 +311,15 @@ class ClusterControl:
         )
 
     def tick(self, now: float) -> None:
-        """The router's tick: an update open past weight_txn_timeout_s is aborted."""
+        """The router's tick: an update undecided past weight_txn_timeout_s is
+        aborted (its prepare may be running: the engines drop what they staged)."""
         txn = self.cluster.expired(now)
         if txn is not None:
+            phase = "its commit's prepare did not complete" if txn.finishing else "without a commit or abort"
             self._abort(
                 txn,
-                f"open for more than weight_txn_timeout_s={self.cluster.txn_timeout_s} "
-                f"without a commit or abort from client {txn.holder_name}",
+                f"undecided for more than weight_txn_timeout_s={self.cluster.txn_timeout_s} "
+                f"({phase}) from client {txn.holder_name}",
             )
 
     def abort_held_by(self, client: bytes, reason: str) -> list[str]:
@@ -359,10 +386,11 @@ class ClusterControl:
             e.state = EngineState.HEALTHY
             e.reason = "ok"
             e.last_seen = e.steps_changed_at = time.monotonic()
-            # A fresh head adopts the version engines bring, but only from one
-            # that joined: a Register alone (a peer that never acks) must not
-            # make every real engine stale.
-            self.cluster.on_register(e.weight_version)
+            # A fresh head adopts the highest version engines bring, but only
+            # from one that joined: a Register alone (a peer that never acks)
+            # must not make every real engine stale.
+            if self.cluster.on_register(e.weight_version, e.last_seen):
+                log.info("cluster_version_adopted", engine_id=e.engine_id, version=self.cluster.version)
             self.reevaluate(e.last_seen)  # stale / not yet confirmed: never routable before
             log.info(
                 "engine_joined",

@@ -10,11 +10,11 @@ holds the same thing.
 
 Several holders of one resource (two trainers that both paused "*"): the
 resource is reference-counted per holder. The cluster stays paused while any
-live holder holds it; an expired holder only drops its own hold. An explicit
-release by anyone (a `resume()` of that scope from any client, a full
-`wake_up()`, the transaction's commit or abort) still releases it for every
-holder at once — the control plane stays as it always was; leases only add
-"a vanished holder lets go".
+live holder holds it; an expired holder only drops its own hold, and so does
+a holder's own `resume()` (issue 34: trainer B's pause + resume inside trainer
+A's `paused()` block releases B's hold only; the engines stay paused for A).
+Only an explicit forced release — `resume(force=True)`, a full `wake_up()`,
+the transaction's commit or abort — releases it for every holder at once.
 
 Events in (`seen`, `acquired`, `released`, `tick`), actions out (`Expired`);
 router_node/router.py is the shell that turns actions into control ops, a log
@@ -88,6 +88,27 @@ class Leases:
             lease.holds = {r for r in lease.holds if r[0] != kind}
             if not lease.holds:
                 del self.clients[client]
+
+    def released_by(self, client: bytes, kind: str, name: str | None = None) -> None:
+        """`client` lets go of its own holds of a kind (`name`: that one only);
+        other holders keep theirs."""
+        lease = self.clients.get(client)
+        if lease is None:
+            return
+        lease.holds = {r for r in lease.holds if r[0] != kind or (name is not None and r[1] != name)}
+        if not lease.holds:
+            del self.clients[client]
+
+    def held_by_others(self, client: bytes, kind: str, name: str | None = None) -> set[str]:
+        """Names of `kind` (`name`: that one only) some client other than
+        `client` holds: what a non-forced release by `client` must keep."""
+        return {
+            r[1]
+            for c, lease in self.clients.items()
+            if c != client
+            for r in lease.holds
+            if r[0] == kind and (name is None or r[1] == name)
+        }
 
     def holders(self, resource: Resource) -> list[bytes]:
         return [c for c, lease in self.clients.items() if resource in lease.holds]

@@ -37,7 +37,7 @@ from router_node import views
 from router_node.config import RouterConfig
 from router_node.control import ClusterControl
 from router_node.forwarding import Forwarder
-from router_node.lease_hooks import LEASE_HOOKS
+from router_node.lease_hooks import LEASE_HOOKS, lease_release, resume_held
 from router_node.leases import Leases
 from router_node.policies import POLICIES, SESSION_PLACEMENTS, Sessions, pick_least_loaded_exact
 from router_node.prefix import PrefixPlacement
@@ -150,7 +150,13 @@ class Router:
         )  # fmt: skip
         self.bus = ControlBus(self.pub, self.codec)
         self.control = ClusterControl(
-            cfg, self.bus, self.engines, reply=self._reply, forget=self._forget, reevaluate=self._evaluate_engines
+            cfg,
+            self.bus,
+            self.engines,
+            reply=self._reply,
+            forget=self._forget,
+            reevaluate=self._evaluate_engines,
+            incarnation=self.incarnation,
         )
         self._open_endpoints(cfg)
         self._queries = self._query_table()
@@ -344,6 +350,11 @@ class Router:
             converging = intended.converging(e.engine_id)
             if fix is not None:
                 self.control.correct(e, fix)
+            if converging is None and self.control.cluster.settling(now):
+                converging = (
+                    f"converging: the restarted head adopts the highest weight version engines bring "
+                    f"(adopt_window_s={self.cfg.adopt_window_s}); nothing is routed before"
+                )
         state, reason = e.evaluate(
             now,
             deadline_s=deadline,
@@ -470,8 +481,15 @@ class Router:
                 )
                 e.request_id = msg.request_id
                 raise
-        self.control.on_control(client, msg, buffers)  # raises on a refused op: nothing held
         now = time.monotonic()
+        held = resume_held(self.leases, self.control.intended, client, msg)
+        if held is not None:  # another client still holds the pause: only this one's hold ends
+            for op in held:
+                self.control.release(op)
+            self.leases.seen(client, now)
+            self._reply(client, P.ControlReply(request_id=msg.request_id))
+            return
+        self.control.on_control(client, msg, buffers)  # raises on a refused op: nothing held
         self.leases.seen(client, now)
         hook = LEASE_HOOKS.get(type(msg.op))
         if hook is not None:
@@ -580,10 +598,9 @@ class Router:
             "lease_expired", client=x.client.hex(), resource=kind, name=name, silent_s=round(x.silent_s, 2),
             lease_s=self.cfg.lease_s,
         )  # fmt: skip
-        if kind == "pause":
-            self.control.release(P.Resume(lora=None if name == "*" else name))
-        elif kind == "sleep":
-            self.control.release(P.WakeUp())
+        op = lease_release(x)
+        if op is not None:
+            self.control.release(op)
         elif kind == "txn":
             # the one-update-at-a-time holder (router_node/control.py) ends with it
             self.control.abort_held_by(x.client, f"its client vanished (no ping for lease_s={self.cfg.lease_s})")

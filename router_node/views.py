@@ -65,6 +65,7 @@ def health_view(
         intended=intent_view(intended.cluster),
         converging=sorted(eid for eid, e in engines.items() if e.state is EngineState.CONVERGING),
         vocab_size=vocab_size,
+        next_update_id=cluster.next_update_id,
     )
 
 

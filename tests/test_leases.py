@@ -56,7 +56,7 @@ def test_an_explicit_release_by_anyone_releases_for_every_holder():
     ls = Leases(lease_s=1.0)
     ls.acquired(A, L.pause(None), now=0.0)
     ls.acquired(B, L.pause("x"), now=0.0)
-    ls.released_kind("pause")  # a resume() of every scope, from a third client
+    ls.released_kind("pause")  # a resume(force=True) of every scope, from a third client
     assert ls.clients == {} and ls.tick(9.0) == []
     ls.acquired(A, L.txn("u1"), now=10.0)
     ls.acquired(A, L.SLEEP, now=10.0)
@@ -136,13 +136,13 @@ def test_trainer_killed_inside_paused_releases_the_pause(cluster_factory):
 
 
 @pytest.mark.timeout(120)
-def test_a_resume_by_another_client_still_resumes(cluster_factory):
+def test_a_forced_resume_by_another_client_still_resumes(cluster_factory):
     cl = cluster_factory(1, backend="null", router_args=["--lease-s", "2"])  # the head's leases only
     cl.wait_ready(1)
     a, b = cl.client(), cl.client()
     a.pause("keep")
     b.pause("keep")  # two holders of "*"
-    b.resume()  # anyone's explicit resume resumes (the control plane as before)
+    b.resume(force=True)  # the explicit override: every holder's hold (issue 34)
     assert not a.is_paused()
     a.pause("keep")
     a.close()  # a leaves (no more pings); b holds nothing now

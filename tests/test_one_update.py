@@ -109,15 +109,21 @@ def test_ops_naming_an_update_that_is_not_current_are_refused_and_change_nothing
     assert cw.require(P.FinishWeightUpdate("Q"), "Q") is None
 
 
-def test_an_open_update_expires_after_the_timeout_but_not_while_finishing() -> None:
+def test_an_undecided_update_expires_after_the_timeout_finishing_or_not() -> None:
     cw = ClusterWeights(txn_timeout_s=5)
     _begin(cw, "A", now=100.0)
     assert cw.expired(104.0) is None
     txn = cw.expired(105.5)
     assert txn is not None and txn.update_id == "A"
-    txn.finishing = True  # its FinishWeightUpdate is in: its own deadline applies
-    assert cw.expired(200.0) is None
+    # Its FinishWeightUpdate is in and its prepare runs: the head's bound still
+    # applies (issue 34 row 7: the client's timeout_s never lengthens the hold).
+    txn.finishing = True
+    assert cw.expired(200.0) is txn
+    assert cw.bounded(txn, 1e9, now=103.0) == pytest.approx(2.0)  # what is left of the head's 5 s
+    assert cw.bounded(txn, 0.5, now=103.0) == 0.5  # a shorter client timeout wins
     assert cw.held_by(b"trainer-a") is txn and cw.held_by(b"trainer-b") is None
+    cw.decide_commit(txn, None, [0])  # decided: its commit round has its own bound, no expiry
+    assert cw.expired(300.0) is None and cw.bounded(txn, 1e9, now=300.0) == 5
 
 
 def test_versions_are_monotonic_equal_only_to_sync_stale_engines() -> None:

@@ -316,8 +316,10 @@ class RogueEngine:
 def test_an_engine_far_ahead_does_not_move_the_cluster_version(cluster_factory):
     """Issue: a rogue engine with weight_version=10**6 raised the cluster version
     (every real engine became stale). The version moves only by the head's own
-    commits; the rogue is STALE (ahead) and gets no traffic."""
-    cl = cluster_factory(1, **NULL)
+    commits; the rogue is STALE (ahead) and gets no traffic. Once the head's
+    adoption window is over (issue 34: within it a head that committed nothing
+    adopts the highest version engines bring; 0 here: the first joiner's only)."""
+    cl = cluster_factory(1, **NULL, router_args=["--adopt-window-s", "0"])
     c = cl.client()
     cl.wait_ready(1, 30)  # the harness's wait: the head may still be starting
     rogue = RogueEngine(cl)
@@ -337,8 +339,9 @@ def test_an_engine_far_ahead_does_not_move_the_cluster_version(cluster_factory):
 
 
 def test_version_rules_without_sockets():
-    """The rules behind the last test, as state machines: only the first joiner
-    of a head with no commit sets the version; an engine that registered above
+    """The rules behind the last test, as state machines: a head with no commit
+    adopts the highest version joiners bring within adopt_window_s of the first
+    join, and nothing after; an engine that registered above
     it is STALE until an update brings it to the cluster version, while a
     version an engine reaches after joining (a commit round still closing, a
     level-2 wake reloading its checkpoint) is not "ahead"."""
@@ -346,10 +349,12 @@ def test_version_rules_without_sockets():
     from router_node.registry import EngineEntry, EngineState
     from router_node.trust import ident_ok as _ident_ok
 
-    cw = ClusterWeights()
-    cw.on_register(3)  # a restarted head learns where the cluster was
-    cw.on_register(10**6)  # a later joiner cannot drag it along
-    assert (cw.version, cw.source) == (3, "registration")
+    cw = ClusterWeights(adopt_window_s=2.0)
+    assert cw.on_register(3, now=10.0)  # a restarted head learns where the cluster was
+    assert cw.settling(11.0) and not cw.settling(12.5)  # routes nothing while versions may still come
+    assert cw.on_register(5, now=11.0) and not cw.on_register(4, now=11.5)  # the highest within the window
+    assert not cw.on_register(10**6, now=12.5)  # a later joiner cannot drag it along
+    assert (cw.version, cw.source) == (5, "registration")
 
     def entry(version: int) -> EngineEntry:
         reg = P.Register("e0", "ipc://d", "", "null", "m", P.PROTOCOL_VERSION, "inc", weight_version=version)

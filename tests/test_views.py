@@ -30,7 +30,7 @@ OLD_ENGINE_KEYS = {
 }  # fmt: skip
 OLD_HEALTH_KEYS = {
     "healthy", "engines", "weight_version", "source", "updates_committed", "weight_update", "stale", "intended",
-    "converging", "vocab_size",
+    "converging", "vocab_size", "next_update_id",
 }  # fmt: skip
 
 

@@ -167,9 +167,13 @@ class ControlPort(HeadLink):
         t = timeout_s or self.control_timeout_s
         return expect(await self.control(P.Pause(mode=mode, lora=lora, timeout_s=t), timeout_s=t), P.PauseResult)
 
-    async def resume(self, *, lora: str | None = None) -> dict[str, P.ResumeResult]:
-        """Open the gate (all scopes, or adapter `lora`); per engine a ResumeResult."""
-        return expect(await self.control(P.Resume(lora=lora)), P.ResumeResult)
+    async def resume(self, *, lora: str | None = None, force: bool = False) -> dict[str, P.ResumeResult]:
+        """Open the gate (all scopes, or adapter `lora`); per engine a
+        ResumeResult. Pauses are held per holder: while another live client
+        holds the pause, this releases only this client's own hold, the
+        engines stay paused and the answer is {} (see README, Leases).
+        `force=True`: release every holder's hold and open the gate now."""
+        return expect(await self.control(P.Resume(lora=lora, force=force)), P.ResumeResult)
 
     async def is_paused(self, *, lora: str | None = None) -> bool:
         """True when every engine is paused (for adapter `lora`, when given)."""

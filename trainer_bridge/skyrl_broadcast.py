@@ -42,6 +42,7 @@ from bus import protocol as P
 from bus.errors import BadRequest, ControlError, Unsupported
 from bus.transport import Transport, VllmNcclArgs
 from trainer_bridge.transports.vllm_nccl import DEFAULT_BUFFER_BYTES, DEFAULT_NUM_BUFFERS, group_args, packed_plan
+from trainer_bridge.update_ids import learn_update_id
 from trainer_bridge.weights import WeightUpdate
 
 GPU_BACKENDS = ("vllm",)  # backends whose workers join a vLLM NCCL group
@@ -66,6 +67,7 @@ class BroadcastGroup:
 
 async def updatable_engines(client: Any) -> list[P.EngineView]:
     h = await client.health_view()
+    learn_update_id(client, h)  # the head binds update ids: the next begin takes this one
     engines = [e for e in h.engines.values() if e.healthy or e.stale]
     if not engines:
         raise ControlError("no healthy engine to join SkyRL's NCCL group with")

@@ -44,18 +44,19 @@ commits (version += 1 once, prefix cache reset once), an exception aborts.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
 import structlog
 
 from bus import protocol as P
-from bus.errors import ControlError, UpdateInProgress
+from bus.errors import ControlError, StaleUpdate, UpdateInProgress
 from bus.tensors import DEFAULT_BUCKET_BYTES, BucketPacker
 from bus.transport import Transport
 from trainer_bridge.control_port import ControlPort
 from trainer_bridge.transports.registry import sender_kind
+from trainer_bridge.update_ids import learn_update_id, take_update_id
 
 log = structlog.get_logger("trainer_bridge.weights")
 
@@ -134,7 +135,7 @@ class WeightUpdate:
         if unknown:
             raise ValueError(f"unknown extra_args {unknown} (lora_config)")
         self.bucket_bytes = int(bucket_bytes or DEFAULT_BUCKET_BYTES)
-        self.update_id = uuid.uuid4().hex[:16]
+        self.update_id = take_update_id(client)  # minted again by every health read (_pick_engines)
         self.engines: list[P.EngineView] = []
         self.planned = False
         self.results: dict[str, P.WeightsCommitted] = {}
@@ -151,7 +152,6 @@ class WeightUpdate:
         are read again, and a pipelined pause is sent again (the resume went
         out right behind the refused op)."""
         log.info("weight_update_renewed", update_id=self.update_id, why=why[:300])
-        self.update_id = uuid.uuid4().hex[:16]
         self.state = "new"
         self.results = {}
         if self.pipeline is not None:
@@ -160,6 +160,8 @@ class WeightUpdate:
 
     async def _pick_engines(self) -> None:
         h = await self.client.health_view()
+        learn_update_id(self.client, h)
+        self.update_id = take_update_id(self.client)  # renew: a fresh id too
         # Stale engines take part: an update is what brings them up to date.
         self.engines = [
             e for e in h.engines.values() if _updatable(e) and (self.targets is None or e.engine_id in self.targets)
@@ -184,7 +186,15 @@ class WeightUpdate:
             begin = self._begin(transport, plan)
         self.state = "open"
         try:
-            await self.client.control(begin, targets=self.engine_ids, timeout_s=self.timeout_s)
+            try:
+                await self.client.control(begin, targets=self.engine_ids, timeout_s=self.timeout_s)
+            except StaleUpdate:
+                # Refused at the head, nothing began: an id it did not mint (no
+                # health read yet, a restarted head, another trainer took it). Once more, fresh.
+                learn_update_id(self.client, await self.client.health_view())
+                self.update_id = take_update_id(self.client)
+                begin = msgspec.structs.replace(begin, update_id=self.update_id)
+                await self.client.control(begin, targets=self.engine_ids, timeout_s=self.timeout_s)
         except UpdateInProgress:
             self.state = "aborted"  # refused at the head: nothing began, nothing to abort
             raise

@@ -63,6 +63,7 @@ from bus.transport import NcclArgs, Transport, backend_args
 from trainer_bridge.transports.gpu import GpuKind
 from trainer_bridge.transports.nccl_broadcast import NotCheckedIn, forget_token, send_update
 from trainer_bridge.transports.packing import device_of
+from trainer_bridge.update_ids import learn_update_id, take_update_id
 
 log = structlog.get_logger("trainer_bridge.transports.nccl")
 
@@ -257,7 +258,8 @@ async def warm_up_nccl(
     key, s = nccl_sender(engines, options, [], options.get("sender_rank"))
     if s.comm is not None:
         return {"seconds": round(time.perf_counter() - t0, 4), "reused": True}
-    uid = "warmup-" + uuid.uuid4().hex[:12]
+    learn_update_id(client, h)
+    uid = take_update_id(client)  # the head binds update ids (trainer_bridge/weights.py)
     begin = P.BeginWeightUpdate(uid, Transport.NCCL, [], [], target="model", transport_args=s.args())
     t1 = time.perf_counter()
     try:

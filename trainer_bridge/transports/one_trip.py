@@ -135,7 +135,9 @@ class Refused(Exception):
 
 def nothing_committed(e: BaseException) -> bool:
     """The head or every engine refused the one-trip op (no commit, none missing)."""
-    if isinstance(e, BadRequest) and e.field in ("layout", "commit"):
+    # "update_id": the head did not take the id (a restarted head, another
+    # trainer's update in between): the fallback reads health, a fresh id.
+    if isinstance(e, BadRequest) and e.field in ("layout", "commit", "update_id"):
         return True
     return isinstance(e, ControlError) and not e.results and not e.missing and bool(e.errors)
 
