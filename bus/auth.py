@@ -343,15 +343,19 @@ class _Zap(ThreadAuthenticator):
     replaced whole by the owner (one attribute store), read here once."""
 
     plain: dict[str, dict[str, str]] = {}
-    refused = 0  # PLAIN handshakes refused (this thread's; logged at a bounded rate)
+    refused = 0  # PLAIN handshakes refused (this thread's count; read by the owner for stats)
+    # Set by the Gatekeeper: the authenticator thread's own rate-limited log (one line per interval per domain).
+    refusals: RateLimitedLog | None = None
 
     def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
         expected = self.plain.get(domain, {}).get(username)
         if expected is not None and hmac.compare_digest(expected.encode(), password.encode()):
             return True, b"OK"
         self.refused += 1
-        if self.refused <= 10 or self.refused % 1000 == 0:
-            log.warning("zap_refused", domain=domain, mechanism="PLAIN", username=username[:64], refused=self.refused)
+        if self.refusals is not None:
+            self.refusals.refused(
+                "zap_refused", kind=f"zap_refused.{domain}", domain=domain, mechanism="PLAIN", username=username[:64]
+            )
         return False, b"wrong credential for this socket's role"
 
 
@@ -387,6 +391,7 @@ class Gatekeeper:
         self._auth.plain = dict(plain or {})
         self._started = False
         self._refusals = RateLimitedLog(log)  # the authenticator thread's own: one line per interval
+        self._auth.refusals = self._refusals
         self._unsafe_log = RateLimitedLog(log)  # refresh's (the owner loop's): re-tried every REFRESH_S
 
     def start(self) -> Gatekeeper:
@@ -432,6 +437,11 @@ class Gatekeeper:
                 "zap_refused", kind=f"zap_refused.{domain}", domain=domain, key=key.decode("ascii", "replace")
             )
         return ok
+
+    def refused_total(self) -> int:
+        """Handshakes refused so far, CURVE and PLAIN (ints written by the
+        authenticator thread, read whole here: a stats figure, not a lock)."""
+        return self.refused + self._auth.refused
 
     def stop(self) -> None:
         """Before the context is terminated (the ZAP socket belongs to it)."""

@@ -250,7 +250,12 @@ class Router:
             "weight_updates": self.control.cluster.open_updates,
             "weight_update_decisions": self.control.cluster.decisions,
             "engines": lambda: views.engines_view(self.engines, self.control.intended, self.sessions),
-            "stats": lambda: views.stats_view(self.counters, len(self.forwarding.flights), self.sessions, self.prefix),
+            "stats": lambda: views.stats_view(
+                {**self.counters, "handshakes_refused": self.gate.refused_total() if self.gate else 0},
+                len(self.forwarding.flights),
+                self.sessions,
+                self.prefix,
+            ),
         }
 
     # ------------------------------------------------------------ lifecycle

@@ -2,7 +2,9 @@
 
 2,000 each of a token-less Pause, a garbage frame on the events socket and a
 Register with a wrong token, sent to a real head (null engine, IPC) by raw
-DEALERs: every one is counted (the head's `stats()` counters, what /metrics
+DEALERs that passed the handshake (each holds its socket's role credential),
+and 200 handshakes with a wrong credential (refused by ZAP before any frame):
+every one is counted (the head's `stats()` counters, what /metrics
 exports) and the head's log (at INFO, the launcher's default) grows by one
 line per interval per kind (bus/ratelog.py), not one per message. On fe0cb18
 the log had one line per message (6,000 here, ~400 MB per million).
@@ -16,22 +18,27 @@ import pytest
 import zmq
 
 from bus import protocol as P
+from bus import roles
 from bus.codec import Codec
 from bus.ratelog import RateLimitedLog
+from bus.roles import Plain
 from tests.cluster import Cluster, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
 N = 2000
+HANDSHAKES = 200
 
 
-def _flood(address: str, frames: list[list[bytes]], expect_replies: bool) -> int:
+def _flood(address: str, frames: list[list[bytes]], expect_replies: bool, cred: Plain | None = None) -> int:
     """Send every message from one DEALER; read back the replies (the frontend
     answers each refused Control) so the peer is not cut for not reading."""
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.SNDHWM, 0)
+    if cred is not None:
+        cred.apply(s, None)
     s.connect(address)
     got = 0
     try:
@@ -62,20 +69,42 @@ def test_two_thousand_refusals_of_each_kind_are_counted_and_logged_a_few_times(m
         lines_before = len(cl.log("head").splitlines())
 
         pauses = [codec.encode(P.Control(request_id=f"p{i}", op=P.Pause(mode="keep"))) for i in range(N)]
-        assert _flood(cl.frontend, pauses, expect_replies=True) == N  # each refusal is answered
+        client, engine = cl.credential(roles.CLIENT), cl.credential(roles.ENGINE)
+        assert _flood(cl.frontend, pauses, expect_replies=True, cred=client) == N  # each refusal is answered
         garbage = [[b"\xc1garbage" + i.to_bytes(4, "little")] for i in range(N)]
-        _flood(cl.events, garbage, expect_replies=False)
+        _flood(cl.events, garbage, expect_replies=False, cred=engine)
         reg = P.Register(
             engine_id="intruder", data_address="ipc:///nowhere", weight_address="ipc:///nowhere",
             backend="null", model="null", protocol_version=P.PROTOCOL_VERSION, incarnation="x", token="0" * 64,
         )  # fmt: skip
-        _flood(cl.events, [codec.encode(reg)] * N, expect_replies=False)
+        _flood(cl.events, [codec.encode(reg)] * N, expect_replies=False, cred=engine)
+        # Peers with a wrong credential: each connection is refused at the handshake (ZAP),
+        # before any frame; libzmq retries, so the count only grows while they stay.
+        wrong = Plain(username=client.username, password="not-the-token")
+        ctx = zmq.Context()
+        strangers = []
+        for _ in range(HANDSHAKES):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            wrong.apply(s, None)
+            s.connect(cl.frontend)
+            strangers.append(s)
 
         def counted() -> bool:
             k = c.stats()["counters"]
-            return k["unauthorized"] >= N and k["bad_messages"] >= N and k["register_refused_token"] >= N
+            return (
+                k["unauthorized"] >= N
+                and k["bad_messages"] >= N
+                and k["register_refused_token"] >= N
+                and k["handshakes_refused"] >= HANDSHAKES
+            )
 
-        wait_until(counted, 30, "the head to count every refusal")
+        try:
+            wait_until(counted, 30, "the head to count every refusal")
+        finally:
+            for s in strangers:
+                s.close(linger=0)
+            ctx.term()
         k = c.stats()["counters"]
         assert (k["unauthorized"], k["bad_messages"], k["register_refused_token"]) == (N, N, N)
         assert k["request_errors"] >= N  # each refused Control was answered with an Error
@@ -84,7 +113,13 @@ def test_two_thousand_refusals_of_each_kind_are_counted_and_logged_a_few_times(m
         new = cl.log("head").splitlines()[lines_before:]
         per_kind = {
             kind: sum(1 for line in new if kind in line)
-            for kind in ("control_refused_token", "bad_message", "register_refused_token", "request_error")
+            for kind in (
+                "control_refused_token",
+                "bad_message",
+                "register_refused_token",
+                "request_error",
+                "zap_refused",
+            )
         }
         # One line per kind per 10 s interval (the test runs well under a
         # minute: a few lines at most), against 2,000 each before.
