@@ -21,6 +21,7 @@ from bus import protocol as P
 from bus.codec import Codec
 from bus.errors import BadRequest
 from bus.frames import pack_tokens
+from bus.roles import Plain
 from tests.cluster import Cluster, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,12 +29,14 @@ pytestmark = pytest.mark.timeout(120)
 CAP = 40
 
 
-def _past_the_cap(frontend: str) -> P.Error:
+def _past_the_cap(frontend: str, cred: Plain) -> P.Error:
     """A raw peer (no pacing) sends CAP + 1 long requests: the head's refusal."""
     codec = Codec()
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDTIMEO, 5000)  # a peer the head never admitted must not block the clean-up
+    cred.apply(s, None)  # the handshake's client credential (bus/roles.py), as a real client's
     s.connect(frontend)
     try:
         params = P.SamplingParams(max_tokens=400, ignore_eos=True)
@@ -71,7 +74,7 @@ def test_a_batch_larger_than_the_cap_completes_and_a_failed_batch_leaves_nothing
         assert gate.cap == CAP and gate.learned and gate.inflight == 0  # learned from the head's pongs
 
         # The head still refuses a peer past its cap, naming the field.
-        err = _past_the_cap(cl.frontend)
+        err = _past_the_cap(cl.frontend, cl.credential())
         assert err.code == "limit_exceeded" and err.field == "max_inflight_per_client", err
         assert "max_inflight_per_client" in err.message and str(CAP) in err.message
 
