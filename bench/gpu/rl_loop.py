@@ -295,7 +295,10 @@ def run_arms(spec: dict[str, Any], arms: list[str], log_dir: Path, budget: G.Bud
     try:
         for arm in arms:  # one at a time: vLLM's start-up memory profiling must not see another start
             procs[arm] = ArmProc(arm, spec_path, log_dir)
-            kind, body = procs[arm].expect(min(spec["ready_timeout_s"] + 60, budget.left()), "ready_timeout_s")
+            wait = spec["ready_timeout_s"] + 60
+            # the budget can bind before the arm's own deadline: the error names whichever did
+            knob = "ready_timeout_s" if wait <= budget.left() else "budget_s"
+            kind, body = procs[arm].expect(min(wait, budget.left()), knob)
             res[arm]["start"] = body
             if kind != "READY":
                 res[arm]["errors"].append(body.get("error"))
