@@ -99,6 +99,7 @@ class ProcessOwner:
         ctx = ray.get_runtime_context()
         pg = ctx.get_placement_group_id()
         return {
+            "node_id": ctx.get_node_id(),
             "placement_group": pg,
             "resources": ctx.get_assigned_resources(),
             "cuda_visible_devices": self.proc_env.get("CUDA_VISIBLE_DEVICES"),
