@@ -348,7 +348,9 @@ class WeightUpdates:
         up = self._require(op.update_id)
         t0 = self.core.now
         if up.begin.streamed and up.begin.senders > 1 and not (op.tensors or op.bucket_sizes or op.handles):
-            return self._empty_part(up, op)
+            # a rank that feeds other engines only (weight_sender(engines=[...]), colocated): 0 buckets here
+            self.on_sender_end(up.update_id, op.sender, 0)
+            return P.ReceiveWeightsResult(seconds=0.0, detail={"empty_part": True})
         if up.gpu_parts:
             return self._receive_part(up, op)
 
@@ -359,15 +361,6 @@ class WeightUpdates:
             return P.ReceiveWeightsResult(seconds=round(self.core.now - t0, 4), detail=dict(res))
 
         return Pending(self.backend.receive_weights(list(op.handles)), then, lambda e: self._abort("receive failed"))
-
-    def _empty_part(self, up: WeightUpdate, op: P.ReceiveWeights) -> OpOutcome:
-        """Sender `op.sender` gives THIS engine nothing (a colocated rank feeds
-        only the engine on its own GPU: `weight_sender(..., engines=[...])`):
-        its part here is complete with 0 buckets, on any transport."""
-        if op.sender in up.ended:
-            raise BadRequest(f"sender {op.sender} already sent its part of update {up.update_id}", field="sender")
-        self.on_sender_end(up.update_id, op.sender, 0)
-        return P.ReceiveWeightsResult(seconds=0.0, detail={"empty_part": True})
 
     def _receive_part(self, up: WeightUpdate, op: P.ReceiveWeights) -> OpOutcome:
         """One sender's part of a multi-sender GPU update. The ack says the part

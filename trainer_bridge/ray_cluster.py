@@ -147,9 +147,7 @@ class RayCluster:
         removed at shutdown. `model` None: the tiny test model, built on each node
         (torch backend). `host`: the address the head and engines bind and advertise
         (default: each node's IP). `max_restarts`: Ray restarts of each engine actor.
-        `curve_dir` (CURVE on): the key folder on this machine; with `ship_keys`
-        each actor writes the part its node needs onto its node
-        (trainer_bridge/ray_keys.py), else every node must hold the folder there.
+        `curve_dir`: the key folder here; `ship_keys`: each actor places its node's part (ray_keys.py).
         Ray is initialised (`address`) when it is not yet; then `shutdown` ends it."""
         import ray  # the optional ray extra: imported where it is used
 
@@ -173,11 +171,9 @@ class RayCluster:
         cluster_id = uuid.uuid4().hex[:10]
         extra_env = {"ROLLOUT_BUS_LOG_LEVEL": os.environ.get("ROLLOUT_BUS_LOG_LEVEL", "INFO"), **(env or {})}
         common = ["--heartbeat-interval-s", str(heartbeat_interval_s)]
-        keys: dict[str, dict[str, str]] = {}
         if curve_dir:
             common += ["--curve-dir", curve_dir]
-            if ship_keys:
-                keys = {role: key_files(curve_dir, role) for role in ("head", "engine")}
+        keys = {role: key_files(curve_dir, role) for role in ("head", "engine")} if curve_dir and ship_keys else {}
         nodes = _NodeArgs(
             env=extra_env,
             head=["--policy", policy, "--seed", str(seed), *common, *router_args],

@@ -22,7 +22,8 @@ strip_ray() {  # $1: a folder holding ray/ (an unpacked wheel or a copy of site-
 }
 case "${1:-build}" in
 build)
-  grep -qx '/.device-ray/' .git/info/exclude 2>/dev/null || echo /.device-ray/ >> .git/info/exclude
+  ex=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$ex")"
+  grep -qx '/.device-ray/' "$ex" 2>/dev/null || echo /.device-ray/ >> "$ex"
   mkdir -p .device-ray /tmp/ray-whl
   ls /tmp/ray-whl/ray-2.60.0-cp312-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps \
     --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \
@@ -32,7 +33,12 @@ build)
   strip_ray /tmp/ray-cluster-strip
   test -x /tmp/ray-cluster-strip/ray/core/src/ray/gcs/gcs_server && test -x /tmp/ray-cluster-strip/ray/core/src/ray/raylet/raylet
   (cd /tmp/ray-cluster-strip && tar -cf - . | xz -T2 -6 > "$OLDPWD/.device-ray/ray-2.60.0-cluster.tar.xz")
-  ls -la .device-ray/ray-2.60.0-cluster.tar.xz
+  # ray's own requirements that the device image and the vLLM bundle lack (the rest: click, msgpack,
+  # protobuf, pyyaml, requests, filelock, packaging come with them)
+  mkdir -p .device-ray/whl && python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+    -d .device-ray/whl jsonschema jsonschema-specifications referencing rpds-py
+  du -sh .device-ray/*
   ;;
 check)
   src=$(python3 -c 'import os, ray; print(os.path.dirname(os.path.dirname(ray.__file__)))')
