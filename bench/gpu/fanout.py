@@ -33,7 +33,9 @@ colocated N engines <= 1.2x one engine.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -62,15 +64,13 @@ class VersionAudit:
         self.seqs: list[list[int]] = []
         self.errors: list[str] = []
         self._stop = threading.Event()
-        self._t = threading.Thread(target=lambda: __import__("asyncio").run(self._run()), daemon=True)
+        self._t = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     def start(self) -> VersionAudit:
         self._t.start()
         return self
 
     async def _run(self) -> None:
-        import asyncio
-
         from trainer_bridge import AsyncClient
 
         ac = AsyncClient(self.address, timeout_s=self.timeout_s, control_timeout_s=30)
@@ -116,6 +116,13 @@ class VersionAudit:
         }
 
 
+def gpu_mask(i: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a process on the job's i-th GPU: through an
+    inherited mask (ids or UUIDs), as launch.py maps --gpus."""
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return mask.split(",")[i].strip() if mask else str(i)
+
+
 # ---------------------------------------------------------------- raw broadcast to N receivers
 
 
@@ -128,7 +135,7 @@ def raw_fanout(nbytes: int, receivers: int, spec: dict[str, Any]) -> dict[str, A
     port, world, procs = H.free_port(), receivers + 1, []
     try:
         for rank in range(world):
-            env = None if spec["cpu"] else {"CUDA_VISIBLE_DEVICES": str(rank)}
+            env = None if spec["cpu"] else {"CUDA_VISIBLE_DEVICES": gpu_mask(rank)}
             argv = [sys.executable, "-m", "bench.gpu.fanout", "--raw-rank", str(rank), "--raw-world", str(world)]
             argv += ["--raw-port", str(port), "--raw-bytes", str(nbytes), "--raw-bucket", str(DEFAULT_BUCKET_BYTES)]
             argv += ["--raw-reps", str(spec["raw_reps"])] + (["--cpu"] if spec["cpu"] else [])
@@ -266,7 +273,7 @@ class Rank:
     full model once, then sends it for every GO line it reads."""
 
     def __init__(self, spec: dict[str, Any], address: str, r: int) -> None:
-        env = None if spec["cpu"] else {"CUDA_VISIBLE_DEVICES": str(r)}
+        env = None if spec["cpu"] else {"CUDA_VISIBLE_DEVICES": gpu_mask(r)}
         argv = [sys.executable, "-m", "bench.gpu.fanout", "--rank-of", address, "--model", spec["model"]]
         argv += ["--cpu"] if spec["cpu"] else []
         self.p = subprocess.Popen(

@@ -7,7 +7,7 @@
 # ray.data/serve/tune/train/llm/rllib.
 #
 #   tests/gpu/make_ray_kit.sh build   .device-ray/ray-2.60.0-cluster.tar.xz from the cp312 wheel (PyPI)
-#                                     (~31 MiB: with the 54 MiB vLLM kit it is over one call's 64 MiB carry:
+#                                     (26.5 MiB measured: with the ~45 MiB vLLM kit it is over one call's 64 MiB carry:
 #                                     it goes in its OWN call to the warm machine, unpacked under /tmp,
 #                                     which stays while the machine is warm: tests/gpu/README.md)
 #   tests/gpu/make_ray_kit.sh check   the same strip applied to THIS machine's installed ray (its

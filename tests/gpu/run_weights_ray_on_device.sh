@@ -2,7 +2,7 @@
 # Issue 33 §3 (bench/gpu/fanout.py) and §4 (tests/gpu/test_ray_gpu.py) on the device machine (x4).
 # Two kits, two carries (together over one call's 64 MiB):
 #   call A (only for WHAT=ray, ~1 min): carry=[".device-ray"] (tests/gpu/make_ray_kit.sh build: ray with
-#     gcs_server + raylet, ~30 MiB, + ray's jsonschema wheels); run `bash tests/gpu/run_weights_ray_on_device.sh
+#     gcs_server + raylet, 26.5 MiB, + 0.5 MiB of jsonschema wheels); run `bash tests/gpu/run_weights_ray_on_device.sh
 #     unpack-ray`: it lands in /tmp/site-ray, which stays while the machine is warm (idle < its release time).
 #   call B: carry=[".device/vllm-bundle", ".device/bench-whl", ".device/make_tiny_model.py"] and
 #     WHAT=fanout  bench.gpu.fanout --nccl --colocated at 7B (trainer GPU 0 -> engines 1..3; 4 ranks -> 4 engines)
