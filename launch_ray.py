@@ -10,6 +10,7 @@ import time
 import structlog
 
 from launch_config import engine_backend_options
+from launch_local import ensure_curve_keys
 from launch_output import print_table, run_demo
 from trainer_bridge.ray_cluster import RayCluster
 
@@ -48,11 +49,9 @@ def run_on_ray(a: argparse.Namespace) -> int:
                 "--ray with --gpus: Ray places the GPUs; start each Ray node with the GPUs it may use "
                 "(CUDA_VISIBLE_DEVICES=… ray start … --num-gpus N)"
             )
-        if a.curve:  # bus.auth's per-engine keys are not placed onto Ray nodes yet
-            raise SystemExit(
-                "--ray with --curve is not supported yet: place the key folder yourself and use RayCluster"
-            )
-        curve_dir = None
+        # --curve: the key folder on this (the driver's) machine, made when missing; each
+        # actor writes the part its node needs onto its node (trainer_bridge/ray_keys.py)
+        curve_dir = ensure_curve_keys(a)
         with RayCluster.start(
             n, tp=a.tp, backend=backend, model=a.model, host=host, port=a.port,
             backend_options=engine_backend_options(a, backend), heartbeat_interval_s=a.heartbeat_interval_s,
@@ -60,8 +59,8 @@ def run_on_ray(a: argparse.Namespace) -> int:
             ready_timeout_s=a.ready_timeout_s,
             engine_id_prefix=a.engine_id_prefix or "e",
         ) as rc:  # fmt: skip
-            client = rc.client(timeout_s=120, control_timeout_s=30)
-            print_table(client.engines(), rc.frontend, backend)
+            client = rc.client(timeout_s=120, control_timeout_s=30, client_key=a.client_key)
+            print_table(client.engines(), rc.frontend, backend, curve_dir=curve_dir, client_key=a.client_key)
             print(f"on Ray ({a.ray}): {n} engine actor(s), Ray restarts each up to {a.max_restarts} times", flush=True)
             if a.demo:
                 run_demo(client)

@@ -291,3 +291,33 @@ def test_the_shared_parser_takes_cpu_defaults_and_given_flags_win():
     assert parse(["--dry-run"]).prompts == 16
     with pytest.raises(SystemExit, match="--model is required"):
         G.model_of(b)
+
+
+def _fanout(tmp_path, phase: str) -> dict:
+    argv = [f"--{phase}", "--engines", "2", "--streams", "2", "--updates", "1", "--stream-max-tokens", "64"]
+    # a cluster and its trainer processes start here: more than _run's 80 s on a loaded 2-core box
+    rc, log = run_module(["-m", "bench.gpu.fanout", "--cpu", "--out-dir", str(tmp_path), *argv], 200)
+    assert rc == 0, log[-6000:]
+    return json.loads(Path(tmp_path, "gpu_fanout.json").read_text())
+
+
+@pytest.mark.timeout(220)
+def test_gpu_fanout_nccl_dry_run(tmp_path):
+    """bench/gpu/fanout.py --nccl (issue 33 §3) on CPU: one trainer -> 2 engines
+    over gloo (the nccl path: one group, one broadcast per bucket) and the raw
+    broadcast to the same receivers, under load, versions audited."""
+    nc = _fanout(tmp_path, "nccl")["nccl"]
+    assert nc["ok"], nc.get("error")
+    assert nc["raw_broadcast"]["receivers"] == 2 and len(nc["raw_broadcast"]["per_rank"]) == 3
+    assert [u.get("error") for u in nc["updates"]] == [None, None]
+    assert nc["load"]["lost"] == 0 and nc["audit"]["exact"] and nc["all_or_none"]["ok"]
+
+
+@pytest.mark.timeout(220)
+def test_gpu_fanout_colocated_dry_run(tmp_path):
+    """bench/gpu/fanout.py --colocated on CPU: 2 rank processes -> 2 engines
+    over zmq (each rank feeds its own engine, one update), against one engine."""
+    co = _fanout(tmp_path, "colocated")["colocated"]
+    assert co["ok"], co.get("error")
+    assert co["summary"]["one_version_each"] and len(co["reps"]["all"]) == 2
+    assert all(r["engines"] == 2 and len(r["versions"]) == 2 for r in co["reps"]["all"])

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from bus.errors import ControlError
+from bus.errors import BadRequest, ControlError
 from tests.cluster import ROOT, child_env, leak_checked_cluster
 
 T = 20.0
@@ -142,3 +142,36 @@ def test_a_sender_that_vanishes_or_fails_aborts_the_whole_update(cluster, tiny_m
         assert "model.no_such.weight" in str(e.value)
     assert {x["weight_version"] for x in c.engines()} == {v0} and c.health()["weight_version"] == v0
     assert c.generate(p, greedy).token_ids == before
+
+
+def test_colocated_ranks_each_feed_only_the_engine_on_their_own_gpu(cluster, tiny_model):
+    """SkyRL's colocate_all shape (issue 33 §3): every rank holds the FULL
+    tensors and feeds only its own engine (`weight_sender(..., engines=[eid])`);
+    the other engines get its empty part. One update, committed once: both
+    engines serve the new weights at version + 1 (on main the part went to
+    every engine: each got every tensor twice and the update was refused)."""
+    c = cluster.client(control_timeout_s=T)
+    p, greedy = [41, 42, 43, 44], {"max_tokens": 8, "temperature": 0.0}
+    v0 = c.health()["weight_version"]
+    full = list(_perturbed(tiny_model, 9).named_parameters())
+    ranks = [cluster.client(control_timeout_s=T) for _ in range(2)]
+    with c.weight_update(senders=2, bucket_bytes=1 << 15) as upd:
+        with pytest.raises(BadRequest, match="not targets") as e:
+            ranks[0].weight_sender(upd.update_id, 0, engines=["no-such-engine"])
+        assert e.value.field == "engines"
+        for r, rc in enumerate(ranks):
+            stats = rc.weight_sender(upd.update_id, r, engines=[f"e{r}"]).send(iter(full))
+            assert stats["empty_parts"] == [f"e{1 - r}"]
+    assert {e: r["weight_version"] for e, r in upd.results.items()} == {"e0": v0 + 1, "e1": v0 + 1}
+    ref = _perturbed(tiny_model, seed=9)
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    served = set()
+    for i in range(32):  # sessions stick to an engine: until both served, each from one full copy
+        out = c.generate(p, greedy, session_id=f"colocated-{i}")
+        assert out.token_ids == want[0, len(p) :].tolist() and set(out.token_versions) == {v0 + 1}
+        served.add(out.engine_id)
+        if len(served) == 2:
+            break
+    assert served == {"e0", "e1"}
+    assert c.health()["weight_version"] == v0 + 1

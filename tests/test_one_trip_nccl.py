@@ -139,3 +139,43 @@ def test_pipelined_nccl_updates_lose_no_stream_and_stamp_every_token(cluster_fac
     mode = "keep"
     cl, c = _cluster(cluster_factory, tiny_model)
     pipelined_updates_lose_no_stream(c, tiny_model, lambda c, params: _update(c, params, pause=mode))
+
+
+def test_one_trainer_to_three_engines_is_one_group_and_one_broadcast_per_bucket(
+    cluster_factory, tiny_model, gloo_nccl, monkeypatch
+):
+    """Issue 33 §3's shape (trainer GPU 0, engines GPUs 1–3): ONE group of 1 +
+    3 ranks, and each bucket is broadcast ONCE to the three receivers (not
+    once per engine), first update and one-trip steady state alike; every
+    engine commits the same version or none (here: all)."""
+    calls: list[int] = []
+
+    def counting_connect(sender):  # called before every send: wrap the group's comm once
+        if sender.comm is not None:
+            return
+        gloo_connect(sender)
+        inner = sender.comm.broadcast
+
+        def broadcast(t, src=0):
+            calls.append(int(t.numel()))
+            inner(t, src)
+
+        sender.comm.broadcast = broadcast
+
+    monkeypatch.setattr(gloo_nccl.NcclSender, "connect", counting_connect)
+    cl = cluster_factory(3, backend="tests.nccl_backend:factory", model=tiny_model)
+    cl.wait_ready(3, timeout_s=240)  # three torch engines starting on a 2-core CI box
+    c = cl.client()
+    small = {"bucket_bytes": 1 << 14}  # several buckets
+    for k, path in enumerate(("two_trip", "one_trip", "one_trip")):
+        before = len(calls)
+        res = _update(c, _params(tiny_model, 1 + k), **small)
+        assert _paths(res) == {path} and len(res) == 3
+        assert len({r.weight_version for r in res.values()}) == 1, "every engine on the same new version"
+        ((s),) = gloo_nccl._NCCL_SENDERS.values()
+        assert s.world_size == 4, "the trainer + the three engines' workers, one group"
+        assert int(s.store.add(f"rollout_bus/{s.group_id}/next_rank", 0)) == 3, "three receivers joined it"
+        sent = calls[before:]
+        assert len(sent) == s.last_send_info["buckets"] > 1, "one broadcast per bucket, whatever the engine count"
+    h = c.health()
+    assert {e["weight_version"] for e in c.engines()} == {h["weight_version"]} and not h["stale"]

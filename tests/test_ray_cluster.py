@@ -329,3 +329,43 @@ def test_engine_processes_see_the_gpus_ray_gave_through_the_nodes_mask(local_ray
     finally:
         rc.shutdown()
     assert rc.leftovers() == []
+
+
+def test_launch_ray_with_curve_places_each_nodes_keys_and_serves(tmp_path):
+    """Issue 33 §4: `launch.py --ray --curve` (refused on main): the key folder
+    is made on the driver, each actor writes the part its node needs onto its
+    node (ray_keys), the head and engine run CURVE on TCP, the launcher's
+    client gets in with its key, and the placed copies go with the actors."""
+    keys = str(tmp_path / "keys")
+    before = _ray_or_marked()
+    p = subprocess.run(
+        [sys.executable, "launch.py", "--ray", "local", "--host", "127.0.0.1", "--port", "0", "--engines", "1",
+         "--curve", "--curve-dir", keys, "--once"],
+        cwd=ROOT, env=child_env(ROLLOUT_BUS_LOG_LEVEL="WARNING"), capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert re.search(r"^e0\s+tcp://127\.0\.0\.1:\d+\s+torch\s+\S+\s+healthy", p.stdout, re.M), p.stdout
+    assert os.path.exists(os.path.join(keys, "head.key_secret")), "the key folder was made on the driver"
+    wait_until(lambda: not (_ray_or_marked() - before), 20, "launch.py --ray's processes to exit")
+    import glob
+    import tempfile
+
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), "rbus-ray-*", "keys-*")), "a placed key folder stayed"
+
+
+def test_ray_keys_give_each_role_its_part_privately(tmp_path):
+    from bus.auth import KeyDir
+    from trainer_bridge.ray_keys import key_files, place_keys, with_curve_dir
+
+    KeyDir(str(tmp_path / "k")).init()
+    head, engine = key_files(str(tmp_path / "k"), "head"), key_files(str(tmp_path / "k"), "engine")
+    assert "head.key_secret" in head and "engines/engine.key" in head and "clients/default.key" in head
+    assert set(engine) == {"head.key", "clients/default.key", "engines/engine.key", "engines/engine.key_secret"}
+    assert not any(k.startswith("clients/") and k.endswith("_secret") for k in (*head, *engine)), "no client secret"
+    folder = place_keys(engine, str(tmp_path / "placed"))
+    assert os.stat(folder).st_mode & 0o777 == 0o700
+    assert all(os.stat(os.path.join(folder, k)).st_mode & 0o777 == 0o600 for k in engine)
+    assert KeyDir(folder).engine().secret  # bus.auth reads the placed copy as a key folder
+    assert with_curve_dir(["--curve-dir", "/x", "--seed", "0"], folder) == ["--curve-dir", folder, "--seed", "0"]
+    with pytest.raises(ValueError, match="not inside"):
+        place_keys({"../evil.key": "x"}, str(tmp_path / "bad"))

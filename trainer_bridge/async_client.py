@@ -376,11 +376,14 @@ class AsyncClient(ControlPort):
         *,
         bucket_bytes: int | None = None,
         timeout_s: float | None = None,
+        engines: list[str] | None = None,
         **transport_options: Any,
     ) -> Any:
         """Join update `update_id` (opened by another process) as sender `rank`.
         Over cuda_ipc use it as `async with`: its exit keeps this rank's buckets
-        until the coordinator's commit round is over."""
+        until the coordinator's commit round is over. `engines`: this rank
+        feeds only these engines (colocated: the one on its own GPU; the
+        others get its empty part)."""
         return await join_update(
             self,
             update_id,
@@ -388,6 +391,7 @@ class AsyncClient(ControlPort):
             bucket_bytes=bucket_bytes,
             timeout_s=timeout_s or self.control_timeout_s,
             options=transport_options,
+            engines=engines,
         )
 
     async def sync_stale(

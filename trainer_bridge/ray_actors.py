@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import structlog
 from bus.errors import RequestTimeout
 from bus.proctree import terminate_tree
 from engine_node.tiny_model import ensure_tiny_model
+from trainer_bridge.ray_keys import place_keys, with_curve_dir
 
 log = structlog.get_logger("ray_cluster")
 
@@ -97,15 +99,20 @@ class ProcessOwner:
         ctx = ray.get_runtime_context()
         pg = ctx.get_placement_group_id()
         return {
+            "node_id": ctx.get_node_id(),
             "placement_group": pg,
             "resources": ctx.get_assigned_resources(),
             "cuda_visible_devices": self.proc_env.get("CUDA_VISIBLE_DEVICES"),
         }
 
+    key_dir: str | None = None  # the CURVE keys placed on this node (ray_keys.place_keys)
+
     def stop(self, grace_s: float) -> list[int]:
         """SIGTERM → grace → SIGKILL the child's tree; the pids that needed SIGKILL."""
         self._stopping.set()
         killed = terminate_tree(self.proc, grace_s)
+        if self.key_dir:
+            shutil.rmtree(self.key_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.remove(self.pidfile)
         with contextlib.suppress(OSError):
@@ -142,12 +149,23 @@ def run_dir(cluster_id: str) -> str:
 class HeadActor(ProcessOwner):
     """`python -m router_node` bound on this node (any free ports unless `port`)."""
 
-    def __init__(self, cluster_id: str, host: str | None, port: int, args: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        cluster_id: str,
+        host: str | None,
+        port: int,
+        args: list[str],
+        env: dict[str, str],
+        keys: dict[str, str] | None = None,
+    ) -> None:
         self.host = host or node_ip()
         bind = self.host
         self.advertise = node_ip() if bind in ("0.0.0.0", "*") else bind
         run = run_dir(cluster_id)
         os.makedirs(run, exist_ok=True)
+        if keys:  # --curve: the head's part of the key folder, on this node
+            self.key_dir = place_keys(keys, os.path.join(run, "keys-head"))
+            args = with_curve_dir(args, self.key_dir)
         self.ready_file = os.path.join(run, "head.json")
         with contextlib.suppress(OSError):
             os.remove(self.ready_file)  # a restarted head must not read its last life's file
@@ -194,8 +212,12 @@ class EngineActor(ProcessOwner):
         args: list[str],
         env: dict[str, str],
         cuda_visible_devices: str | None,
+        keys: dict[str, str] | None = None,
     ) -> None:
         bind = host or node_ip()
+        if keys:  # --curve: the engine credential and allow-list, on this node
+            self.key_dir = place_keys(keys, os.path.join(run_dir(cluster_id), f"keys-{engine_id}"))
+            args = with_curve_dir(args, self.key_dir)
         advertise = node_ip() if bind in ("0.0.0.0", "*") else bind
         if model is None:  # the tiny model, built on this node (not the driver's path)
             model = ensure_tiny_model()

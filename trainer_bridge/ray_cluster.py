@@ -66,6 +66,7 @@ import structlog
 from bus.errors import BadRequest, EngineDead, RequestTimeout
 from trainer_bridge.client import Client
 from trainer_bridge.ray_actors import CLUSTER_ENV, EngineActor, HeadActor, run_dir
+from trainer_bridge.ray_keys import key_files
 from trainer_bridge.ray_placement import EnginePlacement, Plan, plan_engines, probe_gpus
 
 log = structlog.get_logger("ray_cluster")
@@ -130,6 +131,7 @@ class RayCluster:
         seed: int = 0,
         policy: str = "least_loaded",
         curve_dir: str | None = None,
+        ship_keys: bool = True,
         router_args: Sequence[str] = (),
         engine_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
@@ -145,6 +147,7 @@ class RayCluster:
         removed at shutdown. `model` None: the tiny test model, built on each node
         (torch backend). `host`: the address the head and engines bind and advertise
         (default: each node's IP). `max_restarts`: Ray restarts of each engine actor.
+        `curve_dir`: the key folder here; `ship_keys`: each actor places its node's part (ray_keys.py).
         Ray is initialised (`address`) when it is not yet; then `shutdown` ends it."""
         import ray  # the optional ray extra: imported where it is used
 
@@ -170,6 +173,7 @@ class RayCluster:
         common = ["--heartbeat-interval-s", str(heartbeat_interval_s)]
         if curve_dir:
             common += ["--curve-dir", curve_dir]
+        keys = {role: key_files(curve_dir, role) for role in ("head", "engine")} if curve_dir and ship_keys else {}
         nodes = _NodeArgs(
             env=extra_env,
             head=["--policy", policy, "--seed", str(seed), *common, *router_args],
@@ -178,6 +182,7 @@ class RayCluster:
             backend=backend,
             model=model,
             host=host,
+            keys=keys,
         )
         return cls._place(
             plan, nodes, cluster_id, placement_group, strategy, port, max_restarts, ready_timeout_s, own_ray, saved,
@@ -215,7 +220,7 @@ class RayCluster:
                     f"placement group {pg.bundle_specs} not placed after ready_timeout_s={ready_timeout_s}",
                     field="ready_timeout_s",
                 )
-            actors.head = _start_head_actor(cluster_id, nodes.host, port, nodes.head, nodes.env)
+            actors.head = _start_head_actor(cluster_id, nodes.host, port, nodes.head, nodes.env, nodes.keys.get("head"))
             addrs: dict[str, str] = ray.get(actors.head.addresses.remote(ready_timeout_s), timeout=ready_timeout_s + 30)
             cvd = probe_gpus(plan, pg, ready_timeout_s)
             for i, ep in enumerate(plan.engines):
@@ -393,6 +398,7 @@ class _NodeArgs:
     backend: str
     model: str | None
     host: str | None
+    keys: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # role -> key files (ray_keys)
 
 
 @dataclasses.dataclass
@@ -425,7 +431,9 @@ def _engine_options(backend: str, backend_options: dict[str, Any] | None, tp: in
     return opts
 
 
-def _start_head_actor(cluster_id: str, host: str | None, port: int, args: list[str], env: dict[str, str]) -> Any:
+def _start_head_actor(
+    cluster_id: str, host: str | None, port: int, args: list[str], env: dict[str, str], keys: dict[str, str] | None
+) -> Any:
     """The head goes next to the driver (the trainer), off any bundle."""
     import ray  # the optional ray extra
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -434,7 +442,7 @@ def _start_head_actor(cluster_id: str, host: str | None, port: int, args: list[s
     return (
         ray.remote(HeadActor)
         .options(num_cpus=0, max_restarts=0, scheduling_strategy=here, name=f"rollout-bus-head-{cluster_id}")
-        .remote(cluster_id, host, port, args, env)
+        .remote(cluster_id, host, port, args, env, keys)
     )
 
 
@@ -471,5 +479,6 @@ def _start_engine_actor(
             nodes.engine,
             nodes.env,
             cuda_visible_devices,
+            nodes.keys.get("engine"),
         )  # fmt: skip
     )

@@ -44,6 +44,7 @@ commits (version += 1 once, prefix cache reset once), an exception aborts.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from typing import Any
 
@@ -51,7 +52,7 @@ import msgspec
 import structlog
 
 from bus import protocol as P
-from bus.errors import ControlError, StaleUpdate, UpdateInProgress
+from bus.errors import BadRequest, ControlError, StaleUpdate, UpdateInProgress
 from bus.tensors import DEFAULT_BUCKET_BYTES, BucketPacker
 from bus.transport import Transport
 from trainer_bridge.control_port import ControlPort
@@ -341,29 +342,71 @@ async def join_update(
     bucket_bytes: int | None = None,
     timeout_s: float = 60.0,
     options: dict[str, Any] | None = None,
+    engines: list[str] | None = None,
 ) -> Any:
     """A sender handle for an update opened elsewhere (another process's
-    coordinator): the head says its targets and senders."""
+    coordinator): the head says its targets and senders. `engines`: this
+    rank's part goes to these engines only (colocated: the engine on the
+    rank's own GPU); every other target of the update gets an empty part
+    from it (ended with 0 buckets), so each engine still hears from every
+    sender and the commit stays one, all-or-nothing."""
     ups = (await client._query("weight_updates", P.WeightUpdatesView)).updates
     txn = ups.get(update_id)
     if txn is None:
         raise ControlError(f"no open weight update {update_id!r} at the head (open: {sorted(ups)})")
     if not 0 <= rank < txn.senders:
         raise ValueError(f"rank {rank} is not one of the {txn.senders} sender(s) of update {update_id}")
+    if engines is not None:
+        unknown = sorted(set(engines) - set(txn.targets))
+        if unknown or not engines:
+            raise BadRequest(
+                f"engines {unknown or engines} are not targets of update {update_id} ({sorted(txn.targets)})",
+                field="engines",
+            )
     h = await client.health_view()
-    engines = [h.engines[eid] for eid in txn.targets if eid in h.engines]
-    return sender_kind(txn.transport).part_sender(
+    mine = [h.engines[eid] for eid in txn.targets if eid in h.engines and (engines is None or eid in engines)]
+    part = sender_kind(txn.transport).part_sender(
         client,
         update_id,
         rank,
-        engines,
+        mine,
         bucket_bytes=int(bucket_bytes or DEFAULT_BUCKET_BYTES),
         timeout_s=timeout_s,
-        cast=_caster(engines, txn.target),
+        cast=_caster(mine, txn.target),
         options=dict(options or {}),
         check_finite=txn.check_finite,
         with_metas=True,
     )
+    others = [eid for eid in txn.targets if engines is not None and eid not in engines]
+    return PartToSome(part, client, update_id, rank, others, timeout_s) if others else part
+
+
+class PartToSome:
+    """A rank's part sender whose bytes go to some of the update's engines;
+    the others get this rank's empty part (a ReceiveWeights with nothing),
+    sent beside the bytes: no engine waits for a part that never comes."""
+
+    def __init__(self, part: Any, client: ControlPort, update_id: str, rank: int, others: list[str], timeout_s: float):
+        self.part, self.client, self.update_id, self.rank = part, client, update_id, rank
+        self.others, self.timeout_s = others, timeout_s
+
+    async def send(self, named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+        empty = P.ReceiveWeights(self.update_id, sender=self.rank)
+        stats, _ = await asyncio.gather(
+            self.part.send(named), self.client.control(empty, targets=self.others, timeout_s=self.timeout_s)
+        )
+        return {**stats, "empty_parts": list(self.others)}
+
+    def __getattr__(self, name: str) -> Any:  # release, wait_released, stats: the part sender's
+        return getattr(self.part, name)
+
+    async def __aenter__(self) -> PartToSome:
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        aexit = getattr(self.part, "__aexit__", None)
+        if aexit is not None:
+            await aexit(exc_type, exc, tb)
 
 
 # ---------------------------------------------------------------- helpers
