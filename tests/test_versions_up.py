@@ -102,9 +102,13 @@ class RawTrainer:
         self.ctx = zmq.Context()
         self.codec = Codec()
         self.token = read_token(cl.token_file)
+        # Both sockets hold the client credential of the handshake (bus/roles.py): the
+        # replay is by a peer that may connect (a token holder), the worst case for row 4.
         self.front = self.ctx.socket(zmq.DEALER)
+        cl.credential().apply(self.front, None)
         self.front.connect(cl.frontend)
         self.weights = self.ctx.socket(zmq.DEALER)
+        cl.credential().apply(self.weights, None)
         self.weights.connect(engine["weight_address"])
         self.sent: list[tuple[Any, list[Any]]] = []
         self.n = 0

@@ -423,10 +423,13 @@ class RbCluster:
 
     def wait_ready(self) -> tuple[float, list[dict[str, Any]]]:
         """Block until `engines` engines are healthy (--ready-timeout-s); returns (seconds, engines())."""
+        from bus.errors import AuthRefused
         from trainer_bridge import Client
 
         t0 = time.monotonic()
-        c = Client(self.address, timeout_s=60, control_timeout_s=30)
+        # The client is made once launch.py has published the join token (a Client finds it
+        # when it is made: one made before would be refused at every handshake).
+        c: Client | None = None
         try:
             while True:
                 if self.proc is None or self.proc.poll() is not None:
@@ -435,9 +438,14 @@ class RbCluster:
                         + _tail(self.log_path, 30)
                     )
                 try:
+                    if c is None:
+                        c = Client(self.address, timeout_s=60, control_timeout_s=30)
                     h = c.health(timeout_s=3)
                     if sum(1 for e in h["engines"].values() if e.get("healthy")) >= self.engines:
                         return time.monotonic() - t0, c.engines()
+                except AuthRefused:
+                    c.close() if c is not None else None
+                    c = None  # made before the token was published: made again
                 except Exception:
                     pass
                 if time.monotonic() - t0 > self.ready_timeout_s:
@@ -447,7 +455,8 @@ class RbCluster:
                     )
                 time.sleep(0.25)
         finally:
-            c.close()
+            if c is not None:
+                c.close()
 
 
 def _consecutive_ports(n: int) -> int:
