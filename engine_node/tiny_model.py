@@ -122,29 +122,7 @@ def _build_tokenizer(out_dir: str, vocab: int) -> Any:
 def _build_config(p: dict[str, Any], bos: int, eos: int, pad: int) -> Any:
     from transformers import LlamaConfig, Qwen3MoeConfig
 
-    if p["moe_experts"]:
-        return Qwen3MoeConfig(
-            hidden_size=p["hidden"],
-            num_hidden_layers=p["layers"],
-            num_attention_heads=p["heads"],
-            num_key_value_heads=p["kv_heads"],
-            head_dim=p["hidden"] // p["heads"],
-            intermediate_size=p["inter"],
-            moe_intermediate_size=p["inter"],
-            num_experts=p["moe_experts"],
-            num_experts_per_tok=p["moe_top_k"],
-            norm_topk_prob=True,
-            vocab_size=p["vocab"],
-            max_position_embeddings=p["max_pos"],
-            rms_norm_eps=1e-6,
-            rope_theta=10000.0,
-            bos_token_id=bos,
-            eos_token_id=eos,
-            pad_token_id=pad,
-            tie_word_embeddings=p["tie_embeddings"],
-            initializer_range=0.08,
-        )
-    return LlamaConfig(
+    common = dict(
         hidden_size=p["hidden"],
         num_hidden_layers=p["layers"],
         num_attention_heads=p["heads"],
@@ -160,6 +138,16 @@ def _build_config(p: dict[str, Any], bos: int, eos: int, pad: int) -> Any:
         tie_word_embeddings=p["tie_embeddings"],
         initializer_range=0.08,
     )
+    if p["moe_experts"]:
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=p["hidden"] // p["heads"],
+            moe_intermediate_size=p["inter"],
+            num_experts=p["moe_experts"],
+            num_experts_per_tok=p["moe_top_k"],
+            norm_topk_prob=True,
+        )
+    return LlamaConfig(**common)
 
 
 def _redraw_weights(model: Any, seed: int, std: float = 0.08, embed_std: float = 1.0, head_std: float = 0.2) -> None:
