@@ -174,16 +174,13 @@ class SamplingParams(_Part):
     # backend combines it with its own weight-version salt; outputs do not
     # depend on it (the torch backend has no prefix cache and ignores it).
     cache_salt: Name | None = None
-    # -- issue 37 (appended). MoE routing replay (R3): each sample's chunks
-    # carry the expert ids its tokens were routed to (one raw frame,
-    # Chunk.routed_experts says its shape); only on an engine started with the
-    # `return_routed_experts` backend option (else a BadRequest naming this
-    # field). `routed_experts_prompt`: the prompt's routes too, once per sample.
+    # -- issue 37 (appended). MoE routing replay (R3): chunks carry the expert ids of their
+    # tokens (one raw frame; Chunk.routed_experts its shape), only on an engine started with
+    # the `return_routed_experts` option. `routed_experts_prompt`: the prompt's routes too.
     return_routed_experts: bool = False
     routed_experts_prompt: bool = False
-    # Prompt routes skip the first this many positions (vLLM's
-    # routed_experts_prompt_start, SGLang's routed_experts_start_len): a
-    # multi-turn session asks only for what it does not hold yet.
+    # Prompt routes skip this many first positions (vLLM's routed_experts_prompt_start,
+    # SGLang's routed_experts_start_len): a session asks only for what it lacks.
     routed_experts_start: U32 = 0
 
 
@@ -245,8 +242,7 @@ class Chunk(_Msg, tag="chunk"):
     # sample received before it (the request's own resume prefix excepted);
     # its tokens begin the new attempt. The final chunk carries the total.
     restarts: U32 = 0
-    # -- issue 37 (appended): set when the chunk's LAST frame holds routed
-    # expert ids (SamplingParams.return_routed_experts); None costs nothing.
+    # -- issue 37 (appended): the chunk's LAST frame holds routed expert ids; None costs nothing.
     routed_experts: RoutedExperts | None = None
 
 
@@ -308,10 +304,8 @@ class Pause(_Msg, tag="pause"):
 
 class Resume(_Msg, tag="resume"):
     lora: Id | None = None
-    # -- appended (issue 34): pauses are held per holder at the head; a
-    # cluster-wide resume releases the sender's own hold, and reaches the
-    # engines only once no other live client holds the scope. True: release
-    # every holder's (the explicit override).
+    # -- appended (issue 34): pauses are held per holder; a cluster-wide resume releases the
+    # sender's own hold (engines resume once no live holder is left). True: every holder's.
     force: bool = False
 
 

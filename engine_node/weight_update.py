@@ -348,8 +348,7 @@ class WeightUpdates:
         up = self._require(op.update_id)
         t0 = self.core.now
         if up.begin.streamed and up.begin.senders > 1 and not (op.tensors or op.bucket_sizes or op.handles):
-            # a rank that feeds other engines only (weight_sender(engines=[...]), colocated): 0 buckets here
-            self.on_sender_end(up.update_id, op.sender, 0)
+            self.on_sender_end(up.update_id, op.sender, 0)  # a rank feeding other engines only (colocated)
             return P.ReceiveWeightsResult(seconds=0.0, detail={"empty_part": True})
         if up.gpu_parts:
             return self._receive_part(up, op)

@@ -34,10 +34,10 @@ from bus.errors import RolloutBusError
 from bus.frames import pack_tokens, unpack_tokens
 from router_node.actions import FailRequest, RelayToClient, SendToClient, SendToEngine
 from router_node.config import RouterConfig
+from router_node.counters import new_counters
 from router_node.forwarding_core import ForwardingCore
 from router_node.policies import POLICIES, SESSION_PLACEMENTS, Sessions
 from router_node.registry import EngineEntry, EngineState
-from router_node.router import new_counters
 
 ENGINES = ["e0", "e1", "e2"]
 CLIENTS = [b"c0", b"c1"]
