@@ -511,7 +511,8 @@ class EngineNode:
         itself when it reconnects or restarts); said, never silent."""
         if peer == self.head.head_peer:
             n = sum(1 for r in self.core.requests.values() if r.client == peer)
-            self.log.warning("head_data_connection_lost", requests_ended=n, note="the head re-sends or fails them")
+            # With nothing in flight (a send before the head's connection is up, at start) it is news, not a warning.
+            (self.log.warning if n else self.log.info)("head_data_connection_lost", requests_ended=n)
         self.core.peer_gone(peer)
 
     def _on_client_ping(self, peer: bytes, _msg: P.ClientPing, _b: list[Any]) -> None:
