@@ -75,7 +75,11 @@ class ForgingStranger:
             self.plain.apply(sub, None)
         for topic in (b"*\x00", self.engine_id.encode() + b"\x00"):
             sub.setsockopt(zmq.SUBSCRIBE, topic)
-        failed = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        # Which side reports a mechanism mismatch first is a race: libzmq says PROTOCOL when this
+        # side sees it, NO_DETAIL when the head closed the connection first (over IPC, mostly).
+        failed = (
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        )
         monitors = [s.get_monitor_socket(failed) for s in [*socks, sub]]
         for s in socks:
             s.connect(self.cl.events)
