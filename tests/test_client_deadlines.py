@@ -156,3 +156,47 @@ def test_a_garbled_reply_is_logged_and_the_request_gets_its_answer():
     assert body["in_flight"] == 7
     garbled = [e for e in logs if e["event"] == "garbled_reply_dropped"]
     assert len(garbled) == 1 and garbled[0]["address"] == addr and garbled[0]["log_level"] == "warning", logs
+
+
+@pytest.mark.timeout(60)
+def test_a_head_that_hangs_up_every_handshake_is_a_refusal_not_a_timeout():
+    """A head refusing this client's security (no keys against CURVE, no token
+    against PLAIN) closes the connection; when it closes before the client read
+    its greeting, libzmq reports NO_DETAIL, not PROTOCOL - CI's curve and token
+    tests got HeadUnavailable after connect_timeout_s whenever the head won that
+    race. A listener that hangs up every handshake stands in for that head."""
+    import socket
+    import threading
+
+    from bus.errors import AuthRefused
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    addr = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    stop = threading.Event()
+    hangups = 0
+
+    def hang_up() -> None:
+        nonlocal hangups
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+            hangups += 1
+
+    t = threading.Thread(target=hang_up, daemon=True)
+    t.start()
+    try:
+        with Client(addr, connect_timeout_s=30.0) as c:
+            t0 = time.monotonic()
+            with pytest.raises(AuthRefused) as e:
+                c.generate([1, 2, 3], {"max_tokens": 2})
+            took = time.monotonic() - t0
+    finally:
+        stop.set()
+        t.join(5)
+        listener.close()
+    assert e.value.field == "curve_dir" and "closed 3 handshakes in a row" in str(e.value), e.value
+    assert hangups >= 3 and took < SLACK_S, (hangups, took)  # was connect_timeout_s (30 s), then HeadUnavailable

@@ -47,6 +47,10 @@ from bus.sockets import CurveKeys
 from trainer_bridge.pacing import InflightGate
 from trainer_bridge.streams import END, GRACE_S, TIMED_OUT, RequestStream
 
+# Handshakes the head ended without a reason (libzmq's NO_DETAIL), in a row,
+# that are taken for its refusal of this client's security (_on_monitor).
+SILENT_REFUSALS = 3
+
 log = structlog.get_logger("trainer_bridge.connection")
 
 
@@ -72,6 +76,7 @@ class HeadLink:
         # every waiter fails at once with AuthRefused instead of timing out.
         self._monitor: zmq.Socket | None = None
         self._refused: AuthRefused | None = None
+        self._silent_refusals = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._codec = Codec()
         self._drain_scheduled = False
@@ -145,6 +150,7 @@ class HeadLink:
         self._monitor = self._sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_FAILED_AUTH
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             | zmq.EVENT_DISCONNECTED
             | zmq.EVENT_HANDSHAKE_SUCCEEDED
         )
@@ -238,6 +244,18 @@ class HeadLink:
                 self._link_down = True
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._link_down = False
+                self._silent_refusals = 0
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                # Hazard: a head that refuses the mechanism (no keys against
+                # CURVE, no token against PLAIN) closes the connection; when
+                # it closes before this side read its greeting, libzmq says
+                # NO_DETAIL, not PROTOCOL (a race; under load, often). One
+                # may be a head dying mid-handshake; several in a row, with
+                # no handshake between, are the refusal.
+                self._silent_refusals += 1
+                if self._silent_refusals < SILENT_REFUSALS:
+                    continue
+                event = {**event, "event": zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, "silent": True}
             err = self._refusal(event)
             if err is None:
                 continue
@@ -251,12 +269,12 @@ class HeadLink:
             return self._token_refusal(event)  # PLAIN: a wrong token, or none where one is needed
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
             return AuthRefused(
-                f"the head at {self.address} is a secured (CURVE, or join token) cluster and this client has no "
-                f"keys{'' if self._plain is not None else ' and no join token'}: "
+                f"the head at {self.address} is a secured (CURVE, or join token) cluster ({_why(event)}) and this "
+                f"client has no keys{'' if self._plain is not None else ' and no join token'}: "
                 "pass curve_dir= (a copy of the head's key folder) and client_key= - the launcher prints "
                 "the exact Client(...) line (README, Security)"
                 if self._curve is None
-                else f"the handshake with the head at {self.address} failed (ZMTP error {event['value']:#x}): "
+                else f"the handshake with the head at {self.address} failed ({_why(event)}): "
                 "this client uses CURVE keys; is the head started with --curve?",
                 field="curve_dir",
             )
@@ -276,7 +294,7 @@ class HeadLink:
             return None
         why = "refused this client's join token" if self._plain is not None else "needs the cluster's join token"
         return AuthRefused(
-            f"the head at {self.address} {why} at the handshake (ZMTP/ZAP {event['value']}): pass "
+            f"the head at {self.address} {why} at the handshake ({_why(event)}): pass "
             "Client(..., token_file=PATH) (the 0600 file launch.py made), set $ROLLOUT_BUS_TOKEN_FILE, or run "
             "on the launcher's host, where it is found by the address (README, Security)",
             field="token",
@@ -429,3 +447,11 @@ class HeadLink:
         self._close_socket()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)  # every socket closed, linger 0: returns at once
+
+
+def _why(event: dict) -> str:
+    if event.get("silent"):
+        return f"it closed {SILENT_REFUSALS} handshakes in a row without a reason"
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"ZAP status {event['value']}"
+    return f"ZMTP error {event['value']:#x}"
