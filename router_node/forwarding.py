@@ -74,6 +74,9 @@ class Forwarder:
         # what this drain gathered for each client (flush sends it)
         self.gathered: dict[bytes, list[tuple[P.Chunk, list[Any], list[Any] | None]]] = {}
         self.front: Endpoint  # set by the router once its frontend endpoint exists
+        # Set by the router: engine `e` took no request (e.unreachable says why);
+        # its health follows at once (SILENT: its legs move, nothing is placed there).
+        self.on_unreachable: Callable[[EngineEntry], None] = lambda e: None
         self._run: dict[type, Callable[[Any], None]] = {
             SendToEngine: self._send_to_engine,
             SendToClient: self._send_to_client,
@@ -176,18 +179,39 @@ class Forwarder:
         if e is None:
             return
         msg = a.msg
-        if isinstance(msg, P.Generate) and self.core.parts.get(msg.request_id) is None:
-            return  # its flight ended while this batch ran (an earlier leg could not be sent)
+        if isinstance(msg, P.Generate):
+            part = self.core.parts.get(msg.request_id)
+            if part is None or part.engine_id != a.engine_id:
+                return  # its flight ended or moved while this batch ran (an earlier send failed)
         try:
-            send_multipart(e.sock, self.codec.encode(msg, a.buffers), _NOBLOCK if a.nonblock else 0)
+            # Hazard: never a blocking send. A DEALER whose one connection is
+            # gone for good blocks a send forever: libzmq ends the pipe when the
+            # peer refuses the handshake, which is what a restarted engine on
+            # the same address does to the head's connection of its previous
+            # life (the secret is per incarnation) - that froze the head's loop.
+            send_multipart(e.sock, self.codec.encode(msg, a.buffers), _NOBLOCK)
         except zmq.ZMQError as err:
             if not a.nonblock:
-                raise
+                self._unreachable(e, msg, err)
+                return
             log.debug("cancel_not_sent", engine_id=a.engine_id, request_id=msg.request_id, error=str(err))
         except RolloutBusError as err:  # e.g. EncodeFailed: this flight ends, the head goes on
             if not isinstance(msg, P.Generate):
                 raise
             self.execute(self.core.leg_unsent(msg.request_id, err))
+
+    def _unreachable(self, e: EngineEntry, msg: Any, err: zmq.ZMQError) -> None:
+        """The head's connection to `e` takes nothing (no pipe: refused or never
+        made; or 100k messages queued): the engine is unreachable until it
+        registers again, and this leg moves with its others (or ends)."""
+        if not e.unreachable:
+            e.unreachable = (
+                f"the head's data connection to it takes no request ({err.strerror}): refused at the handshake "
+                "(a restarted engine on the same address) or full; it serves again once it registers anew"
+            )
+            self.core.counters["engine_unreachable"] += 1
+            log.warning("engine_unreachable", engine_id=e.engine_id, request_id=getattr(msg, "request_id", None))
+        self.on_unreachable(e)
 
     def _send_to_client(self, a: SendToClient) -> None:
         self._gather(a.client, a.chunk, a.buffers, None)

@@ -58,6 +58,9 @@ class EngineEntry:
     # it to the cluster version. Sticky until then, so a version it moves by
     # itself (a level-2 wake reloads the checkpoint: +1) does not clear it.
     ahead: bool = False
+    # Why the head's data connection to it takes no request (forwarding.py
+    # _unreachable), "" while it does: SILENT until the engine registers anew.
+    unreachable: str = ""
 
     @property
     def engine_id(self) -> str:
@@ -101,6 +104,8 @@ class EngineEntry:
         `converging`: why its control state differs from the intended one, if it does."""
         if self.state is EngineState.JOINING:
             return self.state, self.reason
+        if self.unreachable:
+            return EngineState.SILENT, self.unreachable
         if now - self.last_seen > deadline_s:
             return EngineState.SILENT, f"no heartbeat for {now - self.last_seen:.1f}s (> {deadline_s:.1f}s)"
         hb = self.hb

@@ -122,6 +122,7 @@ class Router:
             counters=self.counters,
             prefix=self.prefix,
         )
+        self.forwarding.on_unreachable = lambda e: self._recheck(e.engine_id)
         self.pub = open_socket(
             self.ctx, zmq.PUB, bind=cfg.control, hwm=CONTROL_HWM, curve=self._curve, zap_domain=auth.ENGINES,
             plain=self._plain,

@@ -56,6 +56,7 @@ def test_losing_one_engine_of_three_under_load_loses_no_request(tmp_path):
     spec = {
         **SO.base_spec(a, SO.G.model_of(a), tmp_path),
         "engines": 3, "kill_at_s": 2.0, "kill_duration_s": 5.0, "kill_concurrency": 24, "grpo_max_tokens": 24,
+        "ready_timeout_s": 40.0, "request_timeout_s": 40.0,  # a failure names its stage inside the test's timeout
     }  # fmt: skip
     spec["cpu_options"] = {"tokens_per_step": 1, "step_delay_s": 0.01}  # streams that live across the kill
     k = K.phase_kill(spec)

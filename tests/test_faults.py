@@ -89,6 +89,31 @@ def test_failover_resubmits_tokens_so_far_and_the_stream_is_unbroken(cluster_fac
     assert c.stats()["counters"]["failovers"] >= 1
 
 
+@pytest.mark.timeout(90)
+def test_a_restart_on_the_same_address_never_freezes_the_head(cluster_factory):
+    """An engine restarted on its old data address refuses the head's connection
+    of its previous life at the handshake (the head's secret is per incarnation);
+    libzmq then ends that DEALER's only pipe, and a blocking send to it waits
+    forever. CI caught the head frozen that way (bench/gpu/scale_kill.py: a
+    request placed on the dead engine before its heartbeats ran out): nothing
+    answered again. Now the send fails, the engine is unreachable (SILENT), the
+    request moves on, and the restarted engine takes the id at its next Register
+    instead of after the heartbeat deadline (50 x 0.2 s here)."""
+    cl = cluster_factory(2, router_args=["--missed-heartbeats", "50"], **NULL)
+    cl.wait_ready(2)
+    c = cl.client(timeout_s=30)
+    old = c.health()["engines"]["e0"]
+    cl.kill("e0")
+    cl.start_engine("e0")  # the supervisor's restart: same id, same data address
+    wait_until(lambda: "zap_refused" in cl.log("e0"), 30, "the restarted engine refusing the head's old connection")
+    results = c.generate([[i, i + 1, i + 2] for i in range(8)], {"max_tokens": 4, "ignore_eos": True})
+    assert [len(r.token_ids) for r in results] == [4] * 8
+    assert c.stats()["counters"]["engine_unreachable"] == 1
+    e0 = lambda: c.health()["engines"]["e0"]
+    wait_until(lambda: e0()["healthy"] and e0()["incarnation"] != old["incarnation"], 8, "the restarted e0 registered")
+    assert any(r.engine_id == "e0" for r in c.generate([[5, 6, 7]] * 8, {"max_tokens": 2}))
+
+
 def test_session_is_replaced_when_its_engine_dies(cluster_factory):
     cl = cluster_factory(2, **NULL)
     cl.wait_ready(2)

@@ -188,7 +188,7 @@ def rb_cluster(spec: dict[str, Any], policy: str, stack: contextlib.ExitStack) -
         gpu_memory_utilization=None if cpu else spec["gpu_fraction"],
         max_model_len=None if cpu else spec["max_model_len"], backend_options=options,
         ready_timeout_s=spec["ready_timeout_s"], log_dir=Path(spec["log_dir"]),
-        extra_args=["--policy", policy, "--max-restarts", "5"],
+        log_level=spec.get("log_level", "WARNING"), extra_args=["--policy", policy, "--max-restarts", "5"],
     )  # fmt: skip
     with contextlib.ExitStack() as mine:
         mine.enter_context(cl)

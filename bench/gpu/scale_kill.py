@@ -123,13 +123,19 @@ async def _victim(ac: Any) -> dict[str, Any]:
 
 async def _restarted(ac: Any, victim: dict[str, Any], deadline_s: float) -> float:
     t0 = time.monotonic()
+    seen: Any = "no answer from the head"
     while time.monotonic() - t0 < deadline_s:
         with contextlib.suppress(Exception):  # the head answers between restarts; polled until the deadline
             for e in await ac.engines():
+                if e["engine_id"] == victim["engine_id"]:
+                    seen = e
                 if e["engine_id"] == victim["engine_id"] and e["incarnation"] != victim["incarnation"] and e["healthy"]:
                     return time.monotonic() - t0
         await asyncio.sleep(0.1)
-    raise TimeoutError(f"{victim['engine_id']} not restarted and healthy within ready_timeout_s={deadline_s:.0f}")
+    raise TimeoutError(
+        f"{victim['engine_id']} not restarted and healthy within ready_timeout_s={deadline_s:.0f}; "
+        f"the head's last view of it: {seen}"
+    )
 
 
 async def _serves(ac: Any, engine_id: str, params: dict[str, Any], prompts: list[list[int]]) -> int:
