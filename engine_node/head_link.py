@@ -180,8 +180,16 @@ class HeadLink:
     # ------------------------------------------------------------ acks
 
     def send_event(self, msg: Any) -> None:
-        """An ack over the events socket (no data connection to the head yet)."""
-        self.events.send_multipart(self.codec.encode(msg))
+        """An ack over the events socket (no data connection to the head yet).
+        Never blocks: a DEALER whose connection was refused at the handshake has
+        no pipe, and a blocking send would freeze the loop before the monitor's
+        event ends the node (the head republishes what it misses an ack of)."""
+        try:
+            self.events.send_multipart(self.codec.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            self.log.warning(
+                "ack_not_sent", reason="no connection to the head's events socket", what=type(msg).__name__
+            )
 
     def close(self) -> None:
         if self.monitor is not None:

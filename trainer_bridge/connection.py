@@ -43,7 +43,7 @@ from bus.codec import Codec, split_packed
 from bus.endpoint import open_socket, readable, recv_frames, send_multipart
 from bus.errors import AuthRefused, ClosedByUs, HeadUnavailable, RequestTimeout, exception_from_wire
 from bus.roles import Plain
-from bus.sockets import CurveKeys
+from bus.sockets import DATA_HWM, CurveKeys
 from trainer_bridge.pacing import InflightGate
 from trainer_bridge.streams import END, GRACE_S, TIMED_OUT, RequestStream
 
@@ -371,7 +371,23 @@ class HeadLink:
     # ------------------------------------------------------------ sending and waiting
 
     def _send(self, msg: Any, buffers: Sequence[Any] = ()) -> None:
-        send_multipart(self._socket(), self._codec.encode(msg, buffers))  # pyzmq's Cython send, no per-frame wrapper
+        sock = self._socket()
+        try:
+            # Never a blocking send: libzmq ends the DEALER's only pipe when the
+            # head refuses the handshake, and a blocking send would then freeze
+            # this loop before the monitor's refusal event is read.
+            send_multipart(sock, self._codec.encode(msg, buffers), zmq.NOBLOCK)
+        except zmq.Again:
+            self._on_monitor()  # the refusal, when that is why
+            if self._refused is not None:
+                raise self._refused from None
+            raise HeadUnavailable(
+                f"the connection to the head at {self.address} takes no message (closed after a failed "
+                f"handshake, or {DATA_HWM} messages queued that the head never read)",
+                address=self.address,
+                request_id=getattr(msg, "request_id", None),
+                field="connect_timeout_s",
+            ) from None
         # Edge-triggered FD: a send can swallow the readable edge of replies
         # that already arrived, so look once more on the next loop turn.
         if not self._drain_scheduled:
