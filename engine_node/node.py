@@ -507,8 +507,8 @@ class EngineNode:
 
     def _data_peer_gone(self, peer: bytes) -> None:
         """A send found `peer`'s data connection gone (ROUTER_MANDATORY). The
-        head's: what it had here can reach nobody (the head ends those requests
-        itself when it reconnects or restarts); said, never silent."""
+        head's: what it had here can reach nobody (the head saw its connection
+        drop and moved them: router_node/data_links.py); said, never silent."""
         if peer == self.head.head_peer:
             n = sum(1 for r in self.core.requests.values() if r.client == peer)
             # With nothing in flight (a send before the head's connection is up, at start) it is news, not a warning.

@@ -204,14 +204,33 @@ class Forwarder:
         """The head's connection to `e` takes nothing (no pipe: refused or never
         made; or 100k messages queued): the engine is unreachable until it
         registers again, and this leg moves with its others (or ends)."""
+        self.link_refused(
+            e,
+            f"the head's data connection to it takes no request ({err.strerror}): refused at the handshake "
+            "(a restarted engine on the same address) or full; it serves again once it registers anew",
+            getattr(msg, "request_id", None),
+        )
+
+    def link_refused(self, e: EngineEntry, reason: str, request_id: str | None = None) -> None:
+        """`e` cannot be reached (router_node/data_links.py, or a send above)."""
+        if self.engines.get(e.engine_id) is not e:
+            return  # replaced or forgotten meanwhile
         if not e.unreachable:
-            e.unreachable = (
-                f"the head's data connection to it takes no request ({err.strerror}): refused at the handshake "
-                "(a restarted engine on the same address) or full; it serves again once it registers anew"
-            )
+            e.unreachable = reason
             self.core.counters["engine_unreachable"] += 1
-            log.warning("engine_unreachable", engine_id=e.engine_id, request_id=getattr(msg, "request_id", None))
+            log.warning("engine_unreachable", engine_id=e.engine_id, request_id=request_id, reason=reason)
         self.on_unreachable(e)
+
+    def link_dropped(self, e: EngineEntry, reason: str) -> None:
+        """The head's data connection to `e` dropped (router_node/data_links.py):
+        chunks in flight on it may be lost, so its legs move now."""
+        if self.engines.get(e.engine_id) is not e:
+            return
+        self.core.counters["data_links_dropped"] += 1
+        legs = sum(1 for p in self.core.parts.values() if p.engine_id == e.engine_id)
+        (log.warning if legs else log.info)("engine_data_link_dropped", engine_id=e.engine_id, legs_moved=legs)
+        if legs:
+            self.evacuate(e, reason)
 
     def _send_to_client(self, a: SendToClient) -> None:
         self._gather(a.client, a.chunk, a.buffers, None)

@@ -146,3 +146,11 @@ class Sessions:
             self._per_engine[engine_id] = n
         else:
             self._per_engine.pop(engine_id, None)
+
+
+def check_policies(policy: str, session_placement: str) -> None:
+    """The head's --policy and --session-placement name known ones (ValueError naming the flag)."""
+    if session_placement not in SESSION_PLACEMENTS:
+        raise ValueError(f"--session-placement must be one of {sorted(SESSION_PLACEMENTS)}, got {session_placement!r}")
+    if policy not in POLICIES and policy != "prefix":
+        raise ValueError(f"--policy must be one of {sorted([*POLICIES, 'prefix'])}, got {policy!r}")

@@ -37,10 +37,11 @@ from router_node import views
 from router_node.config import RouterConfig
 from router_node.control import ClusterControl
 from router_node.counters import new_counters
+from router_node.data_links import DataLinkWatch
 from router_node.forwarding import Forwarder
 from router_node.lease_hooks import LEASE_HOOKS, lease_release, resume_held
 from router_node.leases import Leases
-from router_node.policies import POLICIES, SESSION_PLACEMENTS, Sessions, pick_least_loaded_exact
+from router_node.policies import POLICIES, SESSION_PLACEMENTS, Sessions, check_policies, pick_least_loaded_exact
 from router_node.prefix import PrefixPlacement
 from router_node.registration import Registrar
 from router_node.registry import EngineEntry, EngineState, LoopClock, credit_stall
@@ -64,15 +65,6 @@ class Lifecycle(enum.Enum):
     STOPPED = "stopped"
 
 
-def _check_policies(cfg: RouterConfig) -> None:
-    if cfg.session_placement not in SESSION_PLACEMENTS:
-        raise ValueError(
-            f"--session-placement must be one of {sorted(SESSION_PLACEMENTS)}, got {cfg.session_placement!r}"
-        )
-    if cfg.policy not in POLICIES and cfg.policy != "prefix":
-        raise ValueError(f"--policy must be one of {sorted([*POLICIES, 'prefix'])}, got {cfg.policy!r}")
-
-
 class Router:
     def __init__(self, cfg: RouterConfig, ctx: zmq.Context | None = None) -> None:
         self.cfg = cfg
@@ -84,7 +76,7 @@ class Router:
         # CURVE key of each frontend peer (routing id -> z85), so removing a key
         # from the allow-list cuts what that peer has open (_revoke_removed_keys).
         self._client_keys: dict[bytes, str] = {}
-        _check_policies(cfg)
+        check_policies(cfg.policy, cfg.session_placement)
         # --policy prefix: requests without a session follow their prompt's prefix
         self.prefix = PrefixPlacement.from_config(cfg) if cfg.policy == "prefix" else None
         self.engines: dict[str, EngineEntry] = {}
@@ -218,7 +210,11 @@ class Router:
             "control": bound_address(self.pub),
         }
         self.poller = zmq.Poller()
-        self._endpoints: dict[zmq.Socket, Endpoint] = {self.front.sock: self.front, self.events.sock: self.events}
+        self._endpoints: dict[zmq.Socket, Endpoint | DataLinkWatch] = {
+            self.front.sock: self.front,
+            self.events.sock: self.events,
+        }
+        self._watches: dict[zmq.Socket, DataLinkWatch] = {}  # engine DEALER -> its monitor (data_links.py)
         for sock in self._endpoints:
             self.poller.register(sock, zmq.POLLIN)
 
@@ -384,6 +380,11 @@ class Router:
             self.forwarding.forget_engine(e.engine_id)
             if self.prefix is not None:
                 self.prefix.forget(e.engine_id)
+        watch = self._watches.pop(e.sock, None)
+        if watch is not None:  # before its socket closes: the monitor is that socket's
+            self._endpoints.pop(watch.sock, None)
+            self.poller.unregister(watch.sock)
+            watch.close()
         ep = self._endpoints.pop(e.sock, None)
         if ep is not None:
             self.poller.unregister(e.sock)
@@ -423,6 +424,9 @@ class Router:
         )
         self._endpoints[e.sock] = ep
         self.poller.register(e.sock, zmq.POLLIN)
+        watch = DataLinkWatch(e, dropped=self.forwarding.link_dropped, refused=self.forwarding.link_refused)
+        self._endpoints[watch.sock] = self._watches[e.sock] = watch
+        self.poller.register(watch.sock, zmq.POLLIN)
         send(ident, self.registrar.accepted())
         log.info("engine_registered", engine_id=reg.engine_id, data=reg.data_address, backend=reg.backend)
         self.control.join(e)

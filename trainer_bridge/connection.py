@@ -255,7 +255,7 @@ class HeadLink:
                 self._silent_refusals += 1
                 if self._silent_refusals < SILENT_REFUSALS:
                     continue
-                event = {**event, "event": zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, "silent": True}
+                event = dict(event, event=zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, silent=True)  # type: ignore[assignment]
             err = self._refusal(event)
             if err is None:
                 continue
