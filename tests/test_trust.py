@@ -385,3 +385,36 @@ def test_version_rules_without_sockets():
     assert _ident_ok(f"e0/inc/{nonce}".encode(), "e0", "inc")
     for bad in ("e0/inc", "e0/inc/hb", f"e0/other/{nonce}", "e0/inc/" + "z" * 32, "e0/inc/abc"):
         assert not _ident_ok(bad.encode(), "e0", "inc"), bad
+
+
+def test_a_client_made_before_the_token_is_published_finds_it_later(cluster_factory, tmp_path):
+    """A script that starts the launcher and its client together makes the
+    Client before launch.py published the token: it was refused for good
+    (no token, and it never looked again). Now a refusal for want of the token
+    looks again, and wait_ready(timeout_s=...) waits for it to appear."""
+    from trainer_bridge import Client
+
+    cl = cluster_factory(1, **NULL)
+    cl.wait_ready(1, 30)
+    hidden = str(tmp_path / "not-yet-published")
+    os.rename(cl.token_file, hidden)  # as if the launcher had not published it yet
+    c = Client(cl.frontend, connect_timeout_s=30)
+    cl.clients.append(c)
+    publish = threading.Timer(1.0, os.rename, (hidden, cl.token_file))
+    try:
+        assert c._aclient.token_file is None
+        with pytest.raises(AuthRefused) as ei:
+            c.generate([4, 5, 6], {"max_tokens": 3})
+        assert ei.value.field == "token"
+        publish.start()
+        assert c.wait_ready(1, timeout_s=30)["healthy"]  # refused until the token appears, then served
+    finally:
+        publish.cancel()
+        if publish.is_alive():
+            publish.join()
+        if not os.path.exists(cl.token_file):
+            os.rename(hidden, cl.token_file)
+    assert c._aclient.token_file == cl.token_file
+    assert c.generate([4, 5, 6], {"max_tokens": 3}).finish_reason == "length"
+    assert set(c.pause("keep")) == {"e0"}  # the token proves it in control ops too
+    c.resume()

@@ -93,6 +93,22 @@ class AsyncClient(ControlPort):
         self.control_timeout_s = control_timeout_s
         self._token = found[0] if found else ""
         self.token_file: str | None = found[1] if found else None  # where the join token came from
+        # No token given and none found yet: a launcher on this host may publish
+        # it after this client was made (a script that starts both): a refusal
+        # for want of it looks again (_recover_refusal).
+        self._token_may_appear = token_file is None and found is None
+
+    def _recover_refusal(self, err: Any) -> bool:
+        if not (self._token_may_appear and err.field == "token"):
+            return False
+        found = find_token(self.address)
+        if found is None:
+            return False
+        self._token, self.token_file, self._token_may_appear = found[0], found[1], False
+        plain = roles.as_role(found[0], roles.CLIENT)
+        assert plain is not None
+        self._reconnect_as(plain)
+        return True
 
     # ------------------------------------------------------------ generation
 

@@ -77,6 +77,7 @@ class HeadLink:
         self._monitor: zmq.Socket | None = None
         self._refused: AuthRefused | None = None
         self._silent_refusals = 0
+        self._token_may_appear = False  # the client's: a join token may be published later (async_client.py)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._codec = Codec()
         self._drain_scheduled = False
@@ -131,10 +132,23 @@ class HeadLink:
             # sees is the caller's (a scripted peer may read exactly one).
             self._watch_at = time.monotonic()
             self._watch = self._loop.call_later(self.ping_interval_s, self._watchdog)
-        if self._refused is not None:
+        if self._refused is not None and not self._recover_refusal(self._refused):
             raise self._refused
         assert self._sock is not None
         return self._sock
+
+    def _recover_refusal(self, err: AuthRefused) -> bool:
+        """A chance to mend a refusal before the next call (True: mended, the
+        socket is new). Here: none; the client looks for a token published since."""
+        return False
+
+    def _reconnect_as(self, plain: Plain) -> None:
+        """A new socket that proves `plain` at the handshake; the refusal is gone."""
+        self._plain = plain
+        self._refused = None
+        self._silent_refusals = 0
+        self._close_socket()
+        self._open()
 
     def _open(self) -> None:
         assert self._loop is not None and self._ctx is not None

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 from bus import protocol as P
-from bus.errors import ControlError, HeadUnavailable, ProtocolError, RequestTimeout
+from bus.errors import AuthRefused, ControlError, HeadUnavailable, ProtocolError, RequestTimeout
 from trainer_bridge.connection import HeadLink
 from trainer_bridge.streams import GRACE_S
 
@@ -77,6 +77,7 @@ class ControlPort(HeadLink):
         timeout_s = 120.0 if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         last: object = None
+        refused: AuthRefused | None = None  # the last refusal for want of a token that may yet appear
         # A head that ever answered this client (restarting, or stopped a
         # moment) is asked again until the deadline.
         answered = self._last_rx > 0
@@ -99,10 +100,18 @@ class ControlPort(HeadLink):
                 h, last = None, e.message
             except RequestTimeout as e:
                 h, last = None, e.message
+            except AuthRefused as e:
+                # Refused for want of the join token while one may still be published
+                # on this host (the launcher is starting): asked again until the deadline.
+                if not (patient and e.field == "token" and self._token_may_appear):
+                    raise
+                h, last, refused = None, e.message, e
             if h is not None:
                 answered, last = True, P.as_dict(h)
                 if sum(1 for e in h.engines.values() if e.healthy) >= num_engines:
                     return P.as_dict(h)
+            if time.monotonic() >= deadline and refused is not None:
+                raise refused
             if time.monotonic() >= deadline and not answered:
                 raise HeadUnavailable(
                     f"no head answered at {self.address} within timeout_s={timeout_s}: "
