@@ -4,7 +4,7 @@
 the helpers turn flags into what the children get: the backend (`auto`
 resolved), the backend options JSON, each engine's GPU group, and the address
 other nodes reach this one by. The `keys` subcommand has its own parser
-(launch_keys.py).
+(launcher/keys.py).
 """
 
 from __future__ import annotations

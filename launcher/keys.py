@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from bus.auth import KeyDir, KeyFileError, write_keypair
-from launch_config import DEFAULT_KEY_DIR
+from launcher.config import DEFAULT_KEY_DIR
 
 
 def keys_main(argv: list[str]) -> int:

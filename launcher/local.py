@@ -25,7 +25,7 @@ from bus.errors import BadRequest
 from bus.runtime import FATAL_FILE_ENV
 from engine_node.cpu_placement import GPU_SLOT_ENV
 from engine_node.tiny_model import ensure_tiny_model
-from launch_config import (
+from launcher.config import (
     DEFAULT_KEY_DIR,
     advertise_host,
     engine_backend_options,
@@ -35,9 +35,9 @@ from launch_config import (
     pick_backend,
     taken_port,
 )
-from launch_output import print_table, run_demo
-from launch_supervisor import HERE, Child, State, Supervisor
-from launch_token import JoinToken
+from launcher.output import print_table, run_demo
+from launcher.supervisor import HERE, Child, State, Supervisor
+from launcher.token import JoinToken
 from trainer_bridge import Client
 
 log = structlog.get_logger("launch")

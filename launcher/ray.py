@@ -1,4 +1,4 @@
-"""`launch.py --ray`: the head and engines as Ray actors (trainer_bridge/ray_cluster.py)."""
+"""`launch.py --ray`: the head and engines as Ray actors (trainer_bridge/ray/cluster.py)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import time
 
 import structlog
 
-from launch_config import engine_backend_options
-from launch_local import ensure_curve_keys
-from launch_output import print_table, run_demo
-from trainer_bridge.ray_cluster import RayCluster
+from launcher.config import engine_backend_options
+from launcher.local import ensure_curve_keys
+from launcher.output import print_table, run_demo
+from trainer_bridge.ray.cluster import RayCluster
 
 log = structlog.get_logger("launch")
 
 
 def run_on_ray(a: argparse.Namespace) -> int:
-    """--ray: the head and engines as Ray actors (trainer_bridge/ray_cluster.py).
+    """--ray: the head and engines as Ray actors (trainer_bridge/ray/cluster.py).
     Ray places, restarts (engine actors, up to --max-restarts) and tears down;
     ZeroMQ carries requests and control as with any launch."""
     try:
@@ -50,7 +50,7 @@ def run_on_ray(a: argparse.Namespace) -> int:
                 "(CUDA_VISIBLE_DEVICES=… ray start … --num-gpus N)"
             )
         # --curve: the key folder on this (the driver's) machine, made when missing; each
-        # actor writes the part its node needs onto its node (trainer_bridge/ray_keys.py)
+        # actor writes the part its node needs onto its node (trainer_bridge/ray/keys.py)
         curve_dir = ensure_curve_keys(a)
         with RayCluster.start(
             n, tp=a.tp, backend=backend, model=a.model, host=host, port=a.port,

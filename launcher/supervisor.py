@@ -37,7 +37,7 @@ from bus.runtime import FATAL_EXIT, FATAL_FILE_ENV
 
 log = structlog.get_logger("launch")
 # Children run from the checkout, as `python launch.py` does from a fresh clone.
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout's root, above launcher/
 
 
 class State(enum.Enum):

@@ -112,14 +112,14 @@ def _flags_of(command: str) -> set[str] | None:
     """The flags `command` takes (None: not ours to check)."""
     import dataclasses
 
-    import launch_config
-    import launch_keys
+    import launcher.config
+    import launcher.keys
     from router_node.config import RouterConfig
 
     if command == "launch.py":
-        return set(launch_config.build_parser()._option_string_actions)
+        return set(launcher.config.build_parser()._option_string_actions)
     if command == "launch.py keys":
-        ap = launch_keys._keys_parser()
+        ap = launcher.keys._keys_parser()
         subs = [a for a in ap._actions if a.choices and isinstance(a.choices, dict)]
         return set(ap._option_string_actions).union(
             *(set(p._option_string_actions) for s in subs for p in s.choices.values())

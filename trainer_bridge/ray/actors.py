@@ -1,6 +1,6 @@
 """Inside a RayCluster's actors: each owns one node process (`python -m
 router_node` or `python -m engine_node`), spawned from a thread that lives as
-long as the actor (see trainer_bridge/ray_cluster.py for why a child process,
+long as the actor (see trainer_bridge/ray/cluster.py for why a child process,
 PDEATHSIG and the pid file across actor restarts)."""
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ import structlog
 from bus.errors import RequestTimeout
 from bus.proctree import terminate_tree
 from engine_node.tiny_model import ensure_tiny_model
-from trainer_bridge.ray_keys import place_keys, with_curve_dir
+from trainer_bridge.ray.keys import place_keys, with_curve_dir
 
 log = structlog.get_logger("ray_cluster")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # the checkout, above trainer_bridge/ray/
 CLUSTER_ENV = "ROLLOUT_BUS_RAY_CLUSTER"  # marks every child process of one RayCluster
 
 
@@ -105,7 +107,7 @@ class ProcessOwner:
             "cuda_visible_devices": self.proc_env.get("CUDA_VISIBLE_DEVICES"),
         }
 
-    key_dir: str | None = None  # the CURVE keys placed on this node (ray_keys.place_keys)
+    key_dir: str | None = None  # the CURVE keys placed on this node (ray/keys.place_keys)
 
     def stop(self, grace_s: float) -> list[int]:
         """SIGTERM → grace → SIGKILL the child's tree; the pids that needed SIGKILL."""

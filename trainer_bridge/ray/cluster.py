@@ -1,7 +1,7 @@
 """Placement on a Ray cluster: the head and N engine nodes as Ray actors.
 
     import ray
-    from trainer_bridge.ray_cluster import RayCluster
+    from trainer_bridge.ray.cluster import RayCluster
 
     ray.init()                                   # or the trainer's own cluster
     with RayCluster.start(2, backend="torch") as rc:
@@ -65,9 +65,9 @@ import structlog
 
 from bus.errors import BadRequest, EngineDead, RequestTimeout
 from trainer_bridge.client import Client
-from trainer_bridge.ray_actors import CLUSTER_ENV, EngineActor, HeadActor, run_dir
-from trainer_bridge.ray_keys import key_files
-from trainer_bridge.ray_placement import EnginePlacement, Plan, plan_engines, probe_gpus
+from trainer_bridge.ray.actors import CLUSTER_ENV, EngineActor, HeadActor, run_dir
+from trainer_bridge.ray.keys import key_files
+from trainer_bridge.ray.placement import EnginePlacement, Plan, plan_engines, probe_gpus
 
 log = structlog.get_logger("ray_cluster")
 
@@ -147,7 +147,7 @@ class RayCluster:
         removed at shutdown. `model` None: the tiny test model, built on each node
         (torch backend). `host`: the address the head and engines bind and advertise
         (default: each node's IP). `max_restarts`: Ray restarts of each engine actor.
-        `curve_dir`: the key folder here; `ship_keys`: each actor places its node's part (ray_keys.py).
+        `curve_dir`: the key folder here; `ship_keys`: each actor places its node's part (ray/keys.py).
         Ray is initialised (`address`) when it is not yet; then `shutdown` ends it."""
         import ray  # the optional ray extra: imported where it is used
 
@@ -398,7 +398,7 @@ class _NodeArgs:
     backend: str
     model: str | None
     host: str | None
-    keys: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # role -> key files (ray_keys)
+    keys: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # role -> key files (ray/keys)
 
 
 @dataclasses.dataclass

@@ -51,7 +51,7 @@ _NOT_ON_BACKEND = (
     "SkyRL's weight_sync_backend='nccl' (BroadcastInitInfo: a NCCL group between the trainer's GPU and the "
     "engines' GPUs) needs engines on the vllm backend; engine(s) {bad} run {backends}: set "
     "generator.inference_engine.weight_sync_backend to anything but 'nccl' and send the weights with "
-    "rollout-bus's zmq transport (trainer_bridge.skyrl_weights.get_transfer_strategy_cls in place of SkyRL's, "
+    "rollout-bus's zmq transport (trainer_bridge.skyrl.weights.get_transfer_strategy_cls in place of SkyRL's, "
     "or engine.update_named_weights(tensors))"
 )
 

@@ -1,4 +1,4 @@
-"""The weights SkyRL's senders hand `RolloutBusEngine` (trainer_bridge/skyrl.py),
+"""The weights SkyRL's senders hand `RolloutBusEngine` (trainer_bridge/skyrl/engine.py),
 as (name, tensor) pairs: a chunk of SkyRL's CUDA IPC sender (one packed buffer
 shared by IPC handle) or the tensors of `update_named_weights`."""
 

@@ -22,7 +22,7 @@ What maps where:
 | `abort_generation` | `pause("abort")`: requests are parked with their tokens, resumed by `resume_generation` (no "abort" reaches the generator) |
 | `sleep` (level 2 by default, as SkyRL's client) / `wake_up` / `reset_prefix_cache` | the same control ops |
 | `start_weight_update` / `update_weights_ipc` / `finish_weight_update` | SkyRL's CUDA IPC sender: chunks collected, one all-or-nothing update at finish |
-| `init_weight_update_communicator(BroadcastInitInfo)` | every engine worker joins SkyRL's own vLLM NCCL group (rank_offset + the workers before it), vllm backend only (skyrl_broadcast.py) |
+| `init_weight_update_communicator(BroadcastInitInfo)` | every engine worker joins SkyRL's own vLLM NCCL group (rank_offset + the workers before it), vllm backend only (skyrl/broadcast.py) |
 | `start_weight_update` / `update_weights_nccl` / `finish_weight_update` | SkyRL's broadcast sender: one begin whose receive takes its packed broadcast into staging, the commit at finish (version + 1, all-or-nothing) |
 | a GPU strategy without CUDA / engines off the vllm backend | Unsupported naming `weight_sync_backend`, saying what to set instead |
 | `get_endpoint_url` | `endpoint_url=` if given, else Unsupported (no HTTP endpoint) |
@@ -42,12 +42,12 @@ import msgspec
 
 from bus.errors import BadRequest, ProtocolError, Unsupported
 from bus.frames import logprobs_wanted
-from trainer_bridge import skyrl_broadcast as broadcast
 from trainer_bridge.client import AsyncClient
 from trainer_bridge.sampling import Translated, for_request, translate
-from trainer_bridge.skyrl_chunks import has_cuda, named_tensors, unpack_ipc_chunk
-from trainer_bridge.skyrl_models import base_aliases, pick_model
-from trainer_bridge.skyrl_openai import (
+from trainer_bridge.skyrl import broadcast as broadcast
+from trainer_bridge.skyrl.chunks import has_cuda, named_tensors, unpack_ipc_chunk
+from trainer_bridge.skyrl.models import base_aliases, pick_model
+from trainer_bridge.skyrl.openai import (
     chat_choices,
     completion_choices,
     openai_params,
@@ -55,7 +55,7 @@ from trainer_bridge.skyrl_openai import (
     request_body,
     text_of,
 )
-from trainer_bridge.skyrl_tinker import tinker_reply, tinker_request
+from trainer_bridge.skyrl.tinker import tinker_reply, tinker_request
 from trainer_bridge.text import Text, load_text
 from trainer_bridge.transports.nccl import warm_up_nccl
 
@@ -80,7 +80,7 @@ _NO_CUDA = (
     "SkyRL's own weight sync ({info}: its CUDA IPC or vLLM NCCL broadcast strategy) moves CUDA tensors and "
     "this trainer has no CUDA device: "
     "on CPU set generator.inference_engine.weight_sync_backend to anything but 'nccl' and send the weights "
-    "with rollout-bus's zmq transport (trainer_bridge.skyrl_weights.get_transfer_strategy_cls in place of "
+    "with rollout-bus's zmq transport (trainer_bridge.skyrl.weights.get_transfer_strategy_cls in place of "
     "SkyRL's, or engine.update_named_weights(tensors))"
 )
 
@@ -250,7 +250,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         """SkyRL passes its policy's name as `model` on every call: the base
         model's (model_name=, the engines' --model) or a loaded LoRA adapter's
         (that adapter serves it); any other name is refused, listing what is
-        served (trainer_bridge/skyrl_models.py). A name not known yet is asked
+        served (trainer_bridge/skyrl/models.py). A name not known yet is asked
         of the head once (the engines may have loaded it since `connect`)."""
         try:
             return pick_model(model, base_aliases(self._model_name, self._engines), self._loaded_loras())
@@ -457,7 +457,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
         "zmq"). NCCL: the group is set up here, with every healthy engine
         (trainer_bridge.transports.nccl.warm_up_nccl), so the first update does not pay for it;
         SkyRL's BroadcastInitInfo: every engine worker joins SkyRL's own group
-        (skyrl_broadcast.join; SkyRL's create_sender joins rank 0 meanwhile);
+        (skyrl/broadcast.join; SkyRL's create_sender joins rank 0 meanwhile);
         the other transports need no set-up. A GPU transport on a machine
         without CUDA, or SkyRL's group with engines that are not on the vllm
         backend, is refused with an Unsupported naming weight_sync_backend."""
@@ -504,7 +504,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
     # chose; rank 0 holds one copy of the weights meanwhile (on the chunks' device).
     # BroadcastWeightTransferSender: one update_weights_nccl while its own
     # thread broadcasts: the engines receive it into staging inside that
-    # call's begin (skyrl_broadcast.open_update); finish commits it.
+    # call's begin (skyrl/broadcast.open_update); finish commits it.
 
     async def start_weight_update(self, is_checkpoint_format: bool = True) -> dict[str, Any]:
         if self._update is not None:
@@ -518,7 +518,7 @@ class RolloutBusEngine(InferenceEngineBase):  # type: ignore[misc,valid-type]
             raise BadRequest(f"{call} outside a weight update: call start_weight_update first", field="weight_update")
 
     async def update_weights_ipc(self, update_info: Mapping[str, Any]) -> dict[str, Any]:
-        """One chunk of SkyRL's CUDA IPC sender (skyrl_chunks.unpack_ipc_chunk)."""
+        """One chunk of SkyRL's CUDA IPC sender (skyrl/chunks.unpack_ipc_chunk)."""
         self._open_update("update_weights_ipc")
         if "txn" in self._update:  # the broadcast already staged this update on the engines
             raise BadRequest("IPC chunks in an update that update_weights_nccl filled", field="weight_update")

@@ -1,4 +1,4 @@
-"""OpenAI-shaped requests and replies for `RolloutBusEngine` (trainer_bridge/skyrl.py),
+"""OpenAI-shaped requests and replies for `RolloutBusEngine` (trainer_bridge/skyrl/engine.py),
 without I/O: a request body → sampling params, generated samples → the
 chat.completion / text_completion dicts vLLM's server returns (plus
 `token_ids` / `prompt_token_ids`, as vLLM's `return_token_ids`). The engine

@@ -1,5 +1,5 @@
 """Tinker's sample request and SampleResponse for `RolloutBusEngine.sample`
-(trainer_bridge/skyrl.py), without I/O: SkyRL 0.3.0's RemoteInferenceClient
+(trainer_bridge/skyrl/engine.py), without I/O: SkyRL 0.3.0's RemoteInferenceClient
 sends `{"json": body}` with body = {model, prompt: {chunks: [...]},
 num_samples, sampling_params (Tinker's), session_id, include_prompt_logprobs,
 topk_prompt_logprobs}."""

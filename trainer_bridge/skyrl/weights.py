@@ -5,7 +5,7 @@ chosen by `skyrl.backends.skyrl_train.weight_sync.get_transfer_strategy_cls`, an
 both of SkyRL's own work with `RolloutBusEngine` as they are: its CUDA IPC
 strategy (colocated, weight_sync_backend="nccl": start_weight_update /
 update_weights_ipc / finish_weight_update) and its broadcast strategy (not
-colocated: the engines join SkyRL's vLLM NCCL group, trainer_bridge/skyrl_broadcast.py).
+colocated: the engines join SkyRL's vLLM NCCL group, trainer_bridge/skyrl/broadcast.py).
 SkyRL 0.3.0 has none for a trainer without CUDA: for that (or to use
 rollout-bus's own transports instead), this one hands the chunks to
 `RolloutBusEngine.update_named_weights` (one all-or-nothing update, version + 1

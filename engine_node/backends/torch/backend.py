@@ -85,8 +85,8 @@ import torch
 from bus.frames import logprobs_wanted, top_k_of
 from engine_node import sampling_features as SF
 from engine_node.backend import BackendError, BackendInfo, BackendOp, SeqRequest, StepOutput
-from engine_node.backends.torch_sleep import TorchSleepAndLora
-from engine_node.backends.torch_weights import TorchWeightUpdates, _dtype_name
+from engine_node.backends.torch.sleep import TorchSleepAndLora
+from engine_node.backends.torch.weights import TorchWeightUpdates, _dtype_name
 from engine_node.lora_local import LoraHooks
 from engine_node.tiny_model import hf_quiet
 

@@ -1,8 +1,8 @@
-"""Long control ops of the `torch` backend (torch_backend.py's docstring:
+"""Long control ops of the `torch` backend (torch/backend.py's docstring:
 ONE backend-owned worker thread, the model lock, op_timeout_s,
 fault_op_delay_s), and the memory the backend holds.
 
-`TorchOps` is the base of the backend's mixins (torch_sleep, torch_weights):
+`TorchOps` is the base of the backend's mixins (torch/sleep, torch/weights):
 it declares the state they share.
 """
 
@@ -31,13 +31,13 @@ def _cache_bytes(cache: Any) -> int:
 
 
 class TorchOps:
-    # The backend's state, set by TorchBackend.__init__ (torch_backend.py);
+    # The backend's state, set by TorchBackend.__init__ (torch/backend.py);
     # declared here for the mixins that share it.
     path: str
     device: torch.device
     dtype: torch.dtype
     model: Any
-    _seqs: dict[str, Any]  # seq id -> torch_backend._Seq
+    _seqs: dict[str, Any]  # seq id -> torch/backend._Seq
     _lora: LoraHooks
     _targets: dict[str, torch.Tensor]
     _specs: dict[str, tuple[str, tuple[int, ...]]]

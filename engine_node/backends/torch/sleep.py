@@ -1,5 +1,5 @@
 """Sleep, wake-up, prefix cache and LoRA of the `torch` backend (levels and
-what they drop: torch_backend.py's docstring); the heavy parts run as long ops."""
+what they drop: torch/backend.py's docstring); the heavy parts run as long ops."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from engine_node.backend import BackendError, BackendOp
-from engine_node.backends.torch_ops import TorchOps
+from engine_node.backends.torch.ops import TorchOps
 from engine_node.lora_local import build_adapter, read_peft_folder
 from engine_node.tiny_model import hf_quiet
 

@@ -14,12 +14,12 @@ import torch
 from bus.tensors import unpack_bucket
 from bus.transport import Transport
 from engine_node.backend import BackendError, BackendOp
-from engine_node.backends.torch_ops import TorchOps
+from engine_node.backends.torch.ops import TorchOps
 
 # The bytes of a zmq update pass the node (stage_bucket); the GPU transports need vLLM's workers.
 TRANSPORTS = frozenset({Transport.ZMQ})
 
-log = structlog.get_logger("engine_node.backends.torch_backend")  # the backend's own logger name
+log = structlog.get_logger("engine_node.backends.torch.backend")  # the backend's own logger name
 
 
 class WeightUpdateError(BackendError, ValueError):

@@ -1,20 +1,20 @@
 """The `vllm` backend: vLLM 0.24.0's engine core, batch in, batch out.
 
 How it is put together (one concept per module):
-- vllm_startup: the environment, EngineArgs fields, graph sizes, the core
+- vllm/startup: the environment, EngineArgs fields, graph sizes, the core
   client and CPU placement, used once by VllmBackend.__init__.
 - VllmBackend (here) is the coordinator: its state, start-up, info and close;
-  its methods come from mixins over vllm_ops.VllmOps (control plumbing: `_op`,
-  `_sweep`): vllm_data_path (add/step/abort, the resume ramp, freeze/thaw),
-  vllm_sleep (sleep/wake_up, caches, LoRA), vllm_weight_ops (weight updates).
-- vllm_engine_core.CoreLink: vLLM's SyncMPClient (engine core in its own
+  its methods come from mixins over vllm/ops.VllmOps (control plumbing: `_op`,
+  `_sweep`): vllm/data_path (add/step/abort, the resume ramp, freeze/thaw),
+  vllm/sleep (sleep/wake_up, caches, LoRA), vllm/weight_ops (weight updates).
+- vllm/engine_core.CoreLink: vLLM's SyncMPClient (engine core in its own
   process) with a wake pipe on its output queue and utility calls that return
   futures instead of blocking.
-- vllm_requests: SeqRequest -> EngineCoreRequest (InputProcessor's defaults,
+- vllm/requests: SeqRequest -> EngineCoreRequest (InputProcessor's defaults,
   no tokenizer pass); EngineCoreOutputs -> StepOutputs (no detokenizer).
-- vllm_weights: the weight-update record, validation, zmq shared-memory staging.
-- vllm_lora: adapter ids and PEFT folders.
-- vllm_worker_ext: what runs inside every worker (weights, parent death).
+- vllm/weights: the weight-update record, validation, zmq shared-memory staging.
+- vllm/lora: adapter ids and PEFT folders.
+- vllm/worker_ext: what runs inside every worker (weights, parent death).
 
 Threads: every method runs on the node's loop thread, and that thread alone
 sends on the engine core's input socket. vLLM's output thread reads batches and
@@ -51,14 +51,14 @@ from typing import Any
 import structlog
 
 from engine_node.backend import BackendError, BackendInfo, BackendOp
-from engine_node.backends import vllm_weight_reuse as R
-from engine_node.backends import vllm_weights as W
-from engine_node.backends.vllm_data_path import VllmDataPath
-from engine_node.backends.vllm_engine_core import CoreLink, _settle, load_vllm_api
-from engine_node.backends.vllm_lora import LoraTable
-from engine_node.backends.vllm_requests import OutputBuffer
-from engine_node.backends.vllm_sleep import VllmSleepAndLora
-from engine_node.backends.vllm_startup import (
+from engine_node.backends.vllm import weight_reuse as R
+from engine_node.backends.vllm import weights as W
+from engine_node.backends.vllm.data_path import VllmDataPath
+from engine_node.backends.vllm.engine_core import CoreLink, _settle, load_vllm_api
+from engine_node.backends.vllm.lora import LoraTable
+from engine_node.backends.vllm.requests import OutputBuffer
+from engine_node.backends.vllm.sleep import VllmSleepAndLora
+from engine_node.backends.vllm.startup import (
     engine_kwargs,
     make_core_client,
     place_cpus,
@@ -66,7 +66,7 @@ from engine_node.backends.vllm_startup import (
     ramp_budget,
     with_graph_sizes,
 )
-from engine_node.backends.vllm_weight_ops import VllmWeightOps
+from engine_node.backends.vllm.weight_ops import VllmWeightOps
 
 log = structlog.get_logger("rollout_bus.vllm_backend")
 
@@ -134,9 +134,9 @@ class VllmBackend(VllmDataPath, VllmSleepAndLora, VllmWeightOps):
         self.enable_lora = bool(enable_lora)
         self.seeds_unseeded = bool(seed_every_request)
         # Workers write updates through a copy plan learned from load_weights
-        # (vllm_worker_ext._rb_apply); False: load_weights every time.
+        # (vllm/worker_ext._rb_apply); False: load_weights every time.
         self.weight_plan = bool(weight_plan)
-        # Resume ramp (off at 0): vllm_data_path.py says why and how.
+        # Resume ramp (off at 0): vllm/data_path.py says why and how.
         self.resume_ramp_wait_s = float(resume_ramp_wait_s)
         self._ramp_state: str | None = None  # None | "collect" (until the next step) | "hold" (first sent)
         self._ramp_deadline = 0.0
@@ -182,7 +182,7 @@ class VllmBackend(VllmDataPath, VllmSleepAndLora, VllmWeightOps):
         # colocated order (wake weights -> full update -> wake KV) never pays a
         # checkpoint reload from disk.
         self._weights_stale = False
-        self._buffers_held = False  # vllm_worker_ext holds level-2 buffers (see wake_up)
+        self._buffers_held = False  # vllm/worker_ext holds level-2 buffers (see wake_up)
         self._ops: list[tuple[BackendOp, float]] = []  # pending ops and their timeouts
         # Continuations queued by op callbacks (vLLM's output thread) that must
         # send on the input socket: run by _sweep on the loop thread.
@@ -198,7 +198,7 @@ class VllmBackend(VllmDataPath, VllmSleepAndLora, VllmWeightOps):
         # on the new weights and must not share blocks cached before it.
         self._weights_epoch = 0
         self._ckpt_shapes: dict[str, list[int]] | None = None
-        # What repeats in an RL loop's updates (vllm_weight_ops): the last
+        # What repeats in an RL loop's updates (vllm/weight_ops): the last
         # validated tensor list, and the zero-copy IPC layout the workers keep.
         self._valid: R.Validated | None = None
         self._ipc_kept: R.KeptIpc | None = None

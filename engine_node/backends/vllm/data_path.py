@@ -1,6 +1,6 @@
 """The data path of the `vllm` backend: sequences in, StepOutputs out.
 
-add() builds an EngineCoreRequest (vllm_requests) and sends it, or holds it
+add() builds an EngineCoreRequest (vllm/requests) and sends it, or holds it
 back for the resume ramp; step() sweeps control continuations, releases the
 ramp and drains what vLLM's output thread queued, never waiting; abort() drops
 ids and hands back their partial output.
@@ -36,8 +36,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from engine_node.backend import BackendError, BackendOp, SeqRequest, StepOutput
-from engine_node.backends.vllm_ops import VllmOps
-from engine_node.backends.vllm_requests import build_request, prefix_salt, sampling_params
+from engine_node.backends.vllm.ops import VllmOps
+from engine_node.backends.vllm.requests import build_request, prefix_salt, sampling_params
 
 
 class VllmDataPath(VllmOps):

@@ -1,9 +1,9 @@
 """Control plumbing of the `vllm` backend: one BackendOp for a batch of
 utility calls sent back to back, continuations and deadlines swept on the
-loop thread (vllm_backend.py's docstring: threads, ordering hazards).
+loop thread (vllm/backend.py's docstring: threads, ordering hazards).
 
-`VllmOps` is the base of the backend's mixins (vllm_data_path, vllm_sleep,
-vllm_weight_ops): it declares the state they share and owns `_op` / `_sweep`.
+`VllmOps` is the base of the backend's mixins (vllm/data_path, vllm/sleep,
+vllm/weight_ops): it declares the state they share and owns `_op` / `_sweep`.
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ from typing import Any
 import structlog
 
 from engine_node.backend import BackendError, BackendOp, BackendTimeout
-from engine_node.backends import vllm_weight_reuse as R
-from engine_node.backends import vllm_weights as W
-from engine_node.backends.vllm_engine_core import CoreLink, _settle
-from engine_node.backends.vllm_lora import LoraTable
-from engine_node.backends.vllm_requests import OutputBuffer
+from engine_node.backends.vllm import weight_reuse as R
+from engine_node.backends.vllm import weights as W
+from engine_node.backends.vllm.engine_core import CoreLink, _settle
+from engine_node.backends.vllm.lora import LoraTable
+from engine_node.backends.vllm.requests import OutputBuffer
 
 log = structlog.get_logger("rollout_bus.vllm_backend")
 
 
 class VllmOps:
-    # The backend's state, set by VllmBackend.__init__ (vllm_backend.py says
+    # The backend's state, set by VllmBackend.__init__ (vllm/backend.py says
     # what each field means); declared here for the mixins that share it.
     model: str
     rpc_timeout_s: float

@@ -4,7 +4,7 @@ What vLLM's InputProcessor would do for a token prompt, done here without a
 renderer, tokenizer pass or detokenizer (``build_request``), and the reverse
 of OutputProcessor without RequestOutput objects (``OutputBuffer``).
 
-`api` is the namespace from ``vllm_engine_core.load_vllm_api()`` (vLLM's
+`api` is the namespace from ``vllm/engine_core.load_vllm_api()`` (vLLM's
 classes), or the CPU test's fake: nothing here imports vLLM.
 """
 

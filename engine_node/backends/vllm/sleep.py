@@ -1,5 +1,5 @@
 """Sleep, wake-up, cache and LoRA control of the `vllm` backend: each op sends
-its utility calls at once and returns a BackendOp (vllm_ops.VllmOps._op);
+its utility calls at once and returns a BackendOp (vllm/ops.VllmOps._op);
 `sleep` defers its measurement to the loop thread (its answer may come late)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import time
 from typing import Any
 
 from engine_node.backend import BackendError, BackendOp
-from engine_node.backends.vllm_engine_core import _settle
-from engine_node.backends.vllm_lora import write_peft
-from engine_node.backends.vllm_ops import VllmOps, backend_error
+from engine_node.backends.vllm.engine_core import _settle
+from engine_node.backends.vllm.lora import write_peft
+from engine_node.backends.vllm.ops import VllmOps, backend_error
 
 
 class VllmSleepAndLora(VllmOps):
@@ -35,7 +35,7 @@ class VllmSleepAndLora(VllmOps):
         # Kept zero-copy IPC maps pin the trainer's memory: a colocated trainer
         # takes the GPU while the engine sleeps, so they go first.
         self._link.utility("collective_rpc", "rollout_bus_drop_maps", None, (), None)
-        self._ipc_kept = None  # (vllm_weight_reuse) the workers keep no layout now
+        self._ipc_kept = None  # (vllm/weight_reuse) the workers keep no layout now
         before = self._link.utility("collective_rpc", "rollout_bus_info", None, (), None)
         slept = self._link.utility("sleep", level, "abort")
         self._ops.append((op, self.sleep_timeout_s))
@@ -101,7 +101,7 @@ class VllmSleepAndLora(VllmOps):
         calls: list[tuple[str, tuple]] = []
         if self._sleep_level >= 2 and "weights" in self._sleeping:
             # KV first after level 2: vLLM would restore the saved buffers into
-            # the still-sleeping weights pool (vllm_worker_ext holds them).
+            # the still-sleeping weights pool (vllm/worker_ext holds them).
             calls.append(self._rpc("rollout_bus_hold_sleep_buffers", timeout=self.sleep_timeout_s))
             self._buffers_held = True
         calls.append(("wake_up", (sorted(to_wake),)))

@@ -17,8 +17,10 @@ from engine_node.child_watch import export_node_pid
 
 log = structlog.get_logger("rollout_bus.vllm_backend")
 
-WORKER_EXT = "engine_node.backends.vllm_worker_ext.RolloutBusWorkerExtension"
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER_EXT = "engine_node.backends.vllm.worker_ext.RolloutBusWorkerExtension"
+_REPO_ROOT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)  # above engine_node/backends/vllm/
 
 
 def prepare_env() -> None:
@@ -35,7 +37,7 @@ def prepare_env() -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    # The engine's processes die with this one: vllm_worker_ext arms the watch
+    # The engine's processes die with this one: vllm/worker_ext arms the watch
     # in every worker (engine_node/child_watch.py). Call on the spawning thread.
     export_node_pid()
 

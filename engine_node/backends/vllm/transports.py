@@ -1,18 +1,18 @@
 """How each weight transport reaches vLLM's workers (the vllm backend's
-receivers, looked up in VLLM_RECEIVERS by engine_node/backends/vllm_weight_ops.py).
+receivers, looked up in VLLM_RECEIVERS by engine_node/backends/vllm/weight_ops.py).
 
-- zmq: the node stages every bucket into shared memory (vllm_weights.ShmStage);
+- zmq: the node stages every bucket into shared memory (vllm/weights.ShmStage);
   the commit sends the workers begin + commit in one go.
 - cuda_ipc: the handles are kept, not opened: the commit maps, validates and
   writes in ONE worker call (a bad handle fails the commit before any
   parameter is written). The trainer keeps its buckets until the commit (or
   abort) is acked. A zero-copy update (keep_maps) whose metas and handles the
-  workers already keep sends only its token (vllm_weight_reuse.KeptIpc).
+  workers already keep sends only its token (vllm/weight_reuse.KeptIpc).
 - nccl: the workers receive the broadcast inside the receive (their group
   joined on first use); the commit writes what they hold.
 - vllm_nccl: the same, but the group and the broadcast are the trainer's own
   vLLM NCCLWeightTransferEngine (SkyRL's broadcast strategy): the workers join
-  as vLLM's receiver does and take its packed chunks (vllm_worker_packed.py).
+  as vLLM's receiver does and take its packed chunks (vllm/worker_packed.py).
 
 Hazard: the order of the worker calls is what the GPU timings measure; each
 method issues exactly the calls its transport's branch of the backend issued.
@@ -25,8 +25,8 @@ from typing import Any, ClassVar
 
 from bus.transport import Transport
 from engine_node.backend import BackendError, BackendOp
-from engine_node.backends import vllm_weight_reuse as R
-from engine_node.backends import vllm_weights as W
+from engine_node.backends.vllm import weight_reuse as R
+from engine_node.backends.vllm import weights as W
 
 
 def _handle_count(what: str, handles: list[Any], buckets: int) -> BackendOp | None:
@@ -117,7 +117,7 @@ class CudaIpcVllm(_GpuVllm):
     def commit_calls(self, be: Any, up: W.WeightUpdate, shm: Any, opts: dict[str, Any]) -> list[Any]:
         # The whole update in one worker call. The trainer's zero-copy mode
         # (keep_maps) sends the same metas and handles every update: once the
-        # workers keep them, only their token goes (vllm_weight_reuse.KeptIpc).
+        # workers keep them, only their token goes (vllm/weight_reuse.KeptIpc).
         kept, be._ipc_kept = be._ipc_kept, None  # claimed again only by this commit's success
         if opts.get("keep_maps"):
             if kept is not None and kept.serves(up.metas, up.sizes, up.handles):

@@ -1,7 +1,7 @@
 """Weight updates of the `vllm` backend: begin (validate, stage), receive
 (GPU transports), commit (one worker round trip per transport) and abort.
-The record, validation and staging live in vllm_weights; what runs in the
-workers in vllm_worker_ext."""
+The record, validation and staging live in vllm/weights; what runs in the
+workers in vllm/worker_ext."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Any
 
 from bus.transport import Transport
 from engine_node.backend import BackendError, BackendOp
-from engine_node.backends import vllm_weight_reuse as R
-from engine_node.backends import vllm_weights as W
-from engine_node.backends.vllm_ops import VllmOps
-from engine_node.backends.vllm_transports import VLLM_RECEIVERS
+from engine_node.backends.vllm import weight_reuse as R
+from engine_node.backends.vllm import weights as W
+from engine_node.backends.vllm.ops import VllmOps
+from engine_node.backends.vllm.transports import VLLM_RECEIVERS
 
 # What the worker's commit reports about where its time went (returned; engine_node/timings.py).
 _WORKER_TIMING = (
@@ -58,12 +58,12 @@ class VllmWeightOps(VllmOps):
         if isinstance(checked, BackendError):
             return BackendOp.failed("begin_weight_update", checked)
         up = W.WeightUpdate(update_id, transport, checked[0], checked[1], dict(args))
-        return receiver.begin(self, up)  # engine_node/backends/vllm_transports.py
+        return receiver.begin(self, up)  # engine_node/backends/vllm/transports.py
 
     def _validated(self, tensors: list[Any], given: Any) -> tuple[list[list[Any]], list[int]] | BackendError:
         """(metas, sizes) of a begin, validated against the checkpoint; the
         very tensor list validated last is not checked again
-        (vllm_weight_reuse.Validated: the one-trip op hands the same objects)."""
+        (vllm/weight_reuse.Validated: the one-trip op hands the same objects)."""
         if self._ckpt_shapes is None:
             self._ckpt_shapes = W.checkpoint_shapes(self.model)
         sizes = [int(s) for s in given] if given else None

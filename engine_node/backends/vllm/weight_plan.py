@@ -36,7 +36,7 @@ Hazards:
 - Python side effects of a loader (flags on a layer, counters kept by vLLM's
   layerwise reload for online-quantized models) are invisible here. The worker
   extension never plans a quantized model (`plannable`); fp8 re-quantization
-  is vllm_fp8's, run from the post-load hook.
+  is vllm/fp8's, run from the post-load hook.
 - The plan holds views of the live parameters. `still_valid` checks that every
   parameter is still its module's and still at the address it had when recorded
   (a parameter replaced or re-allocated invalidates the plan; it is then
@@ -446,7 +446,7 @@ class WeightPlan:
     def replay(self, srcs: list[torch.Tensor], big_bytes: int = BIG_COPY_BYTES) -> Replay:
         """The copies from `srcs` (one per copy, as `sources` cuts them) grouped
         for launch. Holds the source views: a worker keeps it across updates
-        only while the buffers behind them are kept too (vllm_worker_reuse)."""
+        only while the buffers behind them are kept too (vllm/worker_reuse)."""
         r = Replay(n=len(self.copies))
         if self.ordered:  # the order load_weights wrote them in
             src_of = {id(c): s for c, s in zip(self.copies, srcs, strict=True)}
@@ -500,7 +500,7 @@ class WeightPlan:
 
 def plannable(model: torch.nn.Module) -> str | None:
     """Why this model's weights must always go through load_weights, else None.
-    Quantized models (vllm_fp8's business) and non-float parameters are out."""
+    Quantized models (vllm/fp8's business) and non-float parameters are out."""
     if getattr(model, "quant_config", None) is not None:
         return "quantized model"
     for _, p in model.named_parameters():

@@ -2,7 +2,7 @@
 so that an RL loop pushing the same zero-copy layout every step pays for its
 per-tensor Python once (issue 21 §2: the one-trip update at 7B, 339 tensors).
 
-- `Validated`: the last tensor list that passed `vllm_weights.validate`, as
+- `Validated`: the last tensor list that passed `vllm/weights.validate`, as
   the very TensorMeta objects it was given. The engine node's one-trip op
   rebuilds its begin from the begin it kept (engine_node/one_trip.py), so the
   next update hands the SAME objects again: one identity pass instead of 339

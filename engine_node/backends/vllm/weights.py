@@ -1,7 +1,7 @@
 """The backend's side of a weight update: one record per update, validation
 against the checkpoint, and the zmq transport's shared-memory staging.
 
-Where the bytes go, per transport (the workers' side is vllm_worker_ext):
+Where the bytes go, per transport (the workers' side is vllm/worker_ext):
 - cuda_ipc: nowhere here. The receive only keeps the handles; the commit is ONE
   worker call that maps the trainer's buckets, validates them, writes the
   parameters from those views and drops the maps; the trainer keeps its buckets
@@ -200,7 +200,7 @@ class WeightUpdate:
     received: bool = False  # cuda_ipc / nccl
     handles: list[Any] = dataclasses.field(default_factory=list)  # cuda_ipc: opened by the commit's worker call
     workers_know: bool = False  # a worker call about this update was sent (nccl receive): abort must tell them
-    keeps: Any = None  # cuda_ipc keep_maps: the vllm_weight_reuse.KeptIpc its commit asks the workers to keep
+    keeps: Any = None  # cuda_ipc keep_maps: the vllm/weight_reuse.KeptIpc its commit asks the workers to keep
 
     def close(self) -> None:
         if self.stage is not None:

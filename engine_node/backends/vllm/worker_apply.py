@@ -1,12 +1,12 @@
 """Writing a staged weight update into the model, inside every vLLM worker
-(vllm_worker_ext.py's docstring: the transaction, plans vs load_weights).
+(vllm/worker_ext.py's docstring: the transaction, plans vs load_weights).
 
 `WorkerApply` is the base of the worker extension's mixins: the per-worker
 update state (`_rb`), begin/abort, validation and `_rb_apply` (a recorded copy
 plan, or the model's own load_weights). LoRA wrappers are unwrapped while
 loading, so load_weights sees the checkpoint's names. A repeated update (same
 layout, same kept buckets) reuses its validated layout and the plan's cut source
-views (vllm_worker_reuse: what is kept, and how long).
+views (vllm/worker_reuse: what is kept, and how long).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from bus.tensors import unpack_bucket
-from engine_node.backends import vllm_fp8
-from engine_node.backends import vllm_weight_plan as WP
-from engine_node.backends.vllm_worker_reuse import Kept, Layout, buckets_list
+from engine_node.backends.vllm import fp8
+from engine_node.backends.vllm import weight_plan as WP
+from engine_node.backends.vllm.worker_reuse import Kept, Layout, buckets_list
 
 _LORA_SWAPS: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[torch.nn.Module, str, torch.nn.Module]]] = (
     weakref.WeakKeyDictionary()
@@ -36,8 +36,8 @@ def _plannable(model: torch.nn.Module) -> str | None:
     """WP.plannable, once per model (its quantization does not change)."""
     got = _PLANNABLE.get(model)
     if got is None:
-        # a quantized model is vllm_fp8's (its loader re-quantizes inside _rb_load)
-        why = "quantized model (vllm_fp8)" if vllm_fp8.is_quantized(model) else WP.plannable(model)
+        # a quantized model is vllm/fp8's (its loader re-quantizes inside _rb_load)
+        why = "quantized model (vllm/fp8.py)" if fp8.is_quantized(model) else WP.plannable(model)
         got = _PLANNABLE[model] = (why,)
     return got[0]
 
@@ -90,7 +90,7 @@ def _on(dev: torch.device) -> Any:
 
 def _fresh_state() -> dict[str, Any]:
     # keep_views: this update's buckets outlive it (kept IPC maps, nccl staging),
-    # so views cut from them may be kept for the next update (vllm_worker_reuse)
+    # so views cut from them may be kept for the next update (vllm/worker_reuse)
     # (handles: the kept maps' IPC handles, as received)
     return {
         **{"uid": None, "metas": [], "sizes": [], "buckets": {}, "named": {}, "layout": None},
@@ -116,7 +116,7 @@ class WorkerApply:
             st = {
                 **_fresh_state(),
                 **{"nccl": None, "nccl_key": None, "plans": {}, "staging": None, "validated": None, "kept": None},
-                "ipc_kept": None,  # vllm_worker_ipc: (token, metas, sizes, handles) of the kept maps
+                "ipc_kept": None,  # vllm/worker_ipc: (token, metas, sizes, handles) of the kept maps
             }
             self.__dict__["_rollout_bus_state"] = st
         return st
@@ -144,15 +144,15 @@ class WorkerApply:
         model needs every shard of a fused layer inside one call)."""
         model = self._rb_model()
         with _LoraUnwrapped(model):
-            if vllm_fp8.is_quantized(model):  # fp8 engine fed bf16: re-quantize (vllm_fp8)
-                return vllm_fp8.load_into_quantized(model, named, getattr(self, "model_config", None))
+            if fp8.is_quantized(model):  # fp8 engine fed bf16: re-quantize (vllm/fp8)
+                return fp8.load_into_quantized(model, named, getattr(self, "model_config", None))
             loaded = model.load_weights(named)
         return len(loaded) if loaded is not None else -1
 
     def _rb_post_load(self, model: torch.nn.Module, names: list[str]) -> None:
         """Runs after every write of new weights (plan or load_weights), before
         the commit answers: the hook for a post-load step a plan-written model
-        needs. (fp8 engines never take the plan: vllm_fp8 re-quantizes inside
+        needs. (fp8 engines never take the plan: vllm/fp8 re-quantizes inside
         _rb_load, so there is nothing to do here for them.)"""
 
     def _rb_apply(self, st: dict[str, Any], opts: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -283,7 +283,7 @@ class WorkerApply:
     def _rb_validate(self, st: dict[str, Any]) -> None:
         """Every bucket against the metas (bus.tensors.unpack_bucket: a lie is a
         ValueError naming the tensor). A layout validated before (found by one
-        list compare, vllm_worker_reuse) needs only its bucket lengths checked:
+        list compare, vllm/worker_reuse) needs only its bucket lengths checked:
         the same metas give the same answer. The very buckets of the kept last
         update passed that check already."""
         known: Layout | None = st.get("validated")

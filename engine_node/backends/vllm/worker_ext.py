@@ -1,7 +1,7 @@
 """Methods injected into every vLLM worker process (``worker_extension_cls``).
 
 The vLLM backend starts its engine with
-``worker_extension_cls="engine_node.backends.vllm_worker_ext.RolloutBusWorkerExtension"``;
+``worker_extension_cls="engine_node.backends.vllm.worker_ext.RolloutBusWorkerExtension"``;
 vLLM adds this class to the bases of its GPU worker, so the methods below run
 on *every* worker (every TP/PP rank), called by the engine core's
 ``collective_rpc`` utility.
@@ -35,13 +35,13 @@ shards them for its TP rank itself.
 
 Writing the parameters (`_rb_apply`): the first update of a layout runs vLLM's
 `load_weights` (the truth) and records, alongside, the copy plan it amounts to
-(vllm_weight_plan: which slice of which incoming tensor lands in which slice of
+(vllm/weight_plan: which slice of which incoming tensor lands in which slice of
 which parameter), then verifies the plan against what load_weights wrote, bit for
 bit. Later updates replay the plan as device copies (a `copy_` per tensor of
 16 MiB or more, one torch._foreach_copy_ for the rest), and only the names the
 plan cannot express go through load_weights. A repeated update of the same layout
 into buckets the worker keeps (zero-copy maps, nccl staging) reuses the validated
-layout and the plan's cut source views (vllm_worker_reuse). Quantized models
+layout and the plan's cut source views (vllm/worker_reuse). Quantized models
 never use a plan. `_rb_post_load` runs after every write (the hook for a
 post-load step such as fp8 re-quantization; a no-op here). opts["plan"]=False
 (or ROLLOUT_BUS_WEIGHT_PLAN=0 in the workers' environment) turns plans off.
@@ -65,9 +65,9 @@ from typing import Any
 import torch
 
 from bus.tensors import unpack_bucket
-from engine_node.backends.vllm_worker_apply import _fresh_state, _on, _sync
-from engine_node.backends.vllm_worker_ipc import IpcReceive
-from engine_node.backends.vllm_worker_packed import PackedReceive
+from engine_node.backends.vllm.worker_apply import _fresh_state, _on, _sync
+from engine_node.backends.vllm.worker_ipc import IpcReceive
+from engine_node.backends.vllm.worker_packed import PackedReceive
 from engine_node.child_watch import NODE_PID_ENV as NODE_PID_ENV
 from engine_node.child_watch import arm as arm_node_watch
 
@@ -80,8 +80,8 @@ PARENT_DEATH = arm_node_watch()
 
 class RolloutBusWorkerExtension(IpcReceive, PackedReceive):
     """Mixed into vLLM's Worker: `self` has model_runner, device, rank, local_rank.
-    The update's state and apply: vllm_worker_apply; cuda_ipc: vllm_worker_ipc;
-    nccl: vllm_worker_nccl; vllm_nccl: vllm_worker_packed (over nccl's staging);
+    The update's state and apply: vllm/worker_apply; cuda_ipc: vllm/worker_ipc;
+    nccl: vllm/worker_nccl; vllm_nccl: vllm/worker_packed (over nccl's staging);
     here: info, sleep buffers, commit (zmq included)."""
 
     # -- RPC methods
@@ -182,7 +182,7 @@ class RolloutBusWorkerExtension(IpcReceive, PackedReceive):
         gen = tensors()
         try:
             # One load over every bucket (not one per bucket): a quantized model
-            # must see all shards of a fused layer in one call (vllm_fp8).
+            # must see all shards of a fused layer in one call (vllm/fp8).
             loaded = max(0, self._rb_load(gen))
         finally:
             gen.close()  # drop the last bucket's views before the map closes

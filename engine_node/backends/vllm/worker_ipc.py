@@ -3,7 +3,7 @@ handle (validated before anything is written), write, drop the maps; the
 trainer's zero-copy mode keeps its maps across updates (keep_maps), and the
 whole layout (metas, sizes, handles) under a token, so that the next update
 with the same layout names only the token (rollout_bus_apply_kept;
-engine_node/backends/vllm_weight_reuse.py is the backend's side)."""
+engine_node/backends/vllm/weight_reuse.py is the backend's side)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from engine_node.backends.vllm_worker_apply import WorkerApply, _fresh_state, _on, _sync
-from engine_node.backends.vllm_worker_reuse import Kept
+from engine_node.backends.vllm.worker_apply import WorkerApply, _fresh_state, _on, _sync
+from engine_node.backends.vllm.worker_reuse import Kept
 
 
 def local_device_for_uuid(uuid: str | None, default: int) -> int:
@@ -52,7 +52,7 @@ class IpcReceive(WorkerApply):
         ref counter keeps a freed block in limbo), so only this update's maps
         survive it, and sleep drops them all (rollout_bus_drop_maps). The same
         handles as the kept last update's (one list compare) are its very
-        buckets: no per-handle lookup (vllm_worker_reuse)."""
+        buckets: no per-handle lookup (vllm/worker_reuse)."""
         dev = self._rb_device()
         if len(handles) != len(st["sizes"]):
             raise ValueError(f"cuda_ipc: {len(handles)} handle(s) for {len(st['sizes'])} bucket(s)")
@@ -122,7 +122,7 @@ class IpcReceive(WorkerApply):
     def rollout_bus_apply_kept(self, uid: str, token: str, opts: dict[str, Any] | None = None) -> dict[str, Any]:
         """The same update as the kept one (same metas, sizes and handles, i.e.
         the trainer's same parameters), named by its token: the node sends no
-        metas and no handles (vllm_weight_reuse.KeptIpc). A token this worker
+        metas and no handles (vllm/weight_reuse.KeptIpc). A token this worker
         does not hold (its maps were dropped: sleep, a failed update) is
         refused before anything is written."""
         t0 = time.perf_counter()

@@ -12,7 +12,7 @@ import structlog
 import torch
 
 from bus.tensors import unpack_bucket
-from engine_node.backends.vllm_worker_apply import WorkerApply, _fresh_state, _on, _sync
+from engine_node.backends.vllm.worker_apply import WorkerApply, _fresh_state, _on, _sync
 
 log = structlog.get_logger("rollout_bus.vllm_worker")
 
@@ -65,7 +65,7 @@ class NcclReceive(WorkerApply):
         self._rb_verdict(args)
         t3 = time.perf_counter()
         # The staging outlives the update: the plan's views cut from it are kept
-        # for the next update of this layout (vllm_worker_reuse), until nccl_close.
+        # for the next update of this layout (vllm/worker_reuse), until nccl_close.
         st["keep_views"] = True
         self._rb_validate(st)
         return received(st, (t0, t1, t2, t3), setup)
@@ -182,7 +182,7 @@ class NcclReceive(WorkerApply):
         hosting a TCPStore at host:port); later updates reuse it. Ranks: the
         bridge's rank_offset + this worker's rank, else reserved from a counter
         in the store (each worker takes one). `make(a)`: (communicator, rank)
-        of a group joined another way (vllm_worker_packed: as vLLM's receiver)."""
+        of a group joined another way (vllm/worker_packed: as vLLM's receiver)."""
         st = self._rb()
         key = str(a.get("group_id") or f"{a['host']}:{a['port']}")
         if st["nccl"] is not None and st["nccl_key"] == key:

@@ -1,7 +1,7 @@
 """vllm_nccl inside every vLLM worker: join the trainer's vLLM NCCL
 weight-transfer group as vLLM's own receiver does, and receive its packed
 broadcast with vLLM's packed consumer into the nccl transport's staging
-buffers (vllm_worker_nccl). Nothing live changes here: the commit
+buffers (vllm/worker_nccl). Nothing live changes here: the commit
 (rollout_bus_commit) writes the parameters, an abort drops the staging.
 
 Hazards:
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from engine_node.backends.vllm_worker_apply import _on, _sync
-from engine_node.backends.vllm_worker_nccl import NcclReceive, received
+from engine_node.backends.vllm.worker_apply import _on, _sync
+from engine_node.backends.vllm.worker_nccl import NcclReceive, received
 
 DEFAULT_BUFFER_BYTES = 1 << 30  # vLLM 0.24's DEFAULT_PACKED_BUFFER_SIZE_BYTES
 DEFAULT_NUM_BUFFERS = 2

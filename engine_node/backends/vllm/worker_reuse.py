@@ -5,7 +5,7 @@ At 7B (339 checkpoint tensors, one bucket each in the trainer's zero-copy mode)
 the per-update Python of the worker was ~1 ms on top of the copy: keys built
 over every meta (twice), the bucket lengths, ~200 parameters' validity, 339
 source views cut with `as_strided`, the names list. Two records in the worker's
-update state (vllm_worker_apply's `_rb`) take that off the steady path:
+update state (vllm/worker_apply's `_rb`) take that off the steady path:
 
 - `Layout` (st["validated"]): the last layout whose metas passed validation
   against their buckets, with what is derived from it (the hashable layout
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from engine_node.backends.vllm_weight_plan import Replay, WeightPlan
+from engine_node.backends.vllm.weight_plan import Replay, WeightPlan
 
 
 def layout_key(metas: list[list[Any]], sizes: list[int]) -> tuple[Any, ...]:
