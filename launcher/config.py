@@ -36,7 +36,7 @@ USAGE = """One command that launches rollout-bus: a head and engine nodes.
     python launch.py --head --engines 0    # multi-node: the head on this node
     python launch.py --join tcp://HEAD:5555 --engines 4   # engines on another node
     python launch.py keys init | list | add-client NAME [--public FILE] | remove-client NAME
-                                           # the CURVE key folder of --curve (README, Security)
+                                           # the CURVE key folder of --curve (docs/security.md)
 
 Backend: `auto` picks vLLM when it is installed and a GPU is visible, else the
 torch backend on a tiny random-weight model built into a cache dir (no hub).

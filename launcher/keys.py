@@ -2,7 +2,7 @@
 
 init | list | add-client NAME [--public FILE] | remove-client NAME | keypair NAME:
 thin commands over bus.auth.KeyDir; what they print is what an operator copies
-(README, Security).
+(docs/security.md).
 """
 
 from __future__ import annotations
