@@ -196,3 +196,26 @@ def test_no_local_project_imports() -> None:
     placement) and says so with a `# lazy: <why>` comment on the line."""
     found = [f"{rel(p)}:{line} {text}" for p in product_files() for line, text in local_project_imports(p)]
     assert not found, "function-local project imports without '# lazy: <why>':\n" + "\n".join(found)
+
+
+def shipped_packages() -> set[str]:
+    """The packages a non-editable `pip install .` puts in site-packages, as
+    pyproject.toml's [tool.setuptools] says (a listed `packages`, else `find`)."""
+    tomllib = pytest.importorskip("tomllib")  # 3.11+; the 3.10 runs skip this check
+    from setuptools import find_namespace_packages, find_packages
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    if "packages" in cfg and isinstance(cfg["packages"], list):
+        return set(cfg["packages"])
+    find = cfg["packages"]["find"]
+    finder = find_namespace_packages if find.get("namespaces", False) else find_packages
+    return set(finder(where=str(ROOT), include=find.get("include", ["*"]), exclude=find.get("exclude", ())))
+
+
+def test_a_non_editable_install_ships_every_product_package() -> None:
+    """Issue 35: the layout's subpackages (launcher/, backends/vllm/, skyrl/, ...)
+    ship with `pip install .`; the hand-kept list before it had already dropped
+    engine_node.transports and trainer_bridge.transports."""
+    product = {module_name(p) for p in product_files() if p.name == "__init__.py"}
+    missing = product - shipped_packages()
+    assert not missing, f"packages pyproject.toml does not ship: {sorted(missing)}"
