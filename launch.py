@@ -1,9 +1,9 @@
 """One command that launches rollout-bus: a head and engine nodes (`python launch.py --help`).
 
-The entry point only: the flags (launch_config.py), the `keys` subcommand
-(launch_keys.py), the local launch under a supervisor (launch_local.py,
-launch_supervisor.py), what it prints (launch_output.py) and --ray
-(launch_ray.py) live in their own modules beside it.
+The entry point only: the flags (launcher/config.py), the `keys` subcommand
+(launcher/keys.py), the local launch under a supervisor (launcher/local.py,
+launcher/supervisor.py), what it prints (launcher/output.py) and --ray
+(launcher/ray.py) live in their own modules beside it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import tempfile
 import structlog
 
 from bus.runtime import configure_logging, set_title
-from launch_config import parse_args, refusal
-from launch_keys import keys_main
+from launcher.config import parse_args, refusal
+from launcher.keys import keys_main
 
 log = structlog.get_logger("launch")
 
@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     set_title("rollout-bus launch")
     # The launch itself (the client, the supervisor, Ray) is imported once the
     # flags are accepted: a refused flag answers at once.
-    from launch_local import run_local  # lazy: a refused flag does not wait for the client's imports
-    from launch_ray import run_on_ray  # lazy: as above
-    from launch_supervisor import Supervisor, mark_run_dir, remove_stale_run_dirs  # lazy: as above
+    from launcher.local import run_local  # lazy: a refused flag does not wait for the client's imports
+    from launcher.ray import run_on_ray  # lazy: as above
+    from launcher.supervisor import Supervisor, mark_run_dir, remove_stale_run_dirs  # lazy: as above
 
     if a.ray:
         return run_on_ray(a)

@@ -1,6 +1,6 @@
 """CPU-side overhead of the one-trip zero-copy cuda_ipc update per stage, for a
 7B-shaped layout (Qwen2-7B: 339 checkpoint tensors), before and after the
-per-layout caches of issue 21 §2 (engine_node/backends/vllm_weight_reuse.py,
+per-layout caches of issue 21 §2 (engine_node/backends/vllm/weight_reuse.py,
 trainer_bridge/transports/one_trip.py `layout_id`).
 
 No GPU, no vLLM: each stage runs the code the update runs (the digest, the
@@ -26,9 +26,9 @@ from typing import Any
 import msgspec
 
 from bus.protocol import TensorMeta
-from engine_node.backends import vllm_weight_reuse as R
-from engine_node.backends import vllm_weights as W
-from engine_node.backends.vllm_worker_reuse import Layout
+from engine_node.backends.vllm import weight_reuse as R
+from engine_node.backends.vllm import weights as W
+from engine_node.backends.vllm.worker_reuse import Layout
 from trainer_bridge.transports import one_trip
 
 HANDLE_BYTES = 330  # a pickled reduce_tensor tuple + the GPU's uuid

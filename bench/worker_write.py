@@ -1,7 +1,7 @@
 """The vLLM worker's per-update CPU work (issue 21 §2): what the engine-side
 write costs in Python around the copy, for a 7B-shaped layout, on CPU.
 
-The real worker extension (engine_node/backends/vllm_worker_ext.py) on a fake
+The real worker extension (engine_node/backends/vllm/worker_ext.py) on a fake
 CPU worker whose model is tests/vllm_like.py's vLLM-shaped stand-in with 28
 layers: the 339 checkpoint tensors and the fused qkv_proj / gate_up_proj of a
 Qwen2-7B, at small dims, so the copies are tiny and what is timed is the
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from bus.tensors import pack_bucket, plan_buckets
-from engine_node.backends import vllm_worker_ipc
-from engine_node.backends.vllm_worker_ext import RolloutBusWorkerExtension
+from engine_node.backends.vllm import worker_ipc
+from engine_node.backends.vllm.worker_ext import RolloutBusWorkerExtension
 from tests import vllm_like
 
 
@@ -99,7 +99,7 @@ def run(reps: int, layers: int, profile: bool) -> dict[str, Any]:
     named = list(params.items())
     metas, sizes = _metas(named)
     handles = [n.encode() for n, _ in named]
-    vllm_worker_ipc.open_ipc_handle = lambda h, dev: params[h.decode()].reshape(-1).view(torch.uint8)  # type: ignore[assignment]
+    worker_ipc.open_ipc_handle = lambda h, dev: params[h.decode()].reshape(-1).view(torch.uint8)  # type: ignore[assignment]
     out: dict[str, Any] = {"tensors": len(named), "layers": layers, "reps": reps}
 
     w = _Worker(vllm_like.VllmLikeModel(seed=5))
@@ -175,7 +175,7 @@ def run(reps: int, layers: int, profile: bool) -> dict[str, Any]:
 
     def packed(k: int) -> Any:
         # new maps every update (a fresh view per open, as cudaIpcOpenMemHandle gives)
-        vllm_worker_ipc.open_ipc_handle = lambda h, dev: pbufs[h.decode()][:]  # type: ignore[assignment]
+        worker_ipc.open_ipc_handle = lambda h, dev: pbufs[h.decode()][:]  # type: ignore[assignment]
         return wp.rollout_bus_apply_ipc(f"p{k}", _fresh_metas(pmetas), list(psizes), list(phandles), {})
 
     packed(10**6)

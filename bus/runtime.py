@@ -24,7 +24,7 @@ import structlog
 
 # A node that cannot start (a model that does not load, a port that is taken,
 # an unknown backend) exits with this code: starting it again would fail the
-# same way, so the launcher's supervisor does not (launch_supervisor.py).
+# same way, so the launcher's supervisor does not (launcher/supervisor.py).
 FATAL_EXIT = 78  # sysexits.h EX_CONFIG
 FATAL_FILE_ENV = "ROLLOUT_BUS_FATAL_FILE"  # set by the launcher, per child
 

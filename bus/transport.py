@@ -35,7 +35,7 @@ class Transport(str, enum.Enum):
     NCCL = "nccl"  # a broadcast from the trainer, rank 0 of one NCCL group
     # vLLM's own NCCL weight-transfer protocol (NCCLWeightTransferEngine, packed): the
     # trainer's group and broadcast are its own (SkyRL's BroadcastTransferStrategy);
-    # rollout-bus only joins the group and stages what arrives (trainer_bridge/skyrl_broadcast.py)
+    # rollout-bus only joins the group and stages what arrives (trainer_bridge/skyrl/broadcast.py)
     VLLM_NCCL = "vllm_nccl"
 
     def __str__(self) -> str:

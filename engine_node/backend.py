@@ -298,8 +298,8 @@ class Backend(Protocol):
 
 BACKENDS: dict[str, str] = {
     # name -> "module:factory"; factory(model: str, **options) -> Backend
-    "torch": "engine_node.backends.torch_backend:make_backend",
-    "vllm": "engine_node.backends.vllm_backend:make_backend",
+    "torch": "engine_node.backends.torch.backend:make_backend",
+    "vllm": "engine_node.backends.vllm.backend:make_backend",
     "null": "engine_node.backends.null_backend:make_backend",  # no model: benches, routing tests, dry runs
 }
 

@@ -145,7 +145,7 @@ class HeadLink:
                 raise NodeFatal(
                     f"the head at {self.cfg.head_events} refused this engine at the handshake: "
                     f"{'a wrong' if self.token else 'no'} join token (unauthorized, field=token; "
-                    f"token_file={self.cfg.token_file!r}; README, Security)"
+                    f"token_file={self.cfg.token_file!r}; docs/security.md)"
                 )
 
     def _on_register_reply(self, _peer: bytes, msg: P.RegisterReply, _b: list[Any]) -> None:

@@ -25,7 +25,7 @@ KEEP = 32
 
 
 class WorkerCommit(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """Where a vLLM worker's commit went (engine_node/backends/vllm_worker_ext.py;
+    """Where a vLLM worker's commit went (engine_node/backends/vllm/worker_ext.py;
     seconds). path: "plan", "load_weights+record" or "load_weights"."""
 
     path: str | None = None
@@ -35,7 +35,7 @@ class WorkerCommit(msgspec.Struct, omit_defaults=True, kw_only=True):
     copy_s: float | None = None
     fallback: int | None = None  # tensors the plan could not write (loaded the slow way)
     fallback_s: float | None = None
-    views_reused: bool | None = None  # the plan's source views kept from the last update (vllm_worker_reuse)
+    views_reused: bool | None = None  # the plan's source views kept from the last update (vllm/worker_reuse)
     record_s: float | None = None
     load_s: float | None = None
     verify_s: float | None = None

@@ -4,7 +4,7 @@ backend, except that it takes nccl updates whose broadcast runs over GLOO
 NCCL. tests/test_one_trip_nccl.py gives the trainer's NcclSender the same
 kind of group (rank 0).
 
-As the vLLM worker does (engine_node/backends/vllm_worker_nccl.py): the
+As the vLLM worker does (engine_node/backends/vllm/worker_nccl.py): the
 receive checks in at the trainer's store (NcclArgs.check_in) and waits for
 its go BEFORE it joins the group; it joins once per group id (ranks from the
 store's counter) and keeps it; it receives every bucket into staging kept

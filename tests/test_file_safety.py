@@ -1,5 +1,5 @@
 """Issue 34 rows 11 and 12: key folders and token files another local user
-cannot swap or plant (bus/safe_files.py, bus/auth.py, launch_token.py).
+cannot swap or plant (bus/safe_files.py, bus/auth.py, launcher/token.py).
 
 The rows are about a second local user: where this test runs as root and the
 machine has `nobody`, the folders are handed to that uid (chown) and the
@@ -22,7 +22,7 @@ import zmq
 from bus import auth
 from bus.auth import KeyDir, KeyFileError, write_token
 from bus.safe_files import UnsafePath, check_folder, create_private
-from launch_keys import keys_main
+from launcher.keys import keys_main
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -146,9 +146,9 @@ def test_the_banner_names_the_metrics_url():
 
 
 def test_every_flag_has_help_with_its_default():
-    import launch_config
+    import launcher.config
 
-    ap = launch_config.build_parser()
+    ap = launcher.config.build_parser()
     fmt = ap._get_formatter()
     for action in ap._actions:
         if isinstance(action, argparse._HelpAction):
@@ -165,14 +165,14 @@ def test_every_flag_has_help_with_its_default():
 def test_head_flags_given_to_launch_reach_the_head():
     """The README names head flags (--max-inflight-per-client, ...) bare:
     launch.py takes each and passes it on, only when given."""
-    import launch_config
+    import launcher.config
     from router_node.config import RouterConfig
     from router_node.config import parse_args as head_args
 
-    a = launch_config.parse_args(["--max-inflight-per-client", "7", "--query-cache-s", "0.5", "--no-failover"])
-    cfg = head_args(["--frontend", "tcp://127.0.0.1:1", *launch_config.head_passthrough_argv(a)])
+    a = launcher.config.parse_args(["--max-inflight-per-client", "7", "--query-cache-s", "0.5", "--no-failover"])
+    cfg = head_args(["--frontend", "tcp://127.0.0.1:1", *launcher.config.head_passthrough_argv(a)])
     assert (cfg.max_inflight_per_client, cfg.query_cache_s, cfg.failover) == (7, 0.5, False)
-    assert launch_config.head_passthrough_argv(launch_config.parse_args([])) == []
+    assert launcher.config.head_passthrough_argv(launcher.config.parse_args([])) == []
     assert cfg.max_sessions_per_client == RouterConfig().max_sessions_per_client
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from bus.errors import BadRequest
 from engine_node.cpu_placement import gpu_slot
-from launch_config import gpu_groups, parse_args, select_gpus, visible_gpus
+from launcher.config import gpu_groups, parse_args, select_gpus, visible_gpus
 from tests.cluster import ROOT, child_env
 
 UUID_A = "GPU-6f1c2a3b-0000-1111-2222-333344445555"

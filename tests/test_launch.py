@@ -265,38 +265,38 @@ def test_curve_multi_node_zmq_weight_update(tmp_path):
 
 
 def test_keys_options_in_any_position(tmp_path, capsys):
-    import launch_keys
+    import launcher.keys
 
-    assert launch_keys.keys_main(["init", "--curve-dir", str(tmp_path / "a")]) == 0  # as KeyFileError suggests
-    assert launch_keys.keys_main(["--curve-dir", str(tmp_path / "b"), "init"]) == 0
+    assert launcher.keys.keys_main(["init", "--curve-dir", str(tmp_path / "a")]) == 0  # as KeyFileError suggests
+    assert launcher.keys.keys_main(["--curve-dir", str(tmp_path / "b"), "init"]) == 0
     assert (tmp_path / "a" / "head.key").exists() and (tmp_path / "b" / "head.key").exists()
-    assert launch_keys.keys_main(["list", "--curve-dir", str(tmp_path / "a")]) == 0
+    assert launcher.keys.keys_main(["list", "--curve-dir", str(tmp_path / "a")]) == 0
     assert "default" in capsys.readouterr().out
 
 
 def test_flags_the_readme_names_exist_and_log_level_reaches_children(monkeypatch):
-    import launch_config
+    import launcher.config
 
-    a = launch_config.parse_args(["--session-placement", "outstanding", "--log-level", "info"])
+    a = launcher.config.parse_args(["--session-placement", "outstanding", "--log-level", "info"])
     assert a.session_placement == "outstanding" and a.log_level == "INFO"
     with pytest.raises(SystemExit):
-        launch_config.parse_args(["--session-placement", "nope"])
-    assert launch_config.parse_args([]).log_level is None  # resolved in main: $ROLLOUT_BUS_LOG_LEVEL, else WARNING
+        launcher.config.parse_args(["--session-placement", "nope"])
+    assert launcher.config.parse_args([]).log_level is None  # resolved in main: $ROLLOUT_BUS_LOG_LEVEL, else WARNING
 
 
 def test_client_line_for_a_curve_cluster():
-    import launch_output
+    import launcher.output
 
-    assert launch_output.client_line("tcp://h:1") == "trainer_bridge.Client('tcp://h:1')"
-    assert launch_output.client_line("tcp://h:1", "/k") == "trainer_bridge.Client('tcp://h:1', curve_dir='/k')"
-    line = launch_output.client_line("tcp://h:1", "/k", "alice")
+    assert launcher.output.client_line("tcp://h:1") == "trainer_bridge.Client('tcp://h:1')"
+    assert launcher.output.client_line("tcp://h:1", "/k") == "trainer_bridge.Client('tcp://h:1', curve_dir='/k')"
+    line = launcher.output.client_line("tcp://h:1", "/k", "alice")
     assert line == "trainer_bridge.Client('tcp://h:1', curve_dir='/k', client_key='alice')"
 
 
 def test_ray_without_the_extra_names_it(monkeypatch, capsys):
-    import launch_config
-    import launch_ray
+    import launcher.config
+    import launcher.ray
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray → ImportError
-    assert launch_ray.run_on_ray(launch_config.parse_args(["--ray", "local"])) == 2
+    assert launcher.ray.run_on_ray(launcher.config.parse_args(["--ray", "local"])) == 2
     assert 'pip install -e ".[ray]"' in capsys.readouterr().err

@@ -212,7 +212,7 @@ def test_a_stale_abort_queued_in_the_torch_backend_never_wipes_the_next_update(t
     """The node aborts update A (its abort runs later, on the backend's worker)
     and begins B at once: the abort is keyed to A and leaves B's staging."""
     from bus.tensors import pack_bucket, plan_buckets
-    from engine_node.backends.torch_backend import TorchBackend
+    from engine_node.backends.torch.backend import TorchBackend
 
     # The abort waits on the worker until B has begun: the order of the race that wiped B.
     be = TorchBackend(tiny_model, device="cpu", fault_op_delay_s={"abort_weight_update": 0.3})

@@ -194,7 +194,7 @@ def test_the_next_launch_removes_the_run_folder_of_a_killed_launcher():
     """The launcher's own function on real folders: one of a dead launcher
     (a process that exited), one of a live one (this test), one without a
     launcher.pid (not a launcher's): only the first goes."""
-    import launch_supervisor
+    import launcher.supervisor
 
     tmp = tempfile.mkdtemp(prefix="rbt-stale-")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -205,12 +205,12 @@ def test_the_next_launch_removes_the_run_folder_of_a_killed_launcher():
         d = folders[name] = os.path.join(tmp, f"rbus-{name}")
         os.makedirs(d)
         if owner is None:
-            launch_supervisor.mark_run_dir(d)
+            launcher.supervisor.mark_run_dir(d)
         elif owner:
             with open(os.path.join(d, "launcher.pid"), "w") as f:
                 f.write(owner)
     try:
-        removed = launch_supervisor.remove_stale_run_dirs(tmp)
+        removed = launcher.supervisor.remove_stale_run_dirs(tmp)
         assert removed == [folders["dead"]], removed
         assert not os.path.exists(folders["dead"])
         assert os.path.isdir(folders["live"]) and os.path.isdir(folders["foreign"])

@@ -174,7 +174,7 @@ def test_vllm_output_buffer_sums_the_prefix_cache_stats_of_each_report():
     the backend's stats() counters are their sums (what the GPU bench reads)."""
     from types import SimpleNamespace as NS
 
-    from engine_node.backends.vllm_requests import OutputBuffer
+    from engine_node.backends.vllm.requests import OutputBuffer
 
     buf = OutputBuffer()
     for queries, hits in ((1000, 0), (1100, 1000), (0, 0)):

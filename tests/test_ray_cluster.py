@@ -1,4 +1,4 @@
-"""Placement on a Ray cluster (trainer_bridge/ray_cluster.py): a local Ray
+"""Placement on a Ray cluster (trainer_bridge/ray/cluster.py): a local Ray
 instance (4 logical CPUs, no dashboard, a small object store), the torch
 backend, real processes and sockets.
 
@@ -29,9 +29,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from bus.errors import BadRequest, EngineDead
 from bus.proctree import descendants
 from tests.cluster import ROOT, Streams, child_env, live_children, wait_until
-from trainer_bridge.ray_actors import CLUSTER_ENV
-from trainer_bridge.ray_cluster import RayCluster, _process_hooks, _restore_hooks
-from trainer_bridge.ray_placement import plan_engines
+from trainer_bridge.ray.actors import CLUSTER_ENV
+from trainer_bridge.ray.cluster import RayCluster, _process_hooks, _restore_hooks
+from trainer_bridge.ray.placement import plan_engines
 
 pytestmark = pytest.mark.slow
 
@@ -334,7 +334,7 @@ def test_engine_processes_see_the_gpus_ray_gave_through_the_nodes_mask(local_ray
 def test_launch_ray_with_curve_places_each_nodes_keys_and_serves(tmp_path):
     """Issue 33 §4: `launch.py --ray --curve` (refused on main): the key folder
     is made on the driver, each actor writes the part its node needs onto its
-    node (ray_keys), the head and engine run CURVE on TCP, the launcher's
+    node (ray/keys), the head and engine run CURVE on TCP, the launcher's
     client gets in with its key, and the placed copies go with the actors."""
     keys = str(tmp_path / "keys")
     before = _ray_or_marked()
@@ -355,7 +355,7 @@ def test_launch_ray_with_curve_places_each_nodes_keys_and_serves(tmp_path):
 
 def test_ray_keys_give_each_role_its_part_privately(tmp_path):
     from bus.auth import KeyDir
-    from trainer_bridge.ray_keys import key_files, place_keys, with_curve_dir
+    from trainer_bridge.ray.keys import key_files, place_keys, with_curve_dir
 
     KeyDir(str(tmp_path / "k")).init()
     head, engine = key_files(str(tmp_path / "k"), "head"), key_files(str(tmp_path / "k"), "engine")

@@ -39,7 +39,7 @@ def _reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     """The oracle: transformers' own greedy generation of `n` tokens in this
     process, eos not stopping it (ignore_eos), independent of the cluster
     under test. One intra-op thread: the engines' setting for the tiny model
-    (torch_backend._SMALL_MODEL_PARAMS), and two threads on a busy 2-core
+    (torch/backend._SMALL_MODEL_PARAMS), and two threads on a busy 2-core
     machine cost minutes here."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -31,7 +31,7 @@ def hf(tiny_model):
 
 @pytest.fixture(scope="module")
 def backend(tiny_model):
-    from engine_node.backends.torch_backend import TorchBackend
+    from engine_node.backends.torch.backend import TorchBackend
 
     b = TorchBackend(tiny_model)
     yield b
@@ -114,7 +114,7 @@ def test_min_tokens_masks_stop_ids_until_reached(backend, hf):
 
 
 def test_min_p_matches_a_direct_draw(hf):
-    from engine_node.backends.torch_backend import sample_token
+    from engine_node.backends.torch.backend import sample_token
 
     x = logits_of(hf, PROMPT)[-1]
     for seed in range(20):

@@ -441,7 +441,7 @@ def test_skyrl_weight_sync_strategy_sends_chunks(engine, loop, tiny_model):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer_bridge.skyrl_weights import get_transfer_strategy_cls
+    from trainer_bridge.skyrl.weights import get_transfer_strategy_cls
 
     strategy = get_transfer_strategy_cls("nccl", colocate_all=False)
     assert strategy.create_init_info(types.SimpleNamespace(weight_sync_backend="nccl")).transport == "nccl"
@@ -536,7 +536,7 @@ def test_an_ipc_chunk_exported_by_this_process_is_read_without_opening_its_handl
     import torch
     from torch.multiprocessing import reductions
 
-    from trainer_bridge.skyrl_chunks import rebuild_shared
+    from trainer_bridge.skyrl.chunks import rebuild_shared
 
     packed = torch.arange(12, dtype=torch.float32)
     handle = b"made-up-cuda-ipc-handle"

@@ -27,7 +27,7 @@ from bus.codec import Codec
 from bus.errors import BadRequest, Unsupported
 from bus.transport import Transport, VllmNcclArgs
 from engine_node.transports.vllm_nccl import engine_args
-from trainer_bridge.skyrl_broadcast import check_backends, group_of
+from trainer_bridge.skyrl.broadcast import check_backends, group_of
 from trainer_bridge.transports.registry import sender_kind
 from trainer_bridge.transports.vllm_nccl import packed_plan, rank_offsets
 
@@ -130,7 +130,7 @@ def test_engines_off_the_vllm_backend_are_refused_naming_weight_sync_backend() -
     with pytest.raises(Unsupported) as e:
         check_backends([view("e0"), view("e1", backend="torch")])
     assert e.value.field == "weight_sync_backend" and "e1" in str(e.value) and "torch" in str(e.value)
-    assert "skyrl_weights" in str(e.value)  # what to use instead
+    assert "skyrl.weights" in str(e.value)  # what to use instead
     check_backends([view("e0")])
 
 
@@ -230,7 +230,7 @@ def test_skyrls_real_broadcast_strategy_drives_one_update_in_its_order(monkeypat
     _, BroadcastTransferStrategy, WeightChunk, get_transfer_strategy_cls = _skyrl()
     import torch
 
-    import trainer_bridge.skyrl as S
+    import trainer_bridge.skyrl.engine as S  # has_cuda is looked up there
     from trainer_bridge.skyrl import RolloutBusEngine
 
     monkeypatch.setattr(S, "has_cuda", lambda: True)  # this flow's CUDA is faked below
@@ -304,7 +304,7 @@ def test_update_weights_nccl_out_of_order_is_a_typed_error(monkeypatch) -> None:
 
 def test_skyrls_broadcast_init_on_a_trainer_without_cuda_is_a_typed_error(monkeypatch) -> None:
     BroadcastInitInfo, *_ = _skyrl()
-    import trainer_bridge.skyrl as S
+    import trainer_bridge.skyrl.engine as S  # has_cuda is looked up there
     from trainer_bridge.skyrl import RolloutBusEngine
 
     monkeypatch.setattr(S, "has_cuda", lambda: False)

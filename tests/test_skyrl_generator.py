@@ -145,7 +145,7 @@ def test_skyrl_gym_generator_runs_multi_turn_over_rollout_bus(torch_cluster, tok
     out, before, after, released, salts, salt = run(scenario())
     # use_cache_salt: SkyRL's salt (its policy's weight version) is on every request, as
     # vLLM's cache_salt; the vllm backend joins it with its own weight-version salt
-    # (engine_node/backends/vllm_requests.prefix_salt, tests/test_vllm_backend_cpu.py).
+    # (engine_node/backends/vllm/requests.prefix_salt, tests/test_vllm_backend_cpu.py).
     assert salt and len(salts) >= 2 and set(salts) == {salt}
     assert len({sid for sid, _ in released}) == 2 and all(live > before for _, live in released)
     assert len(out["response_ids"]) == 2 and out["rewards"] is not None
@@ -300,7 +300,7 @@ def test_skyrl_broadcast_strategy_with_torch_engines_is_a_typed_error(torch_clus
     """SkyRL's non-colocated strategy on a trainer WITH CUDA (faked) but
     engines on the torch backend: refused naming weight_sync_backend and the
     engines, before any group is made or any op reaches the engines."""
-    import trainer_bridge.skyrl as S
+    import trainer_bridge.skyrl.engine as S  # has_cuda is looked up there
 
     monkeypatch.setattr(S, "has_cuda", lambda: True)
     ie = InferenceEngineConfig(model_dtype="float32", weight_sync_backend="nccl")

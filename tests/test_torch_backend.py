@@ -21,7 +21,7 @@ from bus.protocol import SamplingParams, TensorMeta
 from bus.tensors import pack_bucket, plan_buckets
 from engine_node import tiny_model
 from engine_node.backend import Backend, BackendError, SeqRequest
-from engine_node.backends.torch_backend import TorchBackend, make_backend, sample_token
+from engine_node.backends.torch.backend import TorchBackend, make_backend, sample_token
 from engine_node.tiny_model import build_tiny_model, ensure_tiny_model, hf_quiet, make_random_lora
 from tests.cluster import wait_until
 

@@ -12,7 +12,7 @@ from bus import protocol as P
 from bus.codec import Codec
 from bus.errors import BadRequest
 from bus.transport import ARGS_OF, CudaIpcArgs, NcclArgs, Transport, ZmqArgs, backend_args, check_args
-from engine_node.backends.vllm_transports import VLLM_RECEIVERS
+from engine_node.backends.vllm.transports import VLLM_RECEIVERS
 from engine_node.transports.registry import RECEIVERS, receiver_for
 from trainer_bridge.transports.registry import SENDERS, sender_kind
 

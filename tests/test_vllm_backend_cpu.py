@@ -104,7 +104,7 @@ class FakeModel(__import__("torch").nn.Module):
 
 def make_worker():
     """The REAL worker extension (shm commit path included) on a fake CPU worker."""
-    from engine_node.backends.vllm_worker_ext import RolloutBusWorkerExtension
+    from engine_node.backends.vllm.worker_ext import RolloutBusWorkerExtension
 
     class FakeWorker(RolloutBusWorkerExtension):
         def __init__(self):
@@ -420,7 +420,7 @@ def model_dir(tmp_path):
 
 @pytest.fixture
 def be(model_dir):
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
 
     b = make_backend(
         model_dir, max_model_len=64, enable_lora=True, rpc_timeout_s=0.3, weight_timeout_s=0.3, _api=fake_api(model_dir)
@@ -471,7 +471,7 @@ def test_info_defaults_and_protocol(be):
 
 
 def test_options_override_engine_defaults(model_dir):
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
 
     b = make_backend(model_dir, max_num_seqs=7, max_num_batched_tokens=4096, _api=fake_api(model_dir))
     try:
@@ -482,7 +482,7 @@ def test_options_override_engine_defaults(model_dir):
 
 
 def test_request_building(be):
-    from engine_node.backends.vllm_requests import build_request, sampling_params
+    from engine_node.backends.vllm.requests import build_request, sampling_params
 
     FAKE.paused = True  # keep the request in the fake to inspect it
     be.add(seq("a", 5, temperature=0.0, top_k=-1, seed=3, stop_token_ids=[99], logprobs=True))
@@ -752,7 +752,7 @@ def test_engine_death_surfaces_as_backend_error(be):
 
 
 def test_close_stops_the_client(model_dir):
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
 
     b = make_backend(model_dir, _api=fake_api(model_dir))
     fake = FAKE
@@ -799,7 +799,7 @@ def test_output_thread_error_is_fatal_and_abort_survives_it(be):
 
 
 def test_start_failure_is_a_backend_error(model_dir):
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
 
     api = fake_api(model_dir)
 
@@ -879,7 +879,7 @@ def test_resume_ramp_sends_the_shortest_first_then_the_rest(model_dir):
     """A burst into an empty engine is held until the node's next step(); then
     the shortest sequences go first, up to the budget; the rest when their
     first output arrives."""
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
 
     b = make_backend(
         model_dir, max_model_len=64, resume_ramp_tokens=10, resume_ramp_wait_s=5.0, _api=fake_api(model_dir)
@@ -923,7 +923,7 @@ def test_resume_ramp_sends_the_shortest_first_then_the_rest(model_dir):
 
 
 def test_resume_ramp_auto_is_the_largest_cuda_graph(model_dir):
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
 
     b = make_backend(model_dir, max_model_len=64, resume_ramp_tokens="auto", _api=fake_api(model_dir))
     try:
@@ -947,7 +947,7 @@ def test_extra_graph_tokens_extends_llms_capture_sizes(model_dir):
     """LLM's sizes (the fake's 1..16) plus a few up to the option (capped at
     max_num_batched_tokens), the user's other compilation fields kept; the
     ramp's "auto" then follows the largest graph."""
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
 
     api = fake_api(model_dir)
     b = make_backend(
@@ -983,7 +983,7 @@ def test_extra_graph_tokens_extends_llms_capture_sizes(model_dir):
 def test_resume_ramp_ignores_late_outputs_of_aborted_requests(model_dir):
     """After a pause(abort) the core may still deliver outputs of the aborted
     requests (or stats-only batches): those must not end the ramp."""
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
 
     b = make_backend(
         model_dir, max_model_len=64, resume_ramp_tokens=10, resume_ramp_wait_s=5.0, _api=fake_api(model_dir)
@@ -1015,7 +1015,7 @@ def test_output_trace_says_where_the_first_live_output_came_from(model_dir):
     """The node arms the trace at a Resume; the first batch with output of a
     live request closes it: late batches before it are counted, the ramp's
     sends and its release are recorded, times are ms after the arming."""
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
 
     b = make_backend(
         model_dir, max_model_len=64, resume_ramp_tokens=10, resume_ramp_wait_s=5.0, _api=fake_api(model_dir)
@@ -1076,7 +1076,7 @@ class FakeSenderComm:
 @pytest.fixture
 def be_slow(model_dir):
     """weight_timeout_s 10: the commit may record a copy plan (seconds on a cold CPU)."""
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
 
     b = make_backend(model_dir, max_model_len=64, rpc_timeout_s=5, weight_timeout_s=10, _api=fake_api(model_dir))
     yield b
@@ -1090,7 +1090,7 @@ def test_nccl_parts_of_two_senders_commit_as_one_update(be_slow, monkeypatch):
     the one commit writes both; a name sent twice is refused naming it."""
     import torch
 
-    from engine_node.backends import vllm_worker_ext as X
+    from engine_node.backends.vllm import worker_ext as X
 
     parts = {
         0: [("w.a", torch.arange(16, dtype=torch.float32).reshape(4, 4))],
@@ -1240,7 +1240,7 @@ def test_level2_partial_update_reloads_the_rest_first(be):
 
 
 def test_nccl_worker_checks_in_and_a_cancelled_or_failed_receive_leaves_nothing_to_commit():
-    """The real worker extension (engine_node/backends/vllm_worker_nccl.py):
+    """The real worker extension (engine_node/backends/vllm/worker_nccl.py):
     with NcclArgs.check_in it adds itself under the trainer's store key and
     waits for the go before anything collective; told not to go (the op
     failed elsewhere) or failing mid-broadcast, its update is dropped, so a
@@ -1251,7 +1251,7 @@ def test_nccl_worker_checks_in_and_a_cancelled_or_failed_receive_leaves_nothing_
     import torch
     from torch.distributed import TCPStore
 
-    from engine_node.backends import vllm_worker_nccl as WN
+    from engine_node.backends.vllm import worker_nccl as WN
 
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
@@ -1312,7 +1312,7 @@ def test_issue37_routed_experts_map_to_sequence_positions(model_dir):
     """vLLM's per-output routes (the prompt's at prefill, then one per step)
     become StepOutput rows at the right positions; a re-submission asks vLLM
     to start at its last token (routed_experts_prompt_start); off costs nothing."""
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
 
     b = make_backend(model_dir, max_model_len=64, return_routed_experts=True, _api=fake_api(model_dir))
     try:

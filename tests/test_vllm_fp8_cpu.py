@@ -1,7 +1,7 @@
-"""CPU tests of engine_node/backends/vllm_fp8.py (no vLLM, no GPU).
+"""CPU tests of engine_node/backends/vllm/fp8.py (no vLLM, no GPU).
 
 The model and the reload machinery are FAKES that mirror vLLM 0.24's
-semantics as vllm_fp8 relies on them (model_executor/model_loader/reload):
+semantics as vllm/fp8 relies on them (model_executor/model_loader/reload):
 checkpoint-format tensors recorded at construction; `initialize` keeps the
 kernel tensors aside and re-creates checkpoint-format staging tensors (filled
 with NaN here, so memory nobody loaded shows); a layer is processed as soon as
@@ -21,8 +21,8 @@ import types
 import pytest
 import torch
 
-from engine_node.backends import vllm_fp8
-from engine_node.backends.vllm_fp8 import QuantizedLoadError, incomplete_groups, load_into_quantized, quant_kind
+from engine_node.backends.vllm import fp8
+from engine_node.backends.vllm.fp8 import QuantizedLoadError, incomplete_groups, load_into_quantized, quant_kind
 
 F8 = torch.float8_e4m3fn
 FMAX = torch.finfo(F8).max
@@ -35,7 +35,7 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / scale).clamp(-FMAX, FMAX).to(F8), scale.reshape(())
 
 
-class Fp8PerTensorOnlineLinearMethod:  # the names matter: vllm_fp8 reads class names
+class Fp8PerTensorOnlineLinearMethod:  # the names matter: vllm/fp8 reads class names
     uses_meta_device = True
 
     def process_weights_after_loading(self, layer):
@@ -66,7 +66,7 @@ class Linear(torch.nn.Module):
     def __init__(self, shards: dict[str, int], in_dim: int, method):
         super().__init__()
         self.shards, self.quant_method = shards, method
-        self.orig_dtype = BF16  # vLLM's online fp8 method sets it (vllm_fp8's fallback model_config reads it)
+        self.orig_dtype = BF16  # vLLM's online fp8 method sets it (vllm/fp8's fallback model_config reads it)
         self.weight = torch.nn.Parameter(torch.zeros(sum(shards.values()), in_dim, dtype=BF16), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
@@ -130,7 +130,7 @@ class FakeModel(torch.nn.Module):
 
 
 class FakeReload:
-    """vLLM's layerwise reload, as vllm_fp8 relies on it (see the module docstring)."""
+    """vLLM's layerwise reload, as vllm/fp8 relies on it (see the module docstring)."""
 
     def __init__(self):
         self.meta: dict[torch.nn.Module, dict[str, tuple]] = {}
@@ -348,11 +348,11 @@ def test_quant_kind():
     assert quant_kind(with_methods(UnquantizedLinearMethod(), Fp8KVCacheMethod())) is None
     assert quant_kind(with_methods(UnquantizedLinearMethod(), None)) is None
     assert quant_kind(with_methods(Fp8LinearMethod(), Fp8PerTensorOnlineLinearMethod())) == "serialized"
-    assert vllm_fp8.is_quantized(with_methods(Fp8LinearMethod()))
+    assert fp8.is_quantized(with_methods(Fp8LinearMethod()))
 
 
 def test_incomplete_groups():
-    packed = vllm_fp8.DEFAULT_PACKED
+    packed = fp8.DEFAULT_PACKED
     full = [f"m.l.0.{a}.weight" for a in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "o_proj")]
     assert incomplete_groups(full, packed) == []
     assert incomplete_groups(["m.l.0.q_proj.weight", "m.l.0.k_proj.weight", "m.l.0.q_proj.bias"], packed) == [
@@ -366,16 +366,16 @@ def test_incomplete_groups():
 
 # ------------------------------------------------------------------ the worker extension's hook
 def _worker(model, api, monkeypatch):
-    from engine_node.backends.vllm_worker_ext import RolloutBusWorkerExtension
+    from engine_node.backends.vllm.worker_ext import RolloutBusWorkerExtension
 
     calls = []
-    real = vllm_fp8.load_into_quantized
+    real = fp8.load_into_quantized
 
     def spy(m, named, cfg=None, **kw):
         calls.append(type(named).__name__)
         return real(m, named, cfg, api=api)
 
-    monkeypatch.setattr(vllm_fp8, "load_into_quantized", spy)
+    monkeypatch.setattr(fp8, "load_into_quantized", spy)
 
     class W(RolloutBusWorkerExtension):
         def __init__(self):
@@ -388,7 +388,7 @@ def _worker(model, api, monkeypatch):
 
 def test_worker_commit_shm_loads_all_buckets_in_one_call(monkeypatch):
     from bus.tensors import pack_bucket, plan_buckets
-    from engine_node.backends import vllm_weights as W
+    from engine_node.backends.vllm import weights as W
 
     A, B = checkpoint(0), checkpoint(1)
     model, api = fresh(A)
@@ -411,7 +411,7 @@ def test_worker_commit_shm_loads_all_buckets_in_one_call(monkeypatch):
 
 def test_worker_commit_from_received_buckets_checks_the_whole_list(monkeypatch):
     from bus.tensors import pack_bucket, plan_buckets
-    from engine_node.backends import vllm_weights as W
+    from engine_node.backends.vllm import weights as W
 
     A, B = checkpoint(0), checkpoint(1)
     model, api = fresh(A)
@@ -434,15 +434,15 @@ def test_default_reload_without_vllm_says_what_is_missing():
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
     with pytest.raises(RuntimeError, match="0.24"):
-        vllm_fp8.VllmReload()
+        fp8.VllmReload()
 
 
 def test_worker_repeated_updates_from_kept_buckets_stay_on_the_fp8_path(monkeypatch):
     """Buckets the worker keeps (nccl staging, zero-copy maps) let an unquantized
     model reuse the plan's views; an fp8 engine never takes the plan, so every
-    update goes through vllm_fp8's load, equal to a fresh engine, nothing kept."""
+    update goes through vllm/fp8's load, equal to a fresh engine, nothing kept."""
     from bus.tensors import pack_bucket, plan_buckets
-    from engine_node.backends import vllm_weights as W
+    from engine_node.backends.vllm import weights as W
 
     model, api = fresh(checkpoint(0))
     worker, calls = _worker(model, api, monkeypatch)
@@ -461,7 +461,7 @@ def test_worker_repeated_updates_from_kept_buckets_stay_on_the_fp8_path(monkeypa
         st["keep_views"] = True
         worker._rb_validate(st)
         r = worker.rollout_bus_commit(f"k{k}")
-        assert r["path"] == "load_weights" and r["why"] == "quantized model (vllm_fp8)", r
+        assert r["path"] == "load_weights" and r["why"] == "quantized model (vllm/fp8.py)", r
         assert worker._rb()["kept"] is None
         assert same_bits(kernel_state(model), kernel_state(fresh(sd)[0])), f"update {k}"
     assert calls == ["list"] * 3

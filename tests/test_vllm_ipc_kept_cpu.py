@@ -1,5 +1,5 @@
 """CPU tests of what the vLLM backend reuses between zero-copy cuda_ipc
-updates (engine_node/backends/vllm_weight_reuse.py, issue 21 §2): the same
+updates (engine_node/backends/vllm/weight_reuse.py, issue 21 §2): the same
 tensor list is validated once, and once the workers keep an IPC layout the
 commit sends them its token, not 339 metas and handles. Whatever is reused,
 the parameters must equal load_weights' bit for bit, and a sleep, a changed
@@ -15,7 +15,7 @@ import torch
 from bus.protocol import TensorMeta
 from bus.tensors import dtype_name
 from engine_node.backend import BackendError
-from engine_node.backends import vllm_weights as W
+from engine_node.backends.vllm import weights as W
 from tests.test_vllm_backend_cpu import wait
 from tests.vllm_like import checkpoint, same_bits, snapshot
 
@@ -27,7 +27,7 @@ class Trainer:
     the backend made (method names, in order)."""
 
     def __init__(self, vbe, monkeypatch):
-        from engine_node.backends import vllm_worker_ipc as X
+        from engine_node.backends.vllm import worker_ipc as X
 
         self.be, self.ref = vbe, vbe.test_ref
         self.params = {n: t.clone().contiguous() for n, t in checkpoint(self.ref, seed=1)}

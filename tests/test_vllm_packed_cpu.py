@@ -1,7 +1,7 @@
 """The vllm_nccl receive inside the vLLM backend on CPU: the real backend ops
-(engine_node/backends/vllm_transports.py), the real worker extension
-(vllm_worker_packed.py over vllm_worker_nccl's group cache and staging, the
-commit of vllm_worker_apply) in the FAKE vLLM engine of
+(engine_node/backends/vllm/transports.py), the real worker extension
+(vllm/worker_packed.py over vllm/worker_nccl's group cache and staging, the
+commit of vllm/worker_apply) in the FAKE vLLM engine of
 tests/test_vllm_backend_cpu.py. Only the collective is fake: a FAKE
 communicator that hands out the trainer's packed bytes, and a FAKE of vLLM's
 packed consumer (same cut, one reused buffer per slot, overwritten after each
@@ -15,7 +15,7 @@ import torch
 from bus import protocol as P
 from bus.transport import Transport, VllmNcclArgs
 from engine_node.backend import BackendError
-from engine_node.backends import vllm_worker_packed as WP
+from engine_node.backends.vllm import worker_packed as WP
 from engine_node.transports.vllm_nccl import engine_args
 from tests import test_vllm_backend_cpu as T
 from tests.test_vllm_backend_cpu import be_slow, model_dir, wait  # noqa: F401 (fixtures)

@@ -1,4 +1,4 @@
-"""CPU tests of the weight plan (engine_node.backends.vllm_weight_plan): learned
+"""CPU tests of the weight plan (engine_node.backends.vllm.weight_plan): learned
 from a vLLM-shaped model's own load_weights, replayed as copies, and equal to
 load_weights bit for bit. Runs in CI (no GPU, no vLLM)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bus.tensors import pack_bucket, plan_buckets, unpack_bucket
-from engine_node.backends.vllm_weight_plan import WeightPlan, plannable
+from engine_node.backends.vllm.weight_plan import WeightPlan, plannable
 from tests.vllm_like import VllmLikeModel, checkpoint, same_bits, snapshot
 
 pytestmark = pytest.mark.timeout(60)
@@ -133,8 +133,8 @@ def vllm_like_backend(tmp_path, monkeypatch):
         pytest.skip("real vLLM installed: GPU tests cover it")
     from safetensors.torch import save_file
 
-    from engine_node.backends import vllm_worker_ipc as X  # open_ipc_handle lives there
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm import worker_ipc as X  # open_ipc_handle lives there
+    from engine_node.backends.vllm.backend import make_backend
     from tests import test_vllm_backend_cpu as T
 
     ref = VllmLikeModel(seed=5)
@@ -287,7 +287,7 @@ def test_plan_through_lora_wrappers(vbe):
         attn.qkv_proj = wrapper.base_layer  # compare with the reference's names
         assert same_bits(snapshot(ref), snapshot(worker.model)) == [], f"update {k}"
         attn.qkv_proj = wrapper
-    from engine_node.backends.vllm_worker_apply import _LORA_SWAPS
+    from engine_node.backends.vllm.worker_apply import _LORA_SWAPS
 
     assert [m for _, _, m in _LORA_SWAPS[worker.model]] == [wrapper], "nested unwraps must not forget the wrappers"
 
@@ -314,7 +314,7 @@ def _zero_copy_update(be, named, tag, handle_of):
 
 
 def test_zero_copy_keeps_maps_and_views_across_updates(vbe, monkeypatch):
-    from engine_node.backends import vllm_worker_ipc as X  # open_ipc_handle lives there
+    from engine_node.backends.vllm import worker_ipc as X  # open_ipc_handle lives there
 
     ref, worker = vbe.test_ref, vbe.test_fake.worker
     opened: list[bytes] = []
@@ -390,7 +390,7 @@ def test_one_trip_through_the_engine_txn_is_one_worker_call_and_writes_like_load
     from bus.protocol import BeginWeightUpdate, FinishWeightUpdate, TensorMeta
     from bus.tensors import dtype_name
     from bus.transport import CudaIpcArgs
-    from engine_node.backends import vllm_worker_ipc as X
+    from engine_node.backends.vllm import worker_ipc as X
     from engine_node.core import RequestCore
     from engine_node.weight_update import WeightUpdates
 

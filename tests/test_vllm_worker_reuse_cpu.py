@@ -1,5 +1,5 @@
 """CPU tests of what a repeated weight update reuses inside a vLLM worker
-(engine_node/backends/vllm_worker_reuse.py): the validated layout, and, while
+(engine_node/backends/vllm/worker_reuse.py): the validated layout, and, while
 the buckets are kept (zero-copy IPC maps, nccl staging), the plan's cut source
 views. Reused or not, the parameters must equal load_weights' bit for bit, and
 anything that changes what the views point at must invalidate them.
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from bus.tensors import pack_bucket, plan_buckets
-from engine_node.backends.vllm_weight_plan import Replay, WeightPlan
-from engine_node.backends.vllm_worker_reuse import Kept, Layout
+from engine_node.backends.vllm.weight_plan import Replay, WeightPlan
+from engine_node.backends.vllm.worker_reuse import Kept, Layout
 from tests.test_vllm_weight_plan_cpu import _zero_copy_update
 from tests.vllm_like import VllmLikeModel, checkpoint, same_bits, snapshot
 
@@ -66,7 +66,7 @@ class Trainer:
     (a new handle, as share_in_place gives for a new storage)."""
 
     def __init__(self, vbe, monkeypatch):
-        from engine_node.backends import vllm_worker_ipc as X  # open_ipc_handle lives there
+        from engine_node.backends.vllm import worker_ipc as X  # open_ipc_handle lives there
 
         self.be, self.ref = vbe, vbe.test_ref
         self.params = {n: t.clone().contiguous() for n, t in checkpoint(self.ref, seed=1)}

@@ -68,8 +68,8 @@ class AsyncClient(ControlPort):
         `curve_dir`: the cluster's key folder (security on: its head.key is
         the server key); `client_key`: this client's key, a name in
         curve_dir/clients/ (default "default") or the path of a .key_secret
-        file - its public key must be on the head's allow-list (README,
-        "Security"). `tokenizer`: a Hugging Face tokenizer or a local model
+        file - its public key must be on the head's allow-list
+        (docs/security.md). `tokenizer`: a Hugging Face tokenizer or a local model
         folder; without one, text/chat prompts load the tokenizer of the
         engines' model folder. `token_file`: the cluster's join token, needed
         by control ops that change the cluster (pause, updates, sleep, LoRA);

@@ -286,7 +286,7 @@ class HeadLink:
                 f"the head at {self.address} is a secured (CURVE, or join token) cluster ({_why(event)}) and this "
                 f"client has no keys{'' if self._plain is not None else ' and no join token'}: "
                 "pass curve_dir= (a copy of the head's key folder) and client_key= - the launcher prints "
-                "the exact Client(...) line (README, Security)"
+                "the exact Client(...) line (docs/security.md)"
                 if self._curve is None
                 else f"the handshake with the head at {self.address} failed ({_why(event)}): "
                 "this client uses CURVE keys; is the head started with --curve?",
@@ -297,7 +297,7 @@ class HeadLink:
             return AuthRefused(
                 f"the head at {self.address} refused this client's CURVE key {key} (ZAP status "
                 f"{event['value']}): it is not on the head's clients allow-list - add it with "
-                "`python launch.py keys add-client NAME --public FILE` (README, Security)",
+                "`python launch.py keys add-client NAME --public FILE` (docs/security.md)",
                 field="client_key",
             )
         return None
@@ -310,7 +310,7 @@ class HeadLink:
         return AuthRefused(
             f"the head at {self.address} {why} at the handshake ({_why(event)}): pass "
             "Client(..., token_file=PATH) (the 0600 file launch.py made), set $ROLLOUT_BUS_TOKEN_FILE, or run "
-            "on the launcher's host, where it is found by the address (README, Security)",
+            "on the launcher's host, where it is found by the address (docs/security.md)",
             field="token",
         )
 

@@ -180,7 +180,7 @@ class ControlPort(HeadLink):
         """Open the gate (all scopes, or adapter `lora`); per engine a
         ResumeResult. Pauses are held per holder: while another live client
         holds the pause, this releases only this client's own hold, the
-        engines stay paused and the answer is {} (see README, Leases).
+        engines stay paused and the answer is {} (see docs/guarantees.md, Leases).
         `force=True`: release every holder's hold and open the gate now."""
         return expect(await self.control(P.Resume(lora=lora, force=force)), P.ResumeResult)
 

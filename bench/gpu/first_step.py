@@ -5,7 +5,7 @@ scheduling the first re-submitted request and that request's first output.)
 
 vLLM's EngineCore runs IN THIS PROCESS (no busy loop, no sockets): the same
 engine arguments as the vllm backend, the same EngineCoreRequests
-(`vllm_requests.build_request`, a fresh prefix-cache salt per resume, as after
+(`vllm/requests.build_request`, a fresh prefix-cache salt per resume, as after
 a weight commit), stepped by hand, every step timed. Per scenario and rep:
 
   1. `--streams` requests (random prompts of --prompt-min..--prompt-max ids)
@@ -49,7 +49,7 @@ def engine(a: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     from vllm.v1.engine.core_client import InprocClient
     from vllm.v1.executor import Executor
 
-    from engine_node.backends.vllm_engine_core import load_vllm_api
+    from engine_node.backends.vllm.engine_core import load_vllm_api
 
     api = load_vllm_api()
     kw: dict[str, Any] = dict(
@@ -89,7 +89,7 @@ class Driver:
         self.steps: list[dict[str, Any]] = []
 
     def add(self, prompt: list[int], max_tokens: int, salt: str | None) -> str:
-        from engine_node.backends.vllm_requests import build_request, sampling_params
+        from engine_node.backends.vllm.requests import build_request, sampling_params
 
         self.n += 1
         rid = f"r{self.n}"

@@ -4,7 +4,7 @@ preset on an H200, against 0.49 ms for one flat copy of the same bytes.)
 
 Torch only, no vLLM: vLLM-shaped fused destinations (qkv, gate_up: row slices of one
 parameter) and checkpoint-shaped sources cut from flat 256-byte-aligned uint8 buckets, as
-`engine_node/backends/vllm_weight_plan.py` replays them; --preset qwen05 (290 tensors,
+`engine_node/backends/vllm/weight_plan.py` replays them; --preset qwen05 (290 tensors,
 0.99 GB) or qwen7b (Qwen2-7B: 339 tensors, 15.23 GB; ~46 GB of GPU memory in all).
 Ways, median of --reps (CUDA-synchronized wall time, and the CPU time to launch):
   loop         copy_ per tensor
@@ -12,7 +12,7 @@ Ways, median of --reps (CUDA-synchronized wall time, and the CPU time to launch)
   hybrid_N     copy_ for tensors >= N MiB (--big-mib), foreach for the rest
   plan         the product's write: WeightPlan.replay(...).run() with its default
                BIG_COPY_BYTES, the Replay kept across updates as the worker keeps it
-               (engine_node/backends/vllm_worker_reuse.py)
+               (engine_node/backends/vllm/worker_reuse.py)
   plan_recut   the same, with the source views cut from the bucket every update
                (sources_from_buckets + replay: what a worker without kept views pays)
   flat         one copy of the whole bucket (the floor)
@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from engine_node.backends.vllm_weight_plan import BIG_COPY_BYTES, WeightPlan, _Copy
+from engine_node.backends.vllm.weight_plan import BIG_COPY_BYTES, WeightPlan, _Copy
 
 QWEN05 = dict(hidden=896, inter=4864, layers=24, heads=14, kv_heads=2, head_dim=64, vocab=151936, tied=1)
 QWEN7B = dict(hidden=3584, inter=18944, layers=28, heads=28, kv_heads=4, head_dim=128, vocab=152064, tied=0)

@@ -166,10 +166,10 @@ def gpu_list(spec: dict[str, Any]) -> list[str]:
 
 def gpu_ids(spec: dict[str, Any]) -> list[str]:
     """The CUDA_VISIBLE_DEVICES entries of this job's first N GPUs, through an
-    inherited mask (launch_config.visible_gpus: a job given GPUs 4-7 uses 4-7)."""
+    inherited mask (launcher.config.visible_gpus: a job given GPUs 4-7 uses 4-7)."""
     import os
 
-    from launch_config import visible_gpus  # lazy: the launcher's mapping, only where vLLM servers start
+    from launcher.config import visible_gpus  # lazy: the launcher's mapping, only where vLLM servers start
 
     seen, _ = visible_gpus(os.environ, lambda: spec["engines"])
     if len(seen) < spec["engines"]:

@@ -94,7 +94,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def visible_gpu_count() -> int:
-    from launch_config import visible_gpus  # lazy: the launcher's own reading of the mask
+    from launcher.config import visible_gpus  # lazy: the launcher's own reading of the mask
 
     def count() -> int:
         try:

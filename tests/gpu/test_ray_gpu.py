@@ -117,7 +117,7 @@ def keys(tmp_path_factory):
 
 
 def _ray_cluster(n: int, keys: str, model: str = MODEL, **kw):
-    from trainer_bridge.ray_cluster import RayCluster
+    from trainer_bridge.ray.cluster import RayCluster
 
     return RayCluster.start(
         n, backend="vllm", model=model, backend_options=dict(OPTS), curve_dir=keys, max_restarts=2,

@@ -50,7 +50,7 @@ def wait(op, timeout_s: float = 120.0, be=None):
 # ------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def backend(model_dirs, llm_reference):
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
 
     t0 = time.perf_counter()
     be = make_backend(model_dirs["A"], **ENGINE_OPTS)
@@ -452,7 +452,7 @@ def test_stats(backend):
 
 def test_engine_processes_die_with_a_killed_node(model_dirs, tmp_path):
     """kill -9 of the process that owns the backend takes the EngineCore (and
-    its workers) with it (the node watch in vllm_worker_ext)."""
+    its workers) with it (the node watch in vllm/worker_ext)."""
     import signal
     import subprocess
     import sys
@@ -460,7 +460,7 @@ def test_engine_processes_die_with_a_killed_node(model_dirs, tmp_path):
     import psutil
 
     code = (
-        "import sys, time; from engine_node.backends.vllm_backend import make_backend; "
+        "import sys, time; from engine_node.backends.vllm.backend import make_backend; "
         f"b = make_backend({model_dirs['A']!r}, gpu_memory_utilization=0.15, max_model_len=512, "
         "enforce_eager=True, dtype='bfloat16'); print('READY', flush=True); time.sleep(600)"
     )
@@ -507,7 +507,7 @@ def test_nccl_update_trainer_gpu0_engine_gpu1(model_dirs):
     """Trainer (this process) on GPU 0 broadcasts over NCCL to an engine on GPU 1."""
     import torch
 
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
     from trainer_bridge.transports.nccl import NcclSender
 
     torch.cuda.set_device(0)
@@ -559,7 +559,7 @@ def test_nccl_update_trainer_gpu0_engine_gpu1(model_dirs):
         assert gap < HF_GAP_TOL and agree > 0.9
         # a bigger transfer for the GB/s figure: 1 GiB of buckets into a scratch update (aborted;
         # not model weights, so the record is made by hand past the name check)
-        from engine_node.backends.vllm_weights import WeightUpdate
+        from engine_node.backends.vllm.weights import WeightUpdate
 
         big = [(f"x{i}", torch.empty(64 << 20, dtype=torch.uint8, device="cuda:0")) for i in range(16)]
         bm, bs, bt = sender.plan(big)
@@ -593,7 +593,7 @@ def test_tp2_engine_receives_cuda_ipc(model_dirs):
     """A TP=2 engine gets the full tensors on both workers (load_weights shards them)."""
     import torch
 
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
     from trainer_bridge.transports.cuda_ipc import CudaIpcSender
 
     if True:
@@ -642,7 +642,7 @@ def test_bench_model(backend):
     from vllm import LLM
     from vllm import SamplingParams as VSP
 
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
     from trainer_bridge.transports.cuda_ipc import CudaIpcSender
 
     opts = dict(gpu_memory_utilization=0.3, max_model_len=4096, dtype="bfloat16", seed=0, skip_tokenizer_init=True)

@@ -134,7 +134,7 @@ def test_colocated_sleep_wake_by_tags_with_cuda_ipc_update(colo, model_dirs, lev
 def test_colocated_update_refused_while_the_weights_sleep_then_kv_first(colo, model_dirs, level):
     """An update while the weights sleep is refused and changes nothing; the
     other wake order (KV cache first) serves the same tokens. Level 2 also
-    covers vllm_worker_ext holding vLLM's saved buffers across the KV-first
+    covers vllm/worker_ext holding vLLM's saved buffers across the KV-first
     wake, and the checkpoint reload when no update wrote the woken weights."""
     import torch
     from transformers import AutoModelForCausalLM

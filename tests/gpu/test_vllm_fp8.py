@@ -3,7 +3,7 @@
 An engine started with quantization="fp8" on a bf16 checkpoint quantizes online
 (fp8 weights, one dynamic scale per tensor). The trainer pushes bf16 tensors;
 the workers reload them through vLLM's layerwise reload, which re-quantizes
-(engine_node/backends/vllm_fp8.py). After an update the engine must generate
+(engine_node/backends/vllm/fp8.py). After an update the engine must generate
 what a FRESH fp8 engine started on the same weights generates: the fp8 bytes
 and scales are the same function of the same bf16 values.
 
@@ -56,7 +56,7 @@ def wait(op, timeout_s: float = 300.0):
 
 
 def start(model_dir):
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
 
     t0 = time.perf_counter()
     be = make_backend(model_dir, **FP8_OPTS)

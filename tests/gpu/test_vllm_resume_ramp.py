@@ -24,7 +24,7 @@ GRAPH_TOKENS = 1024
 
 @pytest.fixture(scope="module")
 def ramped(model_dirs):
-    from engine_node.backends.vllm_backend import make_backend
+    from engine_node.backends.vllm.backend import make_backend
 
     t0 = time.perf_counter()
     be = make_backend(

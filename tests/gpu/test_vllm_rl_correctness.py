@@ -74,7 +74,7 @@ def test_vllm_seeded_equal_on_either_engine_and_what_a_pause_does(pair):
     # pause(abort) in the middle of a seeded stream: the prefix is the same;
     # the re-submitted request gets a fresh per-request generator seeded with
     # the same seed, so the rest equals a new request of prompt + prefix with
-    # that seed — not the unpaused continuation (README: "Reproducibility").
+    # that seed — not the unpaused continuation (docs/rl-correctness.md, the `vllm` row of the seeded-resume table).
     long = {"max_tokens": 1500, "temperature": 1.0, "ignore_eos": True, "seed": 5}
     ref = c.generate(PROMPT, long).token_ids
     chunks = []

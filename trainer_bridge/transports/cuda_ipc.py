@@ -20,7 +20,7 @@ already hold is one: trainer_bridge/transports/one_trip.py):
   handles: one `bytes` per bucket (pickled reduce_tensor tuple + the GPU's uuid:
   the engine maps the physical GPU to its own device numbering).
 The engine side is engine_node/transports/cuda_ipc.py and the vLLM backend
-(engine_node.backends.vllm_backend + vllm_worker_ext).
+(engine_node.backends.vllm.backend + vllm/worker_ext).
 
 torch is imported lazily.
 """

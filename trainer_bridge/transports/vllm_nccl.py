@@ -15,10 +15,10 @@ sends no byte of it: this module only describes the update to the engines.
     group_args(...)                the VllmNcclArgs the engines join the group with
 
 The engine side (engine_node/transports/vllm_nccl.py, the vLLM backend's
-vllm_worker_packed.py) joins the group as vLLM's receiver does
+vllm/worker_packed.py) joins the group as vLLM's receiver does
 (StatelessProcessGroup.create at rank_offset + worker rank) and receives with
 vLLM's packed consumer into its staging buffers; the commit is the nccl
-transport's. The flow that drives it is trainer_bridge/skyrl_broadcast.py.
+transport's. The flow that drives it is trainer_bridge/skyrl/broadcast.py.
 
 SENDERS entry: refuses (`update_weights(transport="vllm_nccl")` has no bytes to
 send: the broadcast is the trainer's own).
