@@ -486,7 +486,7 @@ class Control(_Msg, tag="ctl"):
     targets: Ids | None = None
     timeout_s: float = 60.0
     # The cluster's join token (launch.py makes it): ops that change cluster
-    # state need it unless the connection is CURVE-authenticated (README, Security).
+    # state need it unless the connection is CURVE-authenticated (docs/security.md).
     token: Short = ""
 
 

@@ -1,5 +1,5 @@
 """Who may speak on which socket: every socket authenticates its peer at the
-handshake, by role (README, Security).
+handshake, by role (docs/security.md).
 
     socket                    roles it admits          --curve (TCP)         otherwise (TCP and IPC)
     head frontend             clients                  clients/*.key         PLAIN client / role secret

@@ -42,7 +42,7 @@ def check_join_token(token: str | None, given: str, frames: list[Any], *, what: 
     raise Unauthorized(
         f"{what} with {why}: this cluster needs its join token (the 0600 file launch.py made: engines "
         "--token-file or $ROLLOUT_BUS_TOKEN_FILE, clients Client(..., token_file=...) or the file launch.py "
-        "publishes for its address; README, Security)",
+        "publishes for its address; docs/security.md)",
         field="token",
     )
 
