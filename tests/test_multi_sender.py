@@ -159,12 +159,12 @@ def test_colocated_ranks_each_feed_only_the_engine_on_their_own_gpu(cluster, tin
     full = list(_perturbed(tiny_model, 9).named_parameters())
     ranks = [cluster.client(control_timeout_s=T) for _ in range(2)]
     with c.weight_update(senders=2, bucket_bytes=1 << 15) as upd:
-        with pytest.raises(BadRequest, match="not targets") as e:
-            ranks[0].weight_sender(upd.update_id, 0, engines=["no-such-engine"], sender_secret=upd.sender_secret)
-        assert e.value.field == "engines"
         with pytest.raises(BadRequest) as e:  # the update id alone does not make a sender of it
             ranks[0].weight_sender(upd.update_id, 0, engines=["e0"])
         assert e.value.field == "sender_secret"
+        with pytest.raises(BadRequest, match="not targets") as e:
+            ranks[0].weight_sender(upd.update_id, 0, engines=["no-such-engine"], sender_secret=upd.sender_secret)
+        assert e.value.field == "engines"
         for r, rc in enumerate(ranks):
             stats = rc.weight_sender(upd.update_id, r, engines=[f"e{r}"], sender_secret=upd.sender_secret)
             stats = stats.send(iter(full))
