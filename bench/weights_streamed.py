@@ -201,7 +201,7 @@ async def push_old(client: Any, named: list[tuple[str, Any]], bucket_bytes: int,
                 buf = pack_bucket(b, metas, sizes, tensors)
                 snd._ship(socks, codec, (b, [], buf))
                 await snd._acks(socks, codec, b, [m for m in metas if m.bucket == b])
-            end = codec.encode(P.WeightSenderEnd(upd.update_id, 0, len(sizes)))
+            end = codec.encode(P.WeightSenderEnd(upd.update_id, 0, len(sizes), sender_secret=snd.secret))
             for s in socks.values():
                 s.send_multipart(end)
             await snd._acks(socks, codec, -1, [])

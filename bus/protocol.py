@@ -36,7 +36,8 @@ Where things live (all re-exported here, so `from bus import protocol as P`
 names every wire type): bus/wire.py (field bounds, Struct bases),
 bus/results.py (control results, `EngineFailure`), bus/views.py (query
 answers), bus/events.py (Register, Heartbeat, ...); this file: the data
-plane, the control ops and messages, the weight socket and the kind table.
+plane, the control ops and messages and the kind table; bus/protocol_weights.py:
+TensorMeta and the weight socket's messages.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ from bus.events import Heartbeat as Heartbeat
 from bus.events import Register as Register
 from bus.events import RegisterReply as RegisterReply
 from bus.events import Rejoin as Rejoin
+from bus.protocol_weights import SENDER_SECRET_BYTES as SENDER_SECRET_BYTES
+from bus.protocol_weights import TensorMeta as TensorMeta
+from bus.protocol_weights import WeightBucket as WeightBucket
+from bus.protocol_weights import WeightBucketAck as WeightBucketAck
+from bus.protocol_weights import WeightSenderEnd as WeightSenderEnd
 from bus.results import BeginWeightsResult as BeginWeightsResult
 from bus.results import ConfigResult as ConfigResult
 from bus.results import Detail as Detail
@@ -139,7 +145,11 @@ from bus.wire import Version as Version
 # NcclArgs.verdict (the trainer's NaN/inf check rides beside the broadcast).
 # 11: no kind frame: a message is [body, *buffers], the body's tag (its first
 # msgpack item) names the type (one frame less per message on every hop).
-PROTOCOL_VERSION = 11
+# 12: a weight update's sender secret (bus/protocol_weights.py): minted by the
+# head per update, in the opener's Begin reply and the published begin; every
+# WeightBucket / WeightSenderEnd / ReceiveWeights carries it (a sender of 11
+# is refused); WeightBucketAck.field names a refused field.
+PROTOCOL_VERSION = 12
 
 # ---------------------------------------------------------------- data plane
 
@@ -325,15 +335,6 @@ class ResetPrefixCache(_Msg, tag="reset_prefix_cache"):
     pass
 
 
-class TensorMeta(_Part):
-    name: Name
-    dtype: Short  # torch dtype name without the "torch." prefix
-    shape: Annotated[list[U63], Meta(max_length=64)]
-    bucket: U32  # index of the bucket holding it
-    offset: U63  # byte offset inside the bucket
-    nbytes: U63
-
-
 class BeginWeightUpdate(_Msg, tag="begin_weights"):
     update_id: Id
     transport: Transport
@@ -371,6 +372,9 @@ class BeginWeightUpdate(_Msg, tag="begin_weights"):
     # head decides (and sets here) before it publishes the op.
     commit: bool = False
     version: Annotated[int, Meta(ge=0, le=MAX_COMMIT_VERSION)] | None = None
+    # -- protocol 12: set by the HEAD when it publishes the begin (a client's
+    # value is replaced): the update's sender secret (bus/protocol_weights.py).
+    sender_secret: Short = ""
 
 
 class ReceiveWeights(_Msg, tag="receive_weights"):
@@ -391,6 +395,8 @@ class ReceiveWeights(_Msg, tag="receive_weights"):
     tensors: Annotated[list[TensorMeta], Meta(max_length=MAX_LIST)] = []
     bucket_sizes: Annotated[list[U63], Meta(max_length=MAX_LIST)] = []
     transport_args: TransportArgs | None = None
+    # -- protocol 12: the update's sender secret; the head refuses a part without it
+    sender_secret: Short = ""
 
 
 class PrepareWeights(_Msg, tag="prepare_weights"):
@@ -495,6 +501,8 @@ class ControlReply(_Msg, tag="ctl_reply"):
     results: dict[Id, Result] = {}  # engine id -> result (ok engines)
     errors: dict[Id, EngineFailure] = {}  # engine id -> why it failed
     missing: Ids = []  # targeted engines that did not ack in time
+    # -- protocol 12: a BeginWeightUpdate's reply, to the client that opened it only
+    sender_secret: Short = ""
 
 
 class Query(_Msg, tag="query"):
@@ -535,34 +543,7 @@ class EndSession(_Msg, tag="end_session"):
     session_id: Id
 
 
-# ------------------------------------------------------ weight socket (zmq)
-
-
-class WeightBucket(_Msg, tag="wbucket"):
-    """Frames: [bucket bytes]."""
-
-    update_id: Id
-    bucket: U32  # the sender's own bucket index (0, 1, … per sender)
-    # -- protocol 3
-    sender: Sender = 0
-    # streamed updates: this bucket's tensors (bucket = this index)
-    metas: Annotated[list[TensorMeta], Meta(max_length=MAX_LIST)] = []
-
-
-class WeightSenderEnd(_Msg, tag="wsender_end"):
-    """A sender rank is done: it sent `buckets` buckets (0..buckets-1).
-    Acked with a WeightBucketAck whose bucket is -1."""
-
-    update_id: Id
-    sender: Sender
-    buckets: U32
-
-
-class WeightBucketAck(_Msg, tag="wbucket_ack"):
-    update_id: Id
-    bucket: Annotated[int, Meta(ge=-1, le=(1 << 32) - 1)]  # -1: a WeightSenderEnd's ack
-    ok: bool = True
-    error: Message | None = None
+# weight socket (zmq) and TensorMeta: bus/protocol_weights.py (re-exported above)
 
 
 # ------------------------------------------------------------ kind table

@@ -158,6 +158,8 @@ class TimingLog:
         self._receives: collections.deque[ReceiveTiming] = collections.deque(maxlen=keep)
         self._resumes: collections.deque[ResumeTiming] = collections.deque(maxlen=keep)
         self._n = {"commits": 0, "receives": 0, "resumes": 0}
+        # Weight senders refused their credential, per kind (engine_node/weight_socket.py counts them).
+        self.weight_refusals: dict[str, int] = {}
 
     def _next(self, kind: str) -> int:
         self._n[kind] += 1
@@ -224,4 +226,5 @@ class TimingLog:
     def to_builtins(self) -> dict[str, Any]:
         """The snapshot as plain data (a Stats result's detail travels as msgpack)."""
         out: dict[str, Any] = msgspec.to_builtins(self.snapshot())
+        out["weight_refusals"] = dict(self.weight_refusals)
         return out

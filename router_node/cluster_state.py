@@ -68,11 +68,13 @@ Ownership: the router loop thread.
 from __future__ import annotations
 
 import dataclasses
+import hmac
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
 from bus import protocol as P
-from bus.errors import BadRequest, StaleUpdate, UpdateInProgress
+from bus.errors import BadRequest, StaleUpdate, Unauthorized, UpdateInProgress
 
 _MAX_TRACKED_UPDATES = 64
 DEFAULT_WEIGHT_TXN_TIMEOUT_S = 300.0
@@ -98,6 +100,9 @@ class WeightTxn:
     began_at: float = 0.0  # monotonic
     began_wall: float = 0.0  # epoch seconds (for messages)
     finishing: bool = False  # the head is preparing / committing it (a FinishWeightUpdate is in)
+    # Its senders' credential (bus/protocol_weights.py): in the opener's Begin
+    # reply and the begin the engines get, never in a view, a log or an error.
+    sender_secret: str = dataclasses.field(default="", repr=False)
 
     @property
     def holder_name(self) -> str:
@@ -116,6 +121,20 @@ class WeightTxn:
             check_finite=self.check_finite,
             holder=self.holder_name,
             began_wall=self.began_wall,
+        )
+
+
+def check_sender_secret(txn: WeightTxn, secret: str, what: str) -> None:
+    """A GPU part (ReceiveWeights) brings bytes out of band (cuda_ipc handles,
+    an NCCL group to join): only a sender of `txn` may send one, proven by
+    its secret. Refused (Unauthorized, field sender_secret): nothing changes,
+    the update goes on. The message never echoes what was sent."""
+    if not hmac.compare_digest(secret.encode(), txn.sender_secret.encode()):
+        raise Unauthorized(
+            f"{what} for weight update {txn.update_id!r}: "
+            f"{'no' if not secret else 'a wrong'} sender secret (the update's opener gets it in its "
+            "begin's reply: WeightUpdate.sender_secret, to pass to weight_sender(..., sender_secret=))",
+            field="sender_secret",
         )
 
 
@@ -192,11 +211,14 @@ class ClusterWeights:
         if isinstance(op, P.BeginWeightUpdate):
             self.begin(op, targets or [], client=client, now=now, wall=wall)
         elif isinstance(op, (P.ReceiveWeights, P.PrepareWeights)):
-            if self.require(op, op.update_id) is None:
+            txn = self.require(op, op.update_id)
+            if txn is None:
                 raise StaleUpdate(
                     f"{P.OP_NAMES[type(op)]} names weight update {op.update_id!r}, which never began here",
                     field="update_id",
                 )
+            if isinstance(op, P.ReceiveWeights):
+                check_sender_secret(txn, op.sender_secret, f"receive_weights (sender {op.sender})")
         elif isinstance(op, P.AbortWeightUpdate):
             txn = self.require(op, op.update_id)
             if txn is not None:
@@ -233,6 +255,7 @@ class ClusterWeights:
             holder=client,
             began_at=now,
             began_wall=wall,
+            sender_secret=secrets.token_hex(P.SENDER_SECRET_BYTES),
         )
         self.txns[op.update_id] = self.current = txn
         while len(self.txns) > _MAX_TRACKED_UPDATES:

@@ -108,6 +108,13 @@ class ClusterControl:
         now = time.monotonic()
         self.cluster.on_control(msg.op, targets, client=client, now=now, wall=time.time())
         op, timeout_s = self._bounded_op(msg, now)
+        # The begin's sender secret (minted by cluster.begin): to the engines in
+        # the op, and back to this client (the opener) alone in the reply.
+        secret = (
+            self.cluster.current.sender_secret if isinstance(op, P.BeginWeightUpdate) and self.cluster.current else ""
+        )
+        if secret:
+            op = msgspec.structs.replace(op, sender_secret=secret)
 
         def done(pc: PendingCommand) -> None:
             self.intended.expired(pc.seq, pc.missing, time.monotonic())
@@ -116,7 +123,9 @@ class ClusterControl:
             t = tally(pc)
             if self.cluster.on_control_done(msg.op, t.results):
                 self.reevaluate(time.monotonic())  # stale / synced engines change state now
-            self.reply(client, t.reply(msg.request_id))
+            rep = t.reply(msg.request_id)
+            rep.sender_secret = secret
+            self.reply(client, rep)
 
         # Silent (presumed dead) targets are reported missing, never waited on;
         # their intent changes all the same (they converge when they return).

@@ -1,6 +1,7 @@
 """Issue 11 item 2: several senders in one update. A coordinator opens the
 update, sender ranks in their own processes send their part over zmq through
-their own Client (`weight_sender(update_id, rank)`), the coordinator commits:
+their own Client (`weight_sender(update_id, rank, sender_secret=...)`: the
+coordinator hands both over), the coordinator commits:
 all-or-nothing across senders and engines, version += 1 once; a sender that
 vanishes or fails aborts the whole update with an error naming it."""
 
@@ -24,6 +25,7 @@ import os, sys, torch
 from transformers import AutoModelForCausalLM
 from trainer_bridge import Client
 front, model, uid, rank, n, seed, mode = sys.argv[1:8]
+secret = os.environ["RB_SENDER_SECRET"]  # the coordinator's upd.sender_secret (not argv: other users read argv)
 rank, n, seed = int(rank), int(n), int(seed)
 m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
 g = torch.Generator().manual_seed(seed)
@@ -36,7 +38,7 @@ def part():
             os._exit(3)
         yield nt
 with Client(front, control_timeout_s=30) as c:
-    s = c.weight_sender(uid, rank, bucket_bytes=1 << 15)
+    s = c.weight_sender(uid, rank, bucket_bytes=1 << 15, sender_secret=secret)
     print(s.send(part()), flush=True)
 """
 
@@ -53,12 +55,13 @@ def _perturbed(tiny_model: str, seed: int):
 
 
 def _senders(
-    cl, tiny_model: str, uid: str, n: int, seed: int, modes: dict[int, str], ranks: range | None = None
+    cl, tiny_model: str, upd, n: int, seed: int, modes: dict[int, str], ranks: range | None = None
 ) -> list[subprocess.Popen]:
+    uid, secret = upd.update_id, upd.sender_secret  # what a coordinator hands its sender processes
     return [
         subprocess.Popen(
             [sys.executable, "-c", SENDER, cl.frontend, tiny_model, uid, str(r), str(n), str(seed), modes.get(r, "ok")],
-            env=child_env(),
+            env={**child_env(), "RB_SENDER_SECRET": secret},
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -108,7 +111,7 @@ def test_two_sender_processes_and_the_coordinator_make_one_update(cluster, tiny_
     p, greedy = [21, 22, 23, 24], {"max_tokens": 8, "temperature": 0.0}
     v0 = c.health()["weight_version"]
     with c.weight_update(senders=3, bucket_bytes=1 << 15) as upd:
-        procs = _senders(cluster, tiny_model, upd.update_id, 3, seed=7, modes={}, ranks=range(1, 3))
+        procs = _senders(cluster, tiny_model, upd, 3, seed=7, modes={}, ranks=range(1, 3))
         upd.sender(0).send(iter(_part(tiny_model, 7, 0, 3)))  # rank 0 is the coordinator's own process
         results = _reap(procs)
         assert [rc for rc, _ in results] == [0, 0], results
@@ -132,7 +135,7 @@ def test_a_sender_that_vanishes_or_fails_aborts_the_whole_update(cluster, tiny_m
         with upd:
             upd.sender(0).send(iter(_part(tiny_model, 8, 0, 2)))
             if mode == "vanish":  # rank 1: a process that dies halfway through its part
-                results = _reap(_senders(cluster, tiny_model, upd.update_id, 2, 8, {1: mode}, ranks=range(1, 2)))
+                results = _reap(_senders(cluster, tiny_model, upd, 2, 8, {1: mode}, ranks=range(1, 2)))
                 assert results[0][0] == 3, results
             else:  # rank 1 sends a tensor the model does not have
                 upd.sender(1).send(iter(_part(tiny_model, 8, 1, 2, bad=True)))
@@ -156,11 +159,15 @@ def test_colocated_ranks_each_feed_only_the_engine_on_their_own_gpu(cluster, tin
     full = list(_perturbed(tiny_model, 9).named_parameters())
     ranks = [cluster.client(control_timeout_s=T) for _ in range(2)]
     with c.weight_update(senders=2, bucket_bytes=1 << 15) as upd:
+        with pytest.raises(BadRequest) as e:  # the update id alone does not make a sender of it
+            ranks[0].weight_sender(upd.update_id, 0, engines=["e0"])
+        assert e.value.field == "sender_secret"
         with pytest.raises(BadRequest, match="not targets") as e:
-            ranks[0].weight_sender(upd.update_id, 0, engines=["no-such-engine"])
+            ranks[0].weight_sender(upd.update_id, 0, engines=["no-such-engine"], sender_secret=upd.sender_secret)
         assert e.value.field == "engines"
         for r, rc in enumerate(ranks):
-            stats = rc.weight_sender(upd.update_id, r, engines=[f"e{r}"]).send(iter(full))
+            stats = rc.weight_sender(upd.update_id, r, engines=[f"e{r}"], sender_secret=upd.sender_secret)
+            stats = stats.send(iter(full))
             assert stats["empty_parts"] == [f"e{1 - r}"]
     assert {e: r["weight_version"] for e, r in upd.results.items()} == {"e0": v0 + 1, "e1": v0 + 1}
     ref = _perturbed(tiny_model, seed=9)

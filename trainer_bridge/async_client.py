@@ -370,7 +370,8 @@ class AsyncClient(ControlPort):
         rank delivers its own part, metas included), committed at once:
         `async with client.weight_update(senders=2) as upd:` then each rank
         `await upd.sender(rank).send(named_tensors)` (or, from its own
-        process, `await client.weight_sender(upd.update_id, rank)`); leaving
+        process, `await client.weight_sender(upd.update_id, rank,
+        sender_secret=upd.sender_secret)`: hand both to that process); leaving
         the block commits on every engine (version += 1 once), an exception
         (or a sender that failed or never finished) aborts everywhere."""
         return WeightUpdate(
@@ -393,9 +394,12 @@ class AsyncClient(ControlPort):
         bucket_bytes: int | None = None,
         timeout_s: float | None = None,
         engines: list[str] | None = None,
+        sender_secret: str = "",
         **transport_options: Any,
     ) -> Any:
         """Join update `update_id` (opened by another process) as sender `rank`.
+        `sender_secret`: the update's (the coordinator's `upd.sender_secret`):
+        engines take bytes for an update only from its senders.
         Over cuda_ipc use it as `async with`: its exit keeps this rank's buckets
         until the coordinator's commit round is over. `engines`: this rank
         feeds only these engines (colocated: the one on its own GPU; the
@@ -408,6 +412,7 @@ class AsyncClient(ControlPort):
             timeout_s=timeout_s or self.control_timeout_s,
             options=transport_options,
             engines=engines,
+            sender_secret=sender_secret,
         )
 
     async def sync_stale(

@@ -18,10 +18,13 @@ import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
+import msgspec
+
 from bus import protocol as P
 from bus.errors import AuthRefused, ControlError, HeadUnavailable, ProtocolError, RequestTimeout
 from trainer_bridge.connection import HeadLink
 from trainer_bridge.streams import GRACE_S
+from trainer_bridge.update_ids import keep_sender_secret, sender_secret
 
 
 class ControlPort(HeadLink):
@@ -145,6 +148,9 @@ class ControlPort(HeadLink):
         pipelined pause → update → resume). Await what it returns (always:
         the deadline of its reply starts then)."""
         t = timeout_s or self.control_timeout_s
+        if isinstance(op, P.ReceiveWeights) and not op.sender_secret:
+            # a GPU part: the head takes it only from a sender of its update
+            op = msgspec.structs.replace(op, sender_secret=sender_secret(self, op.update_id))
         msg = P.Control(request_id=self._new_id(), op=op, targets=targets, timeout_s=t, token=self._token)
         return self._control_reply(op, msg, self._issue(msg), t, strict)
 
@@ -152,6 +158,8 @@ class ControlPort(HeadLink):
         self, op: P.Op, msg: P.Control, fut: asyncio.Future, t: float, strict: bool
     ) -> dict[str, P.Result]:
         rep: P.ControlReply = await self._reply(msg, fut, t + GRACE_S, "control_timeout_s")
+        if isinstance(op, P.BeginWeightUpdate):
+            keep_sender_secret(self, op.update_id, rep.sender_secret)  # the opener's alone
         if strict and (rep.errors or rep.missing):
             parts = [
                 f"{eid}: [{f.code}] {f.message}" + (f" (field={f.field})" if f.field else "")

@@ -57,6 +57,11 @@ class SyncWeightUpdate:
         return self._upd.update_id
 
     @property
+    def sender_secret(self) -> str:
+        """For a sender rank in another process, with update_id (WeightUpdate.sender_secret)."""
+        return self._upd.sender_secret
+
+    @property
     def results(self) -> dict[str, P.WeightsCommitted]:
         return self._upd.results
 

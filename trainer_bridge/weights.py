@@ -57,7 +57,8 @@ from bus.tensors import DEFAULT_BUCKET_BYTES, BucketPacker
 from bus.transport import Transport
 from trainer_bridge.control_port import ControlPort
 from trainer_bridge.transports.registry import sender_kind
-from trainer_bridge.update_ids import learn_update_id, take_update_id
+from trainer_bridge.update_ids import keep_sender_secret, learn_update_id, take_update_id
+from trainer_bridge.update_ids import sender_secret as own_sender_secret
 
 log = structlog.get_logger("trainer_bridge.weights")
 
@@ -142,6 +143,15 @@ class WeightUpdate:
         self.results: dict[str, P.WeightsCommitted] = {}
         self.state = "new"  # new | open | committed | aborted
         self.pipeline: Any = None  # a pipelined pause's (trainer_bridge/pipelined.py), else None
+
+    @property
+    def sender_secret(self) -> str:
+        """The credential of this update's senders, minted by the head and
+        returned to this client alone at the begin ("" before it). A rank in
+        another process needs it with the update id:
+        `client.weight_sender(upd.update_id, rank, sender_secret=upd.sender_secret)`.
+        Keep it as private as the join token: it lets its holder feed this update."""
+        return own_sender_secret(self.client, self.update_id)
 
     @property
     def engine_ids(self) -> list[str]:
@@ -343,13 +353,24 @@ async def join_update(
     timeout_s: float = 60.0,
     options: dict[str, Any] | None = None,
     engines: list[str] | None = None,
+    sender_secret: str = "",
 ) -> Any:
     """A sender handle for an update opened elsewhere (another process's
-    coordinator): the head says its targets and senders. `engines`: this
+    coordinator): the head says its targets and senders; `sender_secret` (the
+    coordinator's `upd.sender_secret`) proves this rank is one of them (this
+    client's own update: known already). `engines`: this
     rank's part goes to these engines only (colocated: the engine on the
     rank's own GPU); every other target of the update gets an empty part
     from it (ended with 0 buckets), so each engine still hears from every
     sender and the commit stays one, all-or-nothing."""
+    if sender_secret:
+        keep_sender_secret(client, update_id, sender_secret)
+    elif not own_sender_secret(client, update_id):
+        raise BadRequest(
+            f"weight update {update_id!r}: no sender_secret; the engines take its bytes only from its senders: "
+            "pass the coordinator's upd.sender_secret with the update id",
+            field="sender_secret",
+        )
     ups = (await client._query("weight_updates", P.WeightUpdatesView)).updates
     txn = ups.get(update_id)
     if txn is None:

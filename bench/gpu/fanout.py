@@ -294,9 +294,9 @@ class Rank:
                 return got[len(word) :].strip()
         raise RuntimeError(f"rank never printed {word} (rc={self.p.poll()}):\n" + "".join(self.log[-30:]))
 
-    def go(self, uid: str, rank: int, engine: str) -> None:
+    def go(self, uid: str, secret: str, rank: int, engine: str) -> None:
         assert self.p.stdin is not None
-        self.p.stdin.write(f"GO {uid} {rank} {engine}\n")
+        self.p.stdin.write(f"GO {uid} {secret} {rank} {engine}\n")  # stdin: the secret stays off argv
         self.p.stdin.flush()
 
 
@@ -310,9 +310,9 @@ def rank_main(a: argparse.Namespace) -> None:
     with Client(a.rank_of, timeout_s=300, control_timeout_s=120) as c:
         print(f"READY {nbytes}", flush=True)
         for line in sys.stdin:
-            _, uid, rank, engine = line.split()
+            _, uid, secret, rank, engine = line.split()
             t0 = time.time()
-            with c.weight_sender(uid, int(rank), engines=[engine], device=device) as s:
+            with c.weight_sender(uid, int(rank), engines=[engine], device=device, sender_secret=secret) as s:
                 st = s.send(named)
                 t1 = time.time()
                 print("SENT " + json.dumps({**st, "start": t0, "end": t1, "transport": transport}), flush=True)
@@ -325,7 +325,7 @@ def _colocated_update(client: Any, ranks: list[Rank], engines: list[str], spec: 
     t0 = time.perf_counter()
     with client.weight_update(senders=k, targets=engines, transport=transport, timeout_s=120) as upd:
         for r, eid in enumerate(engines):
-            ranks[r].go(upd.update_id, r, eid)
+            ranks[r].go(upd.update_id, upd.sender_secret, r, eid)
         sent = [json.loads(ranks[r].line("SENT", 300)) for r in range(k)]
     dt = time.perf_counter() - t0
     for r in range(k):

@@ -8,7 +8,9 @@ rank holding part of the model, as an FSDP / pipeline rank would), joins the
 update as sender RANK and sends them. Prints "SENT <json>" when its part is
 in; over cuda_ipc it then keeps its buckets until the coordinator's commit
 round is over (the `with` exit) and prints "RELEASED". --vanish: exits
-without sending (a rank that died).
+without sending (a rank that died). The update's sender secret comes in
+$RB_SENDER_SECRET (the coordinator's `upd.sender_secret`; not argv, which
+other local users can read).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def main(argv: list[str]) -> int:
     mine = [(n, t) for i, (n, t) in enumerate(m.named_parameters()) if i % ranks_i == rank_i]
     c = Client(address, timeout_s=120, control_timeout_s=120)
     try:
-        with c.weight_sender(update_id, rank_i, device="cuda:0") as s:
+        secret = os.environ["RB_SENDER_SECRET"]
+        with c.weight_sender(update_id, rank_i, device="cuda:0", sender_secret=secret) as s:
             stats = s.send(mine)
             print("SENT " + json.dumps(stats), flush=True)
         print("RELEASED", flush=True)

@@ -37,8 +37,10 @@ def _vllm() -> bool:
         return False
 
 
-def _rank(address: str, uid: str, rank: int, ranks: int, model: str, transport: str, vanish: bool = False):
+def _rank(address: str, upd, rank: int, ranks: int, model: str, transport: str, vanish: bool = False):
+    uid = upd.update_id
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), CUDA_VISIBLE_DEVICES="0")
+    env["RB_SENDER_SECRET"] = upd.sender_secret  # the environment, not argv: other users read argv
     argv = [sys.executable, "-m", "tests.gpu.multi_sender_rank", address, uid, str(rank), str(ranks), model, transport]
     return subprocess.Popen(
         argv + (["--vanish"] if vanish else []),
@@ -79,7 +81,7 @@ def _update(cl, address: str, model: str, transport: str, ranks: int = 2, vanish
     t0 = time.perf_counter()
     try:
         with cl.weight_update(senders=ranks, transport=transport, device="cuda:0", timeout_s=timeout_s) as upd:
-            ps = [_rank(address, upd.update_id, r, ranks, model, transport, vanish=r == vanish) for r in range(ranks)]
+            ps = [_rank(address, upd, r, ranks, model, transport, vanish=r == vanish) for r in range(ranks)]
             sent = [_wait_line(p, "SENT", 240) for r, p in enumerate(ps) if r != vanish]
         dt = time.perf_counter() - t0
         for p in ps:

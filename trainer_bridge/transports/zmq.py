@@ -25,6 +25,7 @@ from bus.errors import ControlError, ErrorCode
 from bus.tensors import BucketPacker
 from bus.transport import Transport
 from trainer_bridge.control_port import ControlPort
+from trainer_bridge.update_ids import sender_secret
 
 
 class WeightSender:
@@ -52,6 +53,9 @@ class WeightSender:
         self.timeout_s = timeout_s
         self.cast = cast
         self.with_metas = with_metas
+        # The update's sender credential (the opener's Begin reply, or given to
+        # weight_sender by the coordinator): every bucket and end carries it.
+        self.secret = sender_secret(client, update_id)
         self.stats: dict[str, Any] = {}
 
     async def send(self, named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
@@ -90,7 +94,7 @@ class WeightSender:
                 n, nbytes = n + 1, nbytes + b[2].numel()
             await self._settle(socks, codec, inflight)
             inflight = None
-            end = codec.encode(P.WeightSenderEnd(self.update_id, self.rank, n))
+            end = codec.encode(P.WeightSenderEnd(self.update_id, self.rank, n, sender_secret=self.secret))
             for s in socks.values():
                 s.send_multipart(end)
             await self._acks(socks, codec, -1, [])
@@ -109,7 +113,8 @@ class WeightSender:
         self, socks: dict[str, Any], codec: Codec, b: tuple[int, list[P.TensorMeta], Any]
     ) -> tuple[int, list[P.TensorMeta], Any]:
         index, metas, buf = b
-        msg = P.WeightBucket(self.update_id, index, sender=self.rank, metas=metas if self.with_metas else [])
+        metas = metas if self.with_metas else []
+        msg = P.WeightBucket(self.update_id, index, sender=self.rank, metas=metas, sender_secret=self.secret)
         frame = memoryview(buf.numpy())  # zero-copy: `buf` lives until every engine acked it
         for s in socks.values():
             s.send_multipart(codec.encode(msg, [frame]), copy=False)
@@ -135,7 +140,9 @@ class WeightSender:
         ack, _ = codec.decode(frames)
         if not isinstance(ack, P.WeightBucketAck) or not ack.ok:
             err = getattr(ack, "error", None) or f"unexpected {type(ack).__name__}"
-            failure = P.EngineFailure(code=ErrorCode.BACKEND_REFUSED.value, message=err, field="tensors")
+            field = getattr(ack, "field", None) or "tensors"
+            code = ErrorCode.UNAUTHORIZED if field == "sender_secret" else ErrorCode.BACKEND_REFUSED
+            failure = P.EngineFailure(code=code.value, message=err, field=field)
             raise ControlError(f"{what} refused by {eid}: {err}", errors={eid: failure})
 
 
