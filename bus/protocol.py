@@ -408,6 +408,9 @@ class PrepareWeights(_Msg, tag="prepare_weights"):
 
     update_id: Id
     wait_s: float = 30.0
+    # -- appended (issue 34): the update's sender secret; a client other than the
+    # one that began the update must bring it (router_node/cluster_state.py).
+    sender_secret: Short = ""
 
 
 class FinishWeightUpdate(_Msg, tag="finish_weights"):
@@ -420,10 +423,12 @@ class FinishWeightUpdate(_Msg, tag="finish_weights"):
     # trainer's cluster-wide version: a stale engine jumps to it). None: the
     # engine's own version + 1.
     version: Annotated[int, Meta(ge=0, le=MAX_COMMIT_VERSION)] | None = None
+    sender_secret: Short = ""  # appended (issue 34): as PrepareWeights'
 
 
 class AbortWeightUpdate(_Msg, tag="abort_weights"):
     update_id: Id
+    sender_secret: Short = ""  # appended (issue 34): as PrepareWeights'
 
 
 class LoadLora(_Msg, tag="load_lora"):

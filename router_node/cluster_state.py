@@ -124,6 +124,15 @@ class WeightTxn:
         )
 
 
+def check_holder(txn: WeightTxn, client: bytes, secret: str, what: str) -> None:
+    """Prepare, finish and abort of `txn` belong to its senders: the client that
+    began it, or one that proves the update's sender secret (a rank in another
+    process; the opener after a reconnect). Another token holder can neither
+    abort nor commit someone else's update."""
+    if client != txn.holder or not client:
+        check_sender_secret(txn, secret, what)
+
+
 def check_sender_secret(txn: WeightTxn, secret: str, what: str) -> None:
     """A GPU part (ReceiveWeights) brings bytes out of band (cuda_ipc handles,
     an NCCL group to join): only a sender of `txn` may send one, proven by
@@ -219,9 +228,12 @@ class ClusterWeights:
                 )
             if isinstance(op, P.ReceiveWeights):
                 check_sender_secret(txn, op.sender_secret, f"receive_weights (sender {op.sender})")
+            else:
+                check_holder(txn, client, op.sender_secret, "prepare_weights")
         elif isinstance(op, P.AbortWeightUpdate):
             txn = self.require(op, op.update_id)
             if txn is not None:
+                check_holder(txn, client, op.sender_secret, "abort_weights")
                 if txn.decision == "commit":
                     raise StaleUpdate(
                         f"weight update {op.update_id!r} is committing: it cannot abort", field="update_id"

@@ -38,10 +38,10 @@ import structlog
 from bus import protocol as P
 from bus.control_bus import ControlBus, PendingCommand
 from bus.endpoint import error_message
-from bus.errors import BadRequest, StaleUpdate
+from bus.errors import BadRequest, StaleUpdate, Unauthorized
 from bus.validate import check_control_timeout
 from router_node.acks import landed, refused_by_all, tally, votes
-from router_node.cluster_state import ClusterWeights, WeightTxn
+from router_node.cluster_state import ClusterWeights, WeightTxn, check_holder
 from router_node.config import RouterConfig
 from router_node.intended_state import REFUSED, IntendedState
 from router_node.intended_state import check as check_state_op
@@ -193,6 +193,11 @@ class ClusterControl:
         what has not voted and commit (one finish per update)."""
         op = msg.op
         assert isinstance(op, P.FinishWeightUpdate)
+        try:
+            check_holder(txn, client, op.sender_secret, "finish_weights")
+        except Unauthorized as e:
+            e.request_id = msg.request_id
+            raise
         if txn.finishing or txn.decision is not None:
             raise BadRequest(
                 f"weight update {txn.update_id!r} is already being committed",
@@ -300,7 +305,7 @@ class ClusterControl:
                 )
             self.reply(client, t.reply(msg.request_id))
 
-        out = msgspec.structs.replace(op, version=version)
+        out = msgspec.structs.replace(op, version=version, sender_secret="")  # engines need no copy of it
         timeout_s = self.cluster.bounded(txn, msg.timeout_s, time.monotonic())
         self.bus.publish(out, targets, timeout_s, committed, gone=self._gone(targets))
 

@@ -54,14 +54,14 @@ def test_a_second_begin_is_refused_naming_the_holder_and_changes_nothing() -> No
     assert cw.current is not None and cw.current.update_id == "A" and cw.current.decision is None
     assert "B" not in cw.txns
     with pytest.raises(StaleUpdate, match="already began"):  # an id runs once
-        cw.on_control(P.AbortWeightUpdate("A"))
+        cw.on_control(P.AbortWeightUpdate("A"), client=b"trainer-a")
         _begin(cw, "A")
 
 
 def test_prepare_vote_commit_moves_the_version_only_when_an_engine_committed() -> None:
     cw = ClusterWeights()
     _begin(cw, "A")
-    cw.on_control(P.PrepareWeights("A"), ["e0", "e1"])
+    cw.on_control(P.PrepareWeights("A"), ["e0", "e1"], client=b"trainer-a")
     cw.on_votes("A", {"e0": P.WeightsPrepared(buckets=1), "e1": P.WeightsPrepared(buckets=1)})
     txn = cw.current
     assert txn is not None and txn.prepared == {"e0", "e1"}
@@ -94,7 +94,7 @@ def test_a_frozen_engine_that_acks_the_commit_late_moves_the_version() -> None:
 def test_ops_naming_an_update_that_is_not_current_are_refused_and_change_nothing() -> None:
     cw = ClusterWeights()
     _begin(cw, "A")
-    cw.on_control(P.AbortWeightUpdate("A"))  # the trainer's own abort ends it
+    cw.on_control(P.AbortWeightUpdate("A"), client=b"trainer-a")  # the trainer's own abort ends it
     assert cw.current is None and cw.txns["A"].decision == "abort"
     _begin(cw, "B", client=b"trainer-b")
     for op in (P.AbortWeightUpdate("A"), P.PrepareWeights("A"), P.ReceiveWeights("A"), P.AbortWeightUpdate("Z")):
@@ -105,7 +105,7 @@ def test_ops_naming_an_update_that_is_not_current_are_refused_and_change_nothing
         cw.require(P.FinishWeightUpdate("A"), "A")
     assert cw.current is not None and cw.current.update_id == "B" and cw.current.decision is None
     # No update current and an id never seen (a head restarted mid-update): the caller relays.
-    cw.on_control(P.AbortWeightUpdate("B"))
+    cw.on_control(P.AbortWeightUpdate("B"), client=b"trainer-b")
     assert cw.require(P.FinishWeightUpdate("Q"), "Q") is None
 
 

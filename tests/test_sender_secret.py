@@ -149,3 +149,40 @@ def test_the_head_mints_a_secret_per_update_and_refuses_a_part_without_it() -> N
     cw.decide_abort(txn, "test")
     nxt = cw.begin(P.BeginWeightUpdate("h.2", "zmq", [], []), ["e0"], client=b"a", now=1)
     assert nxt.sender_secret != txn.sender_secret
+
+
+def test_only_the_updates_senders_may_prepare_commit_or_abort_it() -> None:
+    """The helper's finding on i34-sender: any token holder could abort (or
+    prepare) another client's open update by naming its id (`weight_updates`
+    shows it). Now the opener's connection, or a client proving the sender
+    secret (a rank in another process, the opener after a reconnect), may."""
+    from router_node.cluster_state import ClusterWeights
+
+    cw = ClusterWeights(incarnation="h")
+    txn = cw.begin(P.BeginWeightUpdate("h.1", "zmq", [], []), ["e0"], client=b"opener", now=0)
+    for op in (P.AbortWeightUpdate("h.1"), P.PrepareWeights("h.1"), P.AbortWeightUpdate("h.1", sender_secret="y" * 32)):
+        with pytest.raises(Unauthorized) as e:
+            cw.on_control(op, ["e0"], client=b"someone-else")
+        assert e.value.field == "sender_secret" and txn.decision is None and cw.current is txn
+    cw.on_control(P.PrepareWeights("h.1"), ["e0"], client=b"opener")  # the opener's own connection
+    cw.on_control(P.PrepareWeights("h.1", sender_secret=txn.sender_secret), ["e0"], client=b"rank-1")
+    cw.on_control(P.AbortWeightUpdate("h.1", sender_secret=txn.sender_secret), ["e0"], client=b"rank-1")
+    assert txn.decision == "abort"
+
+
+def test_another_token_holder_cannot_commit_or_abort_an_update_over_the_wire(cluster_factory) -> None:
+    cl = cluster_factory(1, backend="null", model="null")
+    cl.wait_ready(1, 30)
+    trainer, other = cl.client(), cl.client()
+    open_updates = lambda: other._call(other._aclient._query("weight_updates", P.WeightUpdatesView))
+    upd = trainer.weight_update()
+    upd.__enter__()
+    try:
+        for op in (P.AbortWeightUpdate(upd.update_id), P.FinishWeightUpdate(upd.update_id)):
+            with pytest.raises(Unauthorized) as e:
+                other.control(op)
+            assert e.value.field == "sender_secret" and upd.sender_secret not in str(e.value)
+        assert list(open_updates().updates) == [upd.update_id]  # still open, untouched
+    finally:
+        upd.abort()  # the opener may
+    assert open_updates().updates == {}

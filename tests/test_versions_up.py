@@ -136,11 +136,13 @@ class RawTrainer:
     def update(self, uid: str, value: float) -> list[Any]:
         data = torch.full((4,), value, dtype=torch.float32).numpy().tobytes()
         meta = [P.TensorMeta("w", "float32", [4], 0, 0, 16)]
+        begin = self.control(P.BeginWeightUpdate(uid, "zmq", meta, [16]))
+        secret = getattr(begin, "sender_secret", "")  # the opener's credential for its senders (row 3)
         return [
-            self.control(P.BeginWeightUpdate(uid, "zmq", meta, [16])),
-            self.send(self.weights, self.codec.encode(P.WeightBucket(uid, 0), [data])),
-            self.send(self.weights, self.codec.encode(P.WeightSenderEnd(uid, 0, 1))),
-            self.control(P.FinishWeightUpdate(uid, version=None)),
+            begin,
+            self.send(self.weights, self.codec.encode(P.WeightBucket(uid, 0, sender_secret=secret), [data])),
+            self.send(self.weights, self.codec.encode(P.WeightSenderEnd(uid, 0, 1, sender_secret=secret))),
+            self.control(P.FinishWeightUpdate(uid, version=None, sender_secret=secret)),
         ]
 
 

@@ -342,10 +342,14 @@ def test_the_head_counts_a_part_ack_as_no_vote() -> None:
 
     cw = ClusterWeights()
     for uid, senders in (("one", 1), ("two", 2)):
-        cw.on_control(P.BeginWeightUpdate(uid, "nccl", [], [], senders=senders, streamed=senders > 1), ["e0"])
+        cw.on_control(
+            P.BeginWeightUpdate(uid, "nccl", [], [], senders=senders, streamed=senders > 1), ["e0"], client=b"t"
+        )
         cw.on_votes(uid, {"e0": P.ReceiveWeightsResult(seconds=0.1)})
         if uid == "one":
-            cw.on_control(P.AbortWeightUpdate("one"))  # one update at a time: end it before the next begins
+            cw.on_control(
+                P.AbortWeightUpdate("one"), client=b"t"
+            )  # one update at a time: end it before the next begins
     assert cw.txns["one"].prepared == {"e0"}, "one sender: its receive is the vote"
     assert cw.txns["two"].prepared == set(), "two senders: a part ack is not a vote"
     cw.on_votes("two", {"e0": P.WeightsPrepared(buckets=2)})

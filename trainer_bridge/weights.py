@@ -263,7 +263,7 @@ class WeightUpdate:
     async def prepare(self) -> dict[str, P.WeightsPrepared]:
         """Phase one on its own (optional: commit() prepares what has not
         voted). Returns {engine_id: WeightsPrepared}; raises ControlError."""
-        op = P.PrepareWeights(self.update_id, wait_s=self.timeout_s * 0.75)
+        op = P.PrepareWeights(self.update_id, wait_s=self.timeout_s * 0.75, sender_secret=self.sender_secret)
         try:
             res = await self.client.control(op, targets=self.engine_ids, timeout_s=self.timeout_s)
             return P.expect(res, P.WeightsPrepared, "prepare_weights")
@@ -275,7 +275,7 @@ class WeightUpdate:
         """The head prepares engines that have not voted and commits only if
         all voted yes. Returns {engine_id: WeightsCommitted} of the engines
         that committed (one that missed the commit is stale: see health())."""
-        commit = P.FinishWeightUpdate(self.update_id, version=self.version)
+        commit = P.FinishWeightUpdate(self.update_id, version=self.version, sender_secret=self.sender_secret)
         try:
             return await self._commit(commit)
         finally:
@@ -311,7 +311,9 @@ class WeightUpdate:
         self.state = "aborted"
         try:
             await self.client.control(
-                P.AbortWeightUpdate(self.update_id), timeout_s=min(self.timeout_s, 10.0), strict=False
+                P.AbortWeightUpdate(self.update_id, sender_secret=self.sender_secret),
+                timeout_s=min(self.timeout_s, 10.0),
+                strict=False,
             )
         except Exception as e:  # best effort: an engine drops an idle update after its prepare_ttl_s
             log.warning("weight_abort_failed", update_id=self.update_id, error=repr(e))
