@@ -199,6 +199,8 @@ def run_module(argv: list[str], timeout_s: float, **env: str) -> tuple[int, str]
         out, _ = p.communicate(timeout=timeout_s)
     finally:
         terminate_tree(p, 3.0)
+        if p.stdout is not None:
+            p.stdout.close()  # an overrun leaves the pipe open: a ResourceWarning failed the NEXT test
     return p.returncode, out
 
 
