@@ -64,6 +64,8 @@ from bench.harness import criterion
 from bench.harness import verdict as judge
 from bench.soak_faults import ROOT, Launcher, Soak, _growth, _rss_mib
 from bus import protocol as P
+from bus import roles
+from bus.auth import find_token
 from bus.codec import Codec
 from bus.proctree import terminate_tree
 
@@ -147,16 +149,28 @@ def steal(front: str, data_addresses: list[str]) -> dict[str, Any]:
 
 
 def replay(front: str, frames: list[list[bytes]]) -> dict[str, Any]:
-    """Row 4: captured frontend frames of an old update, sent again."""
+    """Row 4: captured frontend frames of an old update, sent again by a token
+    holder (the worst case: a peer without the token never passes the handshake)."""
     codec = Codec()
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    found = find_token(front)
+    if found is not None:
+        cred = roles.as_role(found[0], roles.CLIENT)
+        if cred is not None:
+            cred.apply(s, None)
     s.connect(front)
     accepted = refused = 0
     try:
         for f in frames:
-            s.send_multipart(f)
+            try:
+                # Never a blocking send: a refused handshake ends the DEALER's pipe
+                # and a blocking send then waits forever (it froze a 30-minute run).
+                s.send_multipart(f, zmq.NOBLOCK)
+            except zmq.Again:
+                refused += 1
+                continue
             if s.poll(10_000):
                 msg, _ = codec.decode(s.recv_multipart())
                 if isinstance(msg, P.Error):
