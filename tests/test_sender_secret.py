@@ -23,22 +23,12 @@ from bus import protocol as P
 from bus.codec import Codec
 from bus.errors import BadRequest, ControlError, Unauthorized
 from engine_node.sender_check import check_sender
+from tests.test_multi_sender import _perturbed  # the same perturbed tiny model as the multi-sender tests
 
 pytestmark = pytest.mark.timeout(150)
 
 GREEDY = {"max_tokens": 8, "temperature": 0.0}
 PROMPT = [21, 22, 23, 24]
-
-
-def _perturbed(tiny_model: str, seed: int):
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in m.named_parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return m.eval()
 
 
 def _forge(cl, address: str, msgs: list[tuple[object, list[bytes]]]) -> list[P.WeightBucketAck]:
