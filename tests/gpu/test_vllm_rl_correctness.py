@@ -28,7 +28,9 @@ OPTS = {k: v for k, v in ENGINE_OPTS.items() if k != "seed"}
 def pair(model_dirs):
     from tests.cluster import Cluster
 
-    c = Cluster(2, backend="vllm", model=model_dirs["A"], backend_options=OPTS)
+    # --direct-clients: _direct sends straight to each engine (an engine's data socket
+    # otherwise admits only the head: issue 34's handshake roles)
+    c = Cluster(2, backend="vllm", model=model_dirs["A"], backend_options=OPTS, engine_args=["--direct-clients"])
     try:
         c.wait_ready(2, timeout_s=400)
     except BaseException:
