@@ -128,11 +128,19 @@ def output_text(
     it without), as vLLM cuts its text. So the text is a prefix of the decoded
     ids (equal to them when no stop string ended the sample), never the
     engine's incremental text, which can differ by a leading space (the first
-    output token decoded after the prompt; issue 23). The first occurrence is
-    the match: the engine stopped at the first token that completed it."""
+    output token decoded after the prompt; issue 23).
+
+    The match is the occurrence the *last* token completed (the engine stops
+    at that token), found in the window the engine searched: not simply the
+    first occurrence, because an occurrence inside the first `min_tokens`
+    tokens is never checked (vLLM's rule; SkyRL sends min_tokens=1), so the
+    sample goes on and may stop on a later one."""
     out = text.decode(token_ids, skip_special_tokens=skip_special_tokens)
     if stop_str:
-        i = out.find(stop_str)
+        before = len(text.decode(token_ids[:-1], skip_special_tokens=skip_special_tokens)) if token_ids else 0
+        i = out.find(stop_str, max(0, before + 1 - len(stop_str)))
+        if i < 0:  # a tokenizer whose decode is not prefix-stable: the last occurrence
+            i = out.rfind(stop_str)
         if i >= 0:
             out = out[: i + (len(stop_str) if include_stop_str_in_output else 0)]
     return out
