@@ -12,18 +12,16 @@ Hazards:
   credential is not the update's sender, and aborting for it is exactly the
   attack (one forged bucket used to end the real update); faults of a peer
   that passed it (a duplicate, a bad size) still abort, as before;
-- fail closed: a begin that carried no secret (none was minted) admits no
-  bytes at all;
-- the comparison is constant-time, and neither secret ever appears in the
-  error (its message goes back to the peer and into the log).
+- fail closed, constant time, never echoed: bus/sender_secret.py (one
+  primitive for the head and the engines).
 """
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 from bus.errors import Unauthorized
+from bus.sender_secret import proves_sender_secret, what_was_wrong
 
 
 def check_sender(current: Any, update_id: str, secret: str, engine_id: str, what: str) -> None:
@@ -33,12 +31,10 @@ def check_sender(current: Any, update_id: str, secret: str, engine_id: str, what
     transaction refuses it (it is not open), which touches no open update."""
     if current is None or current.update_id != update_id:
         return
-    expected = current.begin.sender_secret
-    if expected and hmac.compare_digest(secret.encode(), expected.encode()):
+    if proves_sender_secret(secret, current.begin.sender_secret):
         return
-    why = "carries no sender secret" if not secret else "carries a wrong sender secret"
     raise Unauthorized(
-        f"{engine_id}: {what} for weight update {update_id!r} {why}: only the senders of the open update "
+        f"{engine_id}: {what} for weight update {update_id!r} carries {what_was_wrong(secret)} sender secret: only the senders of the open update "
         "feed it (the opener's WeightUpdate.sender_secret; another process: weight_sender(..., sender_secret=)); "
         "refused, the update goes on",
         field="sender_secret",

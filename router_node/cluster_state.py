@@ -68,13 +68,12 @@ Ownership: the router loop thread.
 from __future__ import annotations
 
 import dataclasses
-import hmac
-import secrets
 from collections.abc import Mapping
 from typing import Any
 
 from bus import protocol as P
 from bus.errors import BadRequest, StaleUpdate, Unauthorized, UpdateInProgress
+from bus.sender_secret import new_sender_secret, proves_sender_secret, what_was_wrong
 
 _MAX_TRACKED_UPDATES = 64
 DEFAULT_WEIGHT_TXN_TIMEOUT_S = 300.0
@@ -138,10 +137,10 @@ def check_sender_secret(txn: WeightTxn, secret: str, what: str) -> None:
     an NCCL group to join): only a sender of `txn` may send one, proven by
     its secret. Refused (Unauthorized, field sender_secret): nothing changes,
     the update goes on. The message never echoes what was sent."""
-    if not hmac.compare_digest(secret.encode(), txn.sender_secret.encode()):
+    if not proves_sender_secret(secret, txn.sender_secret):  # fails closed on an unminted secret
         raise Unauthorized(
             f"{what} for weight update {txn.update_id!r}: "
-            f"{'no' if not secret else 'a wrong'} sender secret (the update's opener gets it in its "
+            f"{what_was_wrong(secret)} sender secret (the update's opener gets it in its "
             "begin's reply: WeightUpdate.sender_secret, to pass to weight_sender(..., sender_secret=))",
             field="sender_secret",
         )
@@ -267,7 +266,7 @@ class ClusterWeights:
             holder=client,
             began_at=now,
             began_wall=wall,
-            sender_secret=secrets.token_hex(P.SENDER_SECRET_BYTES),
+            sender_secret=new_sender_secret(),
         )
         self.txns[op.update_id] = self.current = txn
         while len(self.txns) > _MAX_TRACKED_UPDATES:

@@ -141,6 +141,21 @@ def test_the_head_mints_a_secret_per_update_and_refuses_a_part_without_it() -> N
     assert nxt.sender_secret != txn.sender_secret
 
 
+def test_the_head_and_the_engine_share_one_fail_closed_check() -> None:
+    """bus/sender_secret.py is the one comparison: an unminted secret ("")
+    matches nothing, not even "" (the head's copy used to compare "" == "")."""
+    from bus.sender_secret import new_sender_secret, proves_sender_secret
+    from router_node.cluster_state import WeightTxn, check_sender_secret
+
+    s = new_sender_secret()
+    assert len(s) == 32 and s != new_sender_secret()
+    assert proves_sender_secret(s, s) and not proves_sender_secret("", "") and not proves_sender_secret(s, "")
+    unminted = WeightTxn("h.1", "model", ["e0"], transport="cuda_ipc")
+    with pytest.raises(Unauthorized, match="no sender secret") as e:
+        check_sender_secret(unminted, "", "receive_weights")
+    assert e.value.field == "sender_secret"
+
+
 def test_only_the_updates_senders_may_prepare_commit_or_abort_it() -> None:
     """The helper's finding on i34-sender: any token holder could abort (or
     prepare) another client's open update by naming its id (`weight_updates`
