@@ -448,7 +448,7 @@ def drive(b, ids, timeout=5.0):
     return res
 
 
-def wait(op, timeout=3.0, be=None):
+def wait(op, timeout=30.0, be=None):
     """An op's result; with `be`, keep its loop turning meanwhile (as the node does)."""
     end = time.monotonic() + timeout
     while be is not None and not op.future.done() and time.monotonic() < end:
