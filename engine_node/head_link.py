@@ -14,7 +14,9 @@ Hazards:
   second until the head answers or register_timeout_s ends the node;
 - security on: the head's ZAP handler refusing our engine credential is final
   (libzmq does not retry): its monitor event ends the node with a clear error
-  instead of a silent wait for register_timeout_s;
+  instead of a silent wait for register_timeout_s; so does a run of handshakes
+  closed without a reason before we registered (bus/handshake_refusal.py: the
+  refusal's other face, under load);
 - a refusal with `retry` (our id is held by a live engine: our previous life,
   not yet seen dead, or a twin) is retried until register_timeout_s.
 """
@@ -32,6 +34,7 @@ from bus import protocol as P
 from bus.auth import read_token
 from bus.codec import Codec
 from bus.endpoint import Endpoint, open_socket
+from bus.handshake_refusal import HANDSHAKE_EVENTS, RefusalJudge, silent_words
 from bus.roles import Plain
 from bus.sockets import CONTROL_HWM, CurveKeys
 from engine_node.config import EngineNodeConfig
@@ -81,9 +84,9 @@ class HeadLink:
         self.curve_used = curve is not None and cfg.head_events.startswith("tcp://")
         # A head that refuses our credential (AUTH) or wants one we lack
         # (PROTOCOL: a token-less engine against a head with a token) ends the node.
-        self.monitor: zmq.Socket | None = self.events.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-        )
+        # A run of silent handshake failures counts too (bus/handshake_refusal.py).
+        self.monitor: zmq.Socket | None = self.events.get_monitor_socket(HANDSHAKE_EVENTS)
+        self.refusals = RefusalJudge()
         self.sub_ep = Endpoint(self.sub, codec, {P.Command: on_command}, name="control", routed=True, error_reply=None)
         self.events_ep = Endpoint(
             self.events,
@@ -135,18 +138,29 @@ class HeadLink:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self.curve_used:
+            refusal = self.refusals.judge(event)  # type: ignore[arg-type]
+            if refusal is None:
+                continue
+            if refusal.get("silent") and self.registered:
+                # A head that took us once closing handshakes without a reason is
+                # far likelier a network fault or a head restarting than a new
+                # refusal: the heartbeat deadline judges it, not this.
+                self.log.warning("head_handshakes_failing", silent_in_a_row=self.refusals.silent_in_a_row)
+                self.refusals = RefusalJudge()
+                continue
+            if refusal["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self.curve_used:
                 raise NodeFatal(
                     f"the head at {self.cfg.head_events} refused this engine's CURVE key (ZAP status {event['value']}): "
                     f"the engines/*.key_secret in curve_dir={self.cfg.curve_dir} is not an engine credential of this "
                     "cluster (copy the head's key folder)"
                 )
-            if event["event"] in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
-                raise NodeFatal(
-                    f"the head at {self.cfg.head_events} refused this engine at the handshake: "
-                    f"{'a wrong' if self.token else 'no'} join token (unauthorized, field=token; "
-                    f"token_file={self.cfg.token_file!r}; docs/security.md)"
-                )
+            how = f" ({silent_words()})" if refusal.get("silent") else ""
+            raise NodeFatal(
+                f"the head at {self.cfg.head_events} refused this engine at the handshake{how}: "
+                f"{'a wrong' if self.token else 'no'} join token (unauthorized, field=token; "
+                f"token_file={self.cfg.token_file!r}; docs/security.md)"
+                + (f" or CURVE key (curve_dir={self.cfg.curve_dir})" if self.curve_used else "")
+            )
 
     def _on_register_reply(self, _peer: bytes, msg: P.RegisterReply, _b: list[Any]) -> None:
         if not msg.ok and msg.retry and not self.registered:

@@ -271,6 +271,11 @@ class RogueEngine:
         ctx = zmq.Context()
         codec = Codec()
         data = ctx.socket(zmq.ROUTER)
+        # PLAIN like a real engine's data socket (no ZAP handler here: it takes
+        # the head's credential as it comes). A NULL socket failed the head's
+        # handshake, and when the head saw that first (a race; under load) it
+        # marked the rogue unreachable, SILENT rather than the STALE judged here.
+        data.plain_server = True
         data.bind(f"ipc://{self.cl.dir}/{self.engine_id}.data")
         ev = ctx.socket(zmq.DEALER)
         ev.setsockopt(zmq.IDENTITY, f"{self.engine_id}/{self.incarnation}/{secrets.token_hex(16)}".encode())
@@ -338,6 +343,7 @@ def test_an_engine_far_ahead_does_not_move_the_cluster_version(cluster_factory):
         assert "> cluster weight version 0" in h["engines"]["rogue"]["reason"]
         rs = c.generate([[4, 5, 6]] * 20, {"max_tokens": 3})
         assert [r.token_ids for r in rs] == [[7, 8, 9]] * 20 and {r.engine_id for r in rs} == {"e0"}
+        assert "engine_unreachable" not in cl.log("head")  # judged by its version, not by a failed link
     finally:
         rogue.stop()
 

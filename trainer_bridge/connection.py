@@ -42,14 +42,11 @@ from bus import protocol as P
 from bus.codec import Codec, split_packed
 from bus.endpoint import open_socket, readable, recv_frames, send_multipart
 from bus.errors import AuthRefused, ClosedByUs, HeadUnavailable, RequestTimeout, exception_from_wire
+from bus.handshake_refusal import HANDSHAKE_EVENTS, RefusalJudge, silent_words
 from bus.roles import Plain
 from bus.sockets import DATA_HWM, CurveKeys
 from trainer_bridge.pacing import InflightGate
 from trainer_bridge.streams import END, GRACE_S, TIMED_OUT, RequestStream
-
-# Handshakes the head ended without a reason (libzmq's NO_DETAIL), in a row,
-# that are taken for its refusal of this client's security (_on_monitor).
-SILENT_REFUSALS = 3
 
 log = structlog.get_logger("trainer_bridge.connection")
 
@@ -76,7 +73,7 @@ class HeadLink:
         # every waiter fails at once with AuthRefused instead of timing out.
         self._monitor: zmq.Socket | None = None
         self._refused: AuthRefused | None = None
-        self._silent_refusals = 0
+        self._refusals = RefusalJudge()
         self._token_may_appear = False  # the client's: a join token may be published later (async_client.py)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._codec = Codec()
@@ -146,7 +143,7 @@ class HeadLink:
         """A new socket that proves `plain` at the handshake; the refusal is gone."""
         self._plain = plain
         self._refused = None
-        self._silent_refusals = 0
+        self._refusals = RefusalJudge()
         self._close_socket()
         self._open()
 
@@ -161,13 +158,7 @@ class HeadLink:
         # a security mismatch (PROTOCOL: no keys against a CURVE head, or
         # keys against a plain one). Disconnects and handshakes tell a dead
         # head from a stalled one (the module doc).
-        self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_AUTH
-            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-            | zmq.EVENT_DISCONNECTED
-            | zmq.EVENT_HANDSHAKE_SUCCEEDED
-        )
+        self._monitor = self._sock.get_monitor_socket(HANDSHAKE_EVENTS | zmq.EVENT_DISCONNECTED)
         self._loop.add_reader(self._monitor.fileno(), self._on_monitor)
         # zmq's FD only signals once its mailbox was drained: drain now
         # so the refusal's event makes it readable.
@@ -258,19 +249,11 @@ class HeadLink:
                 self._link_down = True
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._link_down = False
-                self._silent_refusals = 0
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-                # Hazard: a head that refuses the mechanism (no keys against
-                # CURVE, no token against PLAIN) closes the connection; when
-                # it closes before this side read its greeting, libzmq says
-                # NO_DETAIL, not PROTOCOL (a race; under load, often). One
-                # may be a head dying mid-handshake; several in a row, with
-                # no handshake between, are the refusal.
-                self._silent_refusals += 1
-                if self._silent_refusals < SILENT_REFUSALS:
-                    continue
-                event = dict(event, event=zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, silent=True)  # type: ignore[assignment]
-            err = self._refusal(event)
+            # A run of silent handshake failures is a refusal too (bus/handshake_refusal.py).
+            refusal = self._refusals.judge(event)  # type: ignore[arg-type]
+            if refusal is None:
+                continue
+            err = self._refusal(refusal)
             if err is None:
                 continue
             self._refused = err
@@ -481,7 +464,7 @@ class HeadLink:
 
 def _why(event: dict) -> str:
     if event.get("silent"):
-        return f"it closed {SILENT_REFUSALS} handshakes in a row without a reason"
+        return silent_words()
     if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return f"ZAP status {event['value']}"
     return f"ZMTP error {event['value']:#x}"
