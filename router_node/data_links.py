@@ -12,6 +12,11 @@ of the DEALER that carries requests there and chunks back).
   previous life). libzmq then ends the pipe for good: the engine is
   unreachable (SILENT) until it registers anew (forwarding.py `_unreachable`
   does the same when a send finds no pipe).
+- NO_DETAIL (a handshake the engine closed without a reason) is NOT judged
+  here, unlike the client and the engine's link (bus/handshake_refusal.py):
+  a restarted engine's refusal is its ZAP handler's (AUTH, stated), and its
+  Register replaces the entry anyway; reading a run of network resets as a
+  refusal would take a live engine out until forget_after_s.
 
 Ownership: the head's loop thread (the monitor socket is polled with the
 others; `drain` is what the loop calls for a readable socket).
