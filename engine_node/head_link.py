@@ -150,7 +150,7 @@ class HeadLink:
                 continue
             if refusal["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self.curve_used:
                 raise NodeFatal(
-                    f"the head at {self.cfg.head_events} refused this engine's CURVE key (ZAP status {event['value']}): "
+                    f"the head at {self.cfg.head_events} refused this engine's CURVE key (ZAP status {refusal['value']}): "
                     f"the engines/*.key_secret in curve_dir={self.cfg.curve_dir} is not an engine credential of this "
                     "cluster (copy the head's key folder)"
                 )

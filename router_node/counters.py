@@ -12,8 +12,8 @@ def new_counters() -> dict[str, int]:
         "errors": 0,
         "failovers": 0,
         "engine_dead": 0,
-        "engine_unreachable": 0,
-        "data_links_dropped": 0,  # the head's data connection to an engine dropped: its legs moved (data_links.py)  # engines the head's data connection could not hand a request (forwarding.py)
+        "engine_unreachable": 0,  # engines the head's data connection could not hand a request (forwarding.py)
+        "data_links_dropped": 0,  # the head's data connection to an engine dropped: its legs moved (data_links.py)
         "no_healthy_engine": 0,
         "spoofed_events": 0,  # heartbeats / acks whose connection is not the engine's own
         "poison_requests": 0,  # ended after cfg.max_engine_deaths engines died under them

@@ -298,3 +298,38 @@ class Streams:
             t.join(timeout)
         assert not any(t.is_alive() for t in self.threads), "a stream never finished"
         assert self.errors == [None] * len(self.errors), self.errors
+
+
+class HangingUpListener:
+    """FAKE peer (fault injection): a TCP listener that closes every connection
+    at once, as a peer refusing the handshake does when it closes before the
+    other side read its greeting (libzmq then says NO_DETAIL, not PROTOCOL).
+    A context manager; `hangups` counts the connections it closed."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.address = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.hangups = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+            self.hangups += 1
+
+    def __enter__(self) -> HangingUpListener:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._listener.close()

@@ -16,7 +16,7 @@ import zmq
 from bus import protocol as P
 from bus.codec import Codec
 from bus.errors import HeadUnavailable
-from tests.cluster import free_port
+from tests.cluster import HangingUpListener, free_port
 from trainer_bridge import AsyncClient, Client
 
 # Generous bounds (shared 2-core CI): each is far below the old behaviour.
@@ -165,38 +165,13 @@ def test_a_head_that_hangs_up_every_handshake_is_a_refusal_not_a_timeout():
     its greeting, libzmq reports NO_DETAIL, not PROTOCOL - CI's curve and token
     tests got HeadUnavailable after connect_timeout_s whenever the head won that
     race. A listener that hangs up every handshake stands in for that head."""
-    import socket
-    import threading
-
     from bus.errors import AuthRefused
 
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.2)
-    addr = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
-    stop = threading.Event()
-    hangups = 0
-
-    def hang_up() -> None:
-        nonlocal hangups
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            conn.close()
-            hangups += 1
-
-    t = threading.Thread(target=hang_up, daemon=True)
-    t.start()
-    try:
-        with Client(addr, connect_timeout_s=30.0) as c:
-            t0 = time.monotonic()
-            with pytest.raises(AuthRefused) as e:
-                c.generate([1, 2, 3], {"max_tokens": 2})
-            took = time.monotonic() - t0
-    finally:
-        stop.set()
-        t.join(5)
-        listener.close()
+    with HangingUpListener() as head, Client(head.address, connect_timeout_s=30.0) as c:
+        t0 = time.monotonic()
+        with pytest.raises(AuthRefused) as e:
+            c.generate([1, 2, 3], {"max_tokens": 2})
+        took = time.monotonic() - t0
+    hangups = head.hangups
     assert e.value.field == "curve_dir" and "closed 3 handshakes in a row" in str(e.value), e.value
     assert hangups >= 3 and took < SLACK_S, (hangups, took)  # was connect_timeout_s (30 s), then HeadUnavailable

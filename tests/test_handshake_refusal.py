@@ -7,11 +7,9 @@ died of "the head never answered Register" instead of naming the token."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import pytest
@@ -20,7 +18,7 @@ import zmq
 from bus.auth import new_token, write_token
 from bus.handshake_refusal import SILENT_REFUSALS, RefusalJudge
 from bus.proctree import terminate_tree
-from tests.cluster import ROOT, child_env, free_port
+from tests.cluster import ROOT, HangingUpListener, child_env, free_port
 
 NO_DETAIL = {"event": zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, "value": 0, "endpoint": b""}
 OK = {"event": zmq.EVENT_HANDSHAKE_SUCCEEDED, "value": 0, "endpoint": b""}
@@ -41,28 +39,10 @@ def test_a_run_of_silent_failures_is_a_refusal_and_a_handshake_between_resets_it
 
 @pytest.mark.timeout(60)
 def test_an_engine_whose_head_hangs_up_every_handshake_names_the_token_at_once() -> None:
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.2)
-    events = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
-    stop = threading.Event()
-    hangups = 0
-
-    def hang_up() -> None:
-        nonlocal hangups
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            conn.close()
-            hangups += 1
-
-    t = threading.Thread(target=hang_up, daemon=True)
-    t.start()
-    with tempfile.TemporaryDirectory(prefix="rbt-") as d:
+    with HangingUpListener() as head, tempfile.TemporaryDirectory(prefix="rbt-") as d:
         token = write_token(f"{d}/wrong.token", new_token())
         argv = [
-            sys.executable, "-m", "engine_node", "--engine-id", "e0", "--head-events", events,
+            sys.executable, "-m", "engine_node", "--engine-id", "e0", "--head-events", head.address,
             "--head-control", f"tcp://127.0.0.1:{free_port()}", "--data-address", f"ipc://{d}/e0.data",
             "--weight-address", f"ipc://{d}/e0.weights", "--backend", "null", "--model", "null",
             "--token-file", token, "--register-timeout-s", "40",
@@ -73,9 +53,7 @@ def test_an_engine_whose_head_hangs_up_every_handshake_names_the_token_at_once()
             out, _ = p.communicate(timeout=45)
         finally:
             terminate_tree(p.pid, grace_s=2)
-            stop.set()
-            t.join(2)
-            listener.close()
+    hangups = head.hangups
     took = time.monotonic() - t0
     log = out.decode(errors="replace")
     assert p.returncode == 2, log[-2000:]
