@@ -124,6 +124,22 @@ def open_socket(
     )
 
 
+def open_monitored(
+    ctx: zmq.Context, kind: int, *, connect: str, events: int, **options: Any
+) -> tuple[zmq.Socket, zmq.Socket]:
+    """open_socket(connect=...) and a libzmq monitor of `events` on it, the
+    monitor attached BEFORE the connect. Hazard: a handshake refused with a
+    reason (AUTH, PROTOCOL) ends libzmq's session for good, without a
+    reconnect, so its one event is lost to a monitor attached after the
+    connect: the IO thread may finish the handshake first (a race a loaded
+    machine loses), and the refusal then reads as a timeout."""
+    monitors: list[zmq.Socket] = []
+    sock = open_socket(
+        ctx, kind, connect=connect, before_connect=lambda s: monitors.append(s.get_monitor_socket(events)), **options
+    )
+    return sock, monitors[0]
+
+
 def error_message(rid: str, code: ErrorCode, message: str, field: str | None) -> P.Error:
     return P.Error(request_id=rid, code=code.value, message=truncate(message), field=field)
 

@@ -10,6 +10,7 @@ import os
 import re
 import tempfile
 import uuid
+from collections.abc import Callable
 
 import zmq
 
@@ -46,6 +47,7 @@ def make_socket(
     curve_server: bool = False,
     zap_domain: str | None = None,
     plain: Plain | None = None,
+    before_connect: Callable[[zmq.Socket], object] | None = None,
 ) -> zmq.Socket:
     s = ctx.socket(kind)
     s.setsockopt(zmq.LINGER, 0)
@@ -64,6 +66,8 @@ def make_socket(
         plain.apply(s, zap_domain)
     for topic in subscribe or ():
         s.setsockopt(zmq.SUBSCRIBE, topic)
+    if before_connect is not None:
+        before_connect(s)
     if bind:
         s.bind(bind)
     if connect:

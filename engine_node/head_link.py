@@ -33,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 from bus import protocol as P
 from bus.auth import read_token
 from bus.codec import Codec
-from bus.endpoint import Endpoint, open_socket
+from bus.endpoint import Endpoint, open_monitored, open_socket
 from bus.handshake_refusal import HANDSHAKE_EVENTS, RefusalJudge, silent_words
 from bus.roles import Plain
 from bus.sockets import CONTROL_HWM, CurveKeys
@@ -77,15 +77,16 @@ class HeadLink:
             curve=curve,
             plain=plain,
         )
-        self.events = open_socket(
-            ctx, zmq.DEALER, connect=cfg.head_events, hwm=CONTROL_HWM, identity=self.identity, curve=curve,
-            plain=plain,
-        )  # fmt: skip
-        self.curve_used = curve is not None and cfg.head_events.startswith("tcp://")
         # A head that refuses our credential (AUTH) or wants one we lack
         # (PROTOCOL: a token-less engine against a head with a token) ends the node.
         # A run of silent handshake failures counts too (bus/handshake_refusal.py).
-        self.monitor: zmq.Socket | None = self.events.get_monitor_socket(HANDSHAKE_EVENTS)
+        # The monitor is attached before the connect (bus/endpoint.py open_monitored).
+        self.events, monitor = open_monitored(
+            ctx, zmq.DEALER, connect=cfg.head_events, events=HANDSHAKE_EVENTS, hwm=CONTROL_HWM,
+            identity=self.identity, curve=curve, plain=plain,
+        )  # fmt: skip
+        self.monitor: zmq.Socket | None = monitor
+        self.curve_used = curve is not None and cfg.head_events.startswith("tcp://")
         self.refusals = RefusalJudge()
         self.sub_ep = Endpoint(self.sub, codec, {P.Command: on_command}, name="control", routed=True, error_reply=None)
         self.events_ep = Endpoint(

@@ -37,6 +37,8 @@ from router_node.registry import EngineEntry
 log = structlog.get_logger("router_node")
 
 _REFUSED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+# What the engine DEALER's monitor reports (attached before its connect: router_node/registration.py).
+WATCHED_EVENTS = zmq.EVENT_DISCONNECTED | _REFUSED[0] | _REFUSED[1]
 
 
 class DataLinkWatch:
@@ -48,7 +50,8 @@ class DataLinkWatch:
         refused: Callable[[EngineEntry, str], None],
     ) -> None:
         self.e = e
-        self.sock = e.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _REFUSED[0] | _REFUSED[1])
+        # Attached before the connect when the registrar made it: a refusal's one event is never missed.
+        self.sock = e.link_monitor if e.link_monitor is not None else e.sock.get_monitor_socket(WATCHED_EVENTS)
         self._on: dict[int, Callable[[Any], None]] = {
             zmq.EVENT_DISCONNECTED: lambda ev: dropped(
                 e, f"the head's data connection to {e.engine_id} dropped: what was in flight there may be lost"

@@ -28,11 +28,12 @@ from bus import protocol as P
 from bus import roles
 from bus.auth import Gatekeeper
 from bus.codec import Codec
-from bus.endpoint import open_socket
+from bus.endpoint import open_monitored
 from bus.errors import BadRequest, ErrorCode, Unauthorized, truncate
 from bus.ratelog import RateLimitedLog
 from bus.roles import Plain
 from router_node.config import RouterConfig
+from router_node.data_links import WATCHED_EVENTS
 from router_node.registry import Admission, EngineEntry, admit_register
 from router_node.trust import check_join_token, check_register, engine_curve
 
@@ -121,10 +122,12 @@ class Registrar:
         # The engine's data socket admits the head alone: CURVE (head.key) or
         # PLAIN with the secret only this engine's events connection lets us derive.
         head = Plain(roles.HEAD, roles.head_data_secret(ident))
-        sock = open_socket(
-            self.ctx, zmq.DEALER, connect=reg.data_address, curve=data_curve, identity=self.data_identity, plain=head
-        )
+        sock, monitor = open_monitored(
+            self.ctx, zmq.DEALER, connect=reg.data_address, events=WATCHED_EVENTS, curve=data_curve,
+            identity=self.data_identity, plain=head,
+        )  # fmt: skip
         e = EngineEntry(reg=reg, sock=sock, registered_at=now, last_seen=now, steps_changed_at=now, ident=ident)
+        e.link_monitor = monitor
         if not self.vocab and reg.vocab_size > 0:
             self.vocab = reg.vocab_size  # the cluster's vocabulary from now on
         e.loras = set(reg.loras)

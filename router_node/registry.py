@@ -39,6 +39,8 @@ class EngineEntry:
     reg: P.Register
     sock: zmq.Socket  # router-side DEALER connected to the engine's data socket
     registered_at: float
+    # sock's libzmq monitor, attached before its connect (router_node/data_links.py owns it)
+    link_monitor: zmq.Socket | None = None
     state: EngineState = EngineState.JOINING
     reason: str = "waiting for the join ping ack"
     last_seen: float = 0.0

@@ -59,3 +59,46 @@ def test_an_engine_whose_head_hangs_up_every_handshake_names_the_token_at_once()
     assert p.returncode == 2, log[-2000:]
     assert "field=token" in log and "handshakes in a row" in log, log[-2000:]
     assert took < 30 and hangups >= SILENT_REFUSALS, (took, hangups)  # not the 40 s register deadline
+
+
+@pytest.mark.timeout(30)
+def test_a_refusal_reaches_only_a_monitor_attached_before_the_connect() -> None:
+    """libzmq ends the session of a handshake refused with a reason (here a
+    keyless DEALER against a CURVE server: PROTOCOL) and never reconnects, so
+    its one event is lost to a monitor attached after the connect. The client,
+    the engine and the head attached theirs after it: under load the refusal
+    won that race and read as a timeout (test_auth, two workers at once).
+    bus/endpoint.py open_monitored attaches first."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    from bus.endpoint import open_monitored
+    from bus.handshake_refusal import HANDSHAKE_EVENTS
+
+    def events(mon: zmq.Socket, seconds: float) -> list[int]:
+        out, end = [], time.monotonic() + seconds
+        while time.monotonic() < end:
+            if mon.poll(100):
+                out.append(recv_monitor_message(mon)["event"])
+        return out
+
+    ctx = zmq.Context()
+    public, secret = zmq.curve_keypair()
+    server = ctx.socket(zmq.ROUTER)
+    server.curve_server, server.curve_secretkey, server.curve_publickey = True, secret, public
+    addr = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+    socks = [server]
+    try:
+        late = ctx.socket(zmq.DEALER)
+        socks.append(late)
+        late.connect(addr)
+        time.sleep(0.5)  # the race lost on purpose: the handshake is over before the monitor
+        socks.append(late_mon := late.get_monitor_socket(HANDSHAKE_EVENTS))
+        assert events(late_mon, 1.0) == []  # the hazard: nothing ever comes
+        sock, mon = open_monitored(ctx, zmq.DEALER, connect=addr, events=HANDSHAKE_EVENTS)
+        socks += [sock, mon]
+        time.sleep(0.5)  # the same delay, harmless now
+        assert zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL in events(mon, 5.0)
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()

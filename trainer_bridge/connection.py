@@ -40,7 +40,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from bus import protocol as P
 from bus.codec import Codec, split_packed
-from bus.endpoint import open_socket, readable, recv_frames, send_multipart
+from bus.endpoint import open_monitored, readable, recv_frames, send_multipart
 from bus.errors import AuthRefused, ClosedByUs, HeadUnavailable, RequestTimeout, exception_from_wire
 from bus.handshake_refusal import HANDSHAKE_EVENTS, RefusalJudge, silent_words
 from bus.roles import Plain
@@ -149,16 +149,23 @@ class HeadLink:
 
     def _open(self) -> None:
         assert self._loop is not None and self._ctx is not None
-        self._sock = open_socket(self._ctx, zmq.DEALER, connect=self.address, curve=self._curve, plain=self._plain)
-        self._head_up = False
-        self._link_down = False
-        self._loop.add_reader(self._sock.fileno(), self._drain)
         # Handshake refusals fail every wait at once, naming the fix, instead
         # of a timeout much later: a key the head does not allow (AUTH), or
         # a security mismatch (PROTOCOL: no keys against a CURVE head, or
         # keys against a plain one). Disconnects and handshakes tell a dead
-        # head from a stalled one (the module doc).
-        self._monitor = self._sock.get_monitor_socket(HANDSHAKE_EVENTS | zmq.EVENT_DISCONNECTED)
+        # head from a stalled one (the module doc). The monitor is attached
+        # before the connect (bus/endpoint.py open_monitored).
+        self._sock, self._monitor = open_monitored(
+            self._ctx,
+            zmq.DEALER,
+            connect=self.address,
+            events=HANDSHAKE_EVENTS | zmq.EVENT_DISCONNECTED,
+            curve=self._curve,
+            plain=self._plain,
+        )
+        self._head_up = False
+        self._link_down = False
+        self._loop.add_reader(self._sock.fileno(), self._drain)
         self._loop.add_reader(self._monitor.fileno(), self._on_monitor)
         # zmq's FD only signals once its mailbox was drained: drain now
         # so the refusal's event makes it readable.
