@@ -191,12 +191,13 @@ def test_an_address_without_its_scheme_is_refused_by_the_constructor():
 
 _FAILED_CALL = """
 import time, zmq
+from bus.endpoint import open_socket
 from trainer_bridge import Client, connection
-real, made = connection.open_socket, []
+made = []
 def refusing(ctx, kind, **kw):  # zmq refuses the address after making the socket, as it did for a bare host:port
-    made.append(real(ctx, kind, connect="inproc://made-then-refused"))  # still referenced, as by the traceback
+    made.append(open_socket(ctx, kind, connect="inproc://made-then-refused"))  # still referenced, as by the traceback
     raise zmq.ZMQError(zmq.EINVAL, "Invalid argument")
-connection.open_socket = refusing
+connection.open_monitored = refusing
 c = Client("tcp://127.0.0.1:1")
 try:
     c.health()
